@@ -1,0 +1,95 @@
+"""`KVTransferConfig`: the ``--kv-transfer-config`` JSON, with vLLM's keys and checks at the door."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KVLoadFailurePolicy = Literal["fail", "recompute"]
+
+
+class KVTransferConfigError(ValueError):
+    """A ``kv_transfer_config`` that cannot be used; the message names every offending key."""
+
+
+class KVTransferConfig(BaseModel):
+    """Which connector to run and how; accepts the JSON a vLLM user passes.
+
+    Keys vLLM defines but kvtransfer has no use for (``kv_buffer_size``, ``kv_rank``,
+    ``kv_parallel_size``, ``kv_ip``, ``kv_port``, ``enable_permute_local_kv``) are accepted and
+    kept so existing configurations parse unchanged; anything else is rejected.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    kv_connector: str | None = None
+    engine_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
+    kv_role: KVRole | None = None
+    kv_buffer_device: Literal["cpu", "cuda"] | None = None
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    kv_connector_module_path: str | None = None
+    kv_load_failure_policy: KVLoadFailurePolicy = "fail"
+
+    kv_buffer_size: float = 1e9
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    enable_permute_local_kv: bool = False
+
+    @field_validator("kv_connector", "engine_id", "kv_connector_module_path")
+    @classmethod
+    def _non_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be blank")
+        return value
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KVTransferConfig:
+        """Parse ``--kv-transfer-config`` text; errors name the offending key."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise KVTransferConfigError(f"kv_transfer_config is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise KVTransferConfigError(
+                f"kv_transfer_config must be a JSON object, got {type(raw).__name__}"
+            )
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KVTransferConfig:
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise KVTransferConfigError(_describe(exc)) from exc
+
+    @property
+    def is_kv_transfer_instance(self) -> bool:
+        return self.kv_connector is not None
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default: Any = None) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"]) or "<root>"
+        if error["type"] == "extra_forbidden":
+            problems.append(f"{key}: unknown key")
+        else:
+            problems.append(f"{key}: {error['msg']} (got {error.get('input')!r})")
+    return "invalid kv_transfer_config: " + "; ".join(problems)

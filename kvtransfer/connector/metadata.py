@@ -1,0 +1,140 @@
+"""The small typed records a connector exchanges with the engine.
+
+Two flows cross the scheduler/worker boundary: `KVConnectorMetadata` goes down once per step
+(scheduler -> every worker), `KVConnectorHandshakeMetadata` goes up once at start-up (every
+worker -> scheduler, keyed by ``(pp_rank, tp_rank)``) and then out to remote engines over the
+`KVHandshake` gRPC service.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class KVConnectorRole(enum.IntEnum):
+    """Which half of a connector an instance is: one class, two instances, two processes."""
+
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class KVConnectorMetadata:  # noqa: B903 - a marker base, subclasses add the fields
+    """Per-step instructions from the scheduler-side connector to the worker-side connector.
+
+    Built once per step by `build_connector_meta`, bound on every worker before the forward and
+    cleared after it. Subclasses must be picklable (they cross process boundaries) and must not be
+    mutated by workers: every worker of the step receives the same object.
+    """
+
+
+class KVConnectorHandshakeMetadata(BaseModel):
+    """What one worker publishes so remote engines can reach its KV memory.
+
+    A pydantic model so it crosses processes and the network as plain JSON, never pickle: a
+    remote engine's payload is decoded by the *local* connector's own class, so nothing on the
+    wire can choose which code runs. Subclasses add fields; they stay immutable.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def decode(cls, payload: bytes) -> KVConnectorHandshakeMetadata:
+        """Decode a payload published by a peer; a malformed one raises `ValueError`."""
+        try:
+            return cls.model_validate_json(payload)
+        except ValidationError as exc:
+            raise ValueError(f"malformed {cls.__name__} handshake payload: {exc}") from exc
+
+
+PpTpRank = tuple[int, int]
+"""A worker's place in an engine: ``(pp_rank, tp_rank)``."""
+
+
+def merge_handshake_metadata(
+    per_worker: Sequence[Mapping[PpTpRank, KVConnectorHandshakeMetadata] | None],
+) -> dict[PpTpRank, KVConnectorHandshakeMetadata]:
+    """Merge what every worker returned into one ``{(pp_rank, tp_rank): metadata}`` dict.
+
+    Workers without a connector (or whose connector publishes nothing) return ``None`` and are
+    skipped. Two workers claiming the same rank is a wiring bug that would silently drop one
+    worker's memory from the handshake, so it raises instead.
+    """
+    merged: dict[PpTpRank, KVConnectorHandshakeMetadata] = {}
+    for worker_index, metadata in enumerate(per_worker):
+        if metadata is None:
+            continue
+        for rank, md in metadata.items():
+            _check_rank_key(rank)
+            if rank in merged:
+                raise ValueError(
+                    f"two workers published handshake metadata for (pp_rank, tp_rank)={rank}; "
+                    f"the second is worker #{worker_index}"
+                )
+            merged[rank] = md
+    return merged
+
+
+def _check_rank_key(rank: object) -> None:
+    if not (
+        isinstance(rank, tuple)
+        and len(rank) == 2
+        and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rank)
+    ):
+        raise ValueError(
+            f"handshake metadata must be keyed by (pp_rank, tp_rank) of non-negative ints, "
+            f"got {rank!r}"
+        )
+
+
+@runtime_checkable
+class KVRequest(Protocol):
+    """What the scheduler-side hooks may read from a request (the engine's `Request` has more).
+
+    Connectors must treat it as read-only, except that `request_finished` returns new
+    ``kv_transfer_params`` instead of editing the request's.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    kv_transfer_params: Mapping[str, Any] | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class KVConnectorStats(BaseModel):
+    """Counters one connector instance gathered since it was last asked.
+
+    `aggregate` merges the stats of two workers (numbers add, lists concatenate); connectors with
+    richer stats subclass and override it. `reduce` turns them into flat numbers for metrics.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: dict[str, Any] = Field(default_factory=dict)
+    def is_empty(self) -> bool:
+        return not self.data
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged: dict[str, Any] = dict(self.data)
+        for key, value in other.data.items():
+            if key not in merged:
+                merged[key] = value
+            elif isinstance(value, list):
+                merged[key] = [*merged[key], *value]
+            else:
+                merged[key] = merged[key] + value
+        return type(self)(data=merged)
+
+    def reduce(self) -> dict[str, float]:
+        return {
+            key: float(sum(value) if isinstance(value, list) else value)
+            for key, value in self.data.items()
+        }
