@@ -27,7 +27,7 @@ background must hand results back through these hooks.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtransfer.connector.metadata import (
     KVConnectorHandshakeMetadata,
@@ -55,6 +55,11 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name, kept so users recognise i
     only saves (or only loads) stays small. Raising from a worker hook fails the step; connectors
     report per-request failures through `get_transfer_results` instead.
     """
+
+    # The class remote payloads are decoded with (never chosen by the remote side).
+    handshake_metadata_cls: ClassVar[type[KVConnectorHandshakeMetadata]] = (
+        KVConnectorHandshakeMetadata
+    )
 
     def __init__(
         self,
