@@ -69,6 +69,8 @@ class MultiKVConnectorStats(KVConnectorStats):
 
 
 class MultiConnector(KVConnectorBase_V1):
+    handshake_metadata_cls = MultiKVConnectorHandshakeMetadata
+
     def __init__(
         self,
         config: KVTransferConfig,
@@ -182,7 +184,7 @@ class MultiConnector(KVConnectorBase_V1):
         if all(md is None for md in per_child):
             return None
         return MultiKVConnectorHandshakeMetadata(
-            per_child=tuple(None if md is None else md.model_dump() for md in per_child)
+            per_child=tuple(None if md is None else md.model_dump(mode="json") for md in per_child)
         )
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -279,7 +281,9 @@ class MultiConnector(KVConnectorBase_V1):
             )
         return counts.pop() if counts else None
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): md for tp, md in metadata.items()})
 
     def set_xfer_handshake_metadata_pp_aware(

@@ -34,7 +34,28 @@ _EXPORTS: dict[str, str] = {
     "TransferTopology": "kvtransfer.topology",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = [
+    "EMPTY_MODEL_RUNNER_OUTPUT",
+    "ConnectorLoadError",
+    "ConnectorLookupError",
+    "EngineTransferInfo",
+    "IntermediateTensors",
+    "KVConnectorBase_V1",
+    "KVConnectorFactory",
+    "KVConnectorHandshakeMetadata",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVOutputAggregator",
+    "KVRequest",
+    "KVTransferConfig",
+    "KVTransferConfigError",
+    "ModelRunnerOutput",
+    "TransferTopology",
+    "__version__",
+    "merge_handshake_metadata",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""`KVTransferConfig`: the ``--kv-transfer-config`` JSON, with vLLM's keys and checks at the door."""
+"""`KVTransferConfig`: the ``--kv-transfer-config`` JSON, with vLLM's keys, checked at the door."""
 
 from __future__ import annotations
 

@@ -11,5 +11,7 @@ def _isolated_connector_policy(monkeypatch):
     monkeypatch.delenv("KVTRANSFER_CONNECTORS_ALLOW", raising=False)
     monkeypatch.delenv("KVTRANSFER_CONNECTORS_DENY", raising=False)
     KVConnectorFactory.reset_policy()
+    KVConnectorFactory.clear_cache()
     yield
     KVConnectorFactory.reset_policy()
+    KVConnectorFactory.clear_cache()

@@ -48,7 +48,7 @@ FinishedIds = tuple[set[str] | None, set[str] | None]
 TransferResults = tuple[set[str] | None, set[str] | None, set[str] | None]
 
 
-class KVConnectorBase_V1:  # noqa: N801 - vLLM's name, kept so users recognise it
+class KVConnectorBase_V1:
     """Base class of all KV connectors; see the module docstring for the ownership rules.
 
     Subclasses override the hooks they need. Every hook has a safe default, so a connector that
@@ -248,7 +248,9 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name, kept so users recognise i
         means every worker of the engine (the usual case)."""
         return None
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
         """Receive the handshake metadata of a non-pipelined engine, keyed by ``tp_rank``.
 
         Called once at start-up by the default `set_xfer_handshake_metadata_pp_aware`. Default:

@@ -95,6 +95,11 @@ class KVConnectorFactory:
         cls._policy = None
 
     @classmethod
+    def clear_cache(cls) -> None:
+        """Forget resolved classes (tests that install and remove distributions need this)."""
+        cls._loaded.clear()
+
+    @classmethod
     def policy(cls) -> ConnectorPolicy:
         return cls._policy if cls._policy is not None else ConnectorPolicy.from_env()
 

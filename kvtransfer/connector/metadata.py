@@ -22,7 +22,7 @@ class KVConnectorRole(enum.IntEnum):
     WORKER = 1
 
 
-class KVConnectorMetadata:  # noqa: B903 - a marker base, subclasses add the fields
+class KVConnectorMetadata:
     """Per-step instructions from the scheduler-side connector to the worker-side connector.
 
     Built once per step by `build_connector_meta`, bound on every worker before the forward and
@@ -119,6 +119,7 @@ class KVConnectorStats(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     data: dict[str, Any] = Field(default_factory=dict)
+
     def is_empty(self) -> bool:
         return not self.data
 

@@ -84,7 +84,9 @@ class HandshakeBook:
                 f"({pp_rank}, {tp_rank}); it has {sorted(payloads)}"
             ) from None
 
-    def payloads(self, ranks: Sequence[PpTpRank] | None = None) -> list[handshake_pb2.HandshakePayload]:
+    def payloads(
+        self, ranks: Sequence[PpTpRank] | None = None
+    ) -> list[handshake_pb2.HandshakePayload]:
         """Payloads of ``ranks`` (every worker when ``None``), sorted by rank."""
         if ranks is None:
             return list(self._published().values())
