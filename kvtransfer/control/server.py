@@ -191,7 +191,9 @@ async def start_control_server(
         raise ValueError("a control server needs a HandshakeBook, an AdminBackend, or both")
     if not 0 <= port < 65536:
         raise ValueError(f"port must be in [0, 65535], got {port}")
-    server = grpc.aio.server(options=list(options))
+    # gRPC enables SO_REUSEPORT by default: a second engine on the same port would silently
+    # share it with the first (and answer half its handshakes). Fail to bind instead.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
     services: list[str] = []
     if book is not None:
         handshake_pb2_grpc.add_KVHandshakeServicer_to_server(_HandshakeServicer(book), server)
