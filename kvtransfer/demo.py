@@ -141,6 +141,9 @@ class PrefillProcess:
             self.process.kill()
             self.process.wait()
             return -9
+        finally:
+            if self.process.stdout is not None:
+                self.process.stdout.close()
 
 
 def spawn_prefill_server(
@@ -164,9 +167,11 @@ def spawn_prefill_server(
     except queue.Empty:
         process.kill()
         process.wait()
+        stdout.close()
         raise TimeoutError(f"prefill process did not report an address in {timeout_s} s") from None
     if not line:
         code = process.wait()
+        stdout.close()
         raise RuntimeError(f"prefill process exited with code {code} before serving")
     ready = json.loads(line)
     return PrefillProcess(process, ready["address"], int(ready["generation"]))

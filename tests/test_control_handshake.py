@@ -8,7 +8,12 @@ import threading
 
 import grpc
 import pytest
-from control_helpers.fake_engine import FakeWorkerMetadata, make_compat, worker_metadata
+from control_helpers.fake_engine import (
+    FakeWorkerMetadata,
+    make_compat,
+    start_engine,
+    worker_metadata,
+)
 from control_helpers.procs import prefill_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -17,8 +22,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata
 from kvtransfer.control import (
+    API_VERSION,
     ClientCache,
     EngineIdMismatchError,
+    HandshakeBook,
     HandshakeClient,
     HandshakeCompatibilityError,
     HandshakeNotFoundError,
@@ -29,7 +36,10 @@ from kvtransfer.control import (
     close_all,
     fetch_handshake_sync,
     get_handshake_client,
+    start_control_server,
 )
+from kvtransfer.control.server import ENGINE_ID_METADATA_KEY
+from kvtransfer.v1 import handshake_pb2, handshake_pb2_grpc
 
 ENGINE_ID = "prefill-A"
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -252,3 +262,71 @@ def test_reflection_lists_and_describes_the_services(prefill):
     } <= services
     assert file.name == "kvtransfer/v1/handshake.proto"
     assert file.package == "kvtransfer.v1"
+
+
+def test_raw_server_statuses(prefill):
+    """What any gRPC client sees, independent of HandshakeClient's own checks."""
+    with grpc.insecure_channel(prefill.address) as channel:
+        stub = handshake_pb2_grpc.KVHandshakeStub(channel)
+        with pytest.raises(grpc.RpcError) as wrong_engine:
+            stub.GetHandshake(
+                handshake_pb2.GetHandshakeRequest(expected_engine_id="prefill-B", all_ranks=True),
+                timeout=2,
+            )
+        for ambiguous in (
+            handshake_pb2.GetHandshakeRequest(),
+            handshake_pb2.GetHandshakeRequest(all_ranks=True, ranks=[handshake_pb2.WorkerRank()]),
+        ):
+            with pytest.raises(grpc.RpcError) as invalid:
+                stub.GetHandshake(ambiguous, timeout=2)
+            assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        response = stub.GetHandshake(handshake_pb2.GetHandshakeRequest(all_ranks=True), timeout=2)
+    assert wrong_engine.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (ENGINE_ID_METADATA_KEY, ENGINE_ID) in tuple(wrong_engine.value.trailing_metadata())
+    assert response.api_version == API_VERSION
+    assert [(p.pp_rank, p.tp_rank) for p in response.payloads] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(p.compat_hash == make_compat().compat_hash() for p in response.payloads)
+
+
+def test_a_client_belongs_to_the_loop_that_first_used_it(prefill):
+    client = HandshakeClient(prefill.address, timeout_s=2.0)
+
+    async def use():
+        await client.fetch(ENGINE_ID, make_compat(), FakeWorkerMetadata, ranks=[(0, 0)])
+
+    asyncio.run(use())
+    with pytest.raises(RuntimeError, match="another event loop"):
+        asyncio.run(use())
+
+
+def test_a_retry_reaches_a_peer_that_came_up_after_the_first_attempt():
+    address_port = _free_port()
+    book = HandshakeBook("prefill-late", make_compat())
+    start_engine(book, pp_size=1, tp_size=1)
+
+    async def run():
+        client = HandshakeClient(
+            f"127.0.0.1:{address_port}",
+            timeout_s=2.0,
+            retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=0.2),
+        )
+        client._get_channel()
+        real = client._stub.GetHandshake
+        servers = []
+
+        async def start_server_after_first_failure(request, timeout):
+            try:
+                return await real(request, timeout=timeout)
+            finally:
+                if not servers:
+                    servers.append(await start_control_server(port=address_port, book=book))
+
+        client._stub.GetHandshake = start_server_after_first_failure
+        try:
+            return await client.fetch("prefill-late", make_compat(), FakeWorkerMetadata)
+        finally:
+            await client.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    assert asyncio.run(run()).generation == book.generation

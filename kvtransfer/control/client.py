@@ -101,7 +101,16 @@ class _Peer:
         self.address = address
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
-        self._options = tuple(options)
+        # gRPC's own reconnect back-off starts at 1 s: a retry sooner than that would fail fast
+        # on the broken channel without trying to reconnect. Pace it like our retries.
+        reconnect = [
+            (
+                "grpc.initial_reconnect_backoff_ms",
+                max(1, round(self.retry.initial_backoff_s * 1e3)),
+            ),
+            ("grpc.max_reconnect_backoff_ms", max(1, round(self.retry.max_backoff_s * 1e3))),
+        ]
+        self._options = (*reconnect, *options)
         self._channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -21,7 +19,6 @@ class TransferDirection(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_DIRECTION_UNSPECIFIED: _ClassVar[TransferDirection]
     TRANSFER_DIRECTION_SEND: _ClassVar[TransferDirection]
     TRANSFER_DIRECTION_RECV: _ClassVar[TransferDirection]
-
 HANDSHAKE_STATE_UNSPECIFIED: HandshakeState
 HANDSHAKE_STATE_PENDING: HandshakeState
 HANDSHAKE_STATE_READY: HandshakeState
@@ -35,26 +32,14 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = (
-        "api_version",
-        "counters",
-        "engine_id",
-        "model",
-        "num_free_blocks",
-        "num_used_blocks",
-        "pp_size",
-        "role",
-        "tp_size",
-        "uptime_s",
-    )
+    __slots__ = ("api_version", "role", "engine_id", "model", "tp_size", "pp_size", "num_free_blocks", "num_used_blocks", "uptime_s", "counters")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: int
-        def __init__(self, key: str | None = ..., value: int | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -75,22 +60,10 @@ class GetStatusResponse(_message.Message):
     num_used_blocks: int
     uptime_s: float
     counters: _containers.ScalarMap[str, int]
-    def __init__(
-        self,
-        api_version: int | None = ...,
-        role: str | None = ...,
-        engine_id: str | None = ...,
-        model: str | None = ...,
-        tp_size: int | None = ...,
-        pp_size: int | None = ...,
-        num_free_blocks: int | None = ...,
-        num_used_blocks: int | None = ...,
-        uptime_s: float | None = ...,
-        counters: _Mapping[str, int] | None = ...,
-    ) -> None: ...
+    def __init__(self, api_version: _Optional[int] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., model: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("address", "engine_id", "generation", "last_handshake_latency_ms", "state")
+    __slots__ = ("engine_id", "address", "state", "generation", "last_handshake_latency_ms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -101,14 +74,7 @@ class PeerInfo(_message.Message):
     state: HandshakeState
     generation: int
     last_handshake_latency_ms: float
-    def __init__(
-        self,
-        engine_id: str | None = ...,
-        address: str | None = ...,
-        state: HandshakeState | str | None = ...,
-        generation: int | None = ...,
-        last_handshake_latency_ms: float | None = ...,
-    ) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[HandshakeState, str]] = ..., generation: _Optional[int] = ..., last_handshake_latency_ms: _Optional[float] = ...) -> None: ...
 
 class ListPeersRequest(_message.Message):
     __slots__ = ()
@@ -120,14 +86,10 @@ class ListPeersResponse(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(
-        self,
-        api_version: int | None = ...,
-        peers: _Iterable[PeerInfo | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, api_version: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
 
 class TransferInfo(_message.Message):
-    __slots__ = ("age_s", "direction", "num_blocks", "num_bytes", "peer_engine_id", "request_id")
+    __slots__ = ("request_id", "peer_engine_id", "direction", "num_blocks", "num_bytes", "age_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
@@ -140,15 +102,7 @@ class TransferInfo(_message.Message):
     num_blocks: int
     num_bytes: int
     age_s: float
-    def __init__(
-        self,
-        request_id: str | None = ...,
-        peer_engine_id: str | None = ...,
-        direction: TransferDirection | str | None = ...,
-        num_blocks: int | None = ...,
-        num_bytes: int | None = ...,
-        age_s: float | None = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., peer_engine_id: _Optional[str] = ..., direction: _Optional[_Union[TransferDirection, str]] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class ListTransfersRequest(_message.Message):
     __slots__ = ()
@@ -160,17 +114,13 @@ class ListTransfersResponse(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     transfers: _containers.RepeatedCompositeFieldContainer[TransferInfo]
-    def __init__(
-        self,
-        api_version: int | None = ...,
-        transfers: _Iterable[TransferInfo | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, api_version: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[TransferInfo, _Mapping]]] = ...) -> None: ...
 
 class AbortRequestRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AbortRequestResponse(_message.Message):
     __slots__ = ("api_version", "found")
@@ -178,7 +128,7 @@ class AbortRequestResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     found: bool
-    def __init__(self, api_version: int | None = ..., found: bool | None = ...) -> None: ...
+    def __init__(self, api_version: _Optional[int] = ..., found: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
@@ -190,9 +140,7 @@ class DrainResponse(_message.Message):
     NUM_IN_FLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     num_in_flight_transfers: int
-    def __init__(
-        self, api_version: int | None = ..., num_in_flight_transfers: int | None = ...
-    ) -> None: ...
+    def __init__(self, api_version: _Optional[int] = ..., num_in_flight_transfers: _Optional[int] = ...) -> None: ...
 
 class SetLogLevelRequest(_message.Message):
     __slots__ = ("level", "logger")
@@ -200,7 +148,7 @@ class SetLogLevelRequest(_message.Message):
     LOGGER_FIELD_NUMBER: _ClassVar[int]
     level: str
     logger: str
-    def __init__(self, level: str | None = ..., logger: str | None = ...) -> None: ...
+    def __init__(self, level: _Optional[str] = ..., logger: _Optional[str] = ...) -> None: ...
 
 class SetLogLevelResponse(_message.Message):
     __slots__ = ("api_version", "previous_level")
@@ -208,4 +156,4 @@ class SetLogLevelResponse(_message.Message):
     PREVIOUS_LEVEL_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     previous_level: str
-    def __init__(self, api_version: int | None = ..., previous_level: str | None = ...) -> None: ...
+    def __init__(self, api_version: _Optional[int] = ..., previous_level: _Optional[str] = ...) -> None: ...

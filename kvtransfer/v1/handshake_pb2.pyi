@@ -1,24 +1,13 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompatibilityInfo(_message.Message):
-    __slots__ = (
-        "block_size",
-        "dtype",
-        "head_size",
-        "kv_layout",
-        "model",
-        "num_layers",
-        "total_num_kv_heads",
-        "wire_version",
-    )
+    __slots__ = ("model", "dtype", "total_num_kv_heads", "head_size", "num_layers", "kv_layout", "block_size", "wire_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -35,17 +24,7 @@ class CompatibilityInfo(_message.Message):
     kv_layout: str
     block_size: int
     wire_version: int
-    def __init__(
-        self,
-        model: str | None = ...,
-        dtype: str | None = ...,
-        total_num_kv_heads: int | None = ...,
-        head_size: int | None = ...,
-        num_layers: int | None = ...,
-        kv_layout: str | None = ...,
-        block_size: int | None = ...,
-        wire_version: int | None = ...,
-    ) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., total_num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_layout: _Optional[str] = ..., block_size: _Optional[int] = ..., wire_version: _Optional[int] = ...) -> None: ...
 
 class WorkerRank(_message.Message):
     __slots__ = ("pp_rank", "tp_rank")
@@ -53,10 +32,10 @@ class WorkerRank(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     pp_rank: int
     tp_rank: int
-    def __init__(self, pp_rank: int | None = ..., tp_rank: int | None = ...) -> None: ...
+    def __init__(self, pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class GetHandshakeRequest(_message.Message):
-    __slots__ = ("all_ranks", "client_compat_hash", "expected_engine_id", "ranks")
+    __slots__ = ("expected_engine_id", "client_compat_hash", "all_ranks", "ranks")
     EXPECTED_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -65,24 +44,10 @@ class GetHandshakeRequest(_message.Message):
     client_compat_hash: str
     all_ranks: bool
     ranks: _containers.RepeatedCompositeFieldContainer[WorkerRank]
-    def __init__(
-        self,
-        expected_engine_id: str | None = ...,
-        client_compat_hash: str | None = ...,
-        all_ranks: bool | None = ...,
-        ranks: _Iterable[WorkerRank | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, expected_engine_id: _Optional[str] = ..., client_compat_hash: _Optional[str] = ..., all_ranks: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ...) -> None: ...
 
 class HandshakePayload(_message.Message):
-    __slots__ = (
-        "compat",
-        "compat_hash",
-        "engine_id",
-        "generation",
-        "metadata",
-        "pp_rank",
-        "tp_rank",
-    )
+    __slots__ = ("compat_hash", "engine_id", "compat", "generation", "pp_rank", "tp_rank", "metadata")
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
@@ -97,16 +62,7 @@ class HandshakePayload(_message.Message):
     pp_rank: int
     tp_rank: int
     metadata: bytes
-    def __init__(
-        self,
-        compat_hash: str | None = ...,
-        engine_id: str | None = ...,
-        compat: CompatibilityInfo | _Mapping | None = ...,
-        generation: int | None = ...,
-        pp_rank: int | None = ...,
-        tp_rank: int | None = ...,
-        metadata: bytes | None = ...,
-    ) -> None: ...
+    def __init__(self, compat_hash: _Optional[str] = ..., engine_id: _Optional[str] = ..., compat: _Optional[_Union[CompatibilityInfo, _Mapping]] = ..., generation: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., metadata: _Optional[bytes] = ...) -> None: ...
 
 class GetHandshakeResponse(_message.Message):
     __slots__ = ("api_version", "payloads")
@@ -114,8 +70,4 @@ class GetHandshakeResponse(_message.Message):
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     payloads: _containers.RepeatedCompositeFieldContainer[HandshakePayload]
-    def __init__(
-        self,
-        api_version: int | None = ...,
-        payloads: _Iterable[HandshakePayload | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, api_version: _Optional[int] = ..., payloads: _Optional[_Iterable[_Union[HandshakePayload, _Mapping]]] = ...) -> None: ...

@@ -48,6 +48,9 @@ def prefill_server(*args: str, timeout_s: float = 30.0) -> Iterator[ServerProces
             process.kill()
             process.wait()
             raise
+        finally:
+            if process.stdout is not None:
+                process.stdout.close()
     if process.returncode != 0:
         raise RuntimeError(f"prefill server exited with {process.returncode}")
 
