@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import sys
 
+from kvtransfer.daemon_placeholder import not_implemented
+
 
 def main() -> int:
-    print(
-        "kvtransfer-prefill: the prefill daemon is not implemented yet (it arrives with the "
-        "daemons issue); see README.md, section Limits",
-        file=sys.stderr,
-    )
-    return 2
+    return not_implemented("prefill")
 
 
 if __name__ == "__main__":

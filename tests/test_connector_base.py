@@ -118,7 +118,9 @@ def test_merge_rejects_duplicate_ranks():
 
 @pytest.mark.parametrize("bad_key", [0, (0,), (0, -1), ("0", 0), (True, 0), (0, 0, 0)])
 def test_merge_rejects_non_pp_tp_keys(bad_key):
-    with pytest.raises(ValueError, match=r"keyed by \(pp_rank, tp_rank\)"):
+    with pytest.raises(
+        ValueError, match=r"must be \(pp_rank, tp_rank\) pairs of non-negative ints"
+    ):
         merge_handshake_metadata([{bad_key: _md("a")}])
 
 

@@ -71,7 +71,7 @@ def merge_handshake_metadata(
         if metadata is None:
             continue
         for rank, md in metadata.items():
-            _check_rank_key(rank)
+            check_rank_key(rank)
             if rank in merged:
                 raise ValueError(
                     f"two workers published handshake metadata for (pp_rank, tp_rank)={rank}; "
@@ -81,15 +81,15 @@ def merge_handshake_metadata(
     return merged
 
 
-def _check_rank_key(rank: object) -> None:
+def check_rank_key(rank: object) -> None:
+    """Raise `ValueError` unless ``rank`` is a ``(pp_rank, tp_rank)`` pair of ints >= 0."""
     if not (
         isinstance(rank, tuple)
         and len(rank) == 2
         and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rank)
     ):
         raise ValueError(
-            f"handshake metadata must be keyed by (pp_rank, tp_rank) of non-negative ints, "
-            f"got {rank!r}"
+            f"handshake ranks must be (pp_rank, tp_rank) pairs of non-negative ints, got {rank!r}"
         )
 
 

@@ -20,7 +20,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata, PpTpRank
+from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata, PpTpRank, check_rank_key
 from kvtransfer.control.admin import (
     EngineStatus,
     PeerInfo,
@@ -482,15 +482,8 @@ async def wait_until_serving(
 def _check_ranks(ranks: Sequence[PpTpRank] | None) -> list[PpTpRank] | None:
     if ranks is None:
         return None
-    checked = []
     for rank in ranks:
-        if not (
-            isinstance(rank, tuple)
-            and len(rank) == 2
-            and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rank)
-        ):
-            raise ValueError(f"ranks must be (pp_rank, tp_rank) pairs of ints >= 0, got {rank!r}")
-        checked.append(rank)
-    if not checked:
+        check_rank_key(rank)
+    if not ranks:
         raise ValueError("ranks must not be empty; pass None for every worker")
-    return sorted(set(checked))
+    return sorted(set(ranks))
