@@ -9,22 +9,23 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["demo"]:
+        # The demo owns its flags (``--help`` included); hand them over untouched.
+        from kvtransfer.demo import main as demo_main
+
+        return demo_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="kvtransfer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="run the main demo (see README)", add_help=False)
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    commands.add_parser("demo", help="run the main demo (see README); demo --help for flags")
 
     connectors = commands.add_parser("connectors", help="inspect registered KV connectors")
     connectors_cmds = connectors.add_subparsers(dest="connectors_command", required=True)
     listing = connectors_cmds.add_parser("list", help="every connector found via entry points")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
 
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from kvtransfer.demo import main as demo_main
-
-        return demo_main(args.demo_args)
+    args = parser.parse_args(args_list)
     return _list_connectors(as_json=args.json)
 
 

@@ -105,6 +105,7 @@ class KVConnectorBase_V1:
         self._connector_metadata = None
 
     def has_connector_metadata(self) -> bool:
+        """Whether metadata is bound right now (between bind and clear of this step)."""
         return self._connector_metadata is not None
 
     def _get_connector_metadata(self) -> KVConnectorMetadata:
