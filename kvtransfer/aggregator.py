@@ -69,10 +69,19 @@ class KVOutputAggregator:
             if kv_out.expected_finished_count > 0:
                 # Requests already being counted keep the count they started with.
                 self._expected_finished_count = kv_out.expected_finished_count
-            self._count(worker, kv_out.finished_sending or set(), set(), self._sending)
+            self._count(
+                worker, kv_out.finished_sending or set(), set(), self._sending, finished_sending
+            )
             failed = kv_out.failed_recving or set()
             # A failed receive is a finished receive even if the connector forgot to say so.
-            self._count(worker, (kv_out.finished_recving or set()) | failed, failed, self._recving)
+            self._count(
+                worker,
+                (kv_out.finished_recving or set()) | failed,
+                failed,
+                self._recving,
+                finished_recving,
+                failed_recving,
+            )
             invalid_block_ids |= kv_out.invalid_block_ids or set()
             if kv_out.kv_connector_stats is not None and not kv_out.kv_connector_stats.is_empty():
                 stats = (
@@ -81,8 +90,6 @@ class KVOutputAggregator:
                     else stats.aggregate(kv_out.kv_connector_stats)
                 )
 
-        self._take_finished(self._sending, finished_sending)
-        self._take_finished(self._recving, finished_recving, failed_recving)
         merged = KVConnectorOutput(
             finished_sending=finished_sending or None,
             finished_recving=finished_recving or None,
@@ -102,7 +109,13 @@ class KVOutputAggregator:
         return result
 
     def _count(
-        self, worker: int, req_ids: set[str], failed_ids: set[str], pending: dict[str, _Pending]
+        self,
+        worker: int,
+        req_ids: set[str],
+        failed_ids: set[str],
+        pending: dict[str, _Pending],
+        finished: set[str],
+        finished_failed: set[str] | None = None,
     ) -> None:
         for req_id in req_ids:
             entry = pending.get(req_id)
@@ -111,13 +124,8 @@ class KVOutputAggregator:
             # A set, not a counter: a worker repeating itself must not stand in for another.
             entry.reported.add(worker)
             entry.failed |= req_id in failed_ids
-
-    @staticmethod
-    def _take_finished(
-        pending: dict[str, _Pending], finished: set[str], failed: set[str] | None = None
-    ) -> None:
-        for req_id in [r for r, e in pending.items() if len(e.reported) >= e.expected]:
-            entry = pending.pop(req_id)
-            finished.add(req_id)
-            if entry.failed and failed is not None:
-                failed.add(req_id)
+            if len(entry.reported) >= entry.expected:
+                del pending[req_id]
+                finished.add(req_id)
+                if entry.failed and finished_failed is not None:
+                    finished_failed.add(req_id)

@@ -34,11 +34,11 @@ class KVTransferConfig(BaseModel):
     kv_connector_module_path: str | None = None
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"
 
-    kv_buffer_size: float = 1e9
+    kv_buffer_size: float = Field(default=1e9, gt=0)
     kv_rank: int | None = None
-    kv_parallel_size: int = 1
-    kv_ip: str = "127.0.0.1"
-    kv_port: int = 14579
+    kv_parallel_size: int = Field(default=1, ge=1)
+    kv_ip: str | None = None
+    kv_port: int | None = Field(default=None, ge=0, le=65535)
     enable_permute_local_kv: bool = False
 
     @field_validator("kv_connector", "engine_id", "kv_connector_module_path")

@@ -59,6 +59,8 @@ def test_extra_config_default_is_not_shared():
         ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy: Input should be"),
         ({"kv_buffer_device": "tpu"}, "kv_buffer_device: Input should be 'cpu' or 'cuda'"),
         ({"kv_port": "not-a-port"}, "kv_port: Input should be a valid integer"),
+        ({"kv_port": 70000}, "kv_port: Input should be less than or equal to 65535"),
+        ({"kv_parallel_size": 0}, "kv_parallel_size: Input should be greater than or equal to 1"),
         ({"engine_id": "  "}, "engine_id: Value error, must not be blank"),
         ({"kv_connector_extra_config": [1]}, "kv_connector_extra_config: Input should be"),
     ],
