@@ -1,0 +1,121 @@
+"""Engine configuration: what model, how it is split across workers, and how KV is paged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtransfer.config import KVTransferConfig
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyperparameters of a Llama-family decoder (the fields of HF ``config.json``).
+
+    ``architecture`` is ``"llama"``, ``"mistral"`` or ``"qwen2"``; they differ only in defaults
+    (Qwen2 has q/k/v biases). ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method="draft"``: a smaller model sharing the tokenizer proposes tokens and keeps its own
+    KV layers (``draft.layers.N.self_attn``) in the target's block tables. ``method="ngram"``:
+    tokens are proposed by matching the last n-gram against the request's history (no KV)."""
+
+    method: Literal["draft", "ngram"]
+    num_speculative_tokens: int = 3
+    draft_model: str = "builtin:tiny-draft"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in ("draft", "ngram"):
+            raise ValueError(f"speculative method must be 'draft' or 'ngram', got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine (scheduler + workers) is built from; picklable, sent to workers.
+
+    ``model`` is ``"builtin"`` (= ``"builtin:tiny"``), ``"builtin:<preset>"`` or a directory in
+    Hugging Face format. ``num_kv_blocks`` ``None`` sizes the pool from ``kv_cache_bytes``.
+    """
+
+    model: str = "builtin"
+    dtype: DType = "auto"
+    device: Literal["cpu", "cuda"] = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    speculative: SpeculativeConfig | None = None
+    kv_transfer_config: KVTransferConfig | None = None
+    seed: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) not in (1, 2, 4):
+                raise ValueError(f"{name} must be 1, 2 or 4, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
