@@ -56,6 +56,9 @@ class ModelRunnerOutput:
     sampled_token_ids: Sequence[Sequence[int]] = ()
     # Per request, the draft tokens proposed for the next step.
     spec_token_ids: Sequence[Sequence[int]] = ()
+    # Per request that asked for them (SamplingParams.return_logits), the float32 logits of
+    # every position sampled this step, shape [num_sampled, vocab].
+    sampled_logits: Mapping[str, torch.Tensor] = field(default_factory=lambda: _NO_INDEX)
     kv_connector_output: KVConnectorOutput | None = None
 
     @staticmethod
