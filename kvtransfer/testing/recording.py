@@ -2,12 +2,18 @@
 
 Load it with ``{"kv_connector": "RecordingConnector", "kv_connector_module_path":
 "kvtransfer.testing.recording"}``. Tests use it to check *when* the engine calls each hook (for
-example that drafter layers are saved before `wait_for_save`).
+example that drafter layers are saved before `wait_for_save`). With
+``kv_connector_extra_config={"record_dir": DIR}`` every instance writes its calls to
+``DIR/<role>-<pid>-<n>.json`` on `shutdown`, so a test can inspect instances that lived in
+worker processes.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvtransfer.connector.base import FinishedIds, KVConnectorBase_V1
@@ -77,6 +83,12 @@ class RecordingConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._record("shutdown")
+        record_dir = self.kv_transfer_config.get_from_extra_config("record_dir")
+        if record_dir is None:
+            return
+        path = Path(record_dir) / f"{self.role.name.lower()}-{os.getpid()}-{id(self)}.json"
+        calls = [[hook, _jsonable(detail)] for hook, detail in self.calls]
+        path.write_text(json.dumps({"role": self.role.name, "calls": calls}))
 
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
@@ -104,3 +116,14 @@ class RecordingConnector(KVConnectorBase_V1):
     ) -> None:
         self._record("set_xfer_handshake_metadata_pp_aware", tuple(sorted(metadata)))
         self.handshake_metadata = dict(metadata)
+
+
+def _jsonable(detail: Any) -> Any:
+    if isinstance(detail, (frozenset, set, tuple, list)):
+        return [
+            _jsonable(d)
+            for d in (sorted(detail) if isinstance(detail, (set, frozenset)) else detail)
+        ]
+    if detail is None or isinstance(detail, (str, int, float, bool)):
+        return detail
+    return repr(detail)

@@ -1,0 +1,196 @@
+"""`EngineCore`: the scheduler process of one engine — scheduler, executor, aggregator.
+
+Life cycle of a request:
+
+1. `add_request` validates it and queues it WAITING in the scheduler.
+2. `step` → `Scheduler.schedule`: admitted (prefix-cache hit, then the connector's
+   `get_num_new_matched_tokens`); a request whose KV a connector loads asynchronously parks in
+   WAITING_FOR_REMOTE_KVS, the others get tokens this step (chunked prefill, preemption when
+   the block pool runs out).
+3. `Executor.execute_model` runs the step on every worker; zero-token steps still reach the
+   workers so their connectors make progress.
+4. `KVOutputAggregator` merges the workers' outputs: a transfer is finished only when every
+   worker reported it.
+5. `Scheduler.update_from_output` appends tokens, rolls back rejected drafts, leaves
+   WAITING_FOR_REMOTE_KVS on received (or applies `kv_load_failure_policy` on failure),
+   and finishes requests; `request_finished` may keep their blocks until `finished_sending`.
+6. The request's `EngineCoreOutput`s go back to the caller; `abort_request` ends it early
+   (blocks a transfer may still write stay allocated until it reports).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kvtransfer.aggregator import KVOutputAggregator
+from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.factory import KVConnectorFactory
+from kvtransfer.connector.metadata import KVConnectorRole, merge_handshake_metadata
+from kvtransfer.engine.config import EngineConfig, ModelConfig
+from kvtransfer.engine.executor import DEFAULT_WORKER, Executor
+from kvtransfer.engine.model.loader import load_model_config
+from kvtransfer.engine.request import EngineCoreOutput, Request
+from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.engine.scheduler import Scheduler
+from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from kvtransfer.topology import kv_head_range
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER) -> None:
+        self.config = config
+        self.model_config = load_model_config(config.model)
+        check_parallel_fit(config, self.model_config)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.connector = create_scheduler_connector(config)
+        self.executor = Executor.create(config, worker_cls)
+        try:
+            worker_infos = self.executor.initialize()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.worker_infos = tuple(worker_infos)
+        if self.connector is not None:
+            merged = merge_handshake_metadata([info.handshake_metadata for info in worker_infos])
+            if merged:
+                self.connector.set_xfer_handshake_metadata_pp_aware(merged)
+        self.num_kv_blocks = worker_infos[0].num_kv_blocks
+        self.scheduler = Scheduler(
+            config,
+            num_blocks=self.num_kv_blocks,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_id=self.model_config.eos_token_id,
+            connector=self.connector,
+        )
+        self.aggregator = (
+            KVOutputAggregator.from_connector(self.connector, self.executor.world_size)
+            if self.connector is not None
+            else KVOutputAggregator(self.executor.world_size)
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+    ) -> None:
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, Mapping):
+            raise ValueError(
+                f"request {request_id!r}: kv_transfer_params must be an object (dict), "
+                f"got {type(kv_transfer_params).__name__}"
+            )
+        seed = sampling_params.seed
+        if seed is None:
+            seed = random.getrandbits(63)
+        self.scheduler.add_request(
+            Request(
+                request_id=request_id,
+                prompt_token_ids=tuple(prompt_token_ids),
+                sampling_params=sampling_params,
+                seed=seed,
+                kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
+                eos_token_id=self.model_config.eos_token_id,
+            )
+        )
+
+    def abort_request(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(list(request_ids))
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        worker_outputs = self.executor.execute_model(scheduler_output)
+        output = self.aggregator.aggregate(worker_outputs, self.executor.output_rank)
+        return self.scheduler.update_from_output(
+            scheduler_output, output or EMPTY_MODEL_RUNNER_OUTPUT
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_pending_work(self) -> bool:
+        """Unfinished requests, or blocks a connector still borrows: keep stepping."""
+        return self.scheduler.has_pending_work()
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Step until no connector borrows blocks any more, plus one step so the workers learn
+        about every finished request (zero-token steps run the connectors alone)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pending = self.has_pending_work()
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"engine still has pending work after {timeout_s:.0f} s: "
+                    f"{self.scheduler.block_manager.num_used_blocks} blocks in use"
+                )
+            self.step()
+            if not pending:
+                return
+
+    def check_no_leaks(self) -> None:
+        """Raise unless every block is free, no completion is half-aggregated and no worker
+        still holds request state (call after the engine drained)."""
+        self.scheduler.block_manager.check_no_leaks()
+        if self.aggregator.num_pending():
+            raise RuntimeError(
+                f"{self.aggregator.num_pending()} transfer completion(s) reported by only some "
+                "workers"
+            )
+        held = self.executor.num_worker_requests()
+        if any(held):
+            raise RuntimeError(f"workers still hold request state: per rank {held}")
+
+    def shutdown(self) -> None:
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
+
+    def __enter__(self) -> EngineCore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def create_scheduler_connector(config: EngineConfig) -> KVConnectorBase_V1 | None:
+    kv_config = config.kv_transfer_config
+    if kv_config is None or kv_config.kv_connector is None:
+        return None
+    return KVConnectorFactory.create_connector(kv_config, KVConnectorRole.SCHEDULER)
+
+
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    if config.max_model_len is None:
+        return model.max_position_embeddings
+    if config.max_model_len > model.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's "
+            f"max_position_embeddings {model.max_position_embeddings}"
+        )
+    return config.max_model_len
+
+
+def check_parallel_fit(config: EngineConfig, model: ModelConfig) -> None:
+    """Fail before any process starts when the model cannot be split this way."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    problems = []
+    if model.num_attention_heads % tp:
+        problems.append(f"num_attention_heads {model.num_attention_heads} not divisible by TP {tp}")
+    if model.intermediate_size % tp:
+        problems.append(f"intermediate_size {model.intermediate_size} not divisible by TP {tp}")
+    try:
+        kv_head_range(0, tp, model.num_key_value_heads)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if model.num_hidden_layers < pp:
+        problems.append(f"{model.num_hidden_layers} layers cannot fill {pp} pipeline stages")
+    if problems:
+        raise ValueError(
+            f"model {config.model!r} cannot run with TP={tp} PP={pp}: " + "; ".join(problems)
+        )
