@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "model":
             return _model_init(args.directory, args.preset)
-    except ValueError as exc:  # bad input: a clear message, not a traceback
+    except (ValueError, FileNotFoundError) as exc:  # bad input: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return _list_connectors(as_json=args.json)
