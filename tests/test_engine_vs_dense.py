@@ -1,4 +1,4 @@
-"""The paged engine against a dense (unpaged) forward of the same weights, for TP×PP splits.
+"""The paged engine against a dense (unpaged) forward of the same weights, for TPxPP splits.
 
 Each engine is small enough to force chunked prefill (token budget 24) and preemption (a pool
 of 14 blocks of 8 for ~20 blocks of demand); a second batch re-sends a prefix for cache hits.
@@ -65,7 +65,7 @@ def test_prefix_cache_hits_match_dense(llm):
     shared = PROMPTS[2]
     llm.generate([shared], PARAMS)
     hits_before = llm.engine.scheduler.stats.num_prefix_cache_hit_tokens
-    extended = shared + [9, 8, 7]
+    extended = [*shared, 9, 8, 7]
     (output,) = llm.generate([extended], PARAMS)
     assert llm.engine.scheduler.stats.num_prefix_cache_hit_tokens - hits_before >= 32
     assert_matches_dense(extended, output)

@@ -1,4 +1,4 @@
-"""The engine: a small paged-KV transformer engine (scheduler process + TP×PP workers).
+"""The engine: a small paged-KV transformer engine (scheduler process + TPxPP workers).
 
 Calls flow one way: `llm` -> `engine_core` -> `scheduler` (with `block_manager`) -> `executor`
 -> `worker` -> `model_runner` -> `model` / `sampler` / `spec_decode`, with the KV connector

@@ -1,4 +1,4 @@
-"""Where a worker sits in the TP×PP grid and which layers it owns."""
+"""Where a worker sits in the TPxPP grid and which layers it owns."""
 
 from __future__ import annotations
 
