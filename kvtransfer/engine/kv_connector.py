@@ -18,6 +18,7 @@ from kvtransfer.connector.metadata import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from kvtransfer.engine.forward_context import NoLayerHooks
 from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -29,10 +30,10 @@ if TYPE_CHECKING:
     from kvtransfer.engine.scheduler_output import SchedulerOutput
 
 
-class KVConnector:
+class KVConnector(NoLayerHooks):
     """No KV transfer configured: every hook is a no-op and nothing is ever reported.
 
-    Also implements `LayerHooks`, so the runner hands it to the model as is.
+    Its layer hooks (`LayerHooks`) are the no-op ones, so the runner hands it to the model as is.
     """
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -42,14 +43,6 @@ class KVConnector:
         return None
 
     def pre_forward(self, scheduler_output: SchedulerOutput) -> None:
-        pass
-
-    def before_attention(self, layer_name: str) -> None:
-        pass
-
-    def after_attention(
-        self, layer_name: str, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> None:
         pass
 
     def post_forward(
