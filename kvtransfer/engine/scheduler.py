@@ -8,7 +8,8 @@ step is scheduled and rejected draft tokens are rolled back when its output arri
 Block borrows by the connector (see `kvtransfer.connector.base`) outlive requests: a request
 finished while its KV is still being loaded or saved keeps its blocks, keyed by its id, until
 the matching ``finished_recving``/``finished_sending`` report; `has_pending_work` stays true
-until then.
+until then. `KVTransferState` keeps those borrows and the loads in flight and applies the
+connector's results; `ConnectorHooks` makes the connector calls that may fail a request.
 """
 
 from __future__ import annotations
@@ -17,23 +18,18 @@ import dataclasses
 import enum
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from kvtransfer.connector.base import KVConnectorBase_V1
 from kvtransfer.engine.block_manager import BlockManager
 from kvtransfer.engine.config import EngineConfig
+from kvtransfer.engine.connector_hooks import ConnectorHooks, KVConnectorHookError
+from kvtransfer.engine.kv_transfer_state import ConnectorResults, KVTransferState
 from kvtransfer.engine.request import EngineCoreOutput, Request, RequestStatus
 from kvtransfer.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvtransfer.outputs import KVConnectorOutput, ModelRunnerOutput
 
-_RECV = "recv"
-_SEND = "send"
-
-
-class KVConnectorHookError(RuntimeError):
-    """A scheduler-role connector hook raised or answered something impossible for a request;
-    only that request fails."""
+__all__ = ["KVConnectorHookError", "Scheduler", "SchedulerStats"]
 
 
 @dataclass
@@ -55,6 +51,24 @@ class _Admit(enum.Enum):
     NO_SPACE = enum.auto()  # pool cannot take it now: stop admitting (FCFS)
 
 
+@dataclass
+class _Step:
+    """What the `schedule()` call under way has decided so far."""
+
+    budget: int
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    spec_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+
+    def add(self, request: Request, num_new: int, new_blocks: list[int]) -> None:
+        self.num_scheduled[request.request_id] = num_new
+        self.new_blocks[request.request_id] = new_blocks
+        self.scheduled.append(request)
+        self.budget -= num_new
+
+
 class Scheduler:
     def __init__(
         self,
@@ -74,6 +88,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.connector = connector
+        self._hooks = ConnectorHooks(connector) if connector is not None else None
         kv_config = config.kv_transfer_config
         self.kv_load_failure_policy = kv_config.kv_load_failure_policy if kv_config else "fail"
         spec = config.speculative
@@ -85,12 +100,10 @@ class Scheduler:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        self._kv = KVTransferState(self.block_manager, self.kv_load_failure_policy)
         self._requests: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
-        self._loading: dict[str, Request] = {}
-        # Finished request id -> borrows ("recv"/"send") still keeping its blocks.
-        self._borrows: dict[str, set[str]] = {}
         self._finished_since_schedule: set[str] = set()
         # Finished ids the workers still hold state for (cleared once a step told them).
         self._unsynced_finishes: set[str] = set()
@@ -116,7 +129,7 @@ class Scheduler:
         """Unfinished requests, blocks still borrowed by the connector (delayed frees, loads in
         flight of finished requests), or finished requests whose state the workers still hold
         (one more step tells them): the engine keeps stepping while this is true."""
-        return bool(self._requests or self._borrows or self._unsynced_finishes)
+        return bool(self._requests or self._kv.has_borrows() or self._unsynced_finishes)
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -125,7 +138,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self._requests or rid in self._borrows:
+        if rid in self._requests or self._kv.is_borrowed(rid):
             raise ValueError(f"request {rid}: duplicate request id")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise ValueError(f"request {rid}: must be a new WAITING request without outputs")
@@ -168,51 +181,67 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, tuple[int, ...]] = {}
-        scheduled: list[Request] = []
-        new_blocks: dict[str, list[int]] = {}
-        preempted: set[str] = set()
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        new_reqs, cached_reqs = self._sync_scheduled(step)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=step.num_scheduled,
+            scheduled_spec_decode_tokens=step.spec_tokens,
+            finished_req_ids=frozenset(self._finished_since_schedule),
+            preempted_req_ids=frozenset(step.preempted),
+        )
+        self._finished_since_schedule.clear()
+        self._unsynced_finishes.clear()
+        if self.connector is not None:
+            output = dataclasses.replace(
+                output, kv_connector_metadata=self.connector.build_connector_meta(output)
+            )
+        return output
 
+    def _schedule_running(self, step: _Step) -> None:
+        """Give each running request its next tokens (and drafts) in order, while the budget
+        lasts; preempts from the back when the pool runs out."""
         i = 0
-        while i < len(self._running) and budget > 0:
+        while i < len(self._running) and step.budget > 0:
             request = self._running[i]
             num_new = min(
                 request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens,
-                budget,
+                step.budget,
             )
             if num_new <= 0:
                 i += 1
                 continue
-            added = self._allocate_running(request, num_new, preempted)
+            added = self._allocate_running(request, num_new, step.preempted)
             if added is None:
                 # The request itself was preempted (or failed); the list shrank under us.
                 continue
             num_drafts = request.num_computed_tokens + num_new - request.num_tokens
             if num_drafts > 0:
-                spec_tokens[request.request_id] = tuple(request.spec_token_ids[:num_drafts])
+                step.spec_tokens[request.request_id] = tuple(request.spec_token_ids[:num_drafts])
             # Drafts cut off by the budget are stale next step: the step re-drafts.
             del request.spec_token_ids[max(num_drafts, 0) :]
-            num_scheduled[request.request_id] = num_new
-            new_blocks[request.request_id] = added
-            scheduled.append(request)
-            budget -= num_new
+            step.add(request, num_new, added)
             i += 1
 
-        if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled, scheduled, new_blocks)
-
+    def _sync_scheduled(
+        self, step: _Step
+    ) -> tuple[tuple[NewRequestData, ...], tuple[CachedRequestData, ...]]:
+        """Describe the scheduled requests for the workers (in full the first time, as a delta
+        after that) and count this step's tokens as computed."""
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        for request in scheduled:
+        for request in step.scheduled:
             rid = request.request_id
             if request.known_to_workers:
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=rid,
                         new_token_ids=tuple(request.all_token_ids[request.num_synced_tokens :]),
-                        new_block_ids=tuple(new_blocks[rid]),
+                        new_block_ids=tuple(step.new_blocks[rid]),
                         num_computed_tokens=request.num_computed_tokens,
                     )
                 )
@@ -230,23 +259,8 @@ class Scheduler:
                 )
                 request.known_to_workers = True
             request.num_synced_tokens = request.num_tokens
-            request.num_computed_tokens += num_scheduled[rid]
-
-        output = SchedulerOutput(
-            scheduled_new_reqs=tuple(new_reqs),
-            scheduled_cached_reqs=tuple(cached_reqs),
-            num_scheduled_tokens=num_scheduled,
-            scheduled_spec_decode_tokens=spec_tokens,
-            finished_req_ids=frozenset(self._finished_since_schedule),
-            preempted_req_ids=frozenset(preempted),
-        )
-        self._finished_since_schedule.clear()
-        self._unsynced_finishes.clear()
-        if self.connector is not None:
-            output = dataclasses.replace(
-                output, kv_connector_metadata=self.connector.build_connector_meta(output)
-            )
-        return output
+            request.num_computed_tokens += step.num_scheduled[rid]
+        return tuple(new_reqs), tuple(cached_reqs)
 
     def _allocate_running(
         self, request: Request, num_new: int, preempted: set[str]
@@ -265,13 +279,10 @@ class Scheduler:
                 slots = request.num_computed_tokens + num_new + self.num_lookahead_tokens
                 if bm.blocks_needed(slots) > bm.num_blocks:
                     # Only connector borrows could make room, and they cannot make enough.
-                    self._pending_outputs.append(
-                        self._finish(
-                            request,
-                            RequestStatus.FINISHED_ERROR,
-                            f"request {request.request_id} needs {bm.blocks_needed(slots)} KV "
-                            f"blocks for {slots} slots but the pool has only {bm.num_blocks}",
-                        )
+                    self._fail_pending(
+                        request,
+                        f"request {request.request_id} needs {bm.blocks_needed(slots)} KV "
+                        f"blocks for {slots} slots but the pool has only {bm.num_blocks}",
                     )
                     return None
             self._preempt(victim)
@@ -290,25 +301,19 @@ class Scheduler:
         self._waiting.appendleft(request)
         self._stats.num_preemptions += 1
 
-    def _admit_waiting(
-        self,
-        budget: int,
-        num_scheduled: dict[str, int],
-        scheduled: list[Request],
-        new_blocks: dict[str, list[int]],
-    ) -> int:
+    def _admit_waiting(self, step: _Step) -> None:
         skipped: list[Request] = []
         pool_exhausted = False
-        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting.popleft()
             if request.admitted:
-                result, num_new = self._resume_admitted(request, budget)
+                result, num_new = self._resume_admitted(request, step.budget)
             elif pool_exhausted:
                 # FCFS: nothing admitted ahead of a request the pool could not take. Requests
                 # already holding blocks still go, or they could starve the pool forever.
                 result, num_new = _Admit.SKIP, 0
             else:
-                result, num_new = self._admit(request, budget)
+                result, num_new = self._admit(request, step.budget)
             if result is _Admit.NO_SPACE:
                 pool_exhausted = True
                 result = _Admit.SKIP
@@ -316,16 +321,11 @@ class Scheduler:
                 skipped.append(request)
                 continue
             if result is _Admit.SCHEDULED:
-                rid = request.request_id
                 request.status = RequestStatus.RUNNING
                 request.admitted = False
                 self._running.append(request)
-                num_scheduled[rid] = num_new
-                new_blocks[rid] = []
-                scheduled.append(request)
-                budget -= num_new
+                step.add(request, num_new, [])
         self._waiting.extendleft(reversed(skipped))
-        return budget
 
     def _resume_admitted(self, request: Request, budget: int) -> tuple[_Admit, int]:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -340,43 +340,31 @@ class Scheduler:
         bm = self.block_manager
         rid = request.request_id
         if bm.blocks_needed(request.num_tokens + self.num_lookahead_tokens) > bm.num_blocks:
-            self._pending_outputs.append(
-                self._finish(
-                    request,
-                    RequestStatus.FINISHED_ERROR,
-                    f"request {rid} needs more KV blocks than the pool has ({bm.num_blocks})",
-                )
+            self._fail_pending(
+                request, f"request {rid} needs more KV blocks than the pool has ({bm.num_blocks})"
             )
             return _Admit.PARKED, 0
         hits, num_local = bm.get_computed_blocks(request)
         num_external, load_async = 0, False
-        use_connector = self.connector is not None and not request.skip_connector
-        if use_connector:
+        hooks = None if request.skip_connector else self._hooks
+        if hooks is not None:
             try:
-                answer = self._call_connector(
-                    request, "get_num_new_matched_tokens", request, num_local
-                )
-                num_external, load_async = self._check_matched(request, num_local, answer)
+                num_external, load_async = hooks.get_num_new_matched_tokens(request, num_local)
             except KVConnectorHookError as exc:
-                self._pending_outputs.append(
-                    self._finish(request, RequestStatus.FINISHED_ERROR, str(exc))
-                )
+                self._fail_pending(request, str(exc))
                 return _Admit.PARKED, 0
             if num_external is None:
                 return _Admit.SKIP, 0
 
-        if load_async and num_external > 0:
+        if hooks is not None and load_async and num_external > 0:
             added = bm.allocate_slots(request, num_external, hits)
             if added is None:
                 return _Admit.NO_SPACE, 0
-            if not self._after_alloc(request, num_external):
+            if not self._after_alloc(hooks, request, num_external):
                 return _Admit.PARKED, 0
             self._count_prefix_hits(request, num_local)
             request.num_computed_tokens = num_local
-            request.num_external_tokens = num_external
-            request.load_failed = False
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            self._loading[rid] = request
+            self._kv.start_load(request, num_external)
             return _Admit.PARKED, 0
 
         # The last token is always computed here: its logits give the first output token.
@@ -390,47 +378,19 @@ class Scheduler:
         )
         if added is None:
             return _Admit.NO_SPACE, 0
-        if use_connector and not self._after_alloc(request, num_external):
+        if hooks is not None and not self._after_alloc(hooks, request, num_external):
             return _Admit.PARKED, 0
         self._count_prefix_hits(request, num_local)
         request.num_computed_tokens = num_computed
         return _Admit.SCHEDULED, num_new
 
-    def _check_matched(
-        self, request: Request, num_local: int, answer: Any
-    ) -> tuple[int | None, bool]:
-        name = type(self.connector).__name__
-        if not (isinstance(answer, tuple) and len(answer) == 2):
-            raise KVConnectorHookError(
-                f"KV connector {name}.get_num_new_matched_tokens returned {answer!r} for "
-                f"request {request.request_id}, expected (num_external_tokens, load_kv_async)"
-            )
-        num_external, load_async = answer
-        if num_external is None:
-            return None, bool(load_async)
-        allowed = request.num_tokens - num_local
-        if isinstance(num_external, bool) or not isinstance(num_external, int):
-            raise KVConnectorHookError(
-                f"KV connector {name}.get_num_new_matched_tokens returned non-int "
-                f"{num_external!r} external tokens for request {request.request_id}"
-            )
-        if not 0 <= num_external <= allowed:
-            raise KVConnectorHookError(
-                f"KV connector {name} offered {num_external} external tokens for request "
-                f"{request.request_id}, but only {allowed} of its {request.num_tokens} tokens "
-                f"are not cached locally ({num_local} are)"
-            )
-        return num_external, bool(load_async)
-
-    def _after_alloc(self, request: Request, num_external: int) -> bool:
+    def _after_alloc(self, hooks: ConnectorHooks, request: Request, num_external: int) -> bool:
         """Tell the connector about the blocks; on a raising hook the request fails."""
         blocks = self.block_manager.get_block_ids(request.request_id)
         try:
-            self._call_connector(request, "update_state_after_alloc", request, blocks, num_external)
+            hooks.update_state_after_alloc(request, blocks, num_external)
         except KVConnectorHookError as exc:
-            self._pending_outputs.append(
-                self._finish(request, RequestStatus.FINISHED_ERROR, str(exc))
-            )
+            self._fail_pending(request, str(exc))
             return False
         return True
 
@@ -438,16 +398,6 @@ class Scheduler:
         request.num_cached_tokens = num_local
         self._stats.num_prefix_cache_queried_tokens += request.num_tokens
         self._stats.num_prefix_cache_hit_tokens += num_local
-
-    def _call_connector(self, request: Request, hook: str, *args: Any) -> Any:
-        method = getattr(self.connector, hook)
-        try:
-            return method(*args)
-        except Exception as exc:
-            raise KVConnectorHookError(
-                f"KV connector {type(self.connector).__name__}.{hook} raised for request "
-                f"{request.request_id}: {type(exc).__name__}: {exc}"
-            ) from exc
 
     # ------------------------------------------------------------------ update
 
@@ -457,27 +407,28 @@ class Scheduler:
         mro = model_runner_output
         self._check_runner_output(scheduler_output, mro)
         outputs, self._pending_outputs = self._pending_outputs, []
-
-        kv_out = mro.kv_connector_output or KVConnectorOutput()
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_out)
-        reset_ids = self._handle_invalid_blocks(kv_out.invalid_block_ids or set(), outputs)
-        self._handle_finished_recving(
-            kv_out.finished_recving or set(), kv_out.failed_recving or set(), outputs
-        )
-        for rid in kv_out.finished_sending or ():
-            self._release_borrow(rid, _SEND)
-
+        kv_results = self._apply_connector_output(mro.kv_connector_output)
+        outputs.extend(kv_results.outputs)
         for rid in scheduler_output.num_scheduled_tokens:
             request = self._requests.get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (e.g. aborted) or preempted since it was scheduled
-            if rid in reset_ids:
+            if rid in kv_results.reset_ids:
                 continue  # its KV is garbage; this step's sample is discarded
             output = self._update_request(request, scheduler_output, mro)
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _apply_connector_output(self, kv_out: KVConnectorOutput | None) -> ConnectorResults:
+        """Let the connector, then `KVTransferState`, act on this step's transfer results."""
+        kv_out = kv_out or KVConnectorOutput()
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_out)
+        results = self._kv.apply_connector_output(kv_out, self._running, self._finish_error)
+        # Loaded requests already hold blocks: serve them before anything else that waits.
+        self._waiting.extendleft(reversed(results.resumed))
+        return results
 
     def _check_runner_output(self, so: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         """Refuse an output that does not match the step before touching any state."""
@@ -575,86 +526,6 @@ class Scheduler:
         left_by_model_len = self.max_model_len - request.num_tokens
         return max(0, min(self.num_spec_tokens, left_by_max_tokens - 1, left_by_model_len - 1))
 
-    # ------------------------------------------------------------------ connector results
-
-    def _handle_invalid_blocks(
-        self, invalid: set[int], outputs: list[EngineCoreOutput]
-    ) -> set[str]:
-        """Apply the load-failure policy to running requests holding invalid blocks; flag
-        in-flight loads. Returns the ids of running requests reset for recompute."""
-        if not invalid:
-            return set()
-        bm = self.block_manager
-        bm.evict_blocks(sorted(invalid))
-        for request in self._loading.values():
-            if invalid.intersection(bm.get_block_ids(request.request_id)):
-                request.load_failed = True
-        reset: set[str] = set()
-        for request in list(self._running):
-            table = bm.get_block_ids(request.request_id)
-            bad = [i for i, b in enumerate(table) if b in invalid]
-            if not bad:
-                continue
-            if self.kv_load_failure_policy == "fail":
-                outputs.append(self._fail_load(request))
-                continue
-            request.num_computed_tokens = min(request.num_cached_tokens, bad[0] * bm.block_size)
-            request.spec_token_ids.clear()
-            request.skip_connector = True
-            reset.add(request.request_id)
-        return reset
-
-    def _handle_finished_recving(
-        self, finished: set[str], failed: set[str], outputs: list[EngineCoreOutput]
-    ) -> None:
-        bm = self.block_manager
-        resumed: list[Request] = []
-        for rid in sorted(finished):
-            if rid in self._borrows:
-                self._release_borrow(rid, _RECV)
-                continue
-            request = self._loading.pop(rid, None)
-            if request is None:
-                continue  # a report about a request this scheduler is not loading
-            # The load borrow ends here, whatever happens to the request next.
-            request.status = RequestStatus.WAITING
-            if rid in failed or request.load_failed:
-                if self.kv_load_failure_policy == "fail":
-                    outputs.append(self._fail_load(request))
-                    continue
-                table = bm.get_block_ids(rid)
-                local_blocks = request.num_cached_tokens // bm.block_size
-                bm.evict_blocks(table[local_blocks:])
-                request.num_computed_tokens = request.num_cached_tokens
-                request.skip_connector = True
-            else:
-                loaded = request.num_cached_tokens + request.num_external_tokens
-                request.num_computed_tokens = min(loaded, request.num_tokens - 1)
-                bm.cache_full_blocks(request, request.num_computed_tokens)
-            request.num_external_tokens = 0
-            request.load_failed = False
-            request.admitted = True
-            resumed.append(request)
-        # Loaded requests already hold blocks: serve them before anything else that waits.
-        resumed.sort(key=lambda r: r.arrival_order)
-        self._waiting.extendleft(reversed(resumed))
-
-    def _fail_load(self, request: Request) -> EngineCoreOutput:
-        return self._finish(
-            request,
-            RequestStatus.FINISHED_ERROR,
-            f"KV load failed for request {request.request_id} (kv_load_failure_policy=fail)",
-        )
-
-    def _release_borrow(self, rid: str, kind: str) -> None:
-        borrows = self._borrows.get(rid)
-        if borrows is None or kind not in borrows:
-            return
-        borrows.discard(kind)
-        if not borrows:
-            del self._borrows[rid]
-            self.block_manager.free(rid)
-
     # ------------------------------------------------------------------ finishing
 
     def _finish(
@@ -670,25 +541,15 @@ class Scheduler:
             self._unsynced_finishes.add(rid)
         request.spec_token_ids.clear()
         delay_free, params = False, None
-        if self.connector is not None:
+        if self._hooks is not None:
             blocks = self.block_manager.get_block_ids(rid)
             try:
-                delay_free, params = self._check_finished_answer(
-                    request, self._call_connector(request, "request_finished", request, blocks)
-                )
+                delay_free, params = self._hooks.request_finished(request, blocks)
             except KVConnectorHookError as exc:
                 status, error = RequestStatus.FINISHED_ERROR, str(exc)
         request.status = status
         request.error = error
-        borrows = set()
-        if was_loading:
-            borrows.add(_RECV)
-        if delay_free:
-            borrows.add(_SEND)
-        if borrows and self.block_manager.holds_blocks(rid):
-            self._borrows[rid] = borrows
-        else:
-            self.block_manager.free(rid)
+        self._kv.release_finished(rid, loading=was_loading, saving=delay_free)
         return EngineCoreOutput(
             req_id=rid,
             finished=True,
@@ -697,21 +558,19 @@ class Scheduler:
             kv_transfer_params=params,
         )
 
-    def _check_finished_answer(self, request: Request, answer: Any) -> tuple[bool, Any]:
-        if not (isinstance(answer, tuple) and len(answer) == 2):
-            raise KVConnectorHookError(
-                f"KV connector {type(self.connector).__name__}.request_finished returned "
-                f"{answer!r} for request {request.request_id}, expected (delay_free, "
-                "kv_transfer_params)"
-            )
-        return bool(answer[0]), answer[1]
+    def _finish_error(self, request: Request, error: str) -> EngineCoreOutput:
+        return self._finish(request, RequestStatus.FINISHED_ERROR, error)
+
+    def _fail_pending(self, request: Request, error: str) -> None:
+        """Fail ``request`` inside `schedule()`; the next `update_from_output` reports it."""
+        self._pending_outputs.append(self._finish_error(request, error))
 
     def _remove_from_queues(self, request: Request) -> None:
         rid = request.request_id
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self._loading.pop(rid, None)
+            self._kv.forget_load(rid)
         elif request in self._waiting:
             self._waiting.remove(request)
 
