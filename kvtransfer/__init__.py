@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "KVConnectorRole": "kvtransfer.connector.metadata",
     "KVConnectorMetadata": "kvtransfer.connector.metadata",
+    "KVCacheLayout": "kvtransfer.connector.metadata",
     "KVConnectorHandshakeMetadata": "kvtransfer.connector.metadata",
     "KVConnectorStats": "kvtransfer.connector.metadata",
     "KVRequest": "kvtransfer.connector.metadata",
@@ -40,6 +41,7 @@ __all__ = [
     "ConnectorLookupError",
     "EngineTransferInfo",
     "IntermediateTensors",
+    "KVCacheLayout",
     "KVConnectorBase_V1",
     "KVConnectorFactory",
     "KVConnectorHandshakeMetadata",
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
         KVConnectorFactory,
     )
     from kvtransfer.connector.metadata import (
+        KVCacheLayout,
         KVConnectorHandshakeMetadata,
         KVConnectorMetadata,
         KVConnectorRole,

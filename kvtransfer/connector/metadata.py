@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -51,6 +52,34 @@ class KVConnectorHandshakeMetadata(BaseModel):
             return cls.model_validate_json(payload)
         except ValidationError as exc:
             raise ValueError(f"malformed {cls.__name__} handshake payload: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What the engine tells a connector about the KV cache when it creates it (passed as
+    ``kv_cache_config``). The scheduler half gets ``pp_rank``/``tp_rank`` ``None``; each worker
+    half gets its own coordinates. Layer names and per-layer tensors arrive later, in
+    `register_kv_caches`.
+    """
+
+    model: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    block_size: int
+    num_blocks: int
+    num_layers: int  # the whole target model's
+    num_kv_heads: int  # the whole model's, before TP sharding
+    head_dim: int
+    tp_size: int = 1
+    pp_size: int = 1
+    tp_rank: int | None = None
+    pp_rank: int | None = None
+
+    @property
+    def rank(self) -> PpTpRank | None:
+        """``(pp_rank, tp_rank)`` on a worker, ``None`` on the scheduler."""
+        if self.pp_rank is None or self.tp_rank is None:
+            return None
+        return self.pp_rank, self.tp_rank
 
 
 PpTpRank = tuple[int, int]

@@ -28,9 +28,14 @@ from typing import Any
 from kvtransfer.aggregator import KVOutputAggregator
 from kvtransfer.connector.base import KVConnectorBase_V1
 from kvtransfer.connector.factory import KVConnectorFactory
-from kvtransfer.connector.metadata import KVConnectorRole, merge_handshake_metadata
+from kvtransfer.connector.metadata import (
+    KVCacheLayout,
+    KVConnectorRole,
+    merge_handshake_metadata,
+)
 from kvtransfer.engine.config import EngineConfig, ModelConfig
 from kvtransfer.engine.executor import DEFAULT_WORKER, Executor
+from kvtransfer.engine.kv_cache import kv_cache_layout
 from kvtransfer.engine.model.loader import load_model_config
 from kvtransfer.engine.request import EngineCoreOutput, Request
 from kvtransfer.engine.sampling_params import SamplingParams
@@ -45,7 +50,10 @@ class EngineCore:
         self.model_config = load_model_config(config.model)
         check_parallel_fit(config, self.model_config)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        self.connector = create_scheduler_connector(config)
+        self.connector: KVConnectorBase_V1 | None = None
+        if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector:
+            # An unknown or unloadable connector fails here, typed, before workers start.
+            KVConnectorFactory.get_connector_class(config.kv_transfer_config)
         self.executor = Executor.create(config, worker_cls)
         try:
             worker_infos = self.executor.initialize()
@@ -53,11 +61,17 @@ class EngineCore:
             self.shutdown()
             raise
         self.worker_infos = tuple(worker_infos)
+        self.num_kv_blocks = worker_infos[0].num_kv_blocks
+        layout = kv_cache_layout(config, self.model_config, self.num_kv_blocks)
+        try:
+            self.connector = create_scheduler_connector(config, layout)
+        except BaseException:
+            self.shutdown()
+            raise
         if self.connector is not None:
             merged = merge_handshake_metadata([info.handshake_metadata for info in worker_infos])
             if merged:
                 self.connector.set_xfer_handshake_metadata_pp_aware(merged)
-        self.num_kv_blocks = worker_infos[0].num_kv_blocks
         self.scheduler = Scheduler(
             config,
             num_blocks=self.num_kv_blocks,
@@ -158,11 +172,13 @@ class EngineCore:
         self.shutdown()
 
 
-def create_scheduler_connector(config: EngineConfig) -> KVConnectorBase_V1 | None:
+def create_scheduler_connector(
+    config: EngineConfig, layout: KVCacheLayout
+) -> KVConnectorBase_V1 | None:
     kv_config = config.kv_transfer_config
     if kv_config is None or kv_config.kv_connector is None:
         return None
-    return KVConnectorFactory.create_connector(kv_config, KVConnectorRole.SCHEDULER)
+    return KVConnectorFactory.create_connector(kv_config, KVConnectorRole.SCHEDULER, layout)
 
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:

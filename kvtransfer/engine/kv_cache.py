@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvtransfer.connector.metadata import KVCacheLayout
 from kvtransfer.engine.config import EngineConfig, ModelConfig
+from kvtransfer.engine.parallel import ParallelRank
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,3 +38,23 @@ def num_kv_blocks(
     if drafter is not None:
         per_block += kv_bytes_per_block(drafter, config.block_size, dtype)
     return max(1, config.kv_cache_bytes // per_block)
+
+
+def kv_cache_layout(
+    config: EngineConfig, model: ModelConfig, num_blocks: int, rank: ParallelRank | None = None
+) -> KVCacheLayout:
+    """The layout handed to a connector as ``kv_cache_config`` (``rank`` ``None`` on the
+    scheduler)."""
+    return KVCacheLayout(
+        model=config.model,
+        dtype=str(resolve_dtype(config)).removeprefix("torch."),
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        num_layers=model.num_hidden_layers,
+        num_kv_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        tp_size=config.tensor_parallel_size,
+        pp_size=config.pipeline_parallel_size,
+        tp_rank=None if rank is None else rank.tp_rank,
+        pp_rank=None if rank is None else rank.pp_rank,
+    )

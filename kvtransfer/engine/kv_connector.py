@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvtransfer.connector.factory import KVConnectorFactory
 from kvtransfer.connector.metadata import (
+    KVCacheLayout,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -129,11 +130,14 @@ class ActiveKVConnector(KVConnector):
         self.connector.shutdown()
 
 
-def make_kv_connector(kv_transfer_config: KVTransferConfig | None) -> KVConnector:
+def make_kv_connector(
+    kv_transfer_config: KVTransferConfig | None, layout: KVCacheLayout | None = None
+) -> KVConnector:
     """The null connector when no transfer is configured, else an active one around a freshly
-    created worker-role instance of the configured connector."""
+    created worker-role instance of the configured connector (given ``layout`` as its
+    ``kv_cache_config``)."""
     if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
         return KVConnector()
     return ActiveKVConnector(
-        KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.WORKER)
+        KVConnectorFactory.create_connector(kv_transfer_config, KVConnectorRole.WORKER, layout)
     )

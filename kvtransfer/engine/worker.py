@@ -11,8 +11,8 @@ import torch
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.distributed import WorkerDistributed
 from kvtransfer.engine.executor import WorkerInfo
-from kvtransfer.engine.kv_cache import num_kv_blocks, resolve_dtype
-from kvtransfer.engine.kv_connector import make_kv_connector
+from kvtransfer.engine.kv_cache import kv_cache_layout, num_kv_blocks, resolve_dtype
+from kvtransfer.engine.kv_connector import KVConnector, make_kv_connector
 from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.model.loader import iter_weights, load_model_config
 from kvtransfer.engine.model_runner import ModelRunner, Proposer
@@ -48,7 +48,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.comm = dist if dist is not None else SingleProcessComm()
-        self.kv_connector = make_kv_connector(config.kv_transfer_config)
+        # Replaced in initialize(), once the layout the connector is told about is known.
+        self.kv_connector: KVConnector = KVConnector()
         self.runner: ModelRunner | None = None
 
     def initialize(self) -> WorkerInfo:
@@ -85,6 +86,8 @@ class Worker:
         target_caches = self._allocate(model, num_blocks, dtype, device)
         draft_caches = self._allocate(drafter, num_blocks, dtype, device) if drafter else {}
         all_caches = {**target_caches, **draft_caches}
+        layout = kv_cache_layout(config, target_config, num_blocks, rank)
+        self.kv_connector = make_kv_connector(config.kv_transfer_config, layout)
         self.kv_connector.register_kv_caches(all_caches)
 
         proposer: Proposer | None = None
