@@ -1,0 +1,38 @@
+"""KV block transfer over UCX (the data plane): pull-based, one message per request chunk.
+
+Importing this package does not initialise UCX; creating a `KVTransferAgent` does.
+"""
+
+from __future__ import annotations
+
+from kvtransfer.transport.agent import KVTransferAgent, TransportConfig
+from kvtransfer.transport.client import PeerHandle, PullHandle, PullResult
+from kvtransfer.transport.errors import (
+    ErrorCode,
+    InvalidPeerAddress,
+    PeerUnreachable,
+    RemoteTransferError,
+    TransferCancelled,
+    TransferTimeoutError,
+    TransportClosed,
+    TransportError,
+)
+from kvtransfer.transport.spec import KVLayout, PullSpec
+
+__all__ = [
+    "ErrorCode",
+    "InvalidPeerAddress",
+    "KVLayout",
+    "KVTransferAgent",
+    "PeerHandle",
+    "PeerUnreachable",
+    "PullHandle",
+    "PullResult",
+    "PullSpec",
+    "RemoteTransferError",
+    "TransferCancelled",
+    "TransferTimeoutError",
+    "TransportClosed",
+    "TransportConfig",
+    "TransportError",
+]

@@ -1,0 +1,259 @@
+"""`KVTransferAgent`: one per worker process, serving and pulling KV blocks over UCX.
+
+It owns one `UcxLoop` (UCX context, worker and the event-driven progress thread), the
+registered KV caches, an optional `KVServer` and a `PullClient`. Creating an agent initialises
+UCX; importing this module does not.
+
+    agent = KVTransferAgent()
+    agent.register_kv_caches(kv_caches)
+    agent.start_server()                   # prefill side
+    publish(agent.address, agent.kv_layouts())
+    peer = agent.connect(address)          # decode side
+    handle = agent.pull(peer, PullSpec(...))
+    handle.result()
+    agent.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+
+import torch
+
+from kvtransfer.transport.buffers import BufferPool
+from kvtransfer.transport.client import PeerHandle, PullClient, PullHandle
+from kvtransfer.transport.errors import PeerUnreachable, TransportClosed, TransportError
+from kvtransfer.transport.messages import decode_address, encode_address, peer_name
+from kvtransfer.transport.server import KVServer
+from kvtransfer.transport.spec import KVLayout, PullSpec, check_kv_cache, plan_pull
+from kvtransfer.transport.ucx import UcxLoop
+
+logger = logging.getLogger(__name__)
+
+
+def _positive(name: str, value: object, *, integer: bool = True) -> None:
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ValueError(f"{name} must be {'an int' if integer else 'a number'}, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Tuning of one agent. Times are seconds, sizes bytes."""
+
+    # A pull fails with TransferTimeoutError after this long (dead peers are found this way).
+    timeout_s: float = 30.0
+    # A served response not taken by the client within this long resets its connection.
+    send_timeout_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    # Upper bound of one response message; larger pulls are split into several.
+    chunk_bytes: int = 32 << 20
+    # Messages of one pull in flight at once (overlaps gather, wire and scatter).
+    max_inflight_chunks: int = 2
+    # Bounds the request size for tiny blocks (8 bytes per block id).
+    max_blocks_per_message: int = 65536
+    pull_threads: int = 4
+    server_threads: int = 1
+    # Idle message buffers kept for reuse.
+    buffer_pool_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "send_timeout_s", "connect_timeout_s"):
+            _positive(name, getattr(self, name), integer=False)
+        for name in (
+            "chunk_bytes",
+            "max_inflight_chunks",
+            "max_blocks_per_message",
+            "pull_threads",
+            "server_threads",
+        ):
+            _positive(name, getattr(self, name))
+        if isinstance(self.buffer_pool_bytes, bool) or not isinstance(self.buffer_pool_bytes, int):
+            raise ValueError(f"buffer_pool_bytes must be an int, got {self.buffer_pool_bytes!r}")
+        if self.buffer_pool_bytes < 0:
+            raise ValueError(f"buffer_pool_bytes must be >= 0, got {self.buffer_pool_bytes}")
+
+
+class KVTransferAgent:
+    """Pull-based KV block transfer between worker processes (see the module docstring)."""
+
+    def __init__(self, config: TransportConfig | None = None) -> None:
+        self.config = config if config is not None else TransportConfig()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._caches: Mapping[str, torch.Tensor] = MappingProxyType({})
+        self._peers: dict[bytes, PeerHandle] = {}
+        self._loop = UcxLoop()
+        self._address = encode_address(self._loop.address)
+        self._pool = BufferPool(self.config.buffer_pool_bytes)
+        self._server: KVServer | None = None
+        self._client = PullClient(
+            self._loop,
+            self._pool,
+            chunk_bytes=self.config.chunk_bytes,
+            max_inflight_chunks=self.config.max_inflight_chunks,
+            max_blocks_per_message=self.config.max_blocks_per_message,
+            threads=self.config.pull_threads,
+        )
+
+    @property
+    def address(self) -> bytes:
+        """This agent's address, to publish in the handshake; `connect` takes it."""
+        return self._address
+
+    @property
+    def server(self) -> KVServer | None:
+        return self._server
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Add (or replace) layers that pulls read from and write into.
+
+        Each tensor is ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``, contiguous, and
+        all live on one device (host or CUDA; UCX sees device memory through
+        ``__cuda_array_interface__``).
+        """
+        self._check_open()
+        if not isinstance(kv_caches, Mapping) or not kv_caches:
+            raise ValueError("kv_caches must be a non-empty mapping of layer name to tensor")
+        for name, tensor in kv_caches.items():
+            check_kv_cache(name, tensor)
+        with self._lock:
+            merged = {**self._caches, **kv_caches}
+            devices = sorted({str(t.device) for t in merged.values()})
+            if len(devices) > 1:
+                raise ValueError(f"KV caches must share one device, got {devices}")
+            # Readers take the mapping without the lock: swap in a new immutable one.
+            self._caches = MappingProxyType(merged)
+
+    @property
+    def kv_caches(self) -> Mapping[str, torch.Tensor]:
+        return self._caches
+
+    def kv_layouts(self) -> dict[str, KVLayout]:
+        """Layout of every registered layer, for peers to validate pulls locally."""
+        return {name: KVLayout.of(tensor) for name, tensor in self._caches.items()}
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def start_server(self) -> None:
+        """Answer pull requests from the registered caches on a background thread; idempotent."""
+        self._check_open()
+        with self._lock:
+            if self._server is None:
+                self._server = KVServer(
+                    self._loop,
+                    self._pool,
+                    lambda: self._caches,
+                    send_timeout_s=self.config.send_timeout_s,
+                    threads=self.config.server_threads,
+                )
+            server = self._server
+        server.start()
+
+    # -- pulling ------------------------------------------------------------------------------
+
+    def connect(
+        self, peer_address: bytes, *, layouts: Mapping[str, KVLayout] | None = None
+    ) -> PeerHandle:
+        """A handle to the agent at ``peer_address``, cached per address.
+
+        `InvalidPeerAddress` if the bytes are not an agent address, `PeerUnreachable` if UCX
+        cannot create an endpoint to it. A dead peer is only noticed when a pull times out.
+        """
+        self._check_open()
+        ucx_address = decode_address(peer_address)
+        key = bytes(peer_address)
+        with self._lock:
+            peer = self._peers.get(key)
+        if peer is not None and (layouts is None or peer.layouts == layouts):
+            return peer
+        created = self._loop.call(lambda: self._loop.endpoint(ucx_address))
+        try:
+            created.result(self.config.connect_timeout_s)
+        except FutureTimeout:
+            if created.done():
+                raise
+            raise PeerUnreachable(
+                f"connecting to {peer_name(ucx_address)} took over "
+                f"{self.config.connect_timeout_s} s"
+            ) from None
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise PeerUnreachable(
+                f"cannot connect to {peer_name(ucx_address)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        peer = PeerHandle(
+            key, ucx_address, None if layouts is None else MappingProxyType(dict(layouts))
+        )
+        with self._lock:
+            self._peers[key] = peer
+        return peer
+
+    def disconnect(self, peer: PeerHandle) -> None:
+        """Forget ``peer`` and close its endpoint, cancelling receives still posted to it."""
+        with self._lock:
+            self._peers.pop(peer.address, None)
+        if not self._closed:
+            self._loop.call(lambda: self._loop.reset_endpoint(peer.ucx_address)).result()
+
+    def pull(
+        self, peer: PeerHandle, spec: PullSpec, *, timeout_s: float | None = None
+    ) -> PullHandle:
+        """Start copying ``spec`` from ``peer`` into the local caches; returns at once.
+
+        Raises `ValueError` now for anything checkable locally (unknown layers, block or head
+        ranges, and with the peer's layouts known, dtype/block size/head_dim mismatches).
+        """
+        self._check_open()
+        if not isinstance(peer, PeerHandle):
+            raise ValueError(f"peer must be a PeerHandle from connect(), got {peer!r}")
+        if not isinstance(spec, PullSpec):
+            raise ValueError(f"spec must be a PullSpec, got {type(spec).__name__}")
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        _positive("timeout_s", timeout, integer=False)
+        caches = self._caches
+        plans = plan_pull(spec, caches, peer.layouts)
+        return self._client.submit(peer, spec, plans, caches, timeout)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancel pulls, stop serving, then stop the UCX progress thread; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._client.close()
+        if self._server is not None:
+            self._server.stop()
+        self._loop.close()
+        self._peers.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> KVTransferAgent:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed("the transfer agent is closed")

@@ -1,0 +1,528 @@
+"""The pulling side: `PeerHandle`, `PullHandle` and the job that runs one pull.
+
+A pull is split into messages of at most ``chunk_bytes`` (whole blocks, all requested layers
+each). For every message the job posts two receives (header into a small host buffer, payload
+into a pooled buffer on the cache's device), then sends the request; ``max_inflight_chunks``
+messages are in flight at once so the server's gather, the wire and our scatter overlap. Only
+a fully received, successful payload is scattered into the cache, under the pull's write lock,
+so after `PullHandle.cancel` returns or a timeout is raised nothing more is written.
+
+A timeout (or a failed send/receive) resets the endpoint to the peer: its posted receives are
+cancelled, so their buffers are freed instead of waiting forever for a dead peer; other pulls
+in flight to the same peer fail with `PeerUnreachable`; the next pull reconnects. A cancelled
+pull leaves its receives posted: the (alive) server still answers, into the pull's private
+buffers, which are then dropped. Reply tags are never reused, so an answer that arrives after
+its receive was cancelled can never match another pull; UCX keeps it as an unexpected message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtransfer.transport.buffers import (
+    BufferPool,
+    RowView,
+    payload_bytes,
+    row_view,
+    scatter_from,
+    synchronize,
+)
+from kvtransfer.transport.errors import (
+    ErrorCode,
+    PeerUnreachable,
+    RemoteTransferError,
+    TransferCancelled,
+    TransferTimeoutError,
+    TransportClosed,
+    TransportError,
+)
+from kvtransfer.transport.messages import (
+    MAX_REPLY_SEQUENCE,
+    REQUEST_TAG,
+    RESPONSE_HEADER_BYTES,
+    LayerRequest,
+    PullRequestMessage,
+    PullResponseHeader,
+    WireFormatError,
+    pack_block_ids,
+    peer_name,
+    reply_tags,
+    segment_offsets,
+)
+from kvtransfer.transport.spec import KVLayout, LayerPlan, PullSpec
+from kvtransfer.transport.ucx import UcxLoop
+
+
+@dataclass(frozen=True, repr=False)
+class PeerHandle:
+    """A connected peer agent. ``layouts`` (if the handshake gave them) enables local checks."""
+
+    address: bytes
+    ucx_address: bytes
+    layouts: Mapping[str, KVLayout] | None = None
+
+    @property
+    def name(self) -> str:
+        """Short stable id for messages and logs."""
+        return peer_name(self.ucx_address)
+
+    def __repr__(self) -> str:
+        return f"PeerHandle({self.name})"
+
+
+@dataclass(frozen=True)
+class PullResult:
+    request_id: str
+    num_blocks: int
+    num_layers: int
+    num_messages: int
+    payload_bytes: int
+    elapsed_s: float
+
+
+class _BrokenPeer(PeerUnreachable):
+    """A send or receive with the peer failed: its endpoint is reset."""
+
+
+def _cancelled(spec: PullSpec) -> TransferCancelled:
+    return TransferCancelled(f"pull {spec.request_id!r} was cancelled")
+
+
+def _segment_sizes(plans: list[LayerPlan], num_blocks: int) -> list[int]:
+    """Payload bytes of each layer for ``num_blocks`` blocks, in plan order."""
+    return [
+        payload_bytes(num_blocks, len(p.local_heads), p.layout.head_elems, p.layout.element_size)
+        for p in plans
+    ]
+
+
+class _PullState:
+    """Shared between the job, the loop thread's callbacks and `PullHandle`."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.cancelled = False
+        self.closed = False
+        self.sent = 0
+        self.received = 0
+        self.write_lock = threading.Lock()
+
+
+class PullHandle:
+    """The future of one pull; completes on a background thread."""
+
+    def __init__(self, request_id: str, peer: PeerHandle, future: Future[PullResult]) -> None:
+        self.request_id = request_id
+        self.peer = peer
+        self._future = future
+        self._state = _PullState()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    @property
+    def messages_sent(self) -> int:
+        """Request messages posted to the peer so far."""
+        return self._state.sent
+
+    @property
+    def messages_received(self) -> int:
+        """Responses received and written to the cache so far."""
+        return self._state.received
+
+    def result(self, timeout: float | None = None) -> PullResult:
+        """Wait for the pull; raises its typed error (`TransferTimeoutError`, ...).
+
+        If ``timeout`` runs out first, a plain `TimeoutError` is raised and the pull goes on.
+        """
+        try:
+            return self._future.result(timeout)
+        except FutureTimeout:
+            # TransferTimeoutError is a TimeoutError too: only a wait that ran out is rewritten.
+            if self._future.done():
+                raise
+            raise TimeoutError(
+                f"pull {self.request_id!r} still in flight after waiting {timeout} s"
+            ) from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return self._future.exception(timeout)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"pull {self.request_id!r} still in flight after waiting {timeout} s"
+            ) from None
+
+    def cancel(self) -> bool:
+        """Stop the pull; True if it had not completed. Nothing is written after this returns.
+
+        Blocks already written by earlier messages of the pull stay written.
+        """
+        state = self._state
+        # The job completes its future under the write lock, so done() here is exact.
+        with state.write_lock:
+            if self._future.done():
+                return False
+            with state.cond:
+                state.cancelled = True
+                state.cond.notify_all()
+        return True
+
+
+@dataclass(eq=False)
+class _Exchange:
+    """One request/response message pair of a pull."""
+
+    first: int
+    last: int
+    header: Any
+    payload: torch.Tensor
+    payload_buffer: torch.Tensor
+    pending: int = 2
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.pending == 0 or self.error is not None
+
+
+class PullClient:
+    """Runs pulls on a small thread pool against one `UcxLoop`."""
+
+    def __init__(
+        self,
+        loop: UcxLoop,
+        pool: BufferPool,
+        *,
+        chunk_bytes: int,
+        max_inflight_chunks: int,
+        max_blocks_per_message: int,
+        threads: int,
+    ) -> None:
+        self._loop = loop
+        self._pool = pool
+        self._chunk_bytes = chunk_bytes
+        self._window = max_inflight_chunks
+        self._max_blocks = max_blocks_per_message
+        self._sequence = itertools.count()
+        self._sequence_lock = threading.Lock()
+        self._threads = threads
+        self._workers: list[threading.Thread] = []
+        self._jobs: deque[Callable[[], None] | None] = deque()
+        self._jobs_cond = threading.Condition()
+        self._active: set[PullHandle] = set()
+        self._closed = False
+
+    def submit(
+        self,
+        peer: PeerHandle,
+        spec: PullSpec,
+        plans: list[LayerPlan],
+        caches: Mapping[str, torch.Tensor],
+        timeout_s: float,
+    ) -> PullHandle:
+        future: Future[PullResult] = Future()
+        handle = PullHandle(spec.request_id, peer, future)
+        deadline = time.monotonic() + timeout_s
+        started = time.perf_counter()
+
+        def job() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            state = handle._state
+            try:
+                result = self._run(handle, spec, plans, caches, deadline, timeout_s, started)
+                if state.cancelled:
+                    raise _cancelled(spec)
+            except BaseException as exc:
+                if state.closed and isinstance(exc, TransferCancelled):
+                    exc = TransportClosed(
+                        f"pull {spec.request_id!r} aborted: the transfer agent was closed"
+                    )
+                with state.write_lock:
+                    future.set_exception(exc)
+            else:
+                with state.write_lock:
+                    if state.cancelled:
+                        future.set_exception(_cancelled(spec))
+                    else:
+                        future.set_result(result)
+            finally:
+                with self._jobs_cond:
+                    self._active.discard(handle)
+
+        with self._jobs_cond:
+            if self._closed:
+                raise TransportClosed("the transfer agent is closed")
+            self._active.add(handle)
+            self._jobs.append(job)
+            if len(self._workers) < self._threads:
+                worker = threading.Thread(
+                    target=self._work, name=f"kvtransfer-pull-{len(self._workers)}", daemon=True
+                )
+                self._workers.append(worker)
+                worker.start()
+            self._jobs_cond.notify()
+        return handle
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Cancel every pull, then stop the worker threads."""
+        with self._jobs_cond:
+            self._closed = True
+            active = list(self._active)
+            queued = [job for job in self._jobs if job is not None]
+            self._jobs.clear()
+            self._jobs.extend([None] * len(self._workers))
+            self._jobs_cond.notify_all()
+        for handle in active:
+            handle._state.closed = True
+            handle.cancel()
+        # Queued jobs see the cancel flag and fail fast with TransferCancelled.
+        for job in queued:
+            job()
+        for worker in self._workers:
+            worker.join(timeout_s)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._jobs_cond:
+                while not self._jobs:
+                    self._jobs_cond.wait()
+                job = self._jobs.popleft()
+            if job is None:
+                return
+            job()
+
+    def _next_sequence(self) -> int:
+        with self._sequence_lock:
+            sequence = next(self._sequence)
+        if sequence > MAX_REPLY_SEQUENCE:
+            raise TransportError("reply tag space exhausted")
+        return sequence
+
+    def _run(
+        self,
+        handle: PullHandle,
+        spec: PullSpec,
+        plans: list[LayerPlan],
+        caches: Mapping[str, torch.Tensor],
+        deadline: float,
+        timeout_s: float,
+        started: float,
+    ) -> PullResult:
+        state = handle._state
+        peer = handle.peer
+        if spec.num_blocks == 0:
+            return PullResult(spec.request_id, 0, len(plans), 0, 0, 0.0)
+        device = caches[plans[0].name].device
+        local_ids = torch.tensor(spec.local_block_ids, dtype=torch.int64, device=device)
+        block_bytes = sum(_segment_sizes(plans, 1))
+        per_message = max(1, min(self._max_blocks, self._chunk_bytes // block_bytes))
+        bounds = [
+            (first, min(first + per_message, spec.num_blocks))
+            for first in range(0, spec.num_blocks, per_message)
+        ]
+        in_flight: deque[_Exchange] = deque()
+        received = 0
+        total_bytes = 0
+        next_chunk = 0
+        try:
+            while next_chunk < len(bounds) or in_flight:
+                if state.cancelled:
+                    raise _cancelled(spec)
+                while next_chunk < len(bounds) and len(in_flight) < self._window:
+                    first, last = bounds[next_chunk]
+                    in_flight.append(self._start(state, peer, spec, plans, device, first, last))
+                    next_chunk += 1
+                exchange = in_flight[0]
+                with state.cond:
+                    state.cond.wait_for(
+                        lambda ex=exchange: ex.finished or state.cancelled,
+                        max(0.0, deadline - time.monotonic()),
+                    )
+                    if state.cancelled:
+                        raise _cancelled(spec)
+                    if not exchange.finished:
+                        raise self._timed_out(spec, peer, timeout_s, received, len(bounds))
+                in_flight.popleft()
+                total_bytes += self._finish(state, spec, peer, plans, caches, local_ids, exchange)
+                received += 1
+                state.received = received
+        except (TransferTimeoutError, _BrokenPeer):
+            # Frees the receives still posted to a peer that may never answer them.
+            self._reset_peer(peer)
+            raise
+        return PullResult(
+            request_id=spec.request_id,
+            num_blocks=spec.num_blocks,
+            num_layers=len(plans),
+            num_messages=len(bounds),
+            payload_bytes=total_bytes,
+            elapsed_s=time.perf_counter() - started,
+        )
+
+    def _start(
+        self,
+        state: _PullState,
+        peer: PeerHandle,
+        spec: PullSpec,
+        plans: list[LayerPlan],
+        device: torch.device,
+        first: int,
+        last: int,
+    ) -> _Exchange:
+        _, total = segment_offsets(_segment_sizes(plans, last - first))
+        header_tag, data_tag = reply_tags(self._next_sequence())
+        message = PullRequestMessage(
+            request_id=spec.request_id,
+            reply_tag=header_tag,
+            reply_address=self._loop.address,
+            layers=tuple(
+                LayerRequest(p.name, p.layout.dtype, p.layout.block_size, p.layout.head_dim)
+                for p in plans
+            ),
+            remote_heads=None
+            if spec.remote_heads is None
+            else (spec.remote_heads.start, spec.remote_heads.stop),
+            num_heads=len(plans[0].local_heads),
+            block_ids=pack_block_ids(spec.remote_block_ids[first:last]),
+            payload_bytes=total,
+        ).encode()
+        buffer = self._pool.acquire(total, device)
+        exchange = _Exchange(
+            first, last, self._loop.new_host_buffer(RESPONSE_HEADER_BYTES), buffer[:total], buffer
+        )
+
+        def received(error: BaseException | None) -> None:
+            with state.cond:
+                if error is not None and exchange.error is None:
+                    exchange.error = error
+                exchange.pending -= 1
+                state.cond.notify_all()
+
+        def sent(error: BaseException | None) -> None:
+            if error is None:
+                return
+            with state.cond:
+                if exchange.error is None:
+                    exchange.error = error
+                state.cond.notify_all()
+
+        def post() -> None:
+            # Receives first, so the answer never arrives as an unexpected message.
+            try:
+                self._loop.recv(peer.ucx_address, exchange.header, header_tag, received)
+                self._loop.recv(peer.ucx_address, exchange.payload, data_tag, received)
+                self._loop.send(peer.ucx_address, message, REQUEST_TAG, sent)
+            except Exception as exc:
+                failure = _BrokenPeer(
+                    f"pull {spec.request_id!r}: cannot reach {peer.name}: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                with state.cond:
+                    exchange.error = failure
+                    state.cond.notify_all()
+            else:
+                state.sent += 1
+
+        # Not waited for: a failure to post lands in the exchange like any transfer failure.
+        self._loop.call(post)
+        return exchange
+
+    def _finish(
+        self,
+        state: _PullState,
+        spec: PullSpec,
+        peer: PeerHandle,
+        plans: list[LayerPlan],
+        caches: Mapping[str, torch.Tensor],
+        local_ids: torch.Tensor,
+        exchange: _Exchange,
+    ) -> int:
+        if exchange.error is not None:
+            raise self._transport_failure(spec, peer, exchange.error)
+        try:
+            header = PullResponseHeader.decode(exchange.header)
+        except WireFormatError as exc:
+            raise RemoteTransferError(
+                f"pull {spec.request_id!r}: {peer.name} sent an unreadable response: {exc}",
+                code=exc.code,
+            ) from exc
+        if header.status != ErrorCode.OK:
+            raise RemoteTransferError(
+                f"pull {spec.request_id!r} refused by {peer.name} "
+                f"({header.status.name}): {header.message}",
+                code=header.status,
+            )
+        total = exchange.payload.numel()
+        if header.payload_bytes != total:
+            raise RemoteTransferError(
+                f"pull {spec.request_id!r}: {peer.name} sent {header.payload_bytes} payload "
+                f"bytes, expected {total}",
+                code=ErrorCode.LAYOUT_MISMATCH,
+            )
+        ids = local_ids[exchange.first : exchange.last]
+        sizes = _segment_sizes(plans, exchange.last - exchange.first)
+        offsets, _ = segment_offsets(sizes)
+        views: dict[tuple[int, int, int, int], RowView] = {}
+        with state.write_lock:
+            if state.cancelled:
+                raise _cancelled(spec)
+            for plan, offset, size in zip(plans, offsets, sizes, strict=True):
+                cache = caches[plan.name]
+                head_elems = plan.layout.head_elems
+                key = (
+                    plan.layout.num_kv_heads,
+                    plan.local_heads.start,
+                    len(plan.local_heads),
+                    head_elems,
+                )
+                view = views.get(key)
+                if view is None:
+                    view = views[key] = row_view(
+                        ids, plan.layout.num_kv_heads, plan.local_heads, head_elems
+                    )
+                scatter_from(exchange.payload[offset : offset + size], cache, view)
+            synchronize(exchange.payload.device)
+        self._pool.release(exchange.payload_buffer)
+        return total
+
+    def _transport_failure(
+        self, spec: PullSpec, peer: PeerHandle, error: BaseException
+    ) -> TransportError:
+        if isinstance(error, TransportError):
+            return error
+        if self._loop.is_cancellation(error):
+            return PeerUnreachable(
+                f"pull {spec.request_id!r}: connection to {peer.name} was reset "
+                "(another pull to it timed out or the agent is closing)"
+            )
+        return _BrokenPeer(
+            f"pull {spec.request_id!r}: transfer with {peer.name} failed: "
+            f"{type(error).__name__}: {error}"
+        )
+
+    def _timed_out(
+        self, spec: PullSpec, peer: PeerHandle, timeout_s: float, received: int, total: int
+    ) -> TransferTimeoutError:
+        return TransferTimeoutError(
+            f"pull {spec.request_id!r} from {peer.name} timed out after {timeout_s} s "
+            f"({received}/{total} messages received)"
+        )
+
+    def _reset_peer(self, peer: PeerHandle) -> None:
+        with contextlib.suppress(TransportClosed):
+            self._loop.call(lambda: self._loop.reset_endpoint(peer.ucx_address))

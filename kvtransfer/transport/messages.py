@@ -1,0 +1,373 @@
+"""The data plane's wire format: agent addresses, UCX tags, pull requests and responses.
+
+Every message starts with a small fixed-size little-endian prefix whose first fields (magic,
+protocol version, kind or status, and for requests the reply tag and reply address) keep their
+place in every protocol version, so a server can always answer "unsupported version" to a
+client it does not understand. Variable metadata is JSON; block ids are packed int64. No pickle:
+a peer's bytes are never executed.
+
+A pull exchange is three tagged messages:
+
+* request (client -> server) on `REQUEST_TAG`: what to read and where to answer;
+* response header (server -> client) on ``reply_tag``: status, payload size, error text;
+* response payload (server -> client) on ``reply_tag | 1``: the gathered KV bytes, or zero bytes
+  on error so the client's posted receive always completes.
+
+Reply tags come from a per-agent counter, so a tag is never reused and a late answer to a
+cancelled or timed-out pull can only land in that pull's private receive buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import zlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtransfer.transport.errors import ErrorCode, InvalidPeerAddress, TransportError
+
+PROTOCOL_VERSION = 1
+
+# Requests use the top tag bit; reply tags never do (see `reply_tags`).
+REQUEST_TAG = (1 << 63) | 0x4B5654
+MAX_REPLY_SEQUENCE = (1 << 62) - 1
+# Room for a status line plus a long error text; longer texts are cut.
+RESPONSE_HEADER_BYTES = 4096
+# Payload segments (one per layer) start on this boundary so each can be viewed as its dtype.
+SEGMENT_ALIGNMENT = 16
+
+KIND_PULL = 1
+
+_ADDRESS_MAGIC = b"KVTA"
+_REQUEST_MAGIC = b"KVTQ"
+_RESPONSE_MAGIC = b"KVTR"
+
+# magic, version, reserved, UCX address length, crc32 of the UCX address
+_ADDRESS = struct.Struct("<4sHHII")
+# Stable across versions: magic, version, kind, reply tag, reply address length.
+_REQUEST_STABLE = struct.Struct("<4sHHQI")
+# Version 1: payload bytes, JSON length, number of block ids.
+_REQUEST_V1 = struct.Struct("<QII")
+# Stable across versions: magic, version, status.
+_RESPONSE_STABLE = struct.Struct("<4sHH")
+# Version 1: payload bytes, error message length.
+_RESPONSE_V1 = struct.Struct("<QI")
+
+
+class WireFormatError(TransportError, ValueError):
+    """A message could not be decoded; ``code`` is the status to answer with."""
+
+    def __init__(self, message: str, *, code: ErrorCode = ErrorCode.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- addresses ----------------------------------------------------------------------------
+
+
+def encode_address(ucx_address: bytes) -> bytes:
+    """Wrap a UCX worker address so that garbage can be told apart before UCX parses it.
+
+    UCX aborts the whole process on some malformed addresses, so a checksum guards it.
+    """
+    return (
+        _ADDRESS.pack(
+            _ADDRESS_MAGIC, PROTOCOL_VERSION, 0, len(ucx_address), zlib.crc32(ucx_address)
+        )
+        + ucx_address
+    )
+
+
+def decode_address(address: bytes) -> bytes:
+    """The UCX worker address inside an `encode_address` envelope; `InvalidPeerAddress` if none."""
+    if not isinstance(address, bytes | bytearray | memoryview):
+        raise InvalidPeerAddress(f"peer address must be bytes, got {type(address).__name__}")
+    data = bytes(address)
+    if len(data) < _ADDRESS.size:
+        raise InvalidPeerAddress(
+            f"peer address is {len(data)} bytes, shorter than the {_ADDRESS.size}-byte header"
+        )
+    magic, version, _, length, crc = _ADDRESS.unpack_from(data)
+    if magic != _ADDRESS_MAGIC:
+        raise InvalidPeerAddress(f"peer address has magic {magic!r}, expected {_ADDRESS_MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise InvalidPeerAddress(
+            f"peer address has protocol version {version}, this agent speaks {PROTOCOL_VERSION}"
+        )
+    ucx_address = data[_ADDRESS.size :]
+    if len(ucx_address) != length:
+        raise InvalidPeerAddress(
+            f"peer address declares {length} UCX address bytes but carries {len(ucx_address)}"
+        )
+    if zlib.crc32(ucx_address) != crc:
+        raise InvalidPeerAddress("peer address checksum mismatch (corrupted address)")
+    return ucx_address
+
+
+def peer_name(ucx_address: bytes) -> str:
+    """Short stable id of a peer for messages and logs."""
+    return f"peer-{zlib.crc32(ucx_address):08x}"
+
+
+# -- tags ---------------------------------------------------------------------------------
+
+
+def reply_tags(sequence: int) -> tuple[int, int]:
+    """(header tag, payload tag) of the exchange numbered ``sequence``."""
+    if not 0 <= sequence <= MAX_REPLY_SEQUENCE:
+        raise ValueError(f"reply sequence {sequence} out of range [0, {MAX_REPLY_SEQUENCE}]")
+    return sequence << 1, (sequence << 1) | 1
+
+
+def payload_tag(header_tag: int) -> int:
+    return header_tag | 1
+
+
+# -- payload layout -----------------------------------------------------------------------
+
+
+def segment_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Start offset of each payload segment and the total payload size, segments aligned."""
+    offsets = []
+    cursor = 0
+    for size in sizes:
+        cursor = -(-cursor // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
+        offsets.append(cursor)
+        cursor += size
+    return offsets, cursor
+
+
+def pack_block_ids(block_ids: Sequence[int]) -> bytes:
+    packed = array("q", block_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_block_ids(data: bytes) -> array:
+    if len(data) % 8:
+        raise WireFormatError(f"block id bytes ({len(data)}) are not a multiple of 8")
+    ids = array("q")
+    ids.frombytes(data)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids
+
+
+# -- request ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerRequest:
+    """One layer to read and the layout the client expects it to have."""
+
+    name: str
+    dtype: str
+    block_size: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class RequestEnvelope:
+    """The version-stable part of a request: enough to answer it, whatever its version."""
+
+    version: int
+    kind: int
+    reply_tag: int
+    reply_address: bytes
+    body_offset: int
+
+
+@dataclass(frozen=True)
+class PullRequestMessage:
+    """Read ``block_ids`` of ``layers`` (heads ``remote_heads``, all if None) in one payload."""
+
+    request_id: str
+    reply_tag: int
+    reply_address: bytes
+    layers: tuple[LayerRequest, ...]
+    remote_heads: tuple[int, int] | None
+    num_heads: int
+    block_ids: bytes
+    payload_bytes: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) // 8
+
+    def encode(self) -> bytes:
+        body = json.dumps(
+            {
+                "request_id": self.request_id,
+                "layers": [[x.name, x.dtype, x.block_size, x.head_dim] for x in self.layers],
+                "heads": None if self.remote_heads is None else list(self.remote_heads),
+                "num_heads": self.num_heads,
+            },
+            separators=(",", ":"),
+        ).encode()
+        return b"".join(
+            (
+                _REQUEST_STABLE.pack(
+                    _REQUEST_MAGIC,
+                    PROTOCOL_VERSION,
+                    KIND_PULL,
+                    self.reply_tag,
+                    len(self.reply_address),
+                ),
+                self.reply_address,
+                _REQUEST_V1.pack(self.payload_bytes, len(body), self.num_blocks),
+                body,
+                self.block_ids,
+            )
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> PullRequestMessage:
+        """Decode a request; `WireFormatError` (with the status to answer) if it is invalid."""
+        envelope = peek_request(data)
+        if envelope.version != PROTOCOL_VERSION:
+            raise WireFormatError(
+                f"request uses protocol version {envelope.version}, server speaks "
+                f"{PROTOCOL_VERSION}",
+                code=ErrorCode.UNSUPPORTED_VERSION,
+            )
+        if envelope.kind != KIND_PULL:
+            raise WireFormatError(f"unknown request kind {envelope.kind}")
+        view = memoryview(data)
+        offset = envelope.body_offset
+        if len(view) < offset + _REQUEST_V1.size:
+            raise WireFormatError(f"request truncated: {len(view)} bytes")
+        payload_bytes, json_len, num_blocks = _REQUEST_V1.unpack_from(view, offset)
+        offset += _REQUEST_V1.size
+        expected = offset + json_len + 8 * num_blocks
+        if len(view) != expected:
+            raise WireFormatError(f"request is {len(view)} bytes, its header declares {expected}")
+        try:
+            body = json.loads(bytes(view[offset : offset + json_len]))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise WireFormatError(f"request metadata is not valid JSON: {exc}") from exc
+        offset += json_len
+        return cls(
+            request_id=_field(body, "request_id", str),
+            reply_tag=envelope.reply_tag,
+            reply_address=envelope.reply_address,
+            layers=_decode_layers(body),
+            remote_heads=_decode_heads(body),
+            num_heads=_field(body, "num_heads", int),
+            block_ids=bytes(view[offset:]),
+            payload_bytes=payload_bytes,
+        )
+
+
+def peek_request(data: bytes | bytearray | memoryview) -> RequestEnvelope:
+    """The stable prefix of a request; `WireFormatError` if it is not one (cannot be answered)."""
+    view = memoryview(data)
+    if len(view) < _REQUEST_STABLE.size:
+        raise WireFormatError(f"request truncated: {len(view)} bytes")
+    magic, version, kind, reply_tag, address_len = _REQUEST_STABLE.unpack_from(view)
+    if magic != _REQUEST_MAGIC:
+        raise WireFormatError(f"request has magic {bytes(magic)!r}, expected {_REQUEST_MAGIC!r}")
+    end = _REQUEST_STABLE.size + address_len
+    if len(view) < end or address_len == 0:
+        raise WireFormatError(f"request reply address truncated: {len(view)} bytes")
+    if reply_tag & (1 << 63):
+        raise WireFormatError(f"reply tag {reply_tag:#x} collides with the request tag space")
+    return RequestEnvelope(
+        version=version,
+        kind=kind,
+        reply_tag=reply_tag,
+        reply_address=bytes(view[_REQUEST_STABLE.size : end]),
+        body_offset=end,
+    )
+
+
+def _field(body: object, key: str, kind: type) -> object:
+    if not isinstance(body, dict) or key not in body:
+        raise WireFormatError(f"request metadata lacks {key!r}")
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise WireFormatError(f"request field {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _decode_layers(body: dict) -> tuple[LayerRequest, ...]:
+    raw = _field(body, "layers", list)
+    layers = []
+    for item in raw:
+        if (
+            not isinstance(item, list)
+            or len(item) != 4
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], str)
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in item[2:])
+        ):
+            raise WireFormatError(f"bad layer entry {item!r}: want [name, dtype, block, head_dim]")
+        layers.append(LayerRequest(*item))
+    if not layers:
+        raise WireFormatError("request names no layers")
+    return tuple(layers)
+
+
+def _decode_heads(body: dict) -> tuple[int, int] | None:
+    if not isinstance(body, dict) or body.get("heads") is None:
+        return None
+    heads = body["heads"]
+    if (
+        not isinstance(heads, list)
+        or len(heads) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int) for v in heads)
+    ):
+        raise WireFormatError(f"bad head range {heads!r}: want [start, stop]")
+    return heads[0], heads[1]
+
+
+# -- response -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PullResponseHeader:
+    """Status of one exchange; ``payload_bytes`` is what the payload message carries."""
+
+    status: ErrorCode
+    payload_bytes: int = 0
+    message: str = ""
+
+    def encode(self) -> bytes:
+        room = RESPONSE_HEADER_BYTES - _RESPONSE_STABLE.size - _RESPONSE_V1.size
+        text = self.message.encode()
+        if len(text) > room:
+            text = text[: room - 3].decode(errors="ignore").encode() + b"..."
+        return (
+            _RESPONSE_STABLE.pack(_RESPONSE_MAGIC, PROTOCOL_VERSION, int(self.status))
+            + _RESPONSE_V1.pack(self.payload_bytes, len(text))
+            + text
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> PullResponseHeader:
+        view = memoryview(data)
+        if len(view) < _RESPONSE_STABLE.size + _RESPONSE_V1.size:
+            raise WireFormatError(f"response header truncated: {len(view)} bytes")
+        magic, version, status = _RESPONSE_STABLE.unpack_from(view)
+        if magic != _RESPONSE_MAGIC:
+            raise WireFormatError(
+                f"response has magic {bytes(magic)!r}, expected {_RESPONSE_MAGIC!r}"
+            )
+        if version != PROTOCOL_VERSION:
+            raise WireFormatError(
+                f"response uses protocol version {version}, client speaks {PROTOCOL_VERSION}",
+                code=ErrorCode.UNSUPPORTED_VERSION,
+            )
+        payload_bytes, text_len = _RESPONSE_V1.unpack_from(view, _RESPONSE_STABLE.size)
+        start = _RESPONSE_STABLE.size + _RESPONSE_V1.size
+        if len(view) < start + text_len:
+            raise WireFormatError("response header message truncated")
+        try:
+            code = ErrorCode(status)
+        except ValueError:
+            code = ErrorCode.INTERNAL
+        text = bytes(view[start : start + text_len]).decode(errors="replace")
+        return cls(status=code, payload_bytes=payload_bytes, message=text)

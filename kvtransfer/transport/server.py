@@ -1,0 +1,290 @@
+"""The serving side: answer pull requests from the registered KV caches.
+
+The loop thread receives each request (any size, probed) and queues it; a handler thread
+decodes and validates it, gathers the requested blocks and heads of every layer into one pooled
+buffer with one `index_select` per layer, and hands the header and payload sends back to the
+loop thread. It does not wait for the sends, so the next request's gather overlaps this one's
+transfer. A request that fails validation is answered with an error header (and an empty
+payload, so the client's posted payload receive completes too); the server keeps serving.
+
+A send that does not complete within ``send_timeout_s`` means the client died or stopped
+reading: its endpoint is reset. Such a send cannot be cancelled, so its buffer is never reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from kvtransfer.transport.buffers import (
+    BufferPool,
+    RowView,
+    gather_into,
+    payload_bytes,
+    row_view,
+    synchronize,
+)
+from kvtransfer.transport.errors import ErrorCode
+from kvtransfer.transport.messages import (
+    REQUEST_TAG,
+    PullRequestMessage,
+    PullResponseHeader,
+    WireFormatError,
+    payload_tag,
+    peek_request,
+    peer_name,
+    segment_offsets,
+    unpack_block_ids,
+)
+from kvtransfer.transport.spec import KVLayout
+from kvtransfer.transport.ucx import UcxLoop
+
+logger = logging.getLogger(__name__)
+
+# Layer names quoted in an error message before it is cut.
+_NAMES_IN_ERRORS = 8
+
+
+class _Rejected(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_NAMES_IN_ERRORS])
+    more = len(names) - _NAMES_IN_ERRORS
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+class KVServer:
+    """Serves pulls on ``loop`` from the caches ``caches()`` returns at each request."""
+
+    def __init__(
+        self,
+        loop: UcxLoop,
+        pool: BufferPool,
+        caches: Callable[[], Mapping[str, torch.Tensor]],
+        *,
+        send_timeout_s: float,
+        threads: int = 1,
+    ) -> None:
+        self._loop = loop
+        self._pool = pool
+        self._caches = caches
+        self._send_timeout_s = send_timeout_s
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"kvtransfer-serve-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        self._started = False
+        self._stats_lock = threading.Lock()
+        self.requests_served = 0
+        self.requests_rejected = 0
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        for thread in self._threads:
+            thread.start()
+        self._loop.call(lambda: self._loop.listen(REQUEST_TAG, self._on_request)).result()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting requests and join the handler threads; idempotent."""
+        if not self._started:
+            return
+        self._started = False
+        if self._loop.running:
+            try:
+                self._loop.call(lambda: self._loop.unlisten(REQUEST_TAG)).result(timeout_s)
+            except Exception:
+                logger.debug("could not unlisten; the loop is closing", exc_info=True)
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+    # -- loop thread --------------------------------------------------------------------------
+
+    def _on_request(self, data: Any, error: BaseException | None) -> None:
+        if error is not None:
+            logger.warning("failed to receive a pull request: %s", error)
+            return
+        self._queue.put(data)
+
+    # -- handler threads ----------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            data = self._queue.get()
+            if data is None:
+                return
+            try:
+                self._handle(data)
+            except Exception:
+                logger.exception("pull request handling failed")
+
+    def _handle(self, data: Any) -> None:
+        try:
+            envelope = peek_request(data)
+        except WireFormatError as exc:
+            # Without a reply tag and address there is nobody to answer.
+            logger.warning("dropping unanswerable pull request: %s", exc)
+            return
+        payload: torch.Tensor | None = None
+        buffer: torch.Tensor | None = None
+        try:
+            request = PullRequestMessage.decode(data)
+            buffer, payload = self._gather(request)
+            header = PullResponseHeader(ErrorCode.OK, payload.numel())
+        except (WireFormatError, _Rejected) as exc:
+            header = PullResponseHeader(exc.code, 0, str(exc))
+        except Exception as exc:
+            logger.exception("pull request failed on the server")
+            header = PullResponseHeader(ErrorCode.INTERNAL, 0, f"{type(exc).__name__}: {exc}")
+        with self._stats_lock:
+            if header.status == ErrorCode.OK:
+                self.requests_served += 1
+            else:
+                self.requests_rejected += 1
+        self._reply(envelope.reply_address, envelope.reply_tag, header, buffer, payload)
+
+    def _gather(self, request: PullRequestMessage) -> tuple[torch.Tensor, torch.Tensor]:
+        caches = self._caches()
+        unknown = [layer.name for layer in request.layers if layer.name not in caches]
+        if unknown:
+            raise _Rejected(
+                ErrorCode.UNKNOWN_LAYER,
+                f"unknown layer(s) {_names(unknown)}; this server holds {len(caches)} layers",
+            )
+        if request.num_blocks == 0:
+            raise _Rejected(ErrorCode.BAD_REQUEST, "request has no blocks")
+        first = caches[request.layers[0].name]
+        ids = torch.frombuffer(unpack_block_ids(request.block_ids), dtype=torch.int64)
+        low, high = int(ids.min()), int(ids.max())
+        ids = ids.to(first.device)
+        plans = [
+            self._check_layer(request, caches[layer.name], layer, low, high)
+            for layer in request.layers
+        ]
+        sizes = [
+            payload_bytes(request.num_blocks, len(h), lay.head_elems, lay.element_size)
+            for lay, h in plans
+        ]
+        offsets, total = segment_offsets(sizes)
+        if total != request.payload_bytes:
+            raise _Rejected(
+                ErrorCode.LAYOUT_MISMATCH,
+                f"payload would be {total} bytes, the client expects {request.payload_bytes}",
+            )
+        buffer = self._pool.acquire(total, first.device)
+        payload = buffer[:total]
+        views: dict[tuple[int, int, int, int], RowView] = {}
+        for layer, (layout, heads), offset, size in zip(
+            request.layers, plans, offsets, sizes, strict=True
+        ):
+            key = (layout.num_kv_heads, heads.start, len(heads), layout.head_elems)
+            view = views.get(key)
+            if view is None:
+                view = views[key] = row_view(ids, layout.num_kv_heads, heads, layout.head_elems)
+            gather_into(payload[offset : offset + size], caches[layer.name], view)
+        synchronize(payload.device)
+        return buffer, payload
+
+    def _check_layer(
+        self, request: PullRequestMessage, cache: torch.Tensor, layer: Any, low: int, high: int
+    ) -> tuple[KVLayout, range]:
+        layout = KVLayout.of(cache)
+        for field, wanted in (
+            ("dtype", layer.dtype),
+            ("block_size", layer.block_size),
+            ("head_dim", layer.head_dim),
+        ):
+            have = getattr(layout, field)
+            if have != wanted:
+                raise _Rejected(
+                    ErrorCode.LAYOUT_MISMATCH,
+                    f"layer {layer.name!r} {field} mismatch: request "
+                    f"expects {wanted}, server has {have}",
+                )
+        if request.remote_heads is None:
+            heads = range(layout.num_kv_heads)
+        else:
+            start, stop = request.remote_heads
+            if not 0 <= start < stop <= layout.num_kv_heads:
+                raise _Rejected(
+                    ErrorCode.HEAD_RANGE,
+                    f"head range [{start},{stop}) out of bounds for layer "
+                    f"{layer.name!r} with {layout.num_kv_heads} heads",
+                )
+            heads = range(start, stop)
+        if len(heads) != request.num_heads:
+            raise _Rejected(
+                ErrorCode.HEAD_RANGE,
+                f"layer {layer.name!r} serves {len(heads)} heads "
+                f"[{heads.start},{heads.stop}) but the client writes {request.num_heads}",
+            )
+        if low < 0 or high >= layout.num_blocks:
+            bad = low if low < 0 else high
+            raise _Rejected(
+                ErrorCode.BLOCK_OUT_OF_RANGE,
+                f"block id {bad} out of range for layer {layer.name!r} "
+                f"with {layout.num_blocks} blocks",
+            )
+        return layout, heads
+
+    def _reply(
+        self,
+        address: bytes,
+        tag: int,
+        header: PullResponseHeader,
+        buffer: torch.Tensor | None,
+        payload: torch.Tensor | None,
+    ) -> None:
+        loop = self._loop
+        body = payload if payload is not None else torch.empty(0, dtype=torch.uint8)
+        state = {"failed": False}
+
+        def payload_sent(error: BaseException | None) -> None:
+            if error is None and not state["failed"] and buffer is not None:
+                self._pool.release(buffer)
+            elif error is not None:
+                logger.warning("pull response to %s failed: %s", peer_name(address), error)
+
+        def timed_out() -> None:
+            state["failed"] = True
+            logger.warning(
+                "pull response to %s not taken within %s s; resetting the connection",
+                peer_name(address),
+                self._send_timeout_s,
+            )
+            loop.reset_endpoint(address)
+
+        def send() -> None:
+            loop.send(address, header.encode(), tag)
+            loop.send(
+                address,
+                body,
+                payload_tag(tag),
+                payload_sent,
+                timeout_s=self._send_timeout_s,
+                on_timeout=timed_out,
+            )
+
+        def posted(future: Future[None]) -> None:
+            error = future.exception()
+            if error is not None:
+                logger.warning("cannot answer pull request from %s: %s", peer_name(address), error)
+
+        try:
+            loop.call(send).add_done_callback(posted)
+        except Exception as exc:
+            logger.warning("cannot answer pull request from %s: %s", peer_name(address), exc)

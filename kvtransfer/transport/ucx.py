@@ -1,0 +1,400 @@
+"""Thin wrapper over ucxx's core (non-async) API: one UCX worker and the thread that drives it.
+
+`UcxLoop` owns a UCX context and worker in blocking progress mode and runs its own progress
+thread: progress the worker, finish completed requests, then `arm` the worker and sleep in
+``select`` on its epoll descriptor plus a wake-up pipe. That thread is the only one that touches
+UCX objects; other threads hand it closures through `UcxLoop.call`. This gives completion
+callbacks without polling (ucxx's built-in progress thread would leave request completion to be
+polled from Python) and makes every UCX call single-threaded.
+
+Traps this module works around (see the UCX facts notes of the project):
+
+* endpoints are created **without** error handling, otherwise UCX will not use shared memory
+  between processes; as a consequence a dead peer is never reported and is detected by
+  timeouts instead;
+* ``close_blocking`` on an endpoint whose peer died hangs forever, so endpoints are only ever
+  closed with the non-blocking ``close`` followed by ``cancel_inflight_requests``, which cancels
+  that endpoint's posted receives (sends to a dead peer cannot be cancelled and are kept, with
+  their buffers, until the worker is destroyed);
+* ``import ucxx`` writes UCX variables into ``os.environ``, so it happens only when a loop is
+  created, never at module import.
+
+The ``libucx-cu12`` wheel is built without verbs/rdmacm: between hosts this runs over TCP, not
+InfiniBand/RoCE, unless a system UCX with those transports is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import os
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from kvtransfer.transport.errors import TransportClosed
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Completion = Callable[[BaseException | None], None]
+MessageHandler = Callable[[Any, BaseException | None], None]
+
+# Upper bound on one sleep of the loop: deadlines are rechecked at least this often.
+_MAX_SLEEP_S = 1.0
+# How long shutdown keeps progressing so that closes and cancellations are processed.
+_SHUTDOWN_DRAIN_S = 0.2
+
+
+@dataclass(eq=False)
+class _Tracked:
+    request: Any
+    keepalive: tuple[Any, ...]
+    on_done: Completion | None
+    on_timeout: Callable[[], None] | None = None
+    done: bool = False
+
+
+@dataclass(order=True)
+class _Deadline:
+    at: float
+    seq: int
+    tracked: _Tracked = field(compare=False)
+
+
+def _ucx_modules() -> tuple[Any, Any, Any]:
+    # ucxx warns once per context about variables it set itself; it is noise for us.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import numpy
+    import ucxx._lib.libucxx as libucxx
+    from ucxx._lib.arr import Array
+
+    return libucxx, Array, numpy
+
+
+class UcxLoop:
+    """A UCX worker plus its progress thread. Methods marked *loop thread* must run on it."""
+
+    def __init__(self, *, name: str = "kvtransfer-ucx") -> None:
+        self._ucx, self._array, self._np = _ucx_modules()
+        ucx = self._ucx
+        self._context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        self._worker = ucx.UCXWorker(self._context)
+        self._worker.init_blocking_progress_mode()
+        self._epoll_fd = self._worker.epoll_file_descriptor
+        self.address: bytes = bytes(self._worker.address)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._lock = threading.Lock()
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._closing = False
+        self._tracked: list[_Tracked] = []
+        self._deadlines: list[_Deadline] = []
+        self._deadline_seq = itertools.count()
+        self._endpoints: dict[bytes, Any] = {}
+        self._listeners: dict[int, MessageHandler] = {}
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the loop thread; its result or exception arrives in the future."""
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closing:
+                raise TransportClosed("the UCX loop is closed")
+            self._calls.append((fn, future))
+            # Under the lock: close() cannot close (and the OS reuse) the pipe in between.
+            self._wake()
+        return future
+
+    def is_cancellation(self, error: BaseException) -> bool:
+        """Whether a completion error means the request was cancelled (endpoint reset)."""
+        return isinstance(error, self._ucx.UCXCanceledError)
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread after closing every endpoint; idempotent."""
+        with self._lock:
+            self._closing = True
+            self._wake()
+        if not self.in_loop_thread():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"UCX progress thread did not stop within {timeout_s} s")
+        with self._lock:
+            if self._wake_w >= 0:
+                os.close(self._wake_w)
+                os.close(self._wake_r)
+                self._wake_w = self._wake_r = -1
+        # Destroy the worker before the buffers its cancelled requests pointed at.
+        self._endpoints.clear()
+        self._worker = None
+        self._context = None
+        self._tracked.clear()
+        self._deadlines.clear()
+
+    def as_buffer(self, data: torch.Tensor | bytes | Any) -> Any:
+        """A ucxx ``Array`` over a byte tensor (host or CUDA), bytes, or a numpy array."""
+        if isinstance(data, torch.Tensor):
+            if data.dtype != torch.uint8 or not data.is_contiguous():
+                raise ValueError("UCX buffers must be contiguous uint8 tensors")
+            if data.is_cuda:
+                # UCX's CUDA transports work in the calling thread's current CUDA context; UCX
+                # detects device memory from __cuda_array_interface__.
+                torch.cuda.set_device(data.device)
+                return self._array(data)
+            return self._array(data.numpy())
+        if isinstance(data, bytes | bytearray):
+            return self._array(self._np.frombuffer(data, dtype=self._np.uint8))
+        return self._array(data)
+
+    def new_host_buffer(self, nbytes: int) -> Any:
+        return self._np.zeros(nbytes, dtype=self._np.uint8)
+
+    # -- loop thread --------------------------------------------------------------------------
+
+    def endpoint(self, address: bytes) -> Any:
+        """The cached endpoint to the worker at raw UCX ``address`` (loop thread)."""
+        endpoint = self._endpoints.get(address)
+        if endpoint is None:
+            ucx = self._ucx
+            endpoint = ucx.UCXEndpoint.create_from_worker_address(
+                self._worker, ucx.UCXAddress.create_from_buffer(address), False
+            )
+            self._endpoints[address] = endpoint
+        return endpoint
+
+    def reset_endpoint(self, address: bytes) -> bool:
+        """Close the endpoint to ``address`` and cancel its posted receives (loop thread).
+
+        The next `endpoint` call creates a fresh one. Returns whether one existed.
+        """
+        endpoint = self._endpoints.pop(address, None)
+        if endpoint is None:
+            return False
+        endpoint.close()
+        # Cancels only requests of closed endpoints: live endpoints' requests are unaffected.
+        self._worker.cancel_inflight_requests()
+        return True
+
+    def send(
+        self,
+        address: bytes,
+        data: Any,
+        tag: int,
+        on_done: Completion | None = None,
+        *,
+        keepalive: tuple[Any, ...] = (),
+        timeout_s: float | None = None,
+        on_timeout: Callable[[], None] | None = None,
+    ) -> None:
+        """Send ``data`` to ``address`` under ``tag`` (loop thread)."""
+        buffer = self.as_buffer(data)
+        request = self.endpoint(address).tag_send(buffer, self._ucx.UCXXTag(tag))
+        self._track(request, (data, buffer, *keepalive), on_done, timeout_s, on_timeout)
+
+    def recv(
+        self,
+        address: bytes,
+        data: Any,
+        tag: int,
+        on_done: Completion | None = None,
+        *,
+        keepalive: tuple[Any, ...] = (),
+    ) -> None:
+        """Post a receive of ``tag`` into ``data`` on the endpoint to ``address`` (loop thread).
+
+        Tag matching is worker-wide; posting it on the endpoint lets `reset_endpoint` cancel it.
+        """
+        buffer = self.as_buffer(data)
+        request = self.endpoint(address).tag_recv(
+            buffer, self._ucx.UCXXTag(tag), self._ucx.UCXXTagMaskFull
+        )
+        self._track(request, (data, buffer, *keepalive), on_done, None, None)
+
+    def listen(self, tag: int, handler: MessageHandler) -> None:
+        """Deliver every message sent to ``tag`` from any peer to ``handler`` (loop thread).
+
+        Messages are probed, then received into a host buffer of their exact size, so requests
+        of any length need no pre-posted buffer.
+        """
+        self._listeners[tag] = handler
+
+    def unlisten(self, tag: int) -> None:
+        self._listeners.pop(tag, None)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        # A full pipe already guarantees a wake-up; a closed one means we are shut down.
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
+    def _track(
+        self,
+        request: Any,
+        keepalive: tuple[Any, ...],
+        on_done: Completion | None,
+        timeout_s: float | None,
+        on_timeout: Callable[[], None] | None,
+    ) -> None:
+        tracked = _Tracked(request, keepalive, on_done, on_timeout)
+        self._tracked.append(tracked)
+        if timeout_s is not None:
+            heapq.heappush(
+                self._deadlines,
+                _Deadline(time.monotonic() + timeout_s, next(self._deadline_seq), tracked),
+            )
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._run_calls()
+                with self._lock:
+                    if self._closing and not self._calls:
+                        break
+                self._progress()
+                if self._calls or not self._worker.arm():
+                    continue
+                select.select([self._epoll_fd, self._wake_r], [], [], self._sleep_s())
+                self._drain_wake()
+        except Exception:
+            logger.exception("UCX progress thread crashed")
+        finally:
+            self._shutdown()
+
+    def _progress(self) -> None:
+        while self._worker.progress_once():
+            pass
+        if self._listeners:
+            self._probe()
+        self._complete()
+        self._expire()
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def _probe(self) -> None:
+        ucx = self._ucx
+        for tag, handler in list(self._listeners.items()):
+            while True:
+                probe = self._worker.tag_probe(ucx.UCXXTag(tag), ucx.UCXXTagMaskFull, True)
+                if not probe.matched:
+                    break
+                buffer = self.new_host_buffer(probe.length)
+                array = self._array(buffer)
+                request = self._worker.tag_recv_with_handle(array, probe)
+                self._track(
+                    request,
+                    (buffer, array),
+                    lambda exc, buffer=buffer, handler=handler: handler(buffer, exc),
+                    None,
+                    None,
+                )
+
+    def _complete(self) -> None:
+        if not self._tracked:
+            return
+        pending = []
+        finished = []
+        for tracked in self._tracked:
+            (finished if tracked.request.completed else pending).append(tracked)
+        if not finished:
+            return
+        self._tracked = pending
+        for tracked in finished:
+            tracked.done = True
+            error: BaseException | None = None
+            try:
+                tracked.request.check_error()
+            except Exception as exc:
+                error = exc
+            self._notify(tracked, error)
+
+    def _notify(self, tracked: _Tracked, error: BaseException | None) -> None:
+        callback, tracked.on_done = tracked.on_done, None
+        if callback is None:
+            return
+        try:
+            callback(error)
+        except Exception:
+            logger.exception("UCX completion callback failed")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0].at <= now:
+            tracked = heapq.heappop(self._deadlines).tracked
+            if tracked.done or tracked.on_timeout is None:
+                continue
+            on_timeout, tracked.on_timeout = tracked.on_timeout, None
+            try:
+                on_timeout()
+            except Exception:
+                logger.exception("UCX timeout callback failed")
+
+    def _sleep_s(self) -> float:
+        while self._deadlines and self._deadlines[0].tracked.done:
+            heapq.heappop(self._deadlines)
+        if not self._deadlines:
+            return _MAX_SLEEP_S
+        return min(_MAX_SLEEP_S, max(0.0, self._deadlines[0].at - time.monotonic()))
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _shutdown(self) -> None:
+        self._listeners.clear()
+        try:
+            for endpoint in self._endpoints.values():
+                endpoint.close()
+            self._worker.cancel_inflight_requests()
+            stop = time.monotonic() + _SHUTDOWN_DRAIN_S
+            while self._tracked and time.monotonic() < stop:
+                self._progress()
+                time.sleep(0.001)
+        except Exception:
+            logger.exception("error while shutting down the UCX worker")
+        closed = TransportClosed("the UCX loop is closed")
+        for tracked in self._tracked:
+            self._notify(tracked, closed)
+        with self._lock:
+            self._closing = True
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(closed)

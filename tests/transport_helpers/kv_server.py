@@ -1,0 +1,39 @@
+"""A KV transfer agent serving seeded caches until stdin closes.
+
+    python -m transport_helpers.kv_server --seed 3 --group model.layers:0:3:float32 [--no-serve]
+
+Prints one JSON line ``{"address": hex, "layouts": {...}, "pid": n}`` once serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from kvtransfer.transport import KVTransferAgent, TransportConfig
+from transport_helpers.kv import LayerGroup, make_caches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--group", action="append", required=True)
+    parser.add_argument("--no-serve", action="store_true")
+    parser.add_argument("--send-timeout", type=float, default=5.0)
+    args = parser.parse_args()
+    groups = [LayerGroup.decode(text) for text in args.group]
+    agent = KVTransferAgent(TransportConfig(send_timeout_s=args.send_timeout))
+    agent.register_kv_caches(make_caches(args.seed, groups))
+    if not args.no_serve:
+        agent.start_server()
+    layouts = {name: layout.as_dict() for name, layout in agent.kv_layouts().items()}
+    print(json.dumps({"address": agent.address.hex(), "layouts": layouts, "pid": os.getpid()}))
+    sys.stdout.flush()
+    sys.stdin.read()
+    agent.close()
+
+
+if __name__ == "__main__":
+    main()
