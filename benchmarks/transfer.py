@@ -1,0 +1,614 @@
+"""KV block pull throughput: this transport vs plain TCP, in-process memcpy and NIXL READ.
+
+Two processes on this host hold caches in the engine's paged layout (per layer
+``[num_blocks, 2, heads, block_size, head_dim]``); the reader pulls scattered blocks:
+
+* layout A: 8 layers x [512, 2, 8, 16, 128] float32: 128 KiB per block per layer, 1 MiB per
+  block (512 MiB per process);
+* layout B: 8 layers x [4096, 2, 1, 16, 128] bfloat16: 8 KiB per block per layer, a TP=8 shard
+  (256 MiB per process). The 2048-block case uses B because A would move 2 GiB per request.
+
+Cases: 1 (latency), 16 and 256 blocks of A, 2048 blocks of B, 256 blocks of A reading half the
+heads (remote heads 4:8 into a 4-head cache, the decode-TP=2 case), and 256 blocks of A for
+layers 2..5 only.
+Block ids are seeded random permutations, so blocks are scattered on both sides.
+
+Methods, each timed per request (median over iterations after warm-up):
+
+* ours: `KVTransferAgent.pull` (server gathers into one buffer per <= 32 MiB message, UCX
+  tagged send over shared memory / CMA, client scatters);
+* tcp: the same gather, ``sendall`` over a loopback socket, ``recv_into``, the same scatter;
+* memcpy: the same gather and scatter in one process (an upper bound for a gather/scatter
+  design);
+* nixl: NIXL one-sided READ over its UCX backend, DRAM segments, one descriptor per block and
+  layer (per K/V plane for head slices), descriptor lists prepared once; only if ``nixl_cu12``
+  imports (``pip install --no-deps nixl-cu12``). It runs before UCX is imported here, in its own
+  processes, because ``import ucxx`` writes UCX variables into the environment.
+
+Every process uses one torch intra-op thread (``--torch-threads``): on a small shared host, OpenMP
+threads of two processes preempt each other. Handshake timings are not measured here
+(``handshake_cold_ms``/``handshake_warm_ms`` stay null).
+
+    python benchmarks/transfer.py [--iterations 10] [--json results.json] [--no-nixl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtransfer.transport.buffers import gather_into, row_view, scatter_from
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    num_blocks: int
+    num_layers: int
+    num_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def layer_name(self, layer: int) -> str:
+        return f"{self.name}.layers.{layer}.self_attn"
+
+    @property
+    def head_elems(self) -> int:
+        return self.block_size * self.head_dim
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_elems * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.num_heads * self.head_bytes
+
+
+LAYOUT_A = Layout("a", 512, 8, 8, 16, 128, torch.float32)
+LAYOUT_B = Layout("b", 4096, 8, 1, 16, 128, torch.bfloat16)
+LAYOUTS = {layout.name: layout for layout in (LAYOUT_A, LAYOUT_B)}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    layout: Layout
+    blocks: int
+    heads: tuple[int, int] | None = None
+    layers: tuple[int, int] | None = None
+
+    @property
+    def layer_range(self) -> range:
+        return range(*(self.layers or (0, self.layout.num_layers)))
+
+    @property
+    def head_range(self) -> range:
+        return range(*(self.heads or (0, self.layout.num_heads)))
+
+    @property
+    def local_heads(self) -> int:
+        return len(self.head_range)
+
+    @property
+    def nbytes(self) -> int:
+        per_block = 2 * self.local_heads * self.layout.head_bytes
+        return self.blocks * per_block * len(self.layer_range)
+
+    def block_ids(self) -> tuple[list[int], list[int]]:
+        generator = torch.Generator().manual_seed(self.blocks * 31 + len(self.name))
+        remote = torch.randperm(self.layout.num_blocks, generator=generator)[: self.blocks]
+        local = torch.randperm(self.layout.num_blocks, generator=generator)[: self.blocks]
+        return remote.tolist(), local.tolist()
+
+
+CASES = [
+    Case("1 block", LAYOUT_A, 1),
+    Case("16 blocks", LAYOUT_A, 16),
+    Case("256 blocks", LAYOUT_A, 256),
+    Case("2048 blocks (B)", LAYOUT_B, 2048),
+    Case("256 blocks, half heads", LAYOUT_A, 256, heads=(4, 8)),
+    Case("256 blocks, layers 2-5", LAYOUT_A, 256, layers=(2, 6)),
+]
+
+
+# -- caches -----------------------------------------------------------------------------------
+
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    return {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+
+
+def remote_cache(layout: Layout, layer: int) -> torch.Tensor:
+    """Distinct, cheaply reproducible contents (compared bitwise through an int view)."""
+    shape = (layout.num_blocks, 2, layout.num_heads, layout.block_size, layout.head_dim)
+    numel = layout.num_blocks * 2 * layout.num_heads * layout.head_elems
+    values = torch.arange(numel, dtype=torch.int64).add_(layer * 7919)
+    return values.to(_int_view(layout.dtype)).view(layout.dtype).view(shape)
+
+
+def remote_caches() -> dict[str, torch.Tensor]:
+    return {
+        layout.layer_name(layer): remote_cache(layout, layer)
+        for layout in LAYOUTS.values()
+        for layer in range(layout.num_layers)
+    }
+
+
+def local_caches(layout: Layout, num_heads: int) -> dict[str, torch.Tensor]:
+    shape = (layout.num_blocks, 2, num_heads, layout.block_size, layout.head_dim)
+    return {
+        layout.layer_name(layer): torch.zeros(shape, dtype=layout.dtype)
+        for layer in range(layout.num_layers)
+    }
+
+
+def verify(case: Case, caches: dict[str, torch.Tensor], remote: list[int], local: list[int]):
+    heads = case.head_range
+    for layer in case.layer_range:
+        name = case.layout.layer_name(layer)
+        expected = remote_cache(case.layout, layer)[remote][:, :, heads.start : heads.stop]
+        got = caches[name][local]
+        itype = _int_view(case.layout.dtype)
+        if not torch.equal(got.view(itype), expected.contiguous().view(itype)):
+            raise RuntimeError(f"{case.name}: layer {name} differs after the transfer")
+
+
+# -- gather / scatter shared by tcp and memcpy ------------------------------------------------
+
+
+def gather(case: Case, caches: dict[str, torch.Tensor], ids: list[int], out: torch.Tensor):
+    index = torch.tensor(ids, dtype=torch.int64)
+    view = row_view(index, case.layout.num_heads, case.head_range, case.layout.head_elems)
+    per_layer = case.nbytes // len(case.layer_range)
+    for i, layer in enumerate(case.layer_range):
+        segment = out[i * per_layer : (i + 1) * per_layer]
+        gather_into(segment, caches[case.layout.layer_name(layer)], view)
+
+
+def scatter(case: Case, caches: dict[str, torch.Tensor], ids: list[int], data: torch.Tensor):
+    index = torch.tensor(ids, dtype=torch.int64)
+    heads = range(case.local_heads)
+    view = row_view(index, case.local_heads, heads, case.layout.head_elems)
+    per_layer = case.nbytes // len(case.layer_range)
+    for i, layer in enumerate(case.layer_range):
+        segment = data[i * per_layer : (i + 1) * per_layer]
+        scatter_from(segment, caches[case.layout.layer_name(layer)], view)
+
+
+# -- timing -----------------------------------------------------------------------------------
+
+
+def timed(fn, iterations: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def iterations_for(case: Case, base: int) -> int:
+    # Small requests are cheap: take more samples so p99 means something.
+    return base * 4 if case.nbytes <= 32 * MiB else base
+
+
+def gbps(nbytes: int, samples: list[float] | None) -> float | None:
+    if not samples:
+        return None
+    return nbytes / statistics.median(samples) / 1e9
+
+
+def percentile_ms(samples: list[float], q: int) -> float:
+    if len(samples) == 1:
+        return samples[0] * 1e3
+    return statistics.quantiles(samples, n=100, method="inclusive")[q - 1] * 1e3
+
+
+# -- memcpy -----------------------------------------------------------------------------------
+
+
+def run_memcpy(base: int, warmup: int) -> dict[str, list[float]]:
+    remote = remote_caches()
+    results = {}
+    for case in CASES:
+        local = local_caches(case.layout, case.local_heads)
+        remote_ids, local_ids = case.block_ids()
+        buffer = torch.empty(case.nbytes, dtype=torch.uint8)
+
+        def once(case=case, local=local, remote_ids=remote_ids, local_ids=local_ids, b=buffer):
+            gather(case, remote, remote_ids, b)
+            scatter(case, local, local_ids, b)
+
+        results[case.name] = timed(once, iterations_for(case, base), warmup)
+        verify(case, local, remote_ids, local_ids)
+    return results
+
+
+# -- NIXL -------------------------------------------------------------------------------------
+
+
+def _nixl_descs(caches: dict[str, torch.Tensor], layout: Layout, heads: range | None):
+    """One (addr, len, dev) row per (layer, block) or, for a head slice, per (layer, block, K/V)."""
+    import numpy as np
+
+    rows = []
+    for layer in range(layout.num_layers):
+        tensor = caches[layout.layer_name(layer)]
+        base = tensor.data_ptr()
+        num_heads = tensor.shape[2]
+        block_bytes = 2 * num_heads * layout.head_bytes
+        if heads is None:
+            for block in range(layout.num_blocks):
+                rows.append((base + block * block_bytes, block_bytes, 0))
+        else:
+            plane = num_heads * layout.head_bytes
+            for block in range(layout.num_blocks):
+                for kv in range(2):
+                    start = (
+                        base + block * block_bytes + kv * plane + heads.start * layout.head_bytes
+                    )
+                    rows.append((start, len(heads) * layout.head_bytes, 0))
+    return np.array(rows, dtype=np.uint64)
+
+
+def _nixl_indices(case: Case, ids: list[int]):
+    import numpy as np
+
+    blocks = np.asarray(ids, dtype=np.int64)
+    layers = np.asarray(list(case.layer_range), dtype=np.int64)
+    flat = (layers[:, None] * case.layout.num_blocks + blocks[None, :]).reshape(-1)
+    if case.heads is not None:
+        flat = (flat[:, None] * 2 + np.arange(2)).reshape(-1)
+    return flat.astype(np.int32)
+
+
+def _nixl_target(meta_queue: Any, done_queue: Any, threads: int) -> None:
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+    torch.set_num_threads(threads)
+    agent = nixl_agent("kv-target", nixl_agent_config(backends=["UCX"]))
+    caches = remote_caches()
+    agent.register_memory(list(caches.values()))
+    addresses = {name: tensor.data_ptr() for name, tensor in caches.items()}
+    meta_queue.put((agent.get_agent_metadata(), addresses))
+    done_queue.get()
+
+
+def _nixl_initiator(result_queue: Any, base: int, warmup: int, threads: int) -> None:
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        torch.set_num_threads(threads)
+        ctx = mp.get_context("spawn")
+        meta_queue, done_queue = ctx.Queue(), ctx.Queue()
+        target = ctx.Process(target=_nixl_target, args=(meta_queue, done_queue, threads))
+        target.start()
+        try:
+            agent = nixl_agent("kv-initiator", nixl_agent_config(backends=["UCX"]))
+            metadata, remote_addresses = meta_queue.get(timeout=300)
+            remote_name = agent.add_remote_agent(metadata)
+            remote_views = {
+                name: _AddressOnly(address, LAYOUTS[name.split(".")[0]])
+                for name, address in remote_addresses.items()
+            }
+            results = {}
+            prepared: dict[tuple[str, bool], tuple[Any, Any, dict[str, torch.Tensor]]] = {}
+            for case in CASES:
+                key = (case.layout.name, case.heads is not None)
+                if key not in prepared:
+                    local = local_caches(case.layout, case.local_heads)
+                    agent.register_memory(list(local.values()))
+                    heads = None if case.heads is None else case.head_range
+                    local_heads = None if case.heads is None else range(case.local_heads)
+                    local_side = agent.prep_xfer_dlist(
+                        "NIXL_INIT_AGENT", _nixl_descs(local, case.layout, local_heads), "DRAM"
+                    )
+                    remote_side = agent.prep_xfer_dlist(
+                        remote_name, _nixl_descs(remote_views, case.layout, heads), "DRAM"
+                    )
+                    prepared[key] = (local_side, remote_side, local)
+                local_side, remote_side, local = prepared[key]
+                remote_ids, local_ids = case.block_ids()
+                remote_index = _nixl_indices(case, remote_ids)
+                local_index = _nixl_indices(case, local_ids)
+
+                def once(ls=local_side, rs=remote_side, li=local_index, ri=remote_index):
+                    handle = agent.make_prepped_xfer("READ", ls, li, rs, ri)
+                    state = agent.transfer(handle)
+                    while state == "PROC":
+                        state = agent.check_xfer_state(handle)
+                    agent.release_xfer_handle(handle)
+                    if state != "DONE":
+                        raise RuntimeError(f"NIXL transfer ended in state {state}")
+
+                results[case.name] = timed(once, iterations_for(case, base), warmup)
+                verify(case, local, remote_ids, local_ids)
+            result_queue.put(("ok", results))
+        finally:
+            done_queue.put(None)
+            target.join(60)
+    except Exception as exc:
+        result_queue.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class _AddressOnly:
+    """Stands in for a remote tensor in `_nixl_descs`: only its address and shape are used."""
+
+    def __init__(self, address: int, layout: Layout) -> None:
+        self._address = address
+        self.shape = (layout.num_blocks, 2, layout.num_heads, layout.block_size, layout.head_dim)
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def run_nixl(base: int, warmup: int, threads: int) -> tuple[dict[str, list[float]] | None, str]:
+    try:
+        import nixl_cu12._api  # noqa: F401
+    except Exception as exc:
+        return None, f"n/a (nixl_cu12 not importable: {type(exc).__name__}: {exc})"
+    if "ucxx" in sys.modules:
+        return None, "n/a (ucxx already imported: its UCX variables would leak into NIXL)"
+    ctx = mp.get_context("spawn")
+    result_queue = ctx.Queue()
+    process = ctx.Process(target=_nixl_initiator, args=(result_queue, base, warmup, threads))
+    process.start()
+    status, payload = result_queue.get(timeout=1800)
+    process.join(60)
+    if status != "ok":
+        return None, f"n/a (NIXL run failed: {payload.splitlines()[0]})"
+    return payload, "nixl_cu12 READ, descriptor lists prepared once"
+
+
+# -- ours and TCP: server process -------------------------------------------------------------
+
+_TCP_REQUEST = struct.Struct("<8sIIIII")
+
+
+def _serve_tcp(listener: socket.socket, caches: dict[str, torch.Tensor]) -> None:
+    connection, _ = listener.accept()
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buffers: dict[int, torch.Tensor] = {}
+    with connection:
+        while True:
+            header = _recv_exact(connection, _TCP_REQUEST.size)
+            if header is None:
+                return
+            layout_name, h0, h1, l0, l1, count = _TCP_REQUEST.unpack(header)
+            layout = LAYOUTS[layout_name.rstrip(b"\0").decode()]
+            ids_bytes = _recv_exact(connection, 8 * count)
+            ids = torch.frombuffer(bytearray(ids_bytes), dtype=torch.int64).tolist()
+            heads = None if (h0, h1) == (0, layout.num_heads) else (h0, h1)
+            case = Case("tcp", layout, count, heads=heads, layers=(l0, l1))
+            buffer = buffers.get(case.nbytes)
+            if buffer is None:
+                buffer = buffers[case.nbytes] = torch.empty(case.nbytes, dtype=torch.uint8)
+            gather(case, caches, ids, buffer)
+            connection.sendall(struct.pack("<Q", case.nbytes))
+            connection.sendall(memoryview(buffer.numpy()))
+
+
+def _recv_exact(connection: socket.socket, size: int) -> bytes | None:
+    data = bytearray(size)
+    view = memoryview(data)
+    got = 0
+    while got < size:
+        n = connection.recv_into(view[got:])
+        if n == 0:
+            return None
+        got += n
+    return bytes(data)
+
+
+def _server_process(ready: Any, stop: Any, threads: int) -> None:
+    from kvtransfer.transport import KVTransferAgent
+
+    torch.set_num_threads(threads)
+    caches = remote_caches()
+    agent = KVTransferAgent()
+    agent.register_kv_caches(caches)
+    agent.start_server()
+    listener = socket.create_server(("127.0.0.1", 0))
+    tcp = threading.Thread(target=_serve_tcp, args=(listener, caches), daemon=True)
+    tcp.start()
+    ready.put((agent.address, listener.getsockname()[1]))
+    stop.get()
+    listener.close()
+    agent.close()
+
+
+def run_ours_and_tcp(
+    base: int, warmup: int, threads: int, config: Any
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    from kvtransfer.transport import KVTransferAgent, PullSpec
+
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Queue()
+    server = ctx.Process(target=_server_process, args=(ready, stop, threads))
+    server.start()
+    ours: dict[str, list[float]] = {}
+    tcp: dict[str, list[float]] = {}
+    agents: dict[int, Any] = {}
+    try:
+        address, port = ready.get(timeout=600)
+        connection = socket.create_connection(("127.0.0.1", port))
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for case in CASES:
+            # Local and remote layers share names, so each local head count needs its own agent.
+            key = case.local_heads
+            if key not in agents:
+                agents[key] = KVTransferAgent(config)
+            agent = agents[key]
+            local = local_caches(case.layout, case.local_heads)
+            agent.register_kv_caches(local)
+            peer = agent.connect(address)
+            remote_ids, local_ids = case.block_ids()
+            spec = PullSpec(
+                case.name,
+                [case.layout.layer_name(i) for i in case.layer_range],
+                remote_ids,
+                local_ids,
+                remote_heads=case.heads,
+                local_heads=None if case.heads is None else (0, case.local_heads),
+            )
+
+            def pull(agent=agent, peer=peer, spec=spec):
+                agent.pull(peer, spec).result(600)
+
+            ours[case.name] = timed(pull, iterations_for(case, base), warmup)
+            verify(case, local, remote_ids, local_ids)
+
+            for tensor in local.values():
+                tensor.zero_()
+            receive = torch.empty(case.nbytes, dtype=torch.uint8)
+            request = _TCP_REQUEST.pack(
+                case.layout.name.encode(),
+                case.head_range.start,
+                case.head_range.stop,
+                case.layer_range.start,
+                case.layer_range.stop,
+                case.blocks,
+            ) + struct.pack(f"<{case.blocks}q", *remote_ids)
+
+            def over_tcp(case=case, local=local, local_ids=local_ids, receive=receive, r=request):
+                connection.sendall(r)
+                (size,) = struct.unpack("<Q", _recv_exact(connection, 8))
+                view = memoryview(receive.numpy())[:size]
+                got = 0
+                while got < size:
+                    got += connection.recv_into(view[got:])
+                scatter(case, local, local_ids, receive)
+
+            tcp[case.name] = timed(over_tcp, iterations_for(case, base), warmup)
+            verify(case, local, remote_ids, local_ids)
+        connection.close()
+    finally:
+        for agent in agents.values():
+            agent.close()
+        stop.put(None)
+        server.join(120)
+    return ours, tcp
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument("--chunk-mib", type=int, default=None, help="TransportConfig.chunk_bytes")
+    parser.add_argument("--inflight", type=int, default=None, help="max_inflight_chunks")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.iterations < 1 or args.warmup < 0 or args.torch_threads < 1:
+        parser.error("--iterations and --torch-threads must be >= 1, --warmup >= 0")
+    torch.set_num_threads(args.torch_threads)
+
+    memcpy = run_memcpy(args.iterations, args.warmup)
+    if args.no_nixl:
+        nixl, nixl_note = None, "n/a (--no-nixl)"
+    else:
+        nixl, nixl_note = run_nixl(args.iterations, args.warmup, args.torch_threads)
+    from kvtransfer.transport import TransportConfig
+
+    overrides: dict[str, int] = {}
+    if args.chunk_mib is not None:
+        overrides["chunk_bytes"] = args.chunk_mib * MiB
+    if args.inflight is not None:
+        overrides["max_inflight_chunks"] = args.inflight
+    config = TransportConfig(**overrides)
+    ours, tcp = run_ours_and_tcp(args.iterations, args.warmup, args.torch_threads, config)
+
+    rows = []
+    for case in CASES:
+        nixl_samples = None if nixl is None else nixl[case.name]
+        row = {
+            "case": case.name,
+            "blocks": case.blocks,
+            "bytes": case.nbytes,
+            "ours_gbps": gbps(case.nbytes, ours[case.name]),
+            "nixl_gbps": gbps(case.nbytes, nixl_samples),
+            "tcp_gbps": gbps(case.nbytes, tcp[case.name]),
+            "memcpy_gbps": gbps(case.nbytes, memcpy[case.name]),
+            "ours_p50_ms": percentile_ms(ours[case.name], 50),
+            "ours_p99_ms": percentile_ms(ours[case.name], 99),
+            "nixl_p50_ms": None if nixl_samples is None else percentile_ms(nixl_samples, 50),
+            "samples": len(ours[case.name]),
+            "handshake_cold_ms": None,
+            "handshake_warm_ms": None,
+        }
+        rows.append(row)
+
+    header = (
+        f"{'case':<24} {'blocks':>6} {'MiB':>7} {'ours':>6} {'nixl':>6} {'tcp':>6} "
+        f"{'memcpy':>6} {'p50 ms':>8} {'p99 ms':>8} {'ours/nixl':>9}"
+    )
+    print(f"# {platform.node()} {os.cpu_count()} CPUs, torch threads {args.torch_threads}")
+    print(f"# GB/s medians; nixl: {nixl_note}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        ratio = None if row["nixl_gbps"] is None else row["ours_gbps"] / row["nixl_gbps"]
+        print(
+            f"{row['case']:<24} {row['blocks']:>6} {row['bytes'] / MiB:>7.1f} "
+            f"{_fmt(row['ours_gbps']):>6} {_fmt(row['nixl_gbps']):>6} "
+            f"{_fmt(row['tcp_gbps']):>6} {_fmt(row['memcpy_gbps']):>6} "
+            f"{row['ours_p50_ms']:>8.2f} {row['ours_p99_ms']:>8.2f} {_fmt(ratio):>9}"
+        )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "host": platform.node(),
+                    "cpus": os.cpu_count(),
+                    "torch_threads": args.torch_threads,
+                    "nixl": nixl_note,
+                    "layouts": {
+                        layout.name: {
+                            "num_blocks": layout.num_blocks,
+                            "num_layers": layout.num_layers,
+                            "num_heads": layout.num_heads,
+                            "block_size": layout.block_size,
+                            "head_dim": layout.head_dim,
+                            "dtype": str(layout.dtype).removeprefix("torch."),
+                        }
+                        for layout in LAYOUTS.values()
+                    },
+                    "cases": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
