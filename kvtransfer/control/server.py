@@ -180,12 +180,15 @@ async def start_control_server(
     admin: AdminBackend | None = None,
     log_level_logger: str = DEFAULT_LOG_LEVEL_LOGGER,
     options: Sequence[tuple[str, Any]] = (),
+    handlers: Sequence[grpc.GenericRpcHandler] = (),
 ) -> ControlServer:
     """Start serving on ``host:port`` (port 0: let the OS choose) on the running loop.
 
     Serves `KVHandshake` when given a ``book``, `KVAdmin` when given an ``admin`` backend, and
     always the standard health (SERVING for "" and each service) and reflection services.
     `SetLogLevel` changes ``log_level_logger`` unless the request names another logger.
+    ``handlers`` adds services of their own (e.g. a connector's completion messages) on the
+    same port; they are not listed in reflection.
     """
     if book is None and admin is None:
         raise ValueError("a control server needs a HandshakeBook, an AdminBackend, or both")
@@ -194,6 +197,8 @@ async def start_control_server(
     # gRPC enables SO_REUSEPORT by default: a second engine on the same port would silently
     # share it with the first (and answer half its handshakes). Fail to bind instead.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
+    if handlers:
+        server.add_generic_rpc_handlers(tuple(handlers))
     services: list[str] = []
     if book is not None:
         handshake_pb2_grpc.add_KVHandshakeServicer_to_server(_HandshakeServicer(book), server)
@@ -238,6 +243,7 @@ class ControlServerThread:
         admin: AdminBackend | None = None,
         log_level_logger: str = DEFAULT_LOG_LEVEL_LOGGER,
         options: Sequence[tuple[str, Any]] = (),
+        handlers: Sequence[grpc.GenericRpcHandler] = (),
     ) -> None:
         self._kwargs: dict[str, Any] = dict(
             host=host,
@@ -246,6 +252,7 @@ class ControlServerThread:
             admin=admin,
             log_level_logger=log_level_logger,
             options=options,
+            handlers=handlers,
         )
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
