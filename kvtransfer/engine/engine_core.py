@@ -43,6 +43,8 @@ from kvtransfer.engine.scheduler import Scheduler
 from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from kvtransfer.topology import kv_head_range
 
+IDLE_STEP_SLEEP_S = 0.001
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER) -> None:
@@ -119,6 +121,10 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         worker_outputs = self.executor.execute_model(scheduler_output)
         output = self.aggregator.aggregate(worker_outputs, self.executor.output_rank)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # Nothing to compute (waiting on transfers): yield instead of spinning, so the
+            # connectors' background threads get the GIL.
+            time.sleep(IDLE_STEP_SLEEP_S)
         return self.scheduler.update_from_output(
             scheduler_output, output or EMPTY_MODEL_RUNNER_OUTPUT
         )

@@ -1,0 +1,229 @@
+"""What the halves of `UcxConnector` and the two engines exchange.
+
+* `UcxHandshakeMetadata`: published once by every worker and served over `KVHandshake`: where
+  its transfer agent listens and which layers, KV heads and blocks it holds.
+* `UcxConnectorMetadata`: per step, scheduler -> every worker: requests to load (`LoadSpec`) and
+  finished requests whose blocks the producer may now free (`Release`).
+* `RemotePrefill`: the ``kv_transfer_params`` a producer returned, validated on the consumer.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from kvtransfer.transport import KVLayout
+
+_NonNegative = Field(ge=0)
+_Positive = Field(gt=0)
+
+
+class UcxLayer(BaseModel):
+    """One KV layer a worker holds. ``index`` is the layer's index in its own model (target or
+    drafter); ``num_kv_heads`` is how many KV heads of it this worker holds."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    index: int = _NonNegative
+    is_draft: bool
+    num_kv_heads: int = _Positive
+
+
+class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """One worker's transfer agent and KV slice.
+
+    ``kv_heads`` is the half-open range of the target model's global KV heads this worker
+    holds (of ``total_kv_heads``); ``draft_kv_heads``/``draft_total_kv_heads`` the same for the
+    drafter's layers, set only on workers that hold them (the last PP stage).
+    """
+
+    engine_id: str = Field(min_length=1)
+    pp_rank: int = _NonNegative
+    tp_rank: int = _NonNegative
+    pp_size: int = _Positive
+    tp_size: int = _Positive
+    agent_address: str = Field(min_length=1)  # base64 of the agent's address bytes
+    layers: tuple[UcxLayer, ...] = Field(min_length=1)
+    kv_heads: tuple[int, int]
+    total_kv_heads: int = _Positive
+    draft_kv_heads: tuple[int, int] | None = None
+    draft_total_kv_heads: int | None = None
+    block_size: int = _Positive
+    head_dim: int = _Positive
+    dtype: str = Field(min_length=1)
+    num_blocks: int = _Positive
+
+    @model_validator(mode="after")
+    def _consistent(self) -> UcxHandshakeMetadata:
+        if self.pp_rank >= self.pp_size or self.tp_rank >= self.tp_size:
+            raise ValueError(
+                f"rank (pp {self.pp_rank}, tp {self.tp_rank}) outside TP {self.tp_size} x PP "
+                f"{self.pp_size}"
+            )
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError("layer names repeat")
+        if (self.draft_kv_heads is None) != (self.draft_total_kv_heads is None):
+            raise ValueError("draft_kv_heads and draft_total_kv_heads go together")
+        return self
+
+    def agent_address_bytes(self) -> bytes:
+        try:
+            return base64.b64decode(self.agent_address, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(
+                f"worker (pp {self.pp_rank}, tp {self.tp_rank}) of engine {self.engine_id!r} "
+                f"published an agent address that is not base64: {exc}"
+            ) from exc
+
+    def layouts(self) -> dict[str, KVLayout]:
+        """Per-layer layouts, so pulls are checked locally before any traffic."""
+        return {
+            layer.name: KVLayout(
+                self.num_blocks, layer.num_kv_heads, self.block_size, self.head_dim, self.dtype
+            )
+            for layer in self.layers
+        }
+
+    def target_layers(self) -> list[UcxLayer]:
+        return sorted((layer for layer in self.layers if not layer.is_draft), key=_index)
+
+    def draft_layers(self) -> list[UcxLayer]:
+        return sorted((layer for layer in self.layers if layer.is_draft), key=_index)
+
+
+def _index(layer: UcxLayer) -> int:
+    return layer.index
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """The ``kv_transfer_params`` of a request whose prompt KV a producer holds for us."""
+
+    engine_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    host: str
+    port: int
+    tp_size: int
+    pp_size: int
+    num_tokens: int
+    # The producer's handshake generation; a restarted producer has lost these blocks.
+    generation: int | None = None
+
+    @property
+    def address(self) -> str:
+        if ":" in self.host and not self.host.startswith("["):
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any] | None) -> RemotePrefill | None:
+        """``None`` unless ``do_remote_prefill`` is true; raises `ValueError` naming the first
+        missing or mistyped key."""
+        if not params or not _flag(params, "do_remote_prefill"):
+            return None
+        generation = params.get("remote_generation")
+        if generation is not None:
+            generation = _count(params, "remote_generation", 0)
+        return cls(
+            engine_id=_text(params, "remote_engine_id"),
+            request_id=_text(params, "remote_request_id"),
+            block_ids=_block_ids(params, "remote_block_ids"),
+            host=_text(params, "remote_host"),
+            port=_port(params, "remote_port"),
+            tp_size=_count(params, "tp_size", 1),
+            pp_size=_count(params, "pp_size", 1),
+            num_tokens=_count(params, "remote_num_tokens", 0),
+            generation=generation,
+        )
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """Whether a request asks its prompt KV to be kept for a remote decode engine."""
+    return bool(params) and _flag(params, "do_remote_decode")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Copy the producer's ``remote_block_ids`` into this engine's ``local_block_ids`` (index by
+    index; blocks already in the local prefix cache are not listed)."""
+
+    req_id: str
+    remote: RemotePrefill
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Release:
+    """A producer request whose blocks the workers may free: its consumer is done with them
+    (``num_blocks`` it read) or nobody pulled them in time (``expired``)."""
+
+    req_id: str
+    num_blocks: int = 0
+    expired: bool = False
+
+
+@dataclass(frozen=True)
+class UcxConnectorMetadata(KVConnectorMetadata):
+    loads: tuple[LoadSpec, ...] = ()
+    releases: tuple[Release, ...] = ()
+
+
+def _flag(params: Mapping[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_transfer_params.{key} must be a bool, got {value!r}")
+    return value
+
+
+def _present(params: Mapping[str, Any], key: str) -> Any:
+    if key not in params:
+        raise ValueError(f"kv_transfer_params.{key} is missing")
+    return params[key]
+
+
+def _text(params: Mapping[str, Any], key: str) -> str:
+    value = _present(params, key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"kv_transfer_params.{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(params: Mapping[str, Any], key: str, minimum: int) -> int:
+    value = _present(params, key)
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"kv_transfer_params.{key} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _port(params: Mapping[str, Any], key: str) -> int:
+    value = _present(params, key)
+    if not _is_int(value) or not 0 < value < 65536:
+        raise ValueError(f"kv_transfer_params.{key} must be a port in [1, 65535], got {value!r}")
+    return value
+
+
+def _block_ids(params: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = _present(params, key)
+    if (
+        isinstance(value, str | bytes)
+        or not isinstance(value, Sequence)
+        or not all(_is_int(b) and b >= 0 for b in value)
+    ):
+        raise ValueError(
+            f"kv_transfer_params.{key} must be a list of block ids (ints >= 0), got {value!r}"
+        )
+    return tuple(value)

@@ -1,0 +1,349 @@
+"""Consumer -> producer completion messages over the producer's control-plane port.
+
+Service ``kvtransfer.v1.UcxConnectorNotify`` (JSON bodies, no protobuf, nothing executable):
+
+* ``Release {engine_id, generation, done: [{request_id, num_blocks}]}``: the consumer is done
+  with these requests (loaded, failed, aborted or not needed): the producer may free their
+  blocks;
+* ``KeepAlive {engine_id, generation, request_ids}``: the consumer still waits to pull them:
+  extend their leases.
+
+Both answer ``{known, lease_s}``: the ids the producer still held and its lease length, from
+which the consumer paces its keep-alives. A message for another handshake generation (the
+producer restarted since; request ids may repeat) is answered but not acted on.
+
+The producer serves it next to `KVHandshake` (`notify_handler`). On the consumer, a `Notifier`
+sends from a background event loop, so the step thread never waits on the network: the
+scheduler half's releases and keep-alives, and each worker's check that a request it has just
+read is still held (`Notifier.confirm_held`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from connectors.ucx.leases import LeaseBook
+from connectors.ucx.metadata import RemotePrefill
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SERVICE = "kvtransfer.v1.UcxConnectorNotify"
+RELEASE = f"/{SERVICE}/Release"
+KEEP_ALIVE = f"/{SERVICE}/KeepAlive"
+
+# Keep-alive pace before a producer told us its lease, and its bounds after.
+DEFAULT_KEEP_ALIVE_S = 1.0
+MIN_KEEP_ALIVE_S = 0.02
+_RELEASE_ATTEMPTS = 3
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Done(_Message):
+    request_id: str = Field(min_length=1)
+    num_blocks: int = Field(ge=0)
+
+
+class ReleaseRequest(_Message):
+    engine_id: str = Field(min_length=1)
+    generation: int | None = None
+    done: tuple[Done, ...]
+
+
+class KeepAliveRequest(_Message):
+    engine_id: str = Field(min_length=1)
+    generation: int | None = None
+    request_ids: tuple[str, ...]
+
+
+class NotifyReply(_Message):
+    known: tuple[str, ...]
+    lease_s: float = Field(gt=0)
+
+
+# ---------------------------------------------------------------------------- producer side
+
+
+def notify_handler(engine_id: str, generation: int, leases: LeaseBook) -> grpc.GenericRpcHandler:
+    """The producer's side of the service, for `ControlServerThread(handlers=...)`."""
+
+    def current(message: ReleaseRequest | KeepAliveRequest) -> bool:
+        return message.generation is None or message.generation == generation
+
+    def reply(known: list[str]) -> bytes:
+        return NotifyReply(known=tuple(known), lease_s=leases.lease_s).model_dump_json().encode()
+
+    async def release(body: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        message = await _parse(ReleaseRequest, body, engine_id, context)
+        if not current(message):
+            return reply([])
+        return reply(leases.finish((d.request_id, d.num_blocks) for d in message.done))
+
+    async def keep_alive(body: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        message = await _parse(KeepAliveRequest, body, engine_id, context)
+        if not current(message):
+            return reply([])
+        return reply(leases.extend(message.request_ids))
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Release": grpc.unary_unary_rpc_method_handler(release),
+            "KeepAlive": grpc.unary_unary_rpc_method_handler(keep_alive),
+        },
+    )
+
+
+async def _parse(
+    cls: type[ReleaseRequest] | type[KeepAliveRequest],
+    body: bytes,
+    engine_id: str,
+    context: grpc.aio.ServicerContext,
+) -> Any:
+    try:
+        message = cls.model_validate_json(body)
+    except ValidationError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.__name__}: {exc}")
+    if message.engine_id != engine_id:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"this is engine {engine_id!r}, not {message.engine_id!r}",
+        )
+    return message
+
+
+# ---------------------------------------------------------------------------- consumer side
+
+# Where a keep-alive goes: (address, engine id, generation).
+_Producer = tuple[str, str, int | None]
+
+
+def _key(remote: RemotePrefill) -> _Producer:
+    return remote.address, remote.engine_id, remote.generation
+
+
+class Notifier:
+    """Talks to producers from a private event loop thread: Release and KeepAlive messages
+    (scheduler half), and "is this request still held?" checks (`confirm_held`, workers).
+
+    Keep-alives go to each producer with watched loads at a quarter of its lease (learned from
+    its first reply), batched per producer. Fire and forget: a producer that cannot be reached
+    only loses a message it no longer needs (its lease frees the blocks). `close` waits up to
+    ``flush_timeout_s`` for releases in flight.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        # Loads waiting on a producer: our request id -> the producer's params.
+        self._watched: dict[str, RemotePrefill] = {}
+        # Loop-thread state: leases learned per address, next keep-alive per producer.
+        self._lease_s: dict[str, float] = {}
+        self._due: dict[_Producer, float] = {}
+        self._changed: asyncio.Event | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def watch(self, req_id: str, remote: RemotePrefill) -> None:
+        """Keep ``remote``'s lease alive until `unwatch`; a new producer hears from us now."""
+        with self._lock:
+            self._watched[req_id] = remote
+        self._submit(self._wake)
+
+    def unwatch(self, req_id: str) -> None:
+        with self._lock:
+            self._watched.pop(req_id, None)
+
+    def release(self, remote: RemotePrefill, num_blocks: int) -> None:
+        message = ReleaseRequest(
+            engine_id=remote.engine_id,
+            generation=remote.generation,
+            done=(Done(request_id=remote.request_id, num_blocks=num_blocks),),
+        )
+        self._submit(lambda: self._spawn(self._release(remote.address, message)))
+
+    def confirm_held(self, remote: RemotePrefill, timeout_s: float) -> bool:
+        """Whether the producer still holds ``remote``'s request right now (one KeepAlive
+        round trip, which also renews the lease). Leases never come back, so a request still
+        held after a read was held, and its blocks unchanged, during the whole read. Raises
+        the gRPC error when the producer cannot be asked."""
+        body = KeepAliveRequest(
+            engine_id=remote.engine_id,
+            generation=remote.generation,
+            request_ids=(remote.request_id,),
+        )
+        reply = self._run(self._call(remote.address, KEEP_ALIVE, body.model_dump_json().encode()))
+        return remote.request_id in reply.result(timeout_s).known
+
+    def close(self, flush_timeout_s: float = 2.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._shutdown(flush_timeout_s), loop).result(
+                flush_timeout_s + 5.0
+            )
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=flush_timeout_s + 5.0)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _submit(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            loop = self._loop or self._start()
+        loop.call_soon_threadsafe(callback)
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        with self._lock:
+            if self._closed:
+                coroutine.close()
+                raise RuntimeError("the notifier is closed")
+            loop = self._loop or self._start()
+        return asyncio.run_coroutine_threadsafe(coroutine, loop)
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            self._changed = asyncio.Event()
+            heartbeat = loop.create_task(self._heartbeat())
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                heartbeat.cancel()
+                with contextlib.suppress(BaseException):
+                    loop.run_until_complete(asyncio.gather(heartbeat, return_exceptions=True))
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="kvtransfer-ucx-notify", daemon=True)
+        self._thread.start()
+        ready.wait()
+        self._loop = loop
+        return loop
+
+    def _spawn(self, coroutine: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _wake(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _shutdown(self, flush_timeout_s: float) -> None:
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=flush_timeout_s)
+        for task in pending:
+            task.cancel()
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+    def _interval_s(self, address: str) -> float:
+        lease = self._lease_s.get(address)
+        if lease is None:
+            return DEFAULT_KEEP_ALIVE_S
+        return max(MIN_KEEP_ALIVE_S, min(DEFAULT_KEEP_ALIVE_S, lease / 4))
+
+    async def _heartbeat(self) -> None:
+        loop = asyncio.get_running_loop()
+        changed = self._changed
+        if changed is None:
+            raise RuntimeError("the notifier loop started without its event")
+        while True:
+            now = loop.time()
+            with self._lock:
+                groups: dict[_Producer, list[str]] = {}
+                for remote in self._watched.values():
+                    groups.setdefault(_key(remote), []).append(remote.request_id)
+            for key in [k for k in self._due if k not in groups]:
+                del self._due[key]
+            for key, request_ids in groups.items():
+                # A producer not heard from yet is due now.
+                if now >= self._due.setdefault(key, now):
+                    self._due[key] = now + self._interval_s(key[0])
+                    self._spawn(self._keep_alive(key, request_ids))
+            wake = min(self._due.values(), default=now + DEFAULT_KEEP_ALIVE_S)
+            changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), max(MIN_KEEP_ALIVE_S, wake - now))
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return channel
+
+    async def _call(self, address: str, method: str, body: bytes) -> NotifyReply:
+        rpc = self._channel(address).unary_unary(method)
+        reply = NotifyReply.model_validate_json(await rpc(body, timeout=self._timeout_s))
+        if self._lease_s.get(address) != reply.lease_s:
+            self._lease_s[address] = reply.lease_s
+            # Bring every keep-alive to this producer in line with its lease.
+            now = asyncio.get_running_loop().time()
+            for key, due in self._due.items():
+                if key[0] == address:
+                    self._due[key] = min(due, now + self._interval_s(address))
+            self._wake()
+        return reply
+
+    async def _keep_alive(self, key: _Producer, request_ids: list[str]) -> None:
+        address, engine_id, generation = key
+        body = KeepAliveRequest(
+            engine_id=engine_id, generation=generation, request_ids=tuple(request_ids)
+        )
+        try:
+            await self._call(address, KEEP_ALIVE, body.model_dump_json().encode())
+        except (grpc.aio.AioRpcError, ValidationError) as exc:
+            logger.debug("KeepAlive to engine %s at %s failed: %s", engine_id, address, exc)
+
+    async def _release(self, address: str, message: ReleaseRequest) -> None:
+        body = message.model_dump_json().encode()
+        for attempt in range(1, _RELEASE_ATTEMPTS + 1):
+            try:
+                await self._call(address, RELEASE, body)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE or attempt == _RELEASE_ATTEMPTS:
+                    logger.warning(
+                        "Release of %s to engine %s at %s failed (its lease will free the "
+                        "blocks): %s",
+                        [d.request_id for d in message.done],
+                        message.engine_id,
+                        address,
+                        exc.details(),
+                    )
+                    return
+                await asyncio.sleep(0.05 * attempt)
+            except ValidationError as exc:
+                logger.warning("unreadable Release reply from %s: %s", address, exc)
+                return

@@ -1,0 +1,147 @@
+"""Real producer/consumer/colocated engines on the tiny built-in model, talking `UcxConnector`.
+
+A producer's blocks stay until its consumer's Release arrives, so `Stepping` keeps a producer
+engine stepping on a background thread while the consumer runs in the test's thread (the engine
+is not thread-safe: nothing else touches it until the context exits).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from connectors.ucx import UcxConnector
+from connectors.ucx.scheduler import UcxScheduler
+from connectors.ucx.worker import UcxWorker
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
+from kvtransfer.engine.engine_core import EngineCore
+from kvtransfer.engine.llm import LLM, RequestOutput
+from kvtransfer.engine.sampling_params import SamplingParams
+
+BLOCK_SIZE = 8
+NUM_TOKENS = 6
+PROMPTS = [
+    list(range(40, 45)),  # shorter than a block
+    [(7 * i) % 200 + 3 for i in range(17)],
+    [(13 * i) % 250 + 1 for i in range(40)],  # exactly five blocks
+    [(5 * i + 11) % 240 + 2 for i in range(70)],  # many blocks
+]
+DECODE = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
+PREFILL = SamplingParams(max_tokens=1, ignore_eos=True)
+DRAFT = SpeculativeConfig(method="draft", num_speculative_tokens=3)
+REMOTE_DECODE = {"do_remote_decode": True}
+
+
+def kv_config(role: str, engine_id: str, policy: str = "fail", **extra: Any) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="UcxConnector",
+        kv_role=role,
+        engine_id=engine_id,
+        kv_load_failure_policy=policy,
+        kv_connector_extra_config=extra,
+    )
+
+
+def engine_config(kv: KVTransferConfig | None = None, **overrides: Any) -> EngineConfig:
+    fields: dict[str, Any] = {
+        "model": "builtin",
+        "block_size": BLOCK_SIZE,
+        "num_kv_blocks": 64,
+        "kv_transfer_config": kv,
+    }
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+def colocated(prompts: Sequence[list[int]], **overrides: Any) -> list[RequestOutput]:
+    """A plain engine's greedy outputs: what every disaggregated run must reproduce."""
+    with LLM(engine_config(**overrides)) as llm:
+        outputs = llm.generate(list(prompts), DECODE)
+        finish(llm.engine)
+    return outputs
+
+
+def finish(*cores: EngineCore) -> None:
+    for core in cores:
+        core.drain()
+        core.check_no_leaks()
+
+
+def prefill(llm: LLM, prompts: Sequence[list[int]]) -> list[RequestOutput]:
+    """One token per prompt on a producer; the prompts' blocks stay for the consumer."""
+    return llm.generate(list(prompts), PREFILL, [REMOTE_DECODE] * len(prompts))
+
+
+@contextmanager
+def stepping(core: EngineCore, idle_s: float = 0.002) -> Iterator[None]:
+    """Keep ``core`` stepping in the background (only while it has pending work)."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while not stop.is_set():
+                # A producer that only waits for its consumers yields the interpreter, as a
+                # serving loop would; spinning would starve the transfer threads of the GIL.
+                if not core.has_pending_work() or not core.step():
+                    time.sleep(idle_s)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="producer-stepper", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    if thread.is_alive():
+        raise RuntimeError("the producer's stepping thread did not stop")
+    if errors:
+        raise errors[0]
+
+
+def pd_run(
+    producer: LLM,
+    consumer: LLM,
+    prompts: Sequence[list[int]],
+    params: Sequence[dict[str, Any] | None] | None = None,
+) -> list[RequestOutput]:
+    """Prefill ``prompts`` (unless ``params`` are given), decode them while the producer keeps
+    stepping, then drain both engines and check neither leaks."""
+    if params is None:
+        params = [o.kv_transfer_params for o in prefill(producer, prompts)]
+    with stepping(producer.engine):
+        results = consumer.generate(list(prompts), DECODE, list(params))
+        consumer.engine.drain()
+    finish(consumer.engine, producer.engine)
+    return results
+
+
+def scheduler_half(core: EngineCore) -> UcxScheduler:
+    connector = core.connector
+    if not isinstance(connector, UcxConnector):
+        raise TypeError(f"engine runs {type(connector).__name__}, not UcxConnector")
+    return connector.scheduler_half
+
+
+def worker_half(core: EngineCore) -> UcxWorker:
+    """The in-process worker's half (single-worker engines only)."""
+    connector = core.executor._worker.kv_connector.connector
+    return connector.worker_half
+
+
+def worker_caches(core: EngineCore) -> dict[str, torch.Tensor]:
+    """Every KV layer of a single-process engine's worker, drafter layers included."""
+    runner = core.executor._worker.runner
+    caches = dict(zip(runner.model.layer_names(), runner.kv_caches, strict=True))
+    drafter = getattr(runner.proposer, "drafter", None)
+    if drafter is not None:
+        caches.update(zip(drafter.layer_names(), runner.proposer.kv_caches, strict=True))
+    return caches

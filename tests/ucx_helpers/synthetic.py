@@ -1,0 +1,240 @@
+"""Synthetic engines: the halves of `UcxConnector` without a model, over seeded caches.
+
+One `SyntheticEngine` is a scheduler half plus one worker half per ``(pp, tp)`` rank, all in
+this process, each worker with its own transfer agent and the slice of a seeded "global" KV
+cache (every layer, every head) its rank would hold. A producer serves its handshake over real
+gRPC; a consumer's workers load through real UCX. Checking a consumer's caches against the
+global tensors then covers every layer and head slice of any TP x PP pairing in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from connectors.ucx import LoadSpec, RemotePrefill, UcxConnector, UcxConnectorMetadata
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole, merge_handshake_metadata
+from kvtransfer.engine.parallel import pp_layer_range
+from kvtransfer.topology import kv_head_range
+
+MODEL = "synthetic"
+NUM_LAYERS = 4
+NUM_DRAFT_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_DIM = 4
+BLOCK_SIZE = 8
+NUM_BLOCKS = 24
+SENTINEL = -7.0
+WAIT_S = 30.0
+
+
+def layer_names(draft: bool = True) -> list[str]:
+    names = [f"model.layers.{i}.self_attn" for i in range(NUM_LAYERS)]
+    if draft:
+        names += [f"draft.layers.{i}.self_attn" for i in range(NUM_DRAFT_LAYERS)]
+    return names
+
+
+def global_layer(seed: int, name: str, num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
+    """The whole (all heads) cache of one layer of a producer seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(
+        num_blocks, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, generator=generator, dtype=torch.float32
+    )
+
+
+@dataclass
+class SyntheticEngine:
+    engine_id: str
+    tp_size: int
+    pp_size: int
+    scheduler: UcxConnector
+    workers: dict[tuple[int, int], UcxConnector]
+    caches: dict[tuple[int, int], dict[str, torch.Tensor]] = field(repr=False)
+
+    @property
+    def address(self) -> str:
+        address = self.scheduler.scheduler_half.address
+        if address is None:
+            raise RuntimeError(f"engine {self.engine_id} serves no handshake")
+        return address
+
+    @property
+    def generation(self) -> int:
+        book = self.scheduler.scheduler_half.book
+        if book is None:
+            raise RuntimeError(f"engine {self.engine_id} serves no handshake")
+        return book.generation
+
+    def remote(
+        self, request_id: str = "r", block_ids: Sequence[int] = (), **changes
+    ) -> RemotePrefill:
+        """The params a consumer would receive for ``block_ids`` of this producer, which now
+        holds ``request_id`` for it (as `request_finished` would)."""
+        self.scheduler.scheduler_half.leases.hold(request_id)
+        host, port = self.address.rsplit(":", 1)
+        fields = {
+            "engine_id": self.engine_id,
+            "request_id": request_id,
+            "block_ids": tuple(block_ids),
+            "host": host,
+            "port": int(port),
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "num_tokens": len(block_ids) * BLOCK_SIZE,
+            "generation": self.generation,
+        }
+        fields.update(changes)
+        return RemotePrefill(**fields)
+
+    def shutdown(self) -> None:
+        for worker in self.workers.values():
+            worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def _config(engine_id: str, role: str, **extra) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="UcxConnector",
+        kv_role=role,
+        engine_id=engine_id,
+        kv_connector_extra_config=extra,
+    )
+
+
+def _layout(tp: int, pp: int, rank: tuple[int, int] | None, block_size: int) -> KVCacheLayout:
+    return KVCacheLayout(
+        model=MODEL,
+        dtype="float32",
+        block_size=block_size,
+        num_blocks=NUM_BLOCKS,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        tp_size=tp,
+        pp_size=pp,
+        pp_rank=None if rank is None else rank[0],
+        tp_rank=None if rank is None else rank[1],
+    )
+
+
+def rank_caches(
+    tp: int, pp: int, rank: tuple[int, int], seed: int | None, draft: bool, block_size: int
+) -> dict[str, torch.Tensor]:
+    """What worker ``rank`` holds: its PP stage's layers (drafter on the last), its heads; the
+    seeded producer values, or the sentinel on a consumer (``seed=None``)."""
+    pp_rank, tp_rank = rank
+    start, end = pp_layer_range(NUM_LAYERS, pp, pp_rank)
+    names = [f"model.layers.{i}.self_attn" for i in range(start, end)]
+    if draft and pp_rank == pp - 1:
+        names += [f"draft.layers.{i}.self_attn" for i in range(NUM_DRAFT_LAYERS)]
+    heads = kv_head_range(tp_rank, tp, NUM_KV_HEADS)
+    caches = {}
+    for name in names:
+        if seed is None:
+            shape = (NUM_BLOCKS, 2, len(heads), block_size, HEAD_DIM)
+            caches[name] = torch.full(shape, SENTINEL)
+        else:
+            caches[name] = global_layer(seed, name)[:, :, heads.start : heads.stop].contiguous()
+    return caches
+
+
+def start_engine(
+    engine_id: str,
+    tp: int,
+    pp: int,
+    role: str,
+    *,
+    seed: int | None = None,
+    draft: bool = True,
+    block_size: int = BLOCK_SIZE,
+    **extra,
+) -> SyntheticEngine:
+    config = _config(engine_id, role, **extra)
+    workers: dict[tuple[int, int], UcxConnector] = {}
+    caches: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    scheduler = UcxConnector(config, KVConnectorRole.SCHEDULER, _layout(tp, pp, None, block_size))
+    engine = SyntheticEngine(engine_id, tp, pp, scheduler, workers, caches)
+    try:
+        for p in range(pp):
+            for t in range(tp):
+                worker = UcxConnector(
+                    config, KVConnectorRole.WORKER, _layout(tp, pp, (p, t), block_size)
+                )
+                workers[(p, t)] = worker
+                caches[(p, t)] = rank_caches(tp, pp, (p, t), seed, draft, block_size)
+                worker.register_kv_caches(caches[(p, t)])
+        merged = merge_handshake_metadata(
+            [{rank: w.get_handshake_metadata()} for rank, w in workers.items()]
+        )
+        scheduler.set_xfer_handshake_metadata_pp_aware(merged)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+@contextmanager
+def engines(*specs: dict) -> Iterator[list[SyntheticEngine]]:
+    started: list[SyntheticEngine] = []
+    try:
+        for spec in specs:
+            started.append(start_engine(**spec))
+        yield started
+    finally:
+        for engine in started:
+            engine.shutdown()
+
+
+def run_load(
+    consumer: SyntheticEngine, spec: LoadSpec, *, abort_after_start: bool = False
+) -> dict[tuple[int, int], tuple[set[str], set[str], set[int]]]:
+    """Run one load on every consumer worker the way the engine does, step by step, until each
+    reported it; returns per rank (finished_recving, failed_recving, load-error blocks)."""
+    metadata = UcxConnectorMetadata(loads=(spec,))
+    results: dict[tuple[int, int], tuple[set[str], set[str], set[int]]] = {}
+    for rank, worker in consumer.workers.items():
+        worker.bind_connector_metadata(metadata)
+        worker.start_load_kv(None)
+        finished = {spec.req_id} if abort_after_start else set()
+        recving, failed, errors = _collect(worker, finished)
+        worker.clear_connector_metadata()
+        deadline = time.monotonic() + WAIT_S
+        while spec.req_id not in recving:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker {rank} never reported {spec.req_id}")
+            time.sleep(0.005)
+            more = _collect(worker, set())
+            recving |= more[0]
+            failed |= more[1]
+            errors |= more[2]
+        results[rank] = (recving, failed, errors)
+    return results
+
+
+def _collect(worker: UcxConnector, finished: set[str]) -> tuple[set[str], set[str], set[int]]:
+    _, recving, failed = worker.get_transfer_results(finished)
+    return set(recving or ()), set(failed or ()), worker.get_block_ids_with_load_errors()
+
+
+def expected_rank_cache(
+    seed: int,
+    name: str,
+    rank: tuple[int, int],
+    tp: int,
+    remote_ids: Sequence[int],
+    local_ids: Sequence[int],
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """A consumer worker's cache of ``name`` after loading ``remote_ids`` into ``local_ids``."""
+    heads = kv_head_range(rank[1], tp, NUM_KV_HEADS)
+    expected = torch.full((NUM_BLOCKS, 2, len(heads), block_size, HEAD_DIM), SENTINEL)
+    source = global_layer(seed, name)[:, :, heads.start : heads.stop]
+    expected[list(local_ids)] = source[list(remote_ids)]
+    return expected
