@@ -28,40 +28,27 @@ holding them, replicated heads read once), exactly the missing blocks, whatever 
 side runs. The producer frees the blocks when the consumer says it is done, or when the lease
 runs out.
 
-This class is a facade: the scheduler-role instance delegates to `UcxScheduler`, the
-worker-role instance to `UcxWorker`; calling a hook of the other role raises.
+This class is a facade (`RoleSplitConnector`): the scheduler-role instance delegates to
+`UcxScheduler`, the worker-role instance to `UcxWorker`; calling a hook of the other role raises.
+The scheduler half serves every ``(pp_rank, tp_rank)`` worker's handshake payload (PP supported).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from connectors.ucx.config import UcxConfig
 from connectors.ucx.metadata import UcxConnectorMetadata, UcxHandshakeMetadata
 from connectors.ucx.scheduler import UcxScheduler
 from connectors.ucx.worker import UcxWorker
 from kvtransfer.config import KVTransferConfig
-from kvtransfer.connector.base import FinishedIds, KVConnectorBase_V1, TransferResults
-from kvtransfer.connector.metadata import (
-    KVCacheLayout,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorStats,
-    KVRequest,
-    PpTpRank,
-)
-
-if TYPE_CHECKING:
-    import torch
-
-    from kvtransfer.outputs import KVConnectorOutput
-
-_EMPTY = UcxConnectorMetadata()
+from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole
+from kvtransfer.connector.split import RoleSplitConnector
 
 
-class UcxConnector(KVConnectorBase_V1):
+class UcxConnector(RoleSplitConnector[UcxScheduler, UcxWorker]):
+    connector_name = "UcxConnector"
+    metadata_cls = UcxConnectorMetadata
     handshake_metadata_cls = UcxHandshakeMetadata
 
     def __init__(
@@ -79,116 +66,12 @@ class UcxConnector(KVConnectorBase_V1):
                 f"{type(kv_cache_config).__name__}"
             )
         ucx = UcxConfig.from_transfer_config(config)
-        self._scheduler: UcxScheduler | None = None
-        self._worker: UcxWorker | None = None
-        if self.role is KVConnectorRole.SCHEDULER:
-            self._scheduler = UcxScheduler(config, ucx, kv_cache_config)
-        else:
-            self._worker = UcxWorker(config, ucx, kv_cache_config)
-
-    @property
-    def scheduler_half(self) -> UcxScheduler:
-        return self._scheduler_half("scheduler_half")
-
-    @property
-    def worker_half(self) -> UcxWorker:
-        return self._worker_half("worker_half")
-
-    def _worker_half(self, hook: str) -> UcxWorker:
-        if self._worker is None:
-            raise RuntimeError(
-                f"UcxConnector.{hook} is a worker hook; this instance is the {self.role.name} half"
-            )
-        return self._worker
-
-    def _scheduler_half(self, hook: str) -> UcxScheduler:
-        if self._scheduler is None:
-            raise RuntimeError(
-                f"UcxConnector.{hook} is a scheduler hook; this instance is the "
-                f"{self.role.name} half"
-            )
-        return self._scheduler
-
-    # ------------------------------------------------------------------ worker side
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_half("register_kv_caches").register_kv_caches(kv_caches)
-
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        # The engine binds a plain KVConnectorMetadata when the scheduler built none.
-        if type(connector_metadata) is not KVConnectorMetadata and not isinstance(
-            connector_metadata, UcxConnectorMetadata
-        ):
-            raise TypeError(
-                "UcxConnector expects UcxConnectorMetadata, got "
-                f"{type(connector_metadata).__name__}"
-            )
-        super().bind_connector_metadata(connector_metadata)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
-        if not isinstance(metadata, UcxConnectorMetadata):
-            metadata = _EMPTY
-        self._worker_half("start_load_kv").start_load_kv(metadata)
-
-    # Whole requests are loaded before they are scheduled and served from the cache after they
-    # finished, so nothing happens per layer: wait_for_layer_load, save_kv_layer and
-    # wait_for_save keep the base class's no-ops.
-
-    def get_finished(self, finished_req_ids: set[str]) -> FinishedIds:
-        sending, recving, _ = self.get_transfer_results(finished_req_ids)
-        return sending, recving
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
-        return self._worker_half("get_transfer_results").transfer_results(finished_req_ids)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker_half("get_block_ids_with_load_errors").block_ids_with_load_errors()
-
-    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self._worker_half("get_handshake_metadata").handshake_metadata()
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._worker_half("get_kv_connector_stats").stats()
+        self._build_half(
+            lambda: UcxScheduler(config, ucx, kv_cache_config),
+            lambda: UcxWorker(config, ucx, kv_cache_config),
+        )
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
+        super().shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
-
-    # --------------------------------------------------------------- scheduler side
-
-    def get_num_new_matched_tokens(
-        self, request: KVRequest, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        half = self._scheduler_half("get_num_new_matched_tokens")
-        return half.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(
-        self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int
-    ) -> None:
-        half = self._scheduler_half("update_state_after_alloc")
-        half.update_state_after_alloc(request, block_ids, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._scheduler_half("build_connector_meta").build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler_half("update_connector_output").update_connector_output(connector_output)
-
-    def request_finished(
-        self, request: KVRequest, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_half("request_finished").request_finished(request, block_ids)
-
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
-    ) -> None:
-        self.set_xfer_handshake_metadata_pp_aware({(0, tp): md for tp, md in metadata.items()})
-
-    def set_xfer_handshake_metadata_pp_aware(
-        self, metadata: Mapping[PpTpRank, KVConnectorHandshakeMetadata]
-    ) -> None:
-        """Serve every ``(pp_rank, tp_rank)`` worker's payload (PP supported)."""
-        self._scheduler_half("set_xfer_handshake_metadata_pp_aware").set_handshake(metadata)
