@@ -26,8 +26,14 @@ Methods, each timed per request (median over iterations after warm-up):
   processes, because ``import ucxx`` writes UCX variables into the environment.
 
 Every process uses one torch intra-op thread (``--torch-threads``): on a small shared host, OpenMP
-threads of two processes preempt each other. Handshake timings are not measured here
-(``handshake_cold_ms``/``handshake_warm_ms`` stay null).
+threads of two processes preempt each other.
+
+Handshake (``handshake_cold_ms``/``handshake_warm_ms``, medians, the same in every case's row):
+a live ``UcxConnector`` prefill engine (built-in model, PP=2) runs in its own process
+(`kvtransfer.pd.EngineProcess`); the decode side's gRPC fetch of all its worker payloads
+(engine id and compatibility checked), cold with a new `HandshakeClient` per fetch (channel
+connect + RPC), warm with the cached client. The UCX endpoint connect is not included.
+``--no-handshake`` skips it.
 
     python benchmarks/transfer.py [--iterations 10] [--json results.json] [--no-nixl]
 """
@@ -514,6 +520,57 @@ def run_ours_and_tcp(
 # -- report -----------------------------------------------------------------------------------
 
 
+HANDSHAKE_WHAT = "gRPC fetch of all payloads of a live PP=2 UcxConnector prefill engine"
+
+
+def run_handshake(iterations: int, warmup: int) -> dict[str, float]:
+    """Median cold and warm handshake fetch (ms) against a live prefill engine process."""
+    import asyncio
+
+    from connectors.ucx.identity import compat_from_layout
+    from connectors.ucx.metadata import UcxHandshakeMetadata
+    from kvtransfer.control import HandshakeClient, close_all, get_handshake_client
+    from kvtransfer.engine.kv_cache import kv_cache_layout
+    from kvtransfer.engine.model.loader import load_model_config
+    from kvtransfer.pd.engine_process import EngineProcess
+    from kvtransfer.pd.harness import ucx_engine_config
+
+    config = ucx_engine_config("kv_producer", "bench-prefill", pp=2)
+    with EngineProcess(config, name="bench-prefill") as engine:
+        ready = engine.ready_info
+        layout = kv_cache_layout(config, load_model_config(config.model), ready.num_kv_blocks)
+        compat = compat_from_layout(layout)
+        address = ready.handshake_address
+        if address is None:
+            raise RuntimeError("the prefill engine serves no handshake address")
+
+        async def fetch_ms(client: HandshakeClient) -> float:
+            start = time.perf_counter()
+            fetched = await client.fetch(ready.engine_id, compat, UcxHandshakeMetadata)
+            elapsed = (time.perf_counter() - start) * 1e3
+            if len(fetched.metadata) != config.world_size:
+                raise RuntimeError(f"expected {config.world_size} payloads, got {fetched!r}")
+            return elapsed
+
+        async def measure() -> dict[str, float]:
+            cold = []
+            for _ in range(warmup + iterations):
+                client = HandshakeClient(address)
+                try:
+                    cold.append(await fetch_ms(client))
+                finally:
+                    await client.close()
+            warm_client = get_handshake_client(address)
+            warm = [await fetch_ms(warm_client) for _ in range(warmup + iterations)]
+            await close_all()
+            return {
+                "handshake_cold_ms": statistics.median(cold[warmup:]),
+                "handshake_warm_ms": statistics.median(warm[warmup:]),
+            }
+
+        return asyncio.run(measure())
+
+
 def _fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -526,12 +583,17 @@ def main() -> None:
     parser.add_argument("--no-nixl", action="store_true")
     parser.add_argument("--chunk-mib", type=int, default=None, help="TransportConfig.chunk_bytes")
     parser.add_argument("--inflight", type=int, default=None, help="max_inflight_chunks")
+    parser.add_argument("--no-handshake", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.iterations < 1 or args.warmup < 0 or args.torch_threads < 1:
         parser.error("--iterations and --torch-threads must be >= 1, --warmup >= 0")
     torch.set_num_threads(args.torch_threads)
 
+    # Before UCX is imported here: the engine process must not inherit its UCX variables.
+    handshake: dict[str, float | None] = {"handshake_cold_ms": None, "handshake_warm_ms": None}
+    if not args.no_handshake:
+        handshake.update(run_handshake(max(args.iterations, 20), max(args.warmup, 2)))
     memcpy = run_memcpy(args.iterations, args.warmup)
     if args.no_nixl:
         nixl, nixl_note = None, "n/a (--no-nixl)"
@@ -562,8 +624,7 @@ def main() -> None:
             "ours_p99_ms": percentile_ms(ours[case.name], 99),
             "nixl_p50_ms": None if nixl_samples is None else percentile_ms(nixl_samples, 50),
             "samples": len(ours[case.name]),
-            "handshake_cold_ms": None,
-            "handshake_warm_ms": None,
+            **handshake,
         }
         rows.append(row)
 
@@ -573,6 +634,11 @@ def main() -> None:
     )
     print(f"# {platform.node()} {os.cpu_count()} CPUs, torch threads {args.torch_threads}")
     print(f"# GB/s medians; nixl: {nixl_note}")
+    handshake_what = "n/a (--no-handshake)" if args.no_handshake else HANDSHAKE_WHAT
+    print(
+        f"# handshake ({handshake_what}): cold {_fmt(handshake['handshake_cold_ms'])} ms, "
+        f"warm {_fmt(handshake['handshake_warm_ms'])} ms"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -591,6 +657,7 @@ def main() -> None:
                     "cpus": os.cpu_count(),
                     "torch_threads": args.torch_threads,
                     "nixl": nixl_note,
+                    "handshake": handshake_what,
                     "layouts": {
                         layout.name: {
                             "num_blocks": layout.num_blocks,
