@@ -36,17 +36,20 @@ class WorkerError(ExecutorError):
             self.add_note(f"traceback in {describe_rank(rank)}:\n{traceback_text.rstrip()}")
 
 
+def describe_death(exitcode: int | None) -> str:
+    """How a child process went away, for error messages (signal named when there is one)."""
+    if exitcode is None:
+        return "closed its pipe (exit code unknown)"
+    if exitcode < 0:
+        return f"died with exit code {exitcode} ({signal.Signals(-exitcode).name})"
+    return f"died with exit code {exitcode}"
+
+
 class WorkerDiedError(ExecutorError):
     """A worker process exited without being asked to (crash, signal, ``os._exit``)."""
 
     def __init__(self, rank: ParallelRank, exitcode: int | None) -> None:
-        if exitcode is None:
-            how = "closed its pipe (exit code unknown)"
-        elif exitcode < 0:
-            how = f"died with exit code {exitcode} ({signal.Signals(-exitcode).name})"
-        else:
-            how = f"died with exit code {exitcode}"
-        super().__init__(f"{describe_rank(rank)} {how}")
+        super().__init__(f"{describe_rank(rank)} {describe_death(exitcode)}")
         self.rank = rank
         self.exitcode = exitcode
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from kvtransfer.engine.executor_errors import describe_death
 
 if TYPE_CHECKING:
     from kvtransfer.engine.llm import RequestOutput
@@ -18,13 +19,7 @@ class EngineProcessDied(EngineProcessError):
     """The engine process exited without being asked to (killed, crashed)."""
 
     def __init__(self, name: str, exitcode: int | None) -> None:
-        if exitcode is None:
-            how = "closed its pipe (exit code unknown)"
-        elif exitcode < 0:
-            how = f"died with exit code {exitcode} ({signal.Signals(-exitcode).name})"
-        else:
-            how = f"died with exit code {exitcode}"
-        super().__init__(f"engine process {name!r} {how}")
+        super().__init__(f"engine process {name!r} {describe_death(exitcode)}")
         self.name = name
         self.exitcode = exitcode
 
