@@ -6,6 +6,9 @@ the lease; no child process outlives its test."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -128,6 +131,53 @@ def test_prefill_killed_before_the_pull(expected, policy):
         pair.decode.check_no_leaks()
         stats = pair.decode.stats()
     assert stats["num_used_blocks"] == 0
+    assert stats["connector"]["num_loads_failed"] == 1
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_prefill_killed_mid_transfer(expected, policy):
+    extra = {"transfer_timeout_s": 2.0, "handshake_timeout_s": 0.5}
+    with PDPair(
+        engine_overrides=OVERRIDES, kv_load_failure_policy=policy, extra_config=extra
+    ) as pair:
+        # Handshake and UCX endpoint are cached by this first request, so the next pull goes
+        # straight to the prefill worker.
+        assert pair.generate([PROMPTS[0]], DECODE)[0].token_ids == expected[0]
+        (prefilled,) = pair.run_prefill([PROMPTS[3]])
+        # Frozen, the prefill still holds the pull's endpoint open but answers nothing: the
+        # decode worker's pull is posted and waiting when the process dies.
+        os.kill(pair.prefill.pid, signal.SIGSTOP)
+        outcome: list[object] = []
+
+        def decode() -> None:
+            try:
+                outcome.extend(
+                    pair.run_decode([PROMPTS[3]], DECODE, [prefilled.kv_transfer_params])
+                )
+            except Exception as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=decode)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while pair.decode.stats()["num_loading_remote_kvs"] == 0:
+            assert time.monotonic() < deadline, "the decode request never started loading"
+            time.sleep(0.01)
+        time.sleep(0.3)  # the worker posts the pull on its next step
+        pair.prefill.kill()
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        (result,) = outcome
+        if policy == "fail":
+            assert result.finish_reason == "error"
+            assert result.error.startswith("KV load failed for request ")
+            assert result.token_ids == []
+        else:
+            assert result.token_ids == expected[3]
+        pair.decode.check_no_leaks()
+        stats = pair.decode.stats()
+    assert stats["num_used_blocks"] == 0
+    assert stats["num_loading_remote_kvs"] == 0
     assert stats["connector"]["num_loads_failed"] == 1
 
 

@@ -134,6 +134,12 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
+    def requests_loading_remote_kvs(self) -> list[Request]:
+        """Requests parked in ``WAITING_FOR_REMOTE_KVS`` (their KV is being loaded)."""
+        return [
+            r for r in self._requests.values() if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        ]
+
     # ------------------------------------------------------------------ requests in/out
 
     def add_request(self, request: Request) -> None:

@@ -231,6 +231,7 @@ class _EngineLoop:
             "num_used_blocks": blocks.num_used_blocks,
             "num_free_blocks": blocks.num_free_blocks,
             "num_unfinished_requests": len(self.call_of_request),
+            "num_loading_remote_kvs": len(self.core.scheduler.requests_loading_remote_kvs()),
             "has_pending_work": self.broken is None and self.core.has_pending_work(),
             "broken": self.broken.message if self.broken is not None else None,
             "scheduler": dataclasses.asdict(self.core.scheduler.stats),
