@@ -207,6 +207,10 @@ class MultiConnector(KVConnectorBase_V1):
 
     # --------------------------------------------------------------- scheduler side
 
+    def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None:
+        for child in self._connectors:
+            child.validate_kv_transfer_params(params)
+
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -192,6 +192,7 @@ HOOKS = {
     # scheduler side
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
+    "validate_kv_transfer_params",
     "build_connector_meta",
     "update_connector_output",
     "request_finished",

@@ -4,6 +4,8 @@ bytes, and failures follow ``kv_load_failure_policy`` without leaking a block.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from shared_storage_helpers.engines import (
@@ -226,20 +228,16 @@ def test_block_size_mismatch_fails_the_load(produced):
         ({"do_remote_prefill": "true"}, "kv_transfer_params.do_remote_prefill must be a bool"),
     ],
 )
-def test_malformed_params_fail_that_request_only(produced, expected, change, message):
+def test_malformed_params_are_rejected_before_anything_is_held(produced, expected, change, message):
     root, outputs = produced
     params = {**outputs[2].kv_transfer_params, **change}
     params = {k: v for k, v in params.items() if v is not None}
     with consumer(root) as llm:
-        bad, good = llm.generate(
-            [PROMPTS[2], PROMPTS[3]], DECODE, [params, outputs[3].kv_transfer_params]
-        )
+        with pytest.raises(ValueError, match=re.escape(f"request 'bad': {message}")):
+            llm.engine.add_request("bad", PROMPTS[2], DECODE, params)
+        assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+        (good,) = decode(llm, [PROMPTS[3]], [outputs[3].kv_transfer_params])
         after = decode(llm, [PROMPTS[1]], [outputs[1].kv_transfer_params])
-    assert bad.finish_reason == "error"
-    assert bad.error.startswith(
-        "KV connector SharedStorageConnector.get_num_new_matched_tokens raised for request "
-        f"gen-0: ValueError: {message}"
-    )
     assert good.token_ids == expected[3]
     assert after[0].token_ids == expected[1]
 

@@ -6,6 +6,7 @@ follow ``kv_load_failure_policy`` and neither engine leaks a block."""
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import time
 
@@ -189,23 +190,31 @@ def test_pulled_blocks_equal_the_producers_bytes_drafter_included():
         ({"remote_port": "80"}, "kv_transfer_params.remote_port must be a port in [1, 65535]"),
         ({"tp_size": 0}, "kv_transfer_params.tp_size must be an int >= 1, got 0"),
         ({"do_remote_prefill": "yes"}, "kv_transfer_params.do_remote_prefill must be a bool"),
-        (
-            {"remote_block_ids": [0]},
-            "kv_transfer_params.remote_block_ids holds 1 blocks, remote_num_tokens 70 needs 9",
-        ),
     ],
 )
-def test_malformed_params_fail_that_request_only(producer, expected, change, message):
+def test_malformed_params_are_rejected_before_anything_is_held(producer, expected, change, message):
     (output,) = prefill(producer, [PROMPTS[3]])
     bad = {**output.kv_transfer_params, **change, "remote_request_id": "never-held"}
     bad = {k: v for k, v in bad.items() if v is not None}
+    with consumer() as llm:
+        with pytest.raises(ValueError, match=re.escape(f"request 'bad': {message}")):
+            llm.engine.add_request("bad", PROMPTS[3], DECODE, bad)
+        assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+        (good,) = pd_run(producer, llm, [PROMPTS[3]], [output.kv_transfer_params])
+    assert good.token_ids == expected[3]
+
+
+def test_params_that_do_not_fit_this_engine_fail_that_request_only(producer, expected):
+    (output,) = prefill(producer, [PROMPTS[3]])
+    bad = {**output.kv_transfer_params, "remote_block_ids": [0], "remote_request_id": "never"}
     with consumer() as llm:
         params = [bad, output.kv_transfer_params]
         bad_result, good = pd_run(producer, llm, [PROMPTS[3], PROMPTS[3]], params)
     assert bad_result.finish_reason == "error"
     assert bad_result.error.startswith(
-        "KV connector UcxConnector.get_num_new_matched_tokens raised for request "
-        f"gen-0: ValueError: {message}"
+        "KV connector UcxConnector.get_num_new_matched_tokens raised for request gen-0: "
+        "ValueError: kv_transfer_params.remote_block_ids holds 1 blocks, remote_num_tokens 70 "
+        "needs 9"
     )
     assert good.token_ids == expected[3]
 

@@ -112,6 +112,10 @@ class SharedStorageScheduler:
 
     # ------------------------------------------------------------------ consumer
 
+    def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None:
+        if self._config.is_kv_consumer:
+            RemotePrefill.parse(params)
+
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

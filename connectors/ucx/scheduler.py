@@ -202,6 +202,12 @@ class UcxScheduler:
 
     # ------------------------------------------------------------------ consumer
 
+    def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None:
+        if self._config.is_kv_consumer:
+            RemotePrefill.parse(params)
+        if self._config.is_kv_producer:
+            wants_remote_decode(params)
+
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -193,6 +193,15 @@ class KVConnectorBase_V1:
 
     # --------------------------------------------------------------- scheduler side
 
+    def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None:
+        """Check a new request's ``kv_transfer_params`` before the engine queues it.
+
+        Runs once per request, in `EngineCore.add_request`, before any block is allocated.
+        Raise `ValueError` naming the key to reject the request up front (the caller gets the
+        error and nothing was held); the default accepts anything. Must not keep state: a
+        request that passes may still be aborted before it is ever scheduled.
+        """
+
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

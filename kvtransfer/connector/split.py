@@ -50,6 +50,8 @@ class SchedulerHalf(Protocol):
 
     def set_handshake(self, metadata: Mapping[PpTpRank, KVConnectorHandshakeMetadata]) -> None: ...
 
+    def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None: ...
+
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]: ...
@@ -183,6 +185,9 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
             self._worker.shutdown()
 
     # --------------------------------------------------------------- scheduler side
+
+    def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None:
+        self._scheduler_half("validate_kv_transfer_params").validate_kv_transfer_params(params)
 
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int

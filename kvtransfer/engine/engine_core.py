@@ -100,6 +100,11 @@ class EngineCore:
                 f"request {request_id!r}: kv_transfer_params must be an object (dict), "
                 f"got {type(kv_transfer_params).__name__}"
             )
+        if self.connector is not None:
+            try:
+                self.connector.validate_kv_transfer_params(kv_transfer_params)
+            except ValueError as exc:
+                raise ValueError(f"request {request_id!r}: {exc}") from None
         seed = sampling_params.seed
         if seed is None:
             seed = random.getrandbits(63)

@@ -17,6 +17,7 @@ for scheduling. Finishing a request stays the scheduler's job, so failures go th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +70,7 @@ class KVTransferState:
         """Park ``request``, which holds its blocks, while ``num_external`` tokens load."""
         request.num_external_tokens = num_external
         request.load_failed = False
+        request.load_started_at = time.monotonic()
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self._loading[request.request_id] = request
 
@@ -129,7 +131,9 @@ class KVTransferState:
             if self.load_failure_policy == "fail":
                 results.outputs.append(self._fail_load(request, fail))
                 continue
-            request.num_computed_tokens = min(request.num_cached_tokens, bad[0] * bm.block_size)
+            recomputed = min(request.num_cached_tokens, bad[0] * bm.block_size)
+            request.kv_stats.num_recomputed_tokens += request.num_computed_tokens - recomputed
+            request.num_computed_tokens = recomputed
             request.spec_token_ids.clear()
             request.skip_connector = True
             results.reset_ids.add(request.request_id)
@@ -148,6 +152,10 @@ class KVTransferState:
                 continue  # a report about a request this scheduler is not loading
             # The load borrow ends here, whatever happens to the request next.
             request.status = RequestStatus.WAITING
+            stats = request.kv_stats
+            if request.load_started_at is not None:
+                stats.load_wait_s += time.monotonic() - request.load_started_at
+                request.load_started_at = None
             if rid in failed or request.load_failed:
                 if self.load_failure_policy == "fail":
                     results.outputs.append(self._fail_load(request, fail))
@@ -157,10 +165,15 @@ class KVTransferState:
                 bm.evict_blocks(table[local_blocks:])
                 request.num_computed_tokens = request.num_cached_tokens
                 request.skip_connector = True
+                stats.num_recomputed_tokens += request.num_external_tokens
             else:
                 loaded = request.num_cached_tokens + request.num_external_tokens
                 request.num_computed_tokens = min(loaded, request.num_tokens - 1)
                 bm.cache_full_blocks(request, request.num_computed_tokens)
+                stats.num_loaded_tokens += request.num_external_tokens
+                stats.num_loaded_blocks += -(-loaded // bm.block_size) - (
+                    request.num_cached_tokens // bm.block_size
+                )
             request.num_external_tokens = 0
             request.load_failed = False
             request.admitted = True

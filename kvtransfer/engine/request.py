@@ -87,6 +87,9 @@ class Request:
     num_external_tokens: int = 0
     # A block of an in-flight load was reported invalid; acted on when the load finishes.
     load_failed: bool = False
+    # What connector loads did for this request, reported with its final output.
+    kv_stats: RequestKVStats = field(default_factory=lambda: RequestKVStats())
+    load_started_at: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -128,6 +131,21 @@ class Request:
             self.append_output_token(token_id)
 
 
+@dataclass
+class RequestKVStats:
+    """Per-request KV transfer accounting (cumulative over the request's loads).
+
+    ``num_loaded_tokens``/``num_loaded_blocks``: prompt KV a connector brought in (not
+    computed here); ``num_recomputed_tokens``: tokens whose load failed and that were computed
+    locally instead; ``load_wait_s``: time spent parked in ``WAITING_FOR_REMOTE_KVS``.
+    """
+
+    num_loaded_tokens: int = 0
+    num_loaded_blocks: int = 0
+    num_recomputed_tokens: int = 0
+    load_wait_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class EngineCoreOutput:
     """What one request produced in one step (or how it ended).
@@ -146,3 +164,7 @@ class EngineCoreOutput:
     logits: torch.Tensor | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # On the final output: prompt tokens served from the local prefix cache, and loads.
+    # Measurements, so equality of outputs ignores them.
+    num_cached_tokens: int = field(default=0, compare=False)
+    kv_stats: RequestKVStats | None = field(default=None, compare=False)

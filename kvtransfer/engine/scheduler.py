@@ -562,6 +562,8 @@ class Scheduler:
             finish_reason=status.finish_reason,
             error=error,
             kv_transfer_params=params,
+            num_cached_tokens=request.num_cached_tokens,
+            kv_stats=dataclasses.replace(request.kv_stats),
         )
 
     def _finish_error(self, request: Request, error: str) -> EngineCoreOutput:
