@@ -10,7 +10,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -163,6 +163,16 @@ class ControlServer:
     def address(self) -> str:
         return format_address(self.host, self.port)
 
+    async def set_serving(self, serving: bool) -> None:
+        """Health of "" and every service: SERVING, or NOT_SERVING while draining."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", *self.services):
+            await self._health.set(service, status)
+
     async def stop(self, grace: float | None = 1.0) -> None:
         """Report NOT_SERVING, then let in-flight calls finish for up to ``grace`` seconds."""
         await self._health.enter_graceful_shutdown()
@@ -181,6 +191,7 @@ async def start_control_server(
     log_level_logger: str = DEFAULT_LOG_LEVEL_LOGGER,
     options: Sequence[tuple[str, Any]] = (),
     handlers: Sequence[grpc.GenericRpcHandler] = (),
+    services: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
 ) -> ControlServer:
     """Start serving on ``host:port`` (port 0: let the OS choose) on the running loop.
 
@@ -188,10 +199,11 @@ async def start_control_server(
     always the standard health (SERVING for "" and each service) and reflection services.
     `SetLogLevel` changes ``log_level_logger`` unless the request names another logger.
     ``handlers`` adds services of their own (e.g. a connector's completion messages) on the
-    same port; they are not listed in reflection.
+    same port; they are not listed in reflection. ``services`` are ``(full service name,
+    register)`` pairs, e.g. a daemon's Generation servicer: listed in health and reflection.
     """
-    if book is None and admin is None:
-        raise ValueError("a control server needs a HandshakeBook, an AdminBackend, or both")
+    if book is None and admin is None and not services:
+        raise ValueError("a control server needs a HandshakeBook, an AdminBackend or a service")
     if not 0 <= port < 65536:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     # gRPC enables SO_REUSEPORT by default: a second engine on the same port would silently
@@ -199,19 +211,22 @@ async def start_control_server(
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
     if handlers:
         server.add_generic_rpc_handlers(tuple(handlers))
-    services: list[str] = []
+    names: list[str] = []
+    for name, register in services:
+        register(server)
+        names.append(name)
     if book is not None:
         handshake_pb2_grpc.add_KVHandshakeServicer_to_server(_HandshakeServicer(book), server)
-        services.append(HANDSHAKE_SERVICE)
+        names.append(HANDSHAKE_SERVICE)
     if admin is not None:
         admin_pb2_grpc.add_KVAdminServicer_to_server(
             _AdminServicer(admin, log_level_logger), server
         )
-        services.append(ADMIN_SERVICE)
+        names.append(ADMIN_SERVICE)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     try:
         bound_port = server.add_insecure_port(format_address(host, port))
@@ -220,10 +235,9 @@ async def start_control_server(
     if bound_port == 0:
         raise OSError(f"cannot bind the control server to {format_address(host, port)}")
     await server.start()
-    for service in ("", *services):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    control = ControlServer(server, health_servicer, host, bound_port, services)
-    logger.info("control server on %s serving %s", control.address, ", ".join(services))
+    control = ControlServer(server, health_servicer, host, bound_port, names)
+    await control.set_serving(True)
+    logger.info("control server on %s serving %s", control.address, ", ".join(names))
     return control
 
 
@@ -244,8 +258,10 @@ class ControlServerThread:
         log_level_logger: str = DEFAULT_LOG_LEVEL_LOGGER,
         options: Sequence[tuple[str, Any]] = (),
         handlers: Sequence[grpc.GenericRpcHandler] = (),
+        services: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
     ) -> None:
         self._kwargs: dict[str, Any] = dict(
+            services=services,
             host=host,
             port=port,
             book=book,
