@@ -1,14 +1,15 @@
-"""``python -m decode_node``: the decode daemon's entry point (a placeholder for now)."""
+"""``kvtransfer-decode`` / ``python -m decode_node``: start the decode daemon."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
-from kvtransfer.daemon_placeholder import not_implemented
 
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvtransfer.serve.daemon import main as run_daemon
 
-def main() -> int:
-    return not_implemented("decode")
+    return run_daemon("decode", argv)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""``python -m prefill_node``: the prefill daemon's entry point (a placeholder for now)."""
+"""``kvtransfer-prefill`` / ``python -m prefill_node``: start the prefill daemon."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
-from kvtransfer.daemon_placeholder import not_implemented
 
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvtransfer.serve.daemon import main as run_daemon
 
-def main() -> int:
-    return not_implemented("prefill")
+    return run_daemon("prefill", argv)
 
 
 if __name__ == "__main__":

@@ -336,9 +336,14 @@ class UcxScheduler:
             self._notifier_for().release(remote, 0)
 
     def build_connector_meta(self, scheduler_output: Any) -> UcxConnectorMetadata:
-        metadata = UcxConnectorMetadata(
-            loads=tuple(self._loads), releases=tuple(self._leases.take())
-        )
+        releases = tuple(self._leases.take())
+        # What consumers said they read: blocks of this engine, counted once whatever the TP.
+        consumed = sum(r.num_blocks for r in releases if not r.expired)
+        if consumed:
+            self._stats_totals["blocks_consumed"] = (
+                self._stats_totals.get("blocks_consumed", 0.0) + consumed
+            )
+        metadata = UcxConnectorMetadata(loads=tuple(self._loads), releases=releases)
         self._loads = []
         return metadata
 

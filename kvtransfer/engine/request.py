@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     import torch
 
 
+class DuplicateRequestError(ValueError):
+    """A request id that is still in use (running, or its blocks still lent)."""
+
+
+class PromptTooLargeError(ValueError):
+    """A prompt that can never fit this engine's block pool."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     # Admitted with blocks while a connector loads its KV asynchronously; scheduled 0 tokens.

@@ -25,7 +25,13 @@ from kvtransfer.engine.block_manager import BlockManager
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.connector_hooks import ConnectorHooks, KVConnectorHookError
 from kvtransfer.engine.kv_transfer_state import ConnectorResults, KVTransferState
-from kvtransfer.engine.request import EngineCoreOutput, Request, RequestStatus
+from kvtransfer.engine.request import (
+    DuplicateRequestError,
+    EngineCoreOutput,
+    PromptTooLargeError,
+    Request,
+    RequestStatus,
+)
 from kvtransfer.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvtransfer.outputs import KVConnectorOutput, ModelRunnerOutput
 
@@ -134,6 +140,11 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
+    def is_lending_blocks(self, request_id: str) -> bool:
+        """Whether a finished request's blocks are still lent to the connector (a save for a
+        remote decode, or a load that has not stopped writing)."""
+        return self._kv.is_borrowed(request_id)
+
     def requests_loading_remote_kvs(self) -> list[Request]:
         """Requests parked in ``WAITING_FOR_REMOTE_KVS`` (their KV is being loaded)."""
         return [
@@ -145,7 +156,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         rid = request.request_id
         if rid in self._requests or self._kv.is_borrowed(rid):
-            raise ValueError(f"request {rid}: duplicate request id")
+            raise DuplicateRequestError(f"request {rid}: duplicate request id")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise ValueError(f"request {rid}: must be a new WAITING request without outputs")
         prompt_len = request.num_prompt_tokens
@@ -164,7 +175,7 @@ class Scheduler:
             )
         needed = self.block_manager.blocks_needed(prompt_len + self.num_lookahead_tokens)
         if needed > self.block_manager.num_blocks:
-            raise ValueError(
+            raise PromptTooLargeError(
                 f"request {rid}: needs {needed} KV blocks ({prompt_len} prompt tokens + "
                 f"{self.num_lookahead_tokens} lookahead, block_size "
                 f"{self.block_manager.block_size}) but the pool has only "

@@ -1,0 +1,128 @@
+"""`EngineAdminBackend`: KVAdmin's answers for a daemon, read from its engine and ledger.
+
+Engine state is read on the engine thread (`EngineThread.call`), between two steps, so an
+answer never sees a half-applied step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvtransfer.control.admin import EngineStatus, PeerInfo, TransferDirection, TransferInfo
+from kvtransfer.engine.engine_core import EngineCore
+from kvtransfer.serve.engine_thread import EngineThread
+from kvtransfer.serve.ledger import ServingLedger
+
+# The connector's cumulative stats that become status counters (connector key -> counter).
+_CONNECTOR_COUNTERS = {
+    "blocks_consumed": "kv_blocks_sent",
+    "bytes_sent": "kv_bytes_sent",
+    "bytes_received": "kv_bytes_received",
+    "num_leases_expired": "kv_leases_expired",
+    "num_handshakes": "handshakes",
+}
+
+
+def connector_totals(core: EngineCore) -> dict[str, float]:
+    """The scheduler connector's cumulative stats (empty for connectors that keep none)."""
+    half = getattr(core.connector, "scheduler_half", None)
+    return dict(getattr(half, "stats_totals", None) or {})
+
+
+class EngineAdminBackend:
+    def __init__(
+        self,
+        *,
+        engine: EngineThread,
+        ledger: ServingLedger,
+        role: str,
+        engine_id: str,
+        model: str,
+        bytes_per_block: int,
+        begin_drain: Callable[[], int],
+    ) -> None:
+        self._engine = engine
+        self._ledger = ledger
+        self._identity = (role, engine_id, model)
+        self._bytes_per_block = bytes_per_block
+        self._begin_drain = begin_drain
+        self._started = time.monotonic()
+
+    def status(self) -> EngineStatus:
+        role, engine_id, model = self._identity
+
+        def read(core: EngineCore) -> tuple[int, int, dict[str, float], tuple[int, int]]:
+            blocks = core.scheduler.block_manager
+            split = (core.config.tensor_parallel_size, core.config.pipeline_parallel_size)
+            return blocks.num_free_blocks, blocks.num_used_blocks, connector_totals(core), split
+
+        free, used, totals, (tp, pp) = self._engine.call(read)
+        counters = self._ledger.counters()
+        # The connector's own counts win where it keeps them (bytes that really crossed).
+        for key, counter in _CONNECTOR_COUNTERS.items():
+            if key in totals:
+                counters[counter] = int(totals[key])
+        return EngineStatus(
+            role=role,
+            engine_id=engine_id,
+            model=model,
+            tp_size=tp,
+            pp_size=pp,
+            num_free_blocks=free,
+            num_used_blocks=used,
+            uptime_s=time.monotonic() - self._started,
+            counters=counters,
+        )
+
+    def peers(self) -> list[PeerInfo]:
+        return self._ledger.peers()
+
+    def transfers(self) -> list[TransferInfo]:
+        def read(core: EngineCore) -> tuple[list[Any], set[str]]:
+            scheduler = core.scheduler
+            loading = [
+                (r.request_id, dict(r.kv_transfer_params or {}), r.load_started_at)
+                for r in scheduler.requests_loading_remote_kvs()
+            ]
+            released = {
+                h.request_id
+                for h in self._ledger.held()
+                if not scheduler.is_lending_blocks(h.request_id)
+            }
+            return loading, released
+
+        loading, released = self._engine.call(read)
+        self._ledger.forget_held(released)
+        now = time.monotonic()
+        transfers = [
+            TransferInfo(
+                request_id=held.request_id,
+                peer_engine_id="",  # any consumer may pull it; none is known until it does
+                direction=TransferDirection.SEND,
+                num_blocks=held.num_blocks,
+                num_bytes=held.num_bytes,
+                age_s=now - held.since,
+            )
+            for held in self._ledger.held()
+        ]
+        for request_id, params, started in loading:
+            num_blocks = len(params.get("remote_block_ids") or ())
+            transfers.append(
+                TransferInfo(
+                    request_id=request_id,
+                    peer_engine_id=str(params.get("remote_engine_id", "")),
+                    direction=TransferDirection.RECV,
+                    num_blocks=num_blocks,
+                    num_bytes=num_blocks * self._bytes_per_block,
+                    age_s=now - started if started is not None else 0.0,
+                )
+            )
+        return transfers
+
+    def abort(self, request_id: str) -> bool:
+        return self._engine.abort(request_id)
+
+    def drain(self) -> int:
+        return self._begin_drain()

@@ -1,0 +1,103 @@
+"""`GenerationClient`: a synchronous client of a daemon's Generation service (tests, tools)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    error: str = ""
+    kv_transfer_params: dict[str, Any] | None = None
+    num_prompt_tokens: int = 0
+    metrics: generation_pb2.RequestMetrics | None = None
+    num_messages: int = 0
+
+
+def generate_request(
+    request_id: str,
+    prompt: str | Sequence[int],
+    max_tokens: int,
+    *,
+    temperature: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> generation_pb2.GenerateRequest:
+    sampling = generation_pb2.SamplingOptions(
+        max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos
+    )
+    if temperature is not None:
+        sampling.temperature = temperature
+    if seed is not None:
+        sampling.seed = seed
+    message = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+    if isinstance(prompt, str):
+        message.text = prompt
+    else:
+        message.token_ids.ids.extend(prompt)
+    if kv_transfer_params is not None:
+        message.kv_transfer_params_json = json.dumps(kv_transfer_params)
+    return message
+
+
+class GenerationClient:
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.target = target
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=list(options))
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=list(options))
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    def stream(
+        self, request: generation_pb2.GenerateRequest, timeout_s: float = 60.0
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        """The raw stream (cancel it to abort the request)."""
+        return self._stub.Generate(request, timeout=timeout_s)
+
+    def generate(
+        self, request: generation_pb2.GenerateRequest, timeout_s: float = 60.0
+    ) -> GenerateResult:
+        """Collect the whole stream; gRPC errors propagate as `grpc.RpcError`."""
+        result = GenerateResult(request.request_id)
+        for message in self._stub.Generate(request, timeout=timeout_s):
+            result.num_messages += 1
+            result.token_ids.extend(message.token_ids)
+            result.text += message.text
+            if message.num_prompt_tokens:
+                result.num_prompt_tokens = message.num_prompt_tokens
+            if message.finished:
+                result.finish_reason = message.finish_reason
+                result.error = message.error
+                if message.kv_transfer_params_json:
+                    result.kv_transfer_params = json.loads(message.kv_transfer_params_json)
+                result.metrics = message.metrics
+        return result
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,197 @@
+"""`EngineThread`: one thread owns the `EngineCore` and steps it; others send it calls.
+
+The engine is not thread-safe, so gRPC handlers never touch it: they queue a callable that the
+engine thread runs between two steps and wait (bounded) for its result. Outputs go to the sink
+each request registered, on the engine thread, so sinks must only hand them over (e.g. to an
+asyncio loop with ``call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvtransfer.engine.engine_core import EngineCore
+from kvtransfer.engine.request import DuplicateRequestError, EngineCoreOutput
+from kvtransfer.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OutputSink = Callable[[EngineCoreOutput], None]
+
+# How long an idle loop sleeps on its queue before looking at the stop flag again.
+_IDLE_WAIT_S = 0.1
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine thread stopped, or a step raised and the engine is no longer usable."""
+
+
+class EngineThread:
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        after_step: Callable[[EngineCore, list[EngineCoreOutput]], None] | None = None,
+    ) -> None:
+        self.core = core
+        self._after_step = after_step
+        # (run, future) pairs; the future is None for fire-and-forget calls.
+        self._calls: queue.Queue[tuple[Callable[[], None], concurrent.futures.Future | None]] = (
+            queue.Queue()
+        )
+        self._sinks: dict[str, OutputSink] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtransfer-engine", daemon=True)
+        self.broken: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop stepping (the core is not shut down); idempotent."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.broken is None
+
+    # ------------------------------------------------------------------ calls from other threads
+
+    def call(self, fn: Callable[[EngineCore], T], timeout_s: float = 30.0) -> T:
+        """Run ``fn(core)`` on the engine thread between steps; its exception is re-raised."""
+        if not self.is_running:
+            raise EngineUnavailable(self.broken or "the engine is not running")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.core))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._calls.put((run, future))
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the engine did not answer within {timeout_s:g} s") from None
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        kv_transfer_params: Mapping[str, Any] | None,
+        sink: OutputSink,
+    ) -> None:
+        """Queue a request; raises `ValueError` (bad input, duplicate id) from the engine."""
+
+        def add(core: EngineCore) -> None:
+            if request_id in self._sinks:
+                raise DuplicateRequestError(f"request {request_id}: duplicate request id")
+            core.add_request(request_id, prompt_token_ids, sampling_params, kv_transfer_params)
+            self._sinks[request_id] = sink
+
+        self.call(add)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running request (its final output reaches its sink); ``False`` if unknown."""
+
+        def abort(core: EngineCore) -> bool:
+            if request_id not in self._sinks:
+                return False
+            self._route(core.abort_request([request_id]))
+            return True
+
+        return self.call(abort)
+
+    def abort_all(self) -> int:
+        """Abort every running request (each sink gets its final output); returns how many."""
+
+        def abort(core: EngineCore) -> int:
+            request_ids = list(self._sinks)
+            self._route(core.abort_request(request_ids))
+            return len(request_ids)
+
+        return self.call(abort)
+
+    def num_running(self) -> int:
+        return len(self._sinks)
+
+    def abort_quietly(self, request_id: str) -> None:
+        """Abort without waiting (e.g. from a cancelled call); the output is dropped."""
+
+        def abort() -> None:
+            if self._sinks.pop(request_id, None) is not None:
+                self.core.abort_request([request_id])
+
+        if self.is_running:
+            self._calls.put((abort, None))
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            busy = self.core.has_pending_work()
+            try:
+                first = self._calls.get(timeout=None if busy else _IDLE_WAIT_S, block=not busy)
+            except queue.Empty:
+                first = None
+            while first is not None:
+                first[0]()
+                try:
+                    first = self._calls.get_nowait()
+                except queue.Empty:
+                    first = None
+            if not self.core.has_pending_work():
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception as exc:
+                self._break(exc)
+                return
+            self._route(outputs)
+            if self._after_step is not None:
+                self._after_step(self.core, outputs)
+        self._fail_calls("the engine stopped")
+
+    def _route(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            sink = self._sinks.get(output.req_id)
+            if sink is None:
+                continue  # aborted quietly: nobody listens any more
+            if output.finished:
+                del self._sinks[output.req_id]
+            sink(output)
+
+    def _break(self, exc: Exception) -> None:
+        self.broken = f"the engine failed: {type(exc).__name__}: {exc}"
+        logger.exception("engine step raised; failing %d request(s)", len(self._sinks))
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            sink(
+                EngineCoreOutput(
+                    req_id=request_id, finished=True, finish_reason="error", error=self.broken
+                )
+            )
+        self._fail_calls(self.broken)
+
+    def _fail_calls(self, reason: str) -> None:
+        # Calls queued after the loop ended would otherwise wait for their whole timeout.
+        while True:
+            try:
+                _, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(EngineUnavailable(reason))

@@ -1,0 +1,206 @@
+"""`GenerationService`: the gRPC ``Generation`` service of a daemon.
+
+Each call is one request: validated here (a bad field is INVALID_ARGUMENT before the engine
+sees anything), queued on the engine thread, then streamed back as the engine produces tokens.
+A cancelled call (the client went away) aborts the request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvtransfer.engine.request import (
+    DuplicateRequestError,
+    EngineCoreOutput,
+    PromptTooLargeError,
+)
+from kvtransfer.serve.engine_thread import EngineThread, EngineUnavailable
+from kvtransfer.serve.ledger import ServingLedger
+from kvtransfer.serve.metrics import DaemonMetrics
+from kvtransfer.serve.requests import ParsedRequest, RequestError, parse_generate_request
+from kvtransfer.serve.text_stream import TextStream
+from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
+
+logger = logging.getLogger("kvtransfer.serve.requests")
+
+
+@dataclass(frozen=True)
+class ServiceContext:
+    """What the service needs from its daemon."""
+
+    engine: EngineThread
+    tokenizer: Any
+    vocab_size: int
+    ledger: ServingLedger
+    metrics: DaemonMetrics
+    bytes_per_block: int
+    is_admitting: Callable[[], bool]
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, ctx: ServiceContext) -> None:
+        self._ctx = ctx
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        ctx = self._ctx
+        if not ctx.is_admitting():
+            ctx.ledger.count("requests_rejected")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the daemon is draining: not admitting new requests"
+            )
+        try:
+            parsed = parse_generate_request(request, ctx.tokenizer, ctx.vocab_size)
+        except RequestError as exc:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), request)
+        admitted = time.monotonic()
+        outputs: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(output: EngineCoreOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+        try:
+            await asyncio.to_thread(
+                ctx.engine.add_request,
+                parsed.request_id,
+                parsed.prompt_token_ids,
+                parsed.sampling_params,
+                parsed.kv_transfer_params,
+                sink,
+            )
+        except DuplicateRequestError as exc:
+            await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(exc), request)
+        except PromptTooLargeError as exc:
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), request)
+        except ValueError as exc:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), request)
+        except (EngineUnavailable, TimeoutError) as exc:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(exc), request)
+        ctx.ledger.count("requests_started")
+        logger.info(
+            "admitted: %d prompt tokens, max_tokens %d%s",
+            len(parsed.prompt_token_ids),
+            parsed.sampling_params.max_tokens,
+            ", with kv_transfer_params" if parsed.kv_transfer_params else "",
+            extra={"request_id": parsed.request_id},
+        )
+        finished = False
+        try:
+            async for message in self._stream(parsed, outputs, admitted):
+                finished = finished or message.finished
+                yield message
+        finally:
+            if not finished:
+                # Cancelled by the client, or the stream broke: nobody reads the rest.
+                ctx.engine.abort_quietly(parsed.request_id)
+                ctx.ledger.count("requests_aborted")
+                ctx.metrics.request_finished("abort")
+                logger.info("call cancelled: aborted", extra={"request_id": parsed.request_id})
+
+    async def _stream(
+        self, parsed: ParsedRequest, outputs: asyncio.Queue[EngineCoreOutput], admitted: float
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        ctx = self._ctx
+        rid = parsed.request_id
+        text = TextStream(ctx.tokenizer, parsed.stop)
+        first_token_at: float | None = None
+        last_token_at = admitted
+        sent_header = False
+        while True:
+            output = await outputs.get()
+            delta = text.feed(output.new_token_ids, final=output.finished)
+            now = time.monotonic()
+            if output.new_token_ids:
+                if first_token_at is None:
+                    first_token_at = now
+                    ctx.metrics.ttft.observe(now - admitted)
+                else:
+                    ctx.metrics.itl.observe(now - last_token_at)
+                last_token_at = now
+            message = generation_pb2.GenerateResponse(
+                request_id=rid, token_ids=delta.token_ids, text=delta.text
+            )
+            if not sent_header:
+                message.num_prompt_tokens = len(parsed.prompt_token_ids)
+                sent_header = True
+            if delta.stopped and not output.finished:
+                ctx.engine.abort_quietly(rid)
+                output = EngineCoreOutput(req_id=rid, finished=True, finish_reason="stop")
+            if not output.finished:
+                if delta.token_ids or delta.text:
+                    yield message
+                continue
+            self._finish(message, parsed, output, admitted, first_token_at, len(text.token_ids))
+            yield message
+            return
+
+    def _finish(
+        self,
+        message: generation_pb2.GenerateResponse,
+        parsed: ParsedRequest,
+        output: EngineCoreOutput,
+        admitted: float,
+        first_token_at: float | None,
+        num_tokens: int,
+    ) -> None:
+        ctx = self._ctx
+        reason = output.finish_reason or "error"
+        message.finished = True
+        message.finish_reason = reason
+        if output.error:
+            message.error = output.error
+        if output.kv_transfer_params is not None:
+            message.kv_transfer_params_json = json.dumps(output.kv_transfer_params)
+            ctx.ledger.hold(parsed.request_id, output.kv_transfer_params, ctx.bytes_per_block)
+        stats = output.kv_stats
+        metrics = message.metrics
+        metrics.ttft_s = (first_token_at or time.monotonic()) - admitted
+        metrics.num_cached_tokens = output.num_cached_tokens
+        if stats is not None:
+            metrics.kv_transfer_s = stats.load_wait_s
+            metrics.kv_blocks_received = stats.num_loaded_blocks
+            metrics.kv_bytes_received = stats.num_loaded_blocks * ctx.bytes_per_block
+            metrics.num_cached_tokens += stats.num_loaded_tokens
+            metrics.num_recomputed_tokens = stats.num_recomputed_tokens
+            if stats.num_loaded_blocks:
+                ctx.metrics.kv_bytes.observe(metrics.kv_bytes_received)
+                ctx.metrics.kv_seconds.observe(stats.load_wait_s)
+            if stats.num_recomputed_tokens:
+                ctx.metrics.failure("kv_load_recomputed")
+        ctx.ledger.request_finished(output, ctx.bytes_per_block)
+        ctx.ledger.record_load(parsed.kv_transfer_params, output)
+        ctx.metrics.request_finished(reason)
+        if reason == "error":
+            ctx.metrics.failure("kv_load_failed" if "KV load" in (output.error or "") else "error")
+            logger.warning("failed: %s", output.error, extra={"request_id": parsed.request_id})
+        else:
+            logger.info(
+                "finished (%s): %d tokens, %d KV blocks received in %.1f ms",
+                reason,
+                num_tokens,
+                metrics.kv_blocks_received,
+                metrics.kv_transfer_s * 1e3,
+                extra={"request_id": parsed.request_id},
+            )
+
+    async def _reject(
+        self,
+        context: grpc.aio.ServicerContext,
+        code: grpc.StatusCode,
+        message: str,
+        request: generation_pb2.GenerateRequest,
+    ) -> None:
+        self._ctx.ledger.count("requests_rejected")
+        self._ctx.metrics.failure("rejected")
+        logger.info("rejected: %s", message, extra={"request_id": request.request_id or "-"})
+        await context.abort(code, message)

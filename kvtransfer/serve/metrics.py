@@ -1,0 +1,94 @@
+"""`DaemonMetrics`: the Prometheus metrics of one daemon, on a registry of its own.
+
+A private registry (not prometheus_client's global one) keeps two daemons in one process, as in
+tests, from sharing counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
+
+
+class DaemonMetrics:
+    def __init__(self, role: str, engine_id: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "engine_id": engine_id}
+        names = list(labels)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            metric = Counter(name, doc, [*names, *extra], registry=self.registry)
+            return metric if extra else metric.labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            metric = Histogram(name, doc, names, buckets=buckets, registry=self.registry)
+            return metric.labels(**labels)
+
+        self._labels = labels
+        self._requests = counter(
+            "kvtransfer_requests", "Requests by how they finished", ("finish_reason",)
+        )
+        self._failures = counter("kvtransfer_failures", "Failures by reason", ("reason",))
+        self.ttft = histogram(
+            "kvtransfer_time_to_first_token_seconds", "Admission to first token", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "kvtransfer_inter_token_latency_seconds", "Between streamed tokens", _LATENCY_BUCKETS
+        )
+        self.kv_bytes = histogram(
+            "kvtransfer_kv_transfer_bytes", "KV bytes received per request", _BYTES_BUCKETS
+        )
+        self.kv_seconds = histogram(
+            "kvtransfer_kv_transfer_seconds",
+            "Time a request waited for its remote KV",
+            _LATENCY_BUCKETS,
+        )
+        self.handshakes = counter("kvtransfer_handshakes", "Handshakes made by this engine")
+        self.handshake_seconds = histogram(
+            "kvtransfer_handshake_seconds", "Handshake latency", _LATENCY_BUCKETS
+        )
+        self._blocks_used = Gauge(
+            "kvtransfer_kv_blocks_used", "KV blocks in use", names, registry=self.registry
+        ).labels(**labels)
+        self._blocks_free = Gauge(
+            "kvtransfer_kv_blocks_free", "KV blocks free", names, registry=self.registry
+        ).labels(**labels)
+        self._server: Any = None
+        self._lock = threading.Lock()
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._requests.labels(**self._labels, finish_reason=finish_reason).inc()
+
+    def failure(self, reason: str) -> None:
+        self._failures.labels(**self._labels, reason=reason).inc()
+
+    def set_blocks(self, used: int, free: int) -> None:
+        self._blocks_used.set(used)
+        self._blocks_free.set(free)
+
+    def record_handshakes(self, count: int, total_ms: float) -> None:
+        """``count`` handshakes took ``total_ms`` together (the connector reports sums)."""
+        if count <= 0:
+            return
+        self.handshakes.inc(count)
+        for _ in range(count):
+            self.handshake_seconds.observe(total_ms / count / 1e3)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` over HTTP; returns the bound port (``port`` 0: any free one)."""
+        with self._lock:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server = server
+            return int(server.server_port)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._server is not None:
+                self._server.shutdown()
+                self._server.server_close()
+                self._server = None

@@ -1,0 +1,113 @@
+"""Turn a `GenerateRequest` into engine inputs, or a `RequestError` naming the bad field."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.v1 import generation_pb2
+
+MAX_STOP_STRINGS = 8
+
+
+class RequestError(ValueError):
+    """A malformed Generate request; the message starts with the field's name."""
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    stop: tuple[str, ...]
+    kv_transfer_params: dict[str, Any] | None
+
+
+def parse_generate_request(
+    request: generation_pb2.GenerateRequest, tokenizer: Any, vocab_size: int
+) -> ParsedRequest:
+    if not request.request_id:
+        raise RequestError("request_id must not be empty")
+    prompt = _prompt_ids(request, tokenizer, vocab_size)
+    if not request.HasField("sampling"):
+        raise RequestError("sampling is required (at least sampling.max_tokens)")
+    sampling = request.sampling
+    return ParsedRequest(
+        request_id=request.request_id,
+        prompt_token_ids=prompt,
+        sampling_params=_sampling_params(sampling),
+        stop=_stop_strings(sampling),
+        kv_transfer_params=_transfer_params(request.kv_transfer_params_json),
+    )
+
+
+def _prompt_ids(
+    request: generation_pb2.GenerateRequest, tokenizer: Any, vocab_size: int
+) -> tuple[int, ...]:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise RequestError("prompt: set text or token_ids")
+    if kind == "text":
+        ids = tuple(tokenizer.encode(request.text))
+    else:
+        ids = tuple(request.token_ids.ids)
+        for index, token in enumerate(ids):
+            if token >= vocab_size:
+                raise RequestError(
+                    f"prompt.token_ids[{index}] = {token} is outside the vocabulary "
+                    f"(size {vocab_size})"
+                )
+    if not ids:
+        raise RequestError("prompt must not be empty")
+    return ids
+
+
+def _sampling_params(sampling: generation_pb2.SamplingOptions) -> SamplingParams:
+    if sampling.max_tokens < 1:
+        raise RequestError(f"sampling.max_tokens must be >= 1, got {sampling.max_tokens}")
+    temperature = sampling.temperature if sampling.HasField("temperature") else 0.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise RequestError(f"sampling.temperature must be >= 0, got {temperature}")
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise RequestError(f"sampling.top_p must be in (0, 1], got {top_p}")
+    top_k = sampling.top_k if sampling.HasField("top_k") else 0
+    if top_k < 0:
+        raise RequestError(f"sampling.top_k must be >= 0, got {top_k}")
+    try:
+        return SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            ignore_eos=sampling.ignore_eos,
+        )
+    except ValueError as exc:
+        raise RequestError(f"sampling: {exc}") from None
+
+
+def _stop_strings(sampling: generation_pb2.SamplingOptions) -> tuple[str, ...]:
+    stop = tuple(sampling.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"sampling.stop holds {len(stop)} strings, at most {MAX_STOP_STRINGS}")
+    if any(not s for s in stop):
+        raise RequestError("sampling.stop must not contain empty strings")
+    return stop
+
+
+def _transfer_params(text: str) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"kv_transfer_params_json is not valid JSON: {exc}") from None
+    if not isinstance(params, dict):
+        raise RequestError(
+            f"kv_transfer_params_json must be a JSON object, got {type(params).__name__}"
+        )
+    return params
