@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from kvtransfer.control.admin import EngineStatus, PeerInfo, TransferDirection, TransferInfo
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.serve.engine_thread import EngineThread
-from kvtransfer.serve.ledger import ServingLedger
+from kvtransfer.serve.ledger import HeldKV, ServingLedger
 
 # The connector's cumulative stats that become status counters (connector key -> counter).
 _CONNECTOR_COUNTERS = {
@@ -29,6 +28,18 @@ def connector_totals(core: EngineCore) -> dict[str, float]:
     """The scheduler connector's cumulative stats (empty for connectors that keep none)."""
     half = getattr(core.connector, "scheduler_half", None)
     return dict(getattr(half, "stats_totals", None) or {})
+
+
+def held_kv(engine: EngineThread, ledger: ServingLedger) -> list[HeldKV]:
+    """The prefill requests whose blocks are still lent to the connector (forgets the rest)."""
+    held = ledger.held()
+    released = engine.call(
+        lambda core: {
+            h.request_id for h in held if not core.scheduler.is_lending_blocks(h.request_id)
+        }
+    )
+    ledger.forget_held(released)
+    return [h for h in held if h.request_id not in released]
 
 
 class EngineAdminBackend:
@@ -80,21 +91,13 @@ class EngineAdminBackend:
         return self._ledger.peers()
 
     def transfers(self) -> list[TransferInfo]:
-        def read(core: EngineCore) -> tuple[list[Any], set[str]]:
-            scheduler = core.scheduler
-            loading = [
+        held = held_kv(self._engine, self._ledger)
+        loading = self._engine.call(
+            lambda core: [
                 (r.request_id, dict(r.kv_transfer_params or {}), r.load_started_at)
-                for r in scheduler.requests_loading_remote_kvs()
+                for r in core.scheduler.requests_loading_remote_kvs()
             ]
-            released = {
-                h.request_id
-                for h in self._ledger.held()
-                if not scheduler.is_lending_blocks(h.request_id)
-            }
-            return loading, released
-
-        loading, released = self._engine.call(read)
-        self._ledger.forget_held(released)
+        )
         now = time.monotonic()
         transfers = [
             TransferInfo(
@@ -105,7 +108,7 @@ class EngineAdminBackend:
                 num_bytes=held.num_bytes,
                 age_s=now - held.since,
             )
-            for held in self._ledger.held()
+            for held in held
         ]
         for request_id, params, started in loading:
             num_blocks = len(params.get("remote_block_ids") or ())

@@ -35,7 +35,7 @@ from kvtransfer.control.server import ControlServer
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.kv_cache import kv_bytes_per_block, resolve_dtype
 from kvtransfer.engine.llm import LLM
-from kvtransfer.serve.admin_backend import EngineAdminBackend, connector_totals
+from kvtransfer.serve.admin_backend import EngineAdminBackend, connector_totals, held_kv
 from kvtransfer.serve.engine_thread import EngineThread
 from kvtransfer.serve.generation import GenerationService, ServiceContext
 from kvtransfer.serve.ledger import ServingLedger
@@ -158,12 +158,12 @@ class Daemon:
         engine = self._engine
         if engine is None or not engine.is_running:
             return 0
-        return engine.num_running() + len(self.ledger.held())
+        return engine.num_running() + len(held_kv(engine, self.ledger))
 
     async def drain(self, timeout_s: float) -> bool:
         """`begin_drain`, then wait until the engine has nothing left (requests, held KV,
         loads); aborts what remains after ``timeout_s``. True if everything finished."""
-        self.begin_drain()
+        await asyncio.to_thread(self.begin_drain)
         engine = self._engine
         if engine is None or not engine.is_running:
             return True

@@ -1,0 +1,98 @@
+"""Real daemons (and the router) as child processes on 127.0.0.1, plus the colocated reference."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtransfer.control import AdminClient
+from kvtransfer.engine.config import EngineConfig
+from kvtransfer.engine.llm import LLM
+from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.serve.launcher import ServiceProcess, daemon_command, router_command
+
+BLOCK_SIZE = 16
+NUM_KV_BLOCKS = 96
+COMMON_FLAGS = (
+    "--port",
+    "0",
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--num-kv-blocks",
+    str(NUM_KV_BLOCKS),
+    "--metrics-port",
+    "0",
+)
+
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog, again and again and again.",
+    "Disaggregated serving moves the prompt's KV cache from prefill to decode. " * 3,
+]
+
+
+def start_daemon(
+    role: str,
+    log_dir: Path,
+    *flags: str,
+    kv: dict[str, Any] | None = None,
+    name: str | None = None,
+    env: dict[str, str] | None = None,
+) -> ServiceProcess:
+    config = {"kv_port": 0, **(kv or {})}
+    argv = daemon_command(role, *COMMON_FLAGS, "--kv-transfer-config", json.dumps(config), *flags)
+    name = name or role
+    return ServiceProcess.start(name, argv, log_dir / f"{name}.log", env=env)
+
+
+def start_router(
+    log_dir: Path, prefills: Sequence[ServiceProcess], decodes: Sequence[ServiceProcess]
+) -> ServiceProcess:
+    flags = ["--port", "0"]
+    for daemon in prefills:
+        flags += ["--prefill", daemon.address]
+    for daemon in decodes:
+        flags += ["--decode", daemon.address]
+    return ServiceProcess.start("router", router_command(*flags), log_dir / "router.log")
+
+
+@contextlib.contextmanager
+def running(*processes: ServiceProcess) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.terminate()
+
+
+def colocated(
+    prompts: Sequence[str | list[int]], max_tokens: int, **engine: Any
+) -> list[list[int]]:
+    config = EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, **engine)
+    with LLM(config) as llm:
+        outputs = llm.generate(list(prompts), SamplingParams(max_tokens=max_tokens))
+    return [o.token_ids for o in outputs]
+
+
+def admin(address: str, method: str, *args: Any, **client: Any) -> Any:
+    async def call() -> Any:
+        admin_client = AdminClient(address, **client)
+        try:
+            return await getattr(admin_client, method)(*args)
+        finally:
+            await admin_client.close()
+
+    return asyncio.run(call())
+
+
+def exit_used_blocks(process: ServiceProcess) -> int | None:
+    """The daemon's last words: how many KV blocks were still in use when it stopped."""
+    for line in reversed(process.log_path.read_text().splitlines()):
+        if "KV blocks in use at exit" in line:
+            value = line.split("stopped: ", 1)[1].split(" ", 1)[0]
+            return None if value == "unknown" else int(value)
+    return None
