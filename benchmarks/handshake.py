@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvtransfer.control import HandshakeClient, close_all, get_handshake_client, wait_until_serving
-from kvtransfer.demo import (
+from kvtransfer.control.handshake_demo import (
     DEMO_COMPAT,
     DEMO_ENGINE_ID,
     PP_SIZE,

@@ -1,265 +1,249 @@
-"""`kvtransfer demo`: a control-plane handshake between two processes on 127.0.0.1.
+"""`kvtransfer demo`: a real prefill/decode run on this machine, checked token for token.
 
-1. start a "prefill engine" process (PP=2 x TP=2) whose scheduler-side connector publishes its
-   four workers' handshake metadata and serves it over `KVHandshake`;
-2. wait until its health service reports SERVING;
-3. fetch every worker's metadata with compatibility checking, timing a cold (new channel) and a
-   warm (reused channel) handshake;
-4. fetch again pretending to have another block size, to show the typed error;
-5. stop the prefill process (closing its stdin) and require a clean exit.
+1. start a prefill daemon, a decode daemon and the router on 127.0.0.1 (free ports), showing
+   progress while the engines load;
+2. send a few prompts through the router's OpenAI API (one of them streamed): prefill computes
+   the prompt's KV, decode pulls it over UCX and generates;
+3. print each completion with its time to first token, the KV blocks and bytes decode received
+   and how long it waited for them;
+4. run the same prompts colocated (one engine, no transfer) and compare the token ids;
+5. check the decode daemon's counters (KV received, nothing recomputed), stop everything with
+   SIGTERM and require exit code 0 and no KV block in use at exit.
 
-Temporary stand-in for the real P/D demo; `benchmarks/handshake.py` reuses its pieces.
+Exits 1 on any mismatch or failure, 0 when everything matched.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import queue
-import statistics
-import subprocess
 import sys
-import threading
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.connector.base import KVConnectorBase_V1
-from kvtransfer.connector.metadata import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorRole,
-    PpTpRank,
-    merge_handshake_metadata,
+DEFAULT_PROMPTS = (
+    "Prefill computes the prompt once; decode streams the answer.",
+    "KV blocks travel over UCX from the prefill workers to the decode workers, "
+    "layer by layer and head slice by head slice.",
+    "Hi",
 )
-from kvtransfer.control import (
-    BasicAdminBackend,
-    CompatibilityInfo,
-    ControlPlaneError,
-    ControlServerThread,
-    HandshakeBook,
-    HandshakeClient,
-    HandshakeCompatibilityError,
-    check_health,
-    wait_until_serving,
-)
-
-PP_SIZE = 2
-TP_SIZE = 2
-DEMO_ENGINE_ID = "demo-prefill-0"
-DEMO_COMPAT = CompatibilityInfo(
-    model="kvtransfer/demo-llama-1b",
-    dtype="bfloat16",
-    total_num_kv_heads=8,
-    head_size=64,
-    num_layers=16,
-    block_size=16,
-    wire_version=1,
-)
-_NUM_WARM_FETCHES = 10
+_REQUEST_TIMEOUT_S = 120.0
 
 
-class DemoWorkerMetadata(KVConnectorHandshakeMetadata):
-    """What a demo worker publishes: where its KV lives and which slice of the model it holds."""
-
-    worker_address: str
-    layer_start: int
-    layer_end: int  # exclusive
-    num_kv_heads: int
+class DemoFailure(RuntimeError):
+    """Something the demo checks did not hold; the message says what."""
 
 
-def worker_metadata(pp_rank: int, tp_rank: int) -> DemoWorkerMetadata:
-    layers_per_stage = DEMO_COMPAT.num_layers // PP_SIZE
-    return DemoWorkerMetadata(
-        worker_address=f"ucx://127.0.0.1/{DEMO_ENGINE_ID}/pp{pp_rank}-tp{tp_rank}",
-        layer_start=pp_rank * layers_per_stage,
-        layer_end=(pp_rank + 1) * layers_per_stage,
-        num_kv_heads=DEMO_COMPAT.total_num_kv_heads // TP_SIZE,
-    )
-
-
-class DemoPrefillConnector(KVConnectorBase_V1):
-    """Scheduler half of a PP-aware connector: publishes the workers' metadata to its book."""
-
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, book: HandshakeBook):
-        super().__init__(config, role)
-        self._book = book
-
-    def set_xfer_handshake_metadata_pp_aware(
-        self, metadata: Mapping[PpTpRank, KVConnectorHandshakeMetadata]
-    ) -> None:
-        self._book.publish(metadata)
-
-
-# ------------------------------------------------------------------ prefill side (child)
-
-
-def serve(engine_id: str) -> int:
-    """Run the prefill side until stdin closes; prints one JSON line once it is serving."""
-    book = HandshakeBook(engine_id, DEMO_COMPAT)
-    config = KVTransferConfig(
-        kv_connector="DemoPrefillConnector", engine_id=engine_id, kv_role="kv_producer"
-    )
-    connector = DemoPrefillConnector(config, KVConnectorRole.SCHEDULER, book)
-    # The engine's start-up path: each worker reports its metadata, the engine merges them and
-    # hands the result to the scheduler-side connector.
-    per_worker = [
-        {(pp, tp): worker_metadata(pp, tp)} for pp in range(PP_SIZE) for tp in range(TP_SIZE)
-    ]
-    connector.set_xfer_handshake_metadata_pp_aware(merge_handshake_metadata(per_worker))
-    admin = BasicAdminBackend(
-        role="kv_producer",
-        engine_id=engine_id,
-        model=DEMO_COMPAT.model,
-        tp_size=TP_SIZE,
-        pp_size=PP_SIZE,
-        num_blocks=1024,
-    )
-    with ControlServerThread(book=book, admin=admin) as server:
-        print(json.dumps({"address": server.address, "generation": book.generation}), flush=True)
-        sys.stdin.read()  # EOF: the parent asked us to stop (or died)
-    return 0
-
-
-# ------------------------------------------------------------------ decode side (parent)
-
-
-@dataclass
-class PrefillProcess:
-    process: subprocess.Popen[str]
-    address: str
-    generation: int
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        """Close stdin (the stop signal) and wait; kill if it hangs. Returns the exit code."""
-        if self.process.stdin is not None and not self.process.stdin.closed:
-            self.process.stdin.close()
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            return -9
-        finally:
-            if self.process.stdout is not None:
-                self.process.stdout.close()
-
-
-def spawn_prefill_server(
-    engine_id: str = DEMO_ENGINE_ID, *, timeout_s: float = 30.0
-) -> PrefillProcess:
-    """Start ``python -m kvtransfer.demo --serve`` and wait for its address line."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvtransfer.demo", "--serve", "--engine-id", engine_id],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    stdout = process.stdout
-    if stdout is None:  # never with stdout=PIPE; narrows the type
-        raise RuntimeError("no stdout pipe to the prefill process")
-    # readline() has no timeout; a helper thread keeps a hung child from hanging us.
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
-    try:
-        line = lines.get(timeout=timeout_s)
-    except queue.Empty:
-        process.kill()
-        process.wait()
-        stdout.close()
-        raise TimeoutError(f"prefill process did not report an address in {timeout_s} s") from None
-    if not line:
-        code = process.wait()
-        stdout.close()
-        raise RuntimeError(f"prefill process exited with code {code} before serving")
-    ready = json.loads(line)
-    return PrefillProcess(process, ready["address"], int(ready["generation"]))
-
-
-async def _timed_fetch(
-    client: HandshakeClient, compat: CompatibilityInfo, engine_id: str
-) -> tuple[float, dict[PpTpRank, DemoWorkerMetadata]]:
-    start = time.perf_counter()
-    fetched = await client.fetch(engine_id, compat, DemoWorkerMetadata)
-    return (time.perf_counter() - start) * 1e3, fetched.metadata
-
-
-def _print_table(metadata: Mapping[PpTpRank, DemoWorkerMetadata]) -> None:
-    print(f"  {'pp':>2}  {'tp':>2}  {'layers':<8}  {'kv heads':>8}  {'payload bytes':>13}")
-    for (pp, tp), md in sorted(metadata.items()):
-        layers = f"{md.layer_start}-{md.layer_end - 1}"
-        print(f"  {pp:>2}  {tp:>2}  {layers:<8}  {md.num_kv_heads:>8}  {len(md.encode()):>13}")
-
-
-async def _run_decode_side(prefill: PrefillProcess, engine_id: str) -> bool:
-    await wait_until_serving(prefill.address)
-    client = HandshakeClient(prefill.address)
-    try:
-        cold_ms, metadata = await _timed_fetch(client, DEMO_COMPAT, engine_id)
-        warm_ms = statistics.median(
-            [
-                (await _timed_fetch(client, DEMO_COMPAT, engine_id))[0]
-                for _ in range(_NUM_WARM_FETCHES)
-            ]
-        )
-        expected = {
-            (pp, tp): worker_metadata(pp, tp) for pp in range(PP_SIZE) for tp in range(TP_SIZE)
-        }
-        if metadata != expected:
-            print("FAIL: fetched metadata differs from what the prefill engine published")
-            return False
-        short_hash = DEMO_COMPAT.compat_hash()[:12]
-        print(f"fetched {len(metadata)} worker payloads (compat hash {short_hash}...):")
-        _print_table(metadata)
-        print(
-            f"handshake latency: cold {cold_ms:.2f} ms (new channel), "
-            f"warm {warm_ms:.2f} ms (reused channel, median of {_NUM_WARM_FETCHES})"
-        )
-
-        mismatched = CompatibilityInfo(**{**DEMO_COMPAT.model_dump(), "block_size": 32})
-        print("fetching again with block_size=32 (must be refused):")
-        try:
-            await client.fetch(engine_id, mismatched, DemoWorkerMetadata)
-        except HandshakeCompatibilityError as exc:
-            print(f"  {type(exc).__name__}: {exc}")
-        else:
-            print("FAIL: an incompatible handshake was accepted")
-            return False
-    finally:
-        await client.close()
-
-    health = await check_health(prefill.address)
-    print(f"health (grpc.health.v1): {health}")
-    return health == "SERVING"
-
-
-def run_demo(engine_id: str = DEMO_ENGINE_ID) -> int:
-    print(f"starting prefill engine {engine_id!r} (PP={PP_SIZE} x TP={TP_SIZE}) in a new process")
-    prefill = spawn_prefill_server(engine_id)
-    print(f"prefill engine serving on {prefill.address}, generation {prefill.generation:#x}")
-    try:
-        ok = asyncio.run(_run_decode_side(prefill, engine_id))
-    finally:
-        exit_code = prefill.stop()
-    print(f"prefill engine process stopped (exit code {exit_code})")
-    ok = ok and exit_code == 0
-    print("demo OK" if ok else "demo FAILED")
-    return 0 if ok else 1
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtransfer demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin", help="builtin[:preset] or a HF directory")
+    parser.add_argument("--prefill-tp", type=int, default=1)
+    parser.add_argument("--prefill-pp", type=int, default=1)
+    parser.add_argument("--decode-tp", type=int, default=1)
+    parser.add_argument("--decode-pp", type=int, default=1)
+    parser.add_argument("--speculative", choices=("draft", "ngram"), default=None)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    parser.add_argument("--log-dir", help="where the daemons' logs go (default: a temp dir)")
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtransfer demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--engine-id", default=DEMO_ENGINE_ID)
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.serve:
-        return serve(args.engine_id)
+    args = _parser().parse_args(argv)
+    prompts = tuple(args.prompt or DEFAULT_PROMPTS)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvtransfer-demo-"))
     try:
-        return run_demo(args.engine_id)
-    except (ControlPlaneError, OSError, RuntimeError, TimeoutError) as exc:
-        print(f"demo FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _run(args, prompts, log_dir)
+    except DemoFailure as exc:
+        print(f"\ndemo FAILED: {exc}\n(logs: {log_dir})")
         return 1
+    print(f"\ndemo OK (logs: {log_dir})")
+    return 0
+
+
+def _run(args: argparse.Namespace, prompts: Sequence[str], log_dir: Path) -> None:
+    from kvtransfer.serve.launcher import (
+        ServiceProcess,
+        ServiceStartError,
+        daemon_command,
+        router_command,
+    )
+
+    started = time.monotonic()
+    services: list[ServiceProcess] = []
+
+    def launch(name: str, argv: list[str]) -> ServiceProcess:
+        print(f"[{time.monotonic() - started:5.1f}s] starting {name} ...", flush=True)
+        try:
+            service = ServiceProcess.start(name, argv, log_dir / f"{name}.log")
+        except ServiceStartError as exc:
+            raise DemoFailure(str(exc)) from None
+        services.append(service)
+        print(f"[{time.monotonic() - started:5.1f}s] {name} ready at {service.address}")
+        return service
+
+    common = ["--model", args.model, "--port", "0"]
+    if args.speculative:
+        common += ["--speculative", args.speculative]
+    kv = json.dumps({"kv_port": 0})
+    try:
+        prefill = launch(
+            "prefill daemon",
+            daemon_command(
+                "prefill",
+                *common,
+                "--tp",
+                str(args.prefill_tp),
+                "--pp",
+                str(args.prefill_pp),
+                "--engine-id",
+                "demo-prefill",
+                "--kv-transfer-config",
+                kv,
+            ),
+        )
+        decode = launch(
+            "decode daemon",
+            daemon_command(
+                "decode",
+                *common,
+                "--tp",
+                str(args.decode_tp),
+                "--pp",
+                str(args.decode_pp),
+                "--engine-id",
+                "demo-decode",
+                "--kv-transfer-config",
+                kv,
+            ),
+        )
+        router = launch(
+            "router",
+            router_command("--port", "0", "--prefill", prefill.address, "--decode", decode.address),
+        )
+        print(
+            f"\nP/D: prefill TP{args.prefill_tp}xPP{args.prefill_pp} -> decode "
+            f"TP{args.decode_tp}xPP{args.decode_pp}, model {args.model}"
+            + (f", speculative {args.speculative}" if args.speculative else "")
+        )
+        results = [
+            _complete(router.address, prompt, args.max_tokens, stream=index == 0)
+            for index, prompt in enumerate(prompts)
+        ]
+        for prompt, result in zip(prompts, results, strict=True):
+            _show(prompt, result)
+        _compare_with_colocated(args, prompts, results)
+        _check_counters(decode.address)
+    finally:
+        print("\nstopping ...")
+        codes = [(service.name, service.terminate()) for service in reversed(services)]
+    for name, code in codes:
+        print(f"  {name}: exit code {code}")
+        if code != 0:
+            raise DemoFailure(f"{name} exited with code {code}")
+    for service in services:
+        if service.name.endswith("daemon"):
+            _check_exit_blocks(service)
+
+
+def _complete(base_url: str, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=_REQUEST_TIMEOUT_S) as response:
+            raw = response.read().decode()
+    except urllib.error.HTTPError as exc:
+        raise DemoFailure(f"HTTP {exc.code} from the router: {exc.read().decode()}") from None
+    except OSError as exc:
+        raise DemoFailure(f"the router did not answer: {exc}") from None
+    if not stream:
+        return json.loads(raw)
+    text, last = "", None
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: ") :])
+        if "error" in chunk:
+            raise DemoFailure(f"streamed error: {chunk['error']}")
+        text += chunk["choices"][0]["text"]
+        last = chunk
+    if last is None:
+        raise DemoFailure("the stream carried no completion")
+    last["choices"][0]["text"] = text
+    return last
+
+
+def _show(prompt: str, result: dict[str, Any]) -> None:
+    info = result["kvtransfer"]
+    completion = result["choices"][0]["text"]
+    print(f"\n> {prompt!r}")
+    print(f"  completion: {completion!r}")
+    print(
+        f"  TTFT {info['ttft_s'] * 1e3:.1f} ms | KV received: {info['kv_blocks_received']} "
+        f"blocks, {info['kv_bytes_received'] / 1024:.1f} KiB in "
+        f"{info['kv_transfer_s'] * 1e3:.1f} ms | recomputed tokens: "
+        f"{info['num_recomputed_tokens']}"
+    )
+
+
+def _compare_with_colocated(
+    args: argparse.Namespace, prompts: Sequence[str], results: Sequence[dict[str, Any]]
+) -> None:
+    from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
+    from kvtransfer.engine.llm import LLM
+    from kvtransfer.engine.sampling_params import SamplingParams
+
+    speculative = SpeculativeConfig(method=args.speculative) if args.speculative else None
+    with LLM(EngineConfig(model=args.model, speculative=speculative)) as llm:
+        outputs = llm.generate(list(prompts), SamplingParams(max_tokens=args.max_tokens))
+    print("\ncolocated check (same prompts on one engine, no transfer):")
+    mismatches = 0
+    for index, (output, result) in enumerate(zip(outputs, results, strict=True)):
+        same = output.token_ids == result["kvtransfer"]["token_ids"]
+        mismatches += not same
+        print(f"  prompt {index}: {'tokens identical' if same else 'MISMATCH'}")
+    if mismatches:
+        raise DemoFailure(f"{mismatches} completion(s) differ from the colocated run")
+
+
+def _check_counters(decode_address: str) -> None:
+    import asyncio
+
+    from kvtransfer.control import AdminClient
+
+    async def status() -> Any:
+        client = AdminClient(decode_address)
+        try:
+            return await client.status()
+        finally:
+            await client.close()
+
+    counters = asyncio.run(status()).counters
+    print(
+        f"\ndecode daemon counters: kv_blocks_received={counters['kv_blocks_received']} "
+        f"kv_bytes_received={counters['kv_bytes_received']} "
+        f"kv_tokens_recomputed={counters['kv_tokens_recomputed']}"
+    )
+    if counters["kv_blocks_received"] == 0 or counters["kv_tokens_recomputed"] != 0:
+        raise DemoFailure("decode did not receive the KV (it recomputed the prompts)")
+
+
+def _check_exit_blocks(service: Any) -> None:
+    for line in reversed(service.log_path.read_text().splitlines()):
+        if "KV blocks in use at exit" in line:
+            if "stopped: 0 KV blocks" not in line:
+                raise DemoFailure(f"{service.name}: {line.split(': ', 1)[-1]}")
+            return
+    raise DemoFailure(f"{service.name} did not report its blocks at exit")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""`kvtransfer.demo.main`: the end-to-end control-plane demo across two processes."""
+"""The control-plane handshake walkthrough across two processes (formerly the main demo)."""
 
 from __future__ import annotations
 
-from kvtransfer import demo
+from kvtransfer.control import handshake_demo as demo
 
 
 def test_demo_runs_end_to_end(capsys):
