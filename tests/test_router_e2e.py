@@ -1,0 +1,211 @@
+"""End to end through the router, with real daemons as separate processes: completions equal the
+colocated `kvtransfer generate` output (JSON and SSE, 1P1D, 2P1D, TP/PP differing across the
+sides); bad requests get 400 naming the field; a dead daemon becomes an HTTP error naming it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from serve_helpers.daemons import (
+    PROMPTS,
+    admin,
+    colocated,
+    exit_used_blocks,
+    running,
+    start_daemon,
+    start_router,
+)
+
+MAX_TOKENS = 10
+
+
+def post(base_url: str, body: object, raw: bytes | None = None) -> tuple[int, str]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def get(base_url: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"{base_url}{path}", timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def complete(base_url: str, prompt, **fields) -> dict:
+    status, text = post(base_url, {"prompt": prompt, "max_tokens": MAX_TOKENS, **fields})
+    assert status == 200, text
+    return json.loads(text)
+
+
+def stream(base_url: str, prompt) -> tuple[str, list[dict]]:
+    status, text = post(base_url, {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True})
+    assert status == 200, text
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    return "".join(c["choices"][0]["text"] for c in chunks), chunks
+
+
+def generate_cli(prompt: str) -> list[int]:
+    """The colocated reference, through the `kvtransfer generate` command."""
+    command = [sys.executable, "-m", "kvtransfer", "generate", "--prompt", prompt, "--json"]
+    done = subprocess.run(
+        [*command, "--max-tokens", str(MAX_TOKENS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return colocated(PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def one_to_one(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("1p1d")
+    prefill = start_daemon("prefill", logs, "--engine-id", "p")
+    decode = start_daemon("decode", logs, "--engine-id", "d")
+    router = start_router(logs, [prefill], [decode])
+    with running(router, decode, prefill):
+        yield router.address, prefill, decode
+    assert exit_used_blocks(prefill) == exit_used_blocks(decode) == 0
+
+
+def test_completions_equal_colocated_json_and_stream(one_to_one, expected):
+    url, _, decode = one_to_one
+    assert expected[1] == generate_cli(PROMPTS[1])
+    for index, prompt in enumerate(PROMPTS):
+        body = complete(url, prompt)
+        info = body["kvtransfer"]
+        assert info["token_ids"] == expected[index]
+        assert body["choices"][0]["text"] == bytes(expected[index]).decode("utf-8", "replace")
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"] == {
+            "prompt_tokens": len(prompt.encode()),
+            "completion_tokens": MAX_TOKENS,
+            "total_tokens": len(prompt.encode()) + MAX_TOKENS,
+        }
+        assert info["kv_blocks_received"] > 0 and info["num_recomputed_tokens"] == 0
+        assert body["id"] == info["request_id"] and body["id"].startswith("cmpl-")
+        text, chunks = stream(url, prompt)
+        assert text == body["choices"][0]["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["kvtransfer"]["token_ids"] == expected[index]
+        assert all(c["id"] == chunks[0]["id"] for c in chunks)
+    assert admin(decode.address, "status").counters["kv_tokens_recomputed"] == 0
+
+
+def test_token_id_prompt_and_stop(one_to_one, expected):
+    url, _, _ = one_to_one
+    body = complete(url, list(PROMPTS[2].encode()))
+    assert body["kvtransfer"]["token_ids"] == expected[2]
+    full = bytes(expected[2]).decode("utf-8", "replace")
+    stop = full[4:6]
+    stopped = complete(url, PROMPTS[2], stop=stop)
+    assert stopped["choices"][0] == {
+        "index": 0,
+        "text": full[: full.index(stop)],
+        "finish_reason": "stop",
+        "logprobs": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"max_tokens": 3}, "prompt", "prompt: Field required"),
+        ({"prompt": "", "max_tokens": 3}, "prompt", "prompt: must not be empty"),
+        ({"prompt": [1, -2]}, "prompt", "prompt: must be a string, or a list"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater"),
+        ({"prompt": "x", "temperature": -1}, "temperature", "temperature: Input should be"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "stop: at most 4"),
+        ({"prompt": "x", "n": 2}, "n", "n: not supported by this router"),
+        ({"prompt": [1, 99999]}, None, "prompt.token_ids[1] = 99999 is outside the vocabulary"),
+        ({"prompt": "x" * 1800}, None, "but the pool has only 96"),
+    ],
+)
+def test_bad_requests_get_400_naming_the_field(one_to_one, expected, body, param, message):
+    url, _, _ = one_to_one
+    status, text = post(url, body)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert message in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert complete(url, PROMPTS[0])["kvtransfer"]["token_ids"] == expected[0]
+
+
+def test_non_json_body_unknown_model_models_health_metrics(one_to_one):
+    url, _, _ = one_to_one
+    status, text = post(url, None, raw=b"{not json")
+    assert status == 400 and "not valid JSON" in text
+    status, text = post(url, {"prompt": "x", "model": "gpt-9"})
+    assert status == 404 and "model 'gpt-9' does not exist" in text
+    assert json.loads(get(url, "/v1/models")[1])["data"][0]["id"] == "builtin"
+    status, text = get(url, "/health")
+    assert status == 200 and json.loads(text)["status"] == "ok"
+    status, text = get(url, "/metrics")
+    assert 'kvtransfer_router_requests_total{status="200"}' in text
+    assert 'kvtransfer_router_requests_total{status="400"}' in text
+
+
+def test_two_prefill_daemons_are_used_in_turn_and_a_dead_decode_is_named(tmp_path, expected):
+    prefills = [
+        start_daemon("prefill", tmp_path, "--engine-id", f"p{i}", name=f"p{i}") for i in (0, 1)
+    ]
+    decode = start_daemon("decode", tmp_path, "--engine-id", "d")
+    router = start_router(tmp_path, prefills, [decode])
+    with running(router, decode, *prefills):
+        bodies = [complete(router.address, PROMPTS[i % 3]) for i in range(4)]
+        assert [b["kvtransfer"]["token_ids"] for b in bodies] == [expected[i % 3] for i in range(4)]
+        used = [b["kvtransfer"]["prefill"] for b in bodies]
+        assert used == [prefills[0].address, prefills[1].address] * 2
+        for prefill in prefills:
+            assert admin(prefill.address, "status").counters["requests_finished"] == 2
+        decode.kill()
+        status, text = post(router.address, {"prompt": PROMPTS[0], "max_tokens": 4})
+        assert status == 503
+        assert (
+            f"decode daemon {decode.address}: UNAVAILABLE" in json.loads(text)["error"]["message"]
+        )
+        status, text = get(router.address, "/health")
+        assert status == 503
+        assert json.loads(text)["decode"][decode.address].startswith("UNREACHABLE")
+
+
+@pytest.mark.parametrize(
+    ("prefill_flags", "decode_flags"),
+    [(("--tp", "2"), ("--pp", "2")), (("--pp", "2"), ("--tp", "2"))],
+    ids=["tp2-to-pp2", "pp2-to-tp2"],
+)
+def test_parallelism_differs_across_the_sides(tmp_path, expected, prefill_flags, decode_flags):
+    prefill = start_daemon("prefill", tmp_path, *prefill_flags)
+    decode = start_daemon("decode", tmp_path, *decode_flags)
+    router = start_router(tmp_path, [prefill], [decode])
+    with running(router, decode, prefill):
+        for index, prompt in enumerate(PROMPTS):
+            assert complete(router.address, prompt)["kvtransfer"]["token_ids"] == expected[index]
+        status = admin(decode.address, "status")
+        assert (status.tp_size, status.pp_size) == (
+            int(decode_flags[1]) if decode_flags[0] == "--tp" else 1,
+            int(decode_flags[1]) if decode_flags[0] == "--pp" else 1,
+        )
+        assert status.counters["kv_tokens_recomputed"] == 0
+    assert exit_used_blocks(prefill) == exit_used_blocks(decode) == 0
