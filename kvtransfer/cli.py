@@ -1,4 +1,5 @@
-"""The ``kvtransfer`` command line: ``demo``, ``generate``, ``model init``, ``connectors list``."""
+"""The ``kvtransfer`` command line: ``demo``, ``generate``, ``admin``, ``model init``,
+``connectors list``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+from kvtransfer.admin_cli import add_admin_parser, run_admin
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,6 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     listing.add_argument("--json", action="store_true", help="machine-readable output")
 
     _add_generate_parser(commands)
+    add_admin_parser(commands)
 
     model = commands.add_parser("model", help="built-in model checkpoints")
     model_cmds = model.add_subparsers(dest="model_command", required=True)
@@ -34,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     init.add_argument("--preset", default="tiny", help="tiny | tiny-draft | small (~100M)")
 
     args = parser.parse_args(args_list)
+    if args.command == "admin":
+        return run_admin(args)
     try:
         if args.command == "generate":
             return _generate(args)

@@ -209,3 +209,26 @@ def test_parallelism_differs_across_the_sides(tmp_path, expected, prefill_flags,
         )
         assert status.counters["kv_tokens_recomputed"] == 0
     assert exit_used_blocks(prefill) == exit_used_blocks(decode) == 0
+
+
+def test_tls_and_admin_token_end_to_end(tmp_path, expected, capsys):
+    from control_helpers.certs import make_certs
+
+    from kvtransfer.cli import main
+
+    certs = make_certs(tmp_path)
+    secure = ("--tls-cert", certs.server_cert, "--tls-key", certs.server_key)
+    token = {"KVTRANSFER_ADMIN_TOKEN": "t0ken"}
+    prefill = start_daemon("prefill", tmp_path, *secure, env=token)
+    decode = start_daemon("decode", tmp_path, *secure, env=token)
+    router = start_router(tmp_path, [prefill], [decode], "--tls-ca", certs.ca)
+    with running(router, decode, prefill):
+        assert complete(router.address, PROMPTS[1])["kvtransfer"]["token_ids"] == expected[1]
+        target = ["--target", decode.address, "--tls-ca", certs.ca, "--json"]
+        assert main(["admin", "status", *target, "--token", "t0ken"]) == 0
+        assert json.loads(capsys.readouterr().out)["counters"]["kv_blocks_received"] > 0
+        assert main(["admin", "status", *target, "--token", "wrong"]) == 1
+        assert "wrong admin token" in capsys.readouterr().err
+        # Without the CA the daemon's certificate is not trusted: a clear error, no hang.
+        assert main(["admin", "status", "--target", decode.address, "--timeout-s", "1"]) == 1
+        capsys.readouterr()

@@ -31,6 +31,7 @@ from kvtransfer.control.admin import (
 )
 from kvtransfer.control.compat import API_VERSION, CompatibilityInfo, FieldDifference
 from kvtransfer.control.errors import (
+    AdminAuthError,
     ControlPlaneError,
     EngineIdMismatchError,
     HandshakeCompatibilityError,
@@ -39,6 +40,12 @@ from kvtransfer.control.errors import (
     InvalidArgumentError,
     PeerUnavailableError,
     RemoteCallError,
+)
+from kvtransfer.control.security import (
+    TLSFiles,
+    admin_token_metadata,
+    channel_credentials,
+    channel_options,
 )
 from kvtransfer.control.server import ENGINE_ID_METADATA_KEY
 from kvtransfer.v1 import admin_pb2, admin_pb2_grpc, handshake_pb2, handshake_pb2_grpc
@@ -93,6 +100,7 @@ class _Peer:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry: RetryPolicy | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        tls: TLSFiles | None = None,
     ) -> None:
         if not address:
             raise ValueError("address must not be empty")
@@ -110,7 +118,9 @@ class _Peer:
             ),
             ("grpc.max_reconnect_backoff_ms", max(1, round(self.retry.max_backoff_s * 1e3))),
         ]
-        self._options = (*reconnect, *options)
+        self.tls = tls
+        self._options = (*reconnect, *channel_options(tls), *options)
+        self._metadata: tuple[tuple[str, str], ...] = ()
         self._channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -124,7 +134,7 @@ class _Peer:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} for {self.address} is closed")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=list(self._options))
+            self._channel = _open_channel(self.address, self.tls, self._options)
             self._loop = loop
             self._on_channel(self._channel)
         elif self._loop is not loop:
@@ -154,6 +164,8 @@ class _Peer:
         attempts = self.retry.max_attempts
         for attempt in range(1, attempts + 1):
             try:
+                if self._metadata:
+                    return await rpc(request, timeout=timeout, metadata=self._metadata)
                 return await rpc(request, timeout=timeout)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
@@ -172,6 +184,8 @@ class _Peer:
             return HandshakeNotFoundError(message, address=self.address, cause=exc)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidArgumentError(message, address=self.address, code=code, cause=exc)
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return AdminAuthError(message, address=self.address, code=code, cause=exc)
         return RemoteCallError(message, address=self.address, code=code, cause=exc)
 
 
@@ -306,9 +320,14 @@ class HandshakeClient(_Peer):
 
 
 class AdminClient(_Peer):
-    """One method per `KVAdmin` RPC."""
+    """One method per `KVAdmin` RPC; ``token`` is sent with every call when the server
+    requires one."""
 
     _stub: admin_pb2_grpc.KVAdminStub
+
+    def __init__(self, address: str, *, token: str | None = None, **kwargs: Any) -> None:
+        super().__init__(address, **kwargs)
+        self._metadata = admin_token_metadata(token)
 
     def _on_channel(self, channel: grpc.aio.Channel) -> None:
         self._stub = admin_pb2_grpc.KVAdminStub(channel)
@@ -428,9 +447,19 @@ def fetch_handshake_sync(
     return asyncio.run(fetch())
 
 
-async def check_health(address: str, service: str = "", *, timeout_s: float = 1.0) -> str:
+def _open_channel(
+    address: str, tls: TLSFiles | None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=list(options))
+
+
+async def check_health(
+    address: str, service: str = "", *, timeout_s: float = 1.0, tls: TLSFiles | None = None
+) -> str:
     """The ``grpc.health.v1`` status name of ``service`` at ``address`` (e.g. "SERVING")."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with _open_channel(address, tls, channel_options(tls)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = await stub.Check(

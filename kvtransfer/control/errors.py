@@ -105,6 +105,10 @@ class RemoteCallError(ControlPlaneError):
         self.code = code
 
 
+class AdminAuthError(RemoteCallError):
+    """The peer answered UNAUTHENTICATED: the admin token is missing or wrong."""
+
+
 class InvalidArgumentError(RemoteCallError, ValueError):
     """The peer answered INVALID_ARGUMENT; the message carries its explanation."""
 

@@ -149,9 +149,16 @@ class PrefillProcess:
 def spawn_prefill_server(
     engine_id: str = DEMO_ENGINE_ID, *, timeout_s: float = 30.0
 ) -> PrefillProcess:
-    """Start ``python -m kvtransfer.control.handshake_demo --serve`` and wait for its address line."""
+    """Start this module with ``--serve`` in a child process; wait for its address line."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvtransfer.control.handshake_demo", "--serve", "--engine-id", engine_id],
+        [
+            sys.executable,
+            "-m",
+            "kvtransfer.control.handshake_demo",
+            "--serve",
+            "--engine-id",
+            engine_id,
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -249,7 +256,9 @@ def run_demo(engine_id: str = DEMO_ENGINE_ID) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtransfer.control.handshake_demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvtransfer.control.handshake_demo", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--engine-id", default=DEMO_ENGINE_ID)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

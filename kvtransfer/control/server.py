@@ -26,6 +26,7 @@ from kvtransfer.control.admin import (
 from kvtransfer.control.book import HandshakeBook
 from kvtransfer.control.compat import API_VERSION
 from kvtransfer.control.errors import HandshakeNotFoundError
+from kvtransfer.control.security import AdminTokenInterceptor, TLSFiles, server_credentials
 from kvtransfer.v1 import admin_pb2, admin_pb2_grpc, handshake_pb2, handshake_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -192,6 +193,8 @@ async def start_control_server(
     options: Sequence[tuple[str, Any]] = (),
     handlers: Sequence[grpc.GenericRpcHandler] = (),
     services: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
+    tls: TLSFiles | None = None,
+    admin_token: str | None = None,
 ) -> ControlServer:
     """Start serving on ``host:port`` (port 0: let the OS choose) on the running loop.
 
@@ -201,6 +204,7 @@ async def start_control_server(
     ``handlers`` adds services of their own (e.g. a connector's completion messages) on the
     same port; they are not listed in reflection. ``services`` are ``(full service name,
     register)`` pairs, e.g. a daemon's Generation servicer: listed in health and reflection.
+    ``tls`` serves TLS (mTLS when it has a ``ca_file``); ``admin_token`` guards `KVAdmin`.
     """
     if book is None and admin is None and not services:
         raise ValueError("a control server needs a HandshakeBook, an AdminBackend or a service")
@@ -208,7 +212,10 @@ async def start_control_server(
         raise ValueError(f"port must be in [0, 65535], got {port}")
     # gRPC enables SO_REUSEPORT by default: a second engine on the same port would silently
     # share it with the first (and answer half its handshakes). Fail to bind instead.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options])
+    interceptors = [AdminTokenInterceptor(ADMIN_SERVICE, admin_token)] if admin_token else []
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), *options], interceptors=interceptors
+    )
     if handlers:
         server.add_generic_rpc_handlers(tuple(handlers))
     names: list[str] = []
@@ -229,7 +236,11 @@ async def start_control_server(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     try:
-        bound_port = server.add_insecure_port(format_address(host, port))
+        address = format_address(host, port)
+        if tls is not None:
+            bound_port = server.add_secure_port(address, server_credentials(tls))
+        else:
+            bound_port = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot bind the control server to {format_address(host, port)}") from exc
     if bound_port == 0:
@@ -259,9 +270,13 @@ class ControlServerThread:
         options: Sequence[tuple[str, Any]] = (),
         handlers: Sequence[grpc.GenericRpcHandler] = (),
         services: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
+        tls: TLSFiles | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self._kwargs: dict[str, Any] = dict(
             services=services,
+            tls=tls,
+            admin_token=admin_token,
             host=host,
             port=port,
             book=book,

@@ -50,9 +50,12 @@ def start_daemon(
 
 
 def start_router(
-    log_dir: Path, prefills: Sequence[ServiceProcess], decodes: Sequence[ServiceProcess]
+    log_dir: Path,
+    prefills: Sequence[ServiceProcess],
+    decodes: Sequence[ServiceProcess],
+    *extra: str,
 ) -> ServiceProcess:
-    flags = ["--port", "0"]
+    flags = ["--port", "0", *extra]
     for daemon in prefills:
         flags += ["--prefill", daemon.address]
     for daemon in decodes:
