@@ -1,0 +1,1 @@
+"""Helpers for tests/test_deploy.py: an offline kustomize emulation."""
