@@ -2,14 +2,22 @@
 
 ``kv_ip``/``kv_port`` (vLLM's top-level keys) say where a producer serves its handshake; the
 connector's own keys live in ``kv_connector_extra_config``.
+
+TLS for that port (handshakes and completion messages; the UCX data plane stays as it is):
+``tls_cert_file``/``tls_key_file`` are a producer's certificate and key (on a consumer: its
+client certificate for mTLS), ``tls_ca_file`` the CA a producer requires client certificates
+to chain to (mTLS) and the CA a consumer verifies producers with, ``tls_server_name`` the name
+a consumer expects on producer certificates when it differs from the dialled host. Any of them
+turns TLS on; an engine that produces then needs a certificate and key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtransfer.config import KVTransferConfig
+from kvtransfer.control.security import TLSFiles
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_LEASE_S = 30.0
@@ -18,7 +26,14 @@ DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 DEFAULT_MAX_CONCURRENT_LOADS = 4
 
 _SECONDS_KEYS = ("kv_lease_s", "transfer_timeout_s", "handshake_timeout_s")
-_EXTRA_KEYS = (*_SECONDS_KEYS, "max_concurrent_loads")
+# kv_connector_extra_config key -> TLSFiles field.
+_TLS_KEYS = {
+    "tls_cert_file": "cert_file",
+    "tls_key_file": "key_file",
+    "tls_ca_file": "ca_file",
+    "tls_server_name": "server_name",
+}
+_EXTRA_KEYS = (*_SECONDS_KEYS, "max_concurrent_loads", *_TLS_KEYS)
 
 
 @dataclass(frozen=True)
@@ -26,7 +41,7 @@ class UcxConfig:
     """``lease_s``: how long a producer keeps a finished request's blocks for a consumer that
     has not pulled them (consumers extend it while they wait). ``transfer_timeout_s`` bounds one
     request's pulls, ``handshake_timeout_s`` one handshake attempt (two are made) and one UCX
-    connect."""
+    connect. ``tls``: see the module docstring; ``None`` is plaintext."""
 
     host: str = DEFAULT_HOST
     port: int = 0
@@ -34,6 +49,12 @@ class UcxConfig:
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     max_concurrent_loads: int = DEFAULT_MAX_CONCURRENT_LOADS
+    tls: TLSFiles | None = None
+
+    @property
+    def server_tls(self) -> TLSFiles | None:
+        """What the producer's handshake server uses (a client-only setting dropped)."""
+        return None if self.tls is None else replace(self.tls, server_name=None)
 
     @classmethod
     def from_transfer_config(cls, config: KVTransferConfig) -> UcxConfig:
@@ -56,6 +77,7 @@ class UcxConfig:
             max_concurrent_loads=_count(
                 extra, "max_concurrent_loads", defaults.max_concurrent_loads
             ),
+            tls=_tls(extra, serves=config.is_kv_producer),
         )
 
 
@@ -73,3 +95,32 @@ def _count(extra: dict[str, Any], key: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"kv_connector_extra_config.{key} must be an int >= 1, got {value!r}")
     return value
+
+
+def _tls(extra: dict[str, Any], *, serves: bool) -> TLSFiles | None:
+    given = {key: extra[key] for key in _TLS_KEYS if extra.get(key) is not None}
+    if not given:
+        return None
+    for key, value in given.items():
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(
+                f"kv_connector_extra_config.{key} must be a non-empty string, got {value!r}"
+            )
+    try:
+        tls = TLSFiles(**{_TLS_KEYS[key]: value for key, value in given.items()})
+    except ValueError as exc:
+        raise ValueError(f"kv_connector_extra_config: {_key_names(str(exc))}") from None
+    if serves and tls.cert_file is None:
+        raise ValueError(
+            "kv_connector_extra_config.tls_cert_file and tls_key_file are required on a "
+            "producer once TLS is configured: its handshake port serves TLS"
+        )
+    return tls
+
+
+def _key_names(message: str) -> str:
+    """`TLSFiles` messages in terms of kv_connector_extra_config keys."""
+    for key, field in _TLS_KEYS.items():
+        message = message.replace(f"TLSFiles.{field}", key)
+        message = message.replace(f"when {field} is set", f"when {key} is set")
+    return message

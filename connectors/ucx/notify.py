@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connectors.ucx.leases import LeaseBook
 from connectors.ucx.metadata import RemotePrefill
+from kvtransfer.control.security import TLSFiles, channel_credentials, channel_options
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,9 @@ class Notifier:
     ``flush_timeout_s`` for releases in flight.
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, *, tls: TLSFiles | None = None) -> None:
         self._timeout_s = timeout_s
+        self._tls = tls
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -300,7 +302,7 @@ class Notifier:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = _open_channel(address, self._tls)
         return channel
 
     async def _call(self, address: str, method: str, body: bytes) -> NotifyReply:
@@ -347,3 +349,9 @@ class Notifier:
             except ValidationError as exc:
                 logger.warning("unreadable Release reply from %s: %s", address, exc)
                 return
+
+
+def _open_channel(address: str, tls: TLSFiles | None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=channel_options(tls))

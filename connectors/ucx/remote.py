@@ -23,6 +23,7 @@ from connectors.ucx.metadata import RemotePrefill, UcxHandshakeMetadata
 from connectors.ucx.plan import LocalTopologies, PlannedPull, check_remote_engine, plan_pulls
 from kvtransfer.connector.metadata import PpTpRank
 from kvtransfer.control import RetryPolicy, fetch_handshake_sync
+from kvtransfer.control.security import TLSFiles
 from kvtransfer.transport import KVTransferAgent, PeerHandle
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,11 @@ class RemoteEngines:
         agent: KVTransferAgent,
         handshake_timeout_s: float,
         on_handshake: HandshakeObserver,
+        *,
+        tls: TLSFiles | None = None,
     ) -> None:
         self._identity = identity
+        self._tls = tls
         self._agent = agent
         self._compat = identity.compat()
         self._timeout_s = handshake_timeout_s
@@ -126,6 +130,7 @@ class RemoteEngines:
             UcxHandshakeMetadata,
             timeout_s=self._timeout_s,
             retry=_RETRY,
+            tls=self._tls,
         )
         self._on_handshake(time.perf_counter() - started)
         if remote.generation is not None and fetched.generation != remote.generation:

@@ -179,6 +179,7 @@ class UcxScheduler:
             self._ucx.port,
             book=book,
             handlers=[notify_handler(self._config.engine_id, book.generation, self._leases)],
+            tls=self._ucx.server_tls,
         )
         server.start()
         self._book, self._server = book, server
@@ -284,7 +285,7 @@ class UcxScheduler:
 
     def _notifier_for(self) -> Notifier:
         if self._notifier is None:
-            self._notifier = Notifier(timeout_s=self._ucx.handshake_timeout_s)
+            self._notifier = Notifier(timeout_s=self._ucx.handshake_timeout_s, tls=self._ucx.tls)
         return self._notifier
 
     # ------------------------------------------------------------------ both

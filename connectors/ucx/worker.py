@@ -60,7 +60,7 @@ class UcxWorker:
         self._agent: KVTransferAgent | None = None
         self._engines: RemoteEngines | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._notifier = Notifier(timeout_s=ucx.handshake_timeout_s)
+        self._notifier = Notifier(timeout_s=ucx.handshake_timeout_s, tls=ucx.tls)
         # Loads not reported yet, by request id; the job is None for one that could not start.
         self._loads: dict[str, tuple[LoadSpec, LoadJob | None]] = {}
         self._results: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
@@ -111,7 +111,11 @@ class UcxWorker:
             raise
         self._identity, self._agent = identity, agent
         self._engines = RemoteEngines(
-            identity, agent, self._ucx.handshake_timeout_s, self._record_handshake
+            identity,
+            agent,
+            self._ucx.handshake_timeout_s,
+            self._record_handshake,
+            tls=self._ucx.tls,
         )
 
     def handshake_metadata(self) -> UcxHandshakeMetadata | None:

@@ -28,6 +28,7 @@ from kvtransfer.control.client import (
 )
 from kvtransfer.control.compat import API_VERSION, CompatibilityInfo, FieldDifference
 from kvtransfer.control.errors import (
+    AdminAuthError,
     ControlPlaneError,
     EngineIdMismatchError,
     HandshakeCompatibilityError,
@@ -37,10 +38,12 @@ from kvtransfer.control.errors import (
     PeerUnavailableError,
     RemoteCallError,
 )
+from kvtransfer.control.security import TLSFiles
 from kvtransfer.control.server import ControlServer, ControlServerThread, start_control_server
 
 __all__ = [
     "API_VERSION",
+    "AdminAuthError",
     "AdminBackend",
     "AdminClient",
     "BasicAdminBackend",
@@ -64,6 +67,7 @@ __all__ = [
     "PeerUnavailableError",
     "RemoteCallError",
     "RetryPolicy",
+    "TLSFiles",
     "TransferDirection",
     "TransferInfo",
     "check_health",

@@ -4,7 +4,8 @@ Every call has a deadline (``timeout_s`` per attempt) and is retried with expone
 but only on UNAVAILABLE and DEADLINE_EXCEEDED (every RPC here is idempotent, so a retried call
 that already ran does no harm); anything else fails at once with a typed error naming the peer.
 gRPC channels belong to the event loop they were created on, hence one client per
-(loop, address) in `ClientCache`.
+(loop, address, TLS settings) in `ClientCache`. Every client takes ``tls`` (`TLSFiles`; ``None``
+for plaintext); `AdminClient` also takes the server's admin ``token``.
 """
 
 from __future__ import annotations
@@ -172,7 +173,11 @@ class _Peer:
                     raise self._translate(method, exc) from exc
                 if attempt == attempts:
                     raise PeerUnavailableError(
-                        address=self.address, method=method, attempts=attempts, cause=exc
+                        address=self.address,
+                        method=method,
+                        attempts=attempts,
+                        cause=exc,
+                        hint=_tls_hint(self.tls, exc),
                     ) from exc
                 await asyncio.sleep(self.retry.backoff_s(attempt))
         raise AssertionError("unreachable")  # the loop always returns or raises
@@ -320,13 +325,22 @@ class HandshakeClient(_Peer):
 
 
 class AdminClient(_Peer):
-    """One method per `KVAdmin` RPC; ``token`` is sent with every call when the server
-    requires one."""
+    """One method per `KVAdmin` RPC. ``token`` is sent with every call (servers started with
+    an ``admin_token`` refuse calls without it: `AdminAuthError`)."""
 
     _stub: admin_pb2_grpc.KVAdminStub
 
-    def __init__(self, address: str, *, token: str | None = None, **kwargs: Any) -> None:
-        super().__init__(address, **kwargs)
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry: RetryPolicy | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+        tls: TLSFiles | None = None,
+        token: str | None = None,
+    ) -> None:
+        super().__init__(address, timeout_s=timeout_s, retry=retry, options=options, tls=tls)
         self._metadata = admin_token_metadata(token)
 
     def _on_channel(self, channel: grpc.aio.Channel) -> None:
@@ -371,7 +385,8 @@ class AdminClient(_Peer):
 
 
 class ClientCache:
-    """One `HandshakeClient` per (running event loop, address), so channels are reused."""
+    """One `HandshakeClient` per (running event loop, address, tls), so channels are reused
+    but a TLS and a plaintext client of the same address never share one."""
 
     def __init__(
         self, *, timeout_s: float = DEFAULT_TIMEOUT_S, retry: RetryPolicy | None = None
@@ -380,17 +395,20 @@ class ClientCache:
         self._retry = retry
         self._lock = threading.Lock()  # engines may fetch from several threads, each its loop
         self._clients: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, dict[str, HandshakeClient]
+            asyncio.AbstractEventLoop, dict[tuple[str, TLSFiles | None], HandshakeClient]
         ] = weakref.WeakKeyDictionary()
 
-    def get(self, address: str) -> HandshakeClient:
+    def get(self, address: str, *, tls: TLSFiles | None = None) -> HandshakeClient:
         loop = asyncio.get_running_loop()
+        key = (address, tls)
         with self._lock:
             per_loop = self._clients.setdefault(loop, {})
-            client = per_loop.get(address)
+            client = per_loop.get(key)
             if client is None or client.closed:
-                client = HandshakeClient(address, timeout_s=self._timeout_s, retry=self._retry)
-                per_loop[address] = client
+                client = HandshakeClient(
+                    address, timeout_s=self._timeout_s, retry=self._retry, tls=tls
+                )
+                per_loop[key] = client
             return client
 
     async def close_all(self) -> None:
@@ -405,9 +423,10 @@ class ClientCache:
 _default_cache = ClientCache()
 
 
-def get_handshake_client(address: str) -> HandshakeClient:
-    """The shared client for ``address`` on the running loop (created on first use)."""
-    return _default_cache.get(address)
+def get_handshake_client(address: str, *, tls: TLSFiles | None = None) -> HandshakeClient:
+    """The shared client for ``address`` (over ``tls`` when given) on the running loop,
+    created on first use."""
+    return _default_cache.get(address, tls=tls)
 
 
 async def close_all() -> None:
@@ -424,6 +443,7 @@ def fetch_handshake_sync(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     retry: RetryPolicy | None = None,
+    tls: TLSFiles | None = None,
 ) -> FetchedHandshake[M]:
     """`HandshakeClient.fetch` for code without an event loop (e.g. an engine thread).
 
@@ -438,13 +458,28 @@ def fetch_handshake_sync(
         raise RuntimeError("fetch_handshake_sync called from a running event loop; await fetch")
 
     async def fetch() -> FetchedHandshake[M]:
-        client = HandshakeClient(address, timeout_s=timeout_s, retry=retry)
+        client = HandshakeClient(address, timeout_s=timeout_s, retry=retry, tls=tls)
         try:
             return await client.fetch(expected_engine_id, local_compat, metadata_cls, ranks)
         finally:
             await client.close()
 
     return asyncio.run(fetch())
+
+
+def _tls_hint(tls: TLSFiles | None, exc: grpc.aio.AioRpcError) -> str | None:
+    # A TLS server drops a plaintext client (or a client without the certificate an mTLS
+    # server requires) with nothing but "Socket closed"; say what that usually means.
+    details = exc.details() or ""
+    if tls is not None and "WRONG_VERSION_NUMBER" in details:
+        return "the server may not speak TLS: connect without it"
+    if "Socket closed" not in details:
+        return None
+    if tls is None:
+        return "if the server uses TLS, connect with TLS too"
+    if tls.cert_file is None:
+        return "if the server is mTLS, present a client certificate and key"
+    return None
 
 
 def _open_channel(
@@ -470,7 +505,11 @@ async def check_health(
                 return "SERVICE_UNKNOWN"  # the health protocol's answer for an unknown service
             if exc.code() in _RETRYABLE:
                 raise PeerUnavailableError(
-                    address=address, method="Health.Check", attempts=1, cause=exc
+                    address=address,
+                    method="Health.Check",
+                    attempts=1,
+                    cause=exc,
+                    hint=_tls_hint(tls, exc),
                 ) from exc
             raise RemoteCallError(
                 f"Health.Check to {address}: {exc.code().name}: {exc.details()}",
@@ -482,7 +521,12 @@ async def check_health(
 
 
 async def wait_until_serving(
-    address: str, service: str = "", *, timeout_s: float = 10.0, poll_interval_s: float = 0.05
+    address: str,
+    service: str = "",
+    *,
+    timeout_s: float = 10.0,
+    poll_interval_s: float = 0.05,
+    tls: TLSFiles | None = None,
 ) -> None:
     """Poll the health service until ``service`` is SERVING; `PeerUnavailableError` after
     ``timeout_s``."""
@@ -494,7 +538,7 @@ async def wait_until_serving(
         attempts += 1
         try:
             remaining = max(deadline - loop.time(), 0.01)
-            status = await check_health(address, service, timeout_s=min(1.0, remaining))
+            status = await check_health(address, service, timeout_s=min(1.0, remaining), tls=tls)
         except PeerUnavailableError as exc:
             last_cause = exc.cause
         else:

@@ -67,15 +67,18 @@ class PeerUnavailableError(ControlPlaneError, ConnectionError):
     """The peer could not be reached (or did not answer in time) after every retry."""
 
     def __init__(
-        self, *, address: str, method: str, attempts: int, cause: BaseException | None
+        self,
+        *,
+        address: str,
+        method: str,
+        attempts: int,
+        cause: BaseException | None,
+        hint: str | None = None,
     ) -> None:
         self.method = method
         self.attempts = attempts
-        super().__init__(
-            f"{method} to {address} failed after {attempts} attempt(s): {_describe(cause)}",
-            address=address,
-            cause=cause,
-        )
+        message = f"{method} to {address} failed after {attempts} attempt(s): {_describe(cause)}"
+        super().__init__(f"{message} ({hint})" if hint else message, address=address, cause=cause)
 
 
 class HandshakeNotFoundError(ControlPlaneError, LookupError):
@@ -106,7 +109,8 @@ class RemoteCallError(ControlPlaneError):
 
 
 class AdminAuthError(RemoteCallError):
-    """The peer answered UNAUTHENTICATED: the admin token is missing or wrong."""
+    """The peer answered UNAUTHENTICATED: the admin token is missing or wrong. The message
+    names the peer and which of the two it was."""
 
 
 class InvalidArgumentError(RemoteCallError, ValueError):

@@ -204,15 +204,21 @@ async def start_control_server(
     ``handlers`` adds services of their own (e.g. a connector's completion messages) on the
     same port; they are not listed in reflection. ``services`` are ``(full service name,
     register)`` pairs, e.g. a daemon's Generation servicer: listed in health and reflection.
-    ``tls`` serves TLS (mTLS when it has a ``ca_file``); ``admin_token`` guards `KVAdmin`.
+    ``tls`` serves TLS only (mTLS when it has a ``ca_file``). ``admin_token`` makes every
+    `KVAdmin` call carry ``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise);
+    handshakes, health, reflection, ``handlers`` and ``services`` stay open.
     """
     if book is None and admin is None and not services:
         raise ValueError("a control server needs a HandshakeBook, an AdminBackend or a service")
     if not 0 <= port < 65536:
         raise ValueError(f"port must be in [0, 65535], got {port}")
+    # Built before the server so that bad TLS files or a bad token fail with nothing bound.
+    credentials = server_credentials(tls) if tls is not None else None
+    interceptors = (
+        [AdminTokenInterceptor(ADMIN_SERVICE, admin_token)] if admin_token is not None else []
+    )
     # gRPC enables SO_REUSEPORT by default: a second engine on the same port would silently
     # share it with the first (and answer half its handshakes). Fail to bind instead.
-    interceptors = [AdminTokenInterceptor(ADMIN_SERVICE, admin_token)] if admin_token else []
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), *options], interceptors=interceptors
     )
@@ -237,8 +243,8 @@ async def start_control_server(
     )
     try:
         address = format_address(host, port)
-        if tls is not None:
-            bound_port = server.add_secure_port(address, server_credentials(tls))
+        if credentials is not None:
+            bound_port = server.add_secure_port(address, credentials)
         else:
             bound_port = server.add_insecure_port(address)
     except RuntimeError as exc:
@@ -248,7 +254,13 @@ async def start_control_server(
     await server.start()
     control = ControlServer(server, health_servicer, host, bound_port, names)
     await control.set_serving(True)
-    logger.info("control server on %s serving %s", control.address, ", ".join(names))
+    logger.info(
+        "control server on %s (%s%s) serving %s",
+        control.address,
+        "plaintext" if tls is None else "mTLS" if tls.ca_file is not None else "TLS",
+        ", admin token required" if admin_token is not None else "",
+        ", ".join(names),
+    )
     return control
 
 
