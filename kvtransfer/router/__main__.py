@@ -1,93 +1,127 @@
-"""``kvtransfer-router`` / ``python -m kvtransfer.router``: serve the OpenAI API over HTTP."""
+"""``kvtransfer-router`` / ``python -m kvtransfer.router``: the OpenAI API over prefill and decode
+daemons.
+
+Prints ``router listening on http://HOST:PORT`` once serving (the real port when ``--port 0``).
+SIGTERM or SIGINT: stop accepting, let in-flight requests finish (``--shutdown-timeout-s``),
+exit 0. Bad flags or files: ``error: ...`` on stderr, exit 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 from collections.abc import Sequence
 
-import grpc
-from aiohttp import web
-
-from kvtransfer.router.app import RouterApp
-from kvtransfer.router.upstream import DaemonPool, Upstream
+from kvtransfer.router.config import RouterConfig, check_address
+from kvtransfer.router.server import RouterServer
 from kvtransfer.serve.logs import configure_logging
+
+logger = logging.getLogger("kvtransfer.router")
+
+
+def _address(value: str) -> str:
+    try:
+        return check_address(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtransfer-router", description=__doc__)
-    parser.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT")
-    parser.add_argument("--decode", action="append", required=True, metavar="HOST:PORT")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser = argparse.ArgumentParser(
+        prog="kvtransfer-router",
+        description="OpenAI-compatible HTTP router over prefill and decode daemons: "
+        "/v1/completions (JSON and SSE), /v1/models, /health, /metrics.",
+    )
+    daemons = "HOST:PORT of a %s daemon's gRPC server; repeat for more (round-robin)"
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}",
+            action="append",
+            required=True,
+            type=_address,
+            metavar="HOST:PORT",
+            help=daemons % role,
+        )
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
-    parser.add_argument("--model-name", default="builtin", help="the name /v1/models lists")
-    parser.add_argument("--request-timeout-s", type=float, default=300.0)
-    parser.add_argument("--tls-ca", help="CA that verifies the daemons (enables TLS)")
-    parser.add_argument("--tls-cert", help="client certificate for mTLS daemons")
-    parser.add_argument("--tls-key", help="its private key")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--model-name", default="builtin", help="the model /v1/models lists")
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=300.0,
+        help="deadline of a whole request, prefill and decode together (default 300)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=60.0,
+        help="on SIGTERM, how long in-flight requests may still run (default 60)",
+    )
+    parser.add_argument("--tls-ca", metavar="FILE", help="CA that verifies the daemons (TLS)")
+    parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (mTLS daemons)")
+    parser.add_argument("--tls-key", metavar="FILE", help="its private key")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper
+    )
+    parser.add_argument("--log-format", default="text", choices=("text", "json"))
     return parser
 
 
-def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
-    if not (args.tls_ca or args.tls_cert or args.tls_key):
-        return None
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
-
-    def read(path: str | None) -> bytes | None:
-        if path is None:
-            return None
-        try:
-            with open(path, "rb") as handle:
-                return handle.read()
-        except OSError as exc:
-            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-
-    return grpc.ssl_channel_credentials(
-        root_certificates=read(args.tls_ca),
-        private_key=read(args.tls_key),
-        certificate_chain=read(args.tls_cert),
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """Raises ``ValueError`` for values argparse cannot check alone (ranges, files)."""
+    return RouterConfig(
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        host=args.host,
+        port=args.port,
+        model_name=args.model_name,
+        request_timeout_s=args.request_timeout_s,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
 
 
-async def serve(args: argparse.Namespace) -> int:
-    credentials = _credentials(args)
-    upstream = Upstream(
-        DaemonPool("prefill", args.prefill, credentials),
-        DaemonPool("decode", args.decode, credentials),
-        args.request_timeout_s,
-    )
-    runner = web.AppRunner(RouterApp(upstream, args.model_name).build())
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    print(f"router listening on http://{args.host}:{port}", flush=True)
+async def serve(config: RouterConfig) -> int:
+    """Serve until SIGTERM/SIGINT, then stop gracefully; returns the exit code."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    # Stops accepting, then lets in-flight requests finish for the grace period.
-    await runner.cleanup()
+    server = RouterServer(config)
+    await server.start()
+    try:
+        print(f"router listening on {server.url}", flush=True)
+        logger.info(
+            "routing to prefill %s, decode %s (%s)",
+            ", ".join(config.prefill),
+            ", ".join(config.decode),
+            "TLS" if config.uses_tls else "plaintext",
+        )
+        await stop.wait()
+        logger.info("stopping: no new requests, in-flight ones may finish")
+    finally:
+        await server.stop()
+    logger.info("stopped")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        parser.error(f"--port must be in [0, 65535], got {args.port}")
-    if args.request_timeout_s <= 0:
-        parser.error("--request-timeout-s must be > 0")
-    configure_logging(args.log_level.upper(), "text")
     try:
-        return asyncio.run(serve(args))
-    except (ValueError, OSError) as exc:
-        print(f"kvtransfer-router: error: {exc}", file=sys.stderr)
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(args.log_level, args.log_format)
+    try:
+        return asyncio.run(serve(config))
+    except OSError as exc:  # e.g. the port is taken
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
 
 

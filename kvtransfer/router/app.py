@@ -2,32 +2,49 @@
 
 Life cycle of a request:
 
-1. ``POST /v1/completions`` arrives; the body is validated (400 naming the field otherwise) and
-   gets one id, ``cmpl-<hex>``, used on both daemons and in every log line.
-2. A prefill daemon (round-robin) runs it with ``max_tokens=1`` and
-   ``kv_transfer_params={"do_remote_decode": true}``; its final message carries the params a
-   decode engine pulls the prompt's KV with.
-3. A decode daemon (round-robin) gets the same id, the original prompt and sampling options and
-   those params; it pulls the KV over UCX and streams tokens.
-4. Tokens go back as one JSON body, or as server-sent events ending with ``data: [DONE]``.
-5. A daemon that fails becomes an HTTP error naming it and the reason (502/503/504; 400 for
-   input it refused); every upstream call has a deadline; a client that disconnects cancels
-   the upstream calls, which aborts the request on the daemons.
+1. HTTP in: ``POST /v1/completions`` arrives; the clock for ``ttft_s``, the latency metric and
+   the deadline (``request_timeout_s``) starts, and the request gets one id, ``cmpl-<hex>``,
+   used on both daemons, in the answer (also as the ``x-request-id`` header) and on every log
+   line.
+2. Validate: the JSON body becomes a `CompletionRequest` (`openai_api`); a malformed one is
+   answered 400 naming the field, an unknown model 404. Nothing reaches a daemon.
+3. Pick daemons: the next prefill daemon in turn; the next decode daemon in turn once the
+   prefill has succeeded (two separate round-robin counters, `upstream.DaemonPool`).
+4. Prefill: ``Generate`` with the prompt, ``max_tokens=1``, the same temperature, top_p and
+   seed, and ``kv_transfer_params={"do_remote_decode": true}``; its stream is drained.
+5. Params: the prefill's final message carries the ``kv_transfer_params_json`` a decode engine
+   pulls the prompt's KV with; missing params, or a final ``finish_reason`` "error", is a 502.
+6. Decode: ``Generate`` on the decode daemon with the same id, the original prompt and every
+   sampling option, and those params verbatim. It pulls the KV and regenerates from it, so its
+   stream holds every completion token, the first one included: only its tokens are returned.
+7. Stream out: one JSON body (plus a ``kvtransfer`` object: route, token ids, ttft, KV transfer
+   metrics), or server-sent events, one ``data:`` chunk per decode message with text, the last
+   with the finish reason and the ``kvtransfer`` object, then ``data: [DONE]``.
+8. Errors: a daemon failure becomes an `UpstreamError` whose status is answered as an OpenAI
+   error body naming the daemon (role and address); see `upstream` for the table. Once SSE bytes
+   are out, an error is sent as ``data: {"error": ...}`` then ``data: [DONE]``. Every gRPC call
+   carries the remaining deadline. A client that disconnects cancels the handler (the runner
+   is built with ``handler_cancellation``), which cancels the gRPC call: the daemon aborts the
+   request and frees its blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvtransfer.router.metrics import RouterMetrics
+from kvtransfer.router.config import RouterConfig
+from kvtransfer.router.metrics import CLIENT_CLOSED, RouterMetrics
 from kvtransfer.router.openai_api import (
     CompletionRequest,
     InvalidRequest,
@@ -35,50 +52,132 @@ from kvtransfer.router.openai_api import (
     error_body,
     parse_completion_request,
 )
-from kvtransfer.router.upstream import Upstream, UpstreamError
+from kvtransfer.router.upstream import DaemonPool, Upstream, UpstreamError
+from kvtransfer.v1 import generation_pb2
 
 logger = logging.getLogger("kvtransfer.router")
 
-_HEALTH_TIMEOUT_S = 1.0
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    # Reverse proxies (nginx) would otherwise buffer the stream and defeat it.
+    "X-Accel-Buffering": "no",
+}
+_SSE_DONE = b"data: [DONE]\n\n"
+# aiohttp's 1 MiB default is too small for long prompts sent as token-id lists.
+MAX_BODY_BYTES = 32 * 2**20
+
+
+def make_app(config: RouterConfig) -> web.Application:
+    """The aiohttp app; its gRPC channels open on startup and close on cleanup.
+
+    Serve it with ``web.AppRunner(app, handler_cancellation=True)`` (as `RouterServer` does)
+    so that a client that disconnects cancels the upstream calls.
+    """
+    router = RouterHandlers(config)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[ROUTER] = router
+    app.cleanup_ctx.append(router.channels)
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.prometheus)
+    return app
 
 
 @dataclass
-class _Outcome:
-    text: str = ""
+class _Exchange:
+    """One request's state from validation on."""
+
+    request_id: str
+    request: CompletionRequest
+    started: float
+    created: int
+    log: logging.LoggerAdapter[logging.Logger]
+    route: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Decoded:
+    """The decode stream, accumulated."""
+
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    texts: list[str] = field(default_factory=list)
     num_prompt_tokens: int = 0
     first_token_at: float | None = None
-    final: Any = None
+    final: generation_pb2.GenerateResponse | None = None
+
+    def absorb(self, reply: generation_pb2.GenerateResponse) -> bool:
+        """Adds ``reply``; True when it carried the first token.
+
+        Streams are read to their end rather than left at the final message, so the call ends
+        on its own instead of being cancelled; anything after a final message is ignored.
+        """
+        if self.final is not None:
+            return False
+        first = bool(reply.token_ids) and self.first_token_at is None
+        if first:
+            self.first_token_at = time.monotonic()
+        self.token_ids.extend(reply.token_ids)
+        self.texts.append(reply.text)
+        if reply.num_prompt_tokens:
+            self.num_prompt_tokens = reply.num_prompt_tokens
+        if reply.finished:
+            self.final = reply
+        return first
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def failure(self, address: str) -> UpstreamError | None:
+        if self.final is None:
+            message = "the stream ended without a final message"
+            return UpstreamError(502, message, "decode", address, "incomplete_stream")
+        if self.final.finish_reason == "error":
+            message = self.final.error or "finished with an error"
+            return UpstreamError(502, message, "decode", address, "finish_error")
+        return None
 
 
-class RouterApp:
-    def __init__(self, upstream: Upstream, model_name: str) -> None:
-        self.upstream = upstream
-        self.model_name = model_name
+class RouterHandlers:
+    """The endpoints, sharing one `Upstream` (opened in `channels`) and one metrics registry."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
         self.metrics = RouterMetrics()
+        self._upstream: Upstream | None = None
 
-    def build(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
-        app.on_cleanup.append(self._close)
-        return app
+    @property
+    def upstream(self) -> Upstream:
+        if self._upstream is None:
+            raise RuntimeError("the router app has not started (no gRPC channels yet)")
+        return self._upstream
 
-    async def _close(self, app: web.Application) -> None:
-        await self.upstream.close()
+    async def channels(self, app: web.Application) -> AsyncIterator[None]:
+        # grpc.aio channels belong to the loop that creates them: open them on the app's loop.
+        credentials = self.config.channel_credentials()
+        self._upstream = Upstream(
+            DaemonPool("prefill", self.config.prefill, credentials),
+            DaemonPool("decode", self.config.decode, credentials),
+        )
+        try:
+            yield
+        finally:
+            upstream, self._upstream = self._upstream, None
+            await upstream.close()
 
-    # ------------------------------------------------------------------ endpoints
+    # ------------------------------------------------------------------ small endpoints
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.model_name, "object": "model", "owned_by": "kvtransfer"}
+        model = {"id": self.config.model_name, "object": "model", "owned_by": "kvtransfer"}
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
-        prefill = await self.upstream.prefill.health(_HEALTH_TIMEOUT_S)
-        decode = await self.upstream.decode.health(_HEALTH_TIMEOUT_S)
+        timeout_s = self.config.health_timeout_s
+        prefill, decode = await asyncio.gather(
+            self.upstream.prefill.health(timeout_s), self.upstream.decode.health(timeout_s)
+        )
         ok = "SERVING" in prefill.values() and "SERVING" in decode.values()
         body = {"status": "ok" if ok else "unavailable", "prefill": prefill, "decode": decode}
         return web.json_response(body, status=200 if ok else 503)
@@ -87,160 +186,281 @@ class RouterApp:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    # ------------------------------------------------------------------ completions
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        log = {"extra": {"request_id": request_id}}
+        log = logging.LoggerAdapter(logger, {"request_id": request_id})
+        status = 500
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise InvalidRequest("the request body is not valid JSON", None) from None
-            parsed = parse_completion_request(body)
-            if parsed.model is not None and parsed.model != self.model_name:
-                return self._error(
-                    404, f"model {parsed.model!r} does not exist", "not_found_error", "model"
-                )
-        except InvalidRequest as exc:
-            logger.info("rejected: %s", exc, **log)
-            return self._error(400, str(exc), "invalid_request_error", exc.param)
-        logger.info("received (stream=%s)", parsed.stream, **log)
-        try:
-            prefill = await self.upstream.run_prefill(request_id, parsed, self.upstream.timeout_s)
-            decode = self.upstream.pick_decode()
-            replies = self.upstream.run_decode(
-                decode,
-                request_id,
-                parsed,
-                prefill.kv_transfer_params_json,
-                max(0.1, self.upstream.timeout_s - (time.monotonic() - started)),
-            )
-            route = {"prefill": prefill.daemon.address, "decode": decode.address}
-            if parsed.stream:
-                return await self._stream(request, request_id, parsed, replies, route, started)
-            return await self._collect(request_id, parsed, replies, route, started)
-        except UpstreamError as exc:
-            logger.warning("failed: %s", exc, **log)
-            self.metrics.upstream_error(exc.role, exc.status)
-            return self._error(exc.status, str(exc), "upstream_error")
+            response = await self._complete(request, request_id, started, log)
+            status = response.status
+            return response
+        except _ClientGone as gone:
+            status = CLIENT_CLOSED
+            log.info("client disconnected mid-stream: upstream call cancelled")
+            # Already prepared: aiohttp's write_eof meets the closed connection and lets go.
+            return gone.response
+        except asyncio.CancelledError:
+            # aiohttp cancels the handler when the client disconnects (handler_cancellation),
+            # or when a stop outlasts shutdown_timeout_s; unwinding cancels any gRPC call.
+            status = CLIENT_CLOSED
+            log.info("cancelled (client disconnected or router stopping)")
+            raise
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            self.metrics.request_done(status, time.monotonic() - started)
 
-    # ------------------------------------------------------------------ responses
+    async def _complete(
+        self,
+        request: web.Request,
+        request_id: str,
+        started: float,
+        log: logging.LoggerAdapter[logging.Logger],
+    ) -> web.StreamResponse:
+        try:
+            parsed = parse_completion_request(await _json_body(request))
+        except web.HTTPRequestEntityTooLarge:
+            message = f"the request body is larger than {request.client_max_size} bytes"
+            log.info("rejected (413): %s", message)
+            return _error(request_id, 413, message)
+        except InvalidRequest as exc:
+            log.info("rejected (400): %s", exc)
+            return _error(request_id, 400, str(exc), param=exc.param)
+        if parsed.model is not None and parsed.model != self.config.model_name:
+            log.info("rejected (404): unknown model %r", parsed.model)
+            message = f"model {parsed.model!r} does not exist (this router serves "
+            message += f"{self.config.model_name!r})"
+            return _error(request_id, 404, message, param="model", code="model_not_found")
+        exchange = _Exchange(request_id, parsed, started, int(time.time()), log)
+        log.info(
+            "received: %s prompt, max_tokens=%d, stream=%s",
+            "text" if isinstance(parsed.prompt, str) else f"{len(parsed.prompt)}-token",
+            parsed.max_tokens,
+            parsed.stream,
+        )
+        try:
+            return await self._route(request, exchange)
+        except UpstreamError as exc:
+            return self._upstream_failure(exchange, exc)
+
+    async def _route(self, request: web.Request, exchange: _Exchange) -> web.StreamResponse:
+        deadline = exchange.started + self.config.request_timeout_s
+        upstream = self.upstream
+        prefill = await upstream.run_prefill(exchange.request_id, exchange.request, deadline)
+        decode = upstream.pick_decode()
+        exchange.route = {"prefill": prefill.daemon.address, "decode": decode.address}
+        exchange.log.info(
+            "prefilled on %s (%.1f ms); decoding on %s",
+            prefill.daemon.address,
+            (time.monotonic() - exchange.started) * 1e3,
+            decode.address,
+        )
+        replies = upstream.run_decode(
+            decode,
+            exchange.request_id,
+            exchange.request,
+            prefill.kv_transfer_params_json,
+            deadline,
+        )
+        # aclosing: leaving early (error, client gone) closes the stream, cancelling the call.
+        async with aclosing(replies):
+            if exchange.request.stream:
+                return await self._stream(request, exchange, replies)
+            return await self._collect(exchange, replies)
 
     async def _collect(
         self,
-        request_id: str,
-        parsed: CompletionRequest,
-        replies: Any,
-        route: dict[str, str],
-        started: float,
+        exchange: _Exchange,
+        replies: AsyncIterator[generation_pb2.GenerateResponse],
     ) -> web.Response:
-        outcome = _Outcome()
+        decoded = _Decoded()
         async for reply in replies:
-            self._absorb(outcome, reply)
-        if outcome.finish_reason == "error":
-            reason = outcome.final.error if outcome.final is not None else "failed"
-            self.metrics.upstream_error("decode", 502)
-            return self._error(502, f"decode daemon {route['decode']}: {reason}", "upstream_error")
-        self.metrics.finished(200, started, outcome.first_token_at)
+            self._absorb(exchange, decoded, reply)
+        failure = decoded.failure(exchange.route["decode"])
+        if failure is not None:
+            raise failure
         usage = {
-            "prompt_tokens": outcome.num_prompt_tokens,
-            "completion_tokens": len(outcome.token_ids),
-            "total_tokens": outcome.num_prompt_tokens + len(outcome.token_ids),
+            "prompt_tokens": decoded.num_prompt_tokens,
+            "completion_tokens": len(decoded.token_ids),
+            "total_tokens": decoded.num_prompt_tokens + len(decoded.token_ids),
         }
-        info = self._info(request_id, outcome, route, started)
         body = completion_body(
-            request_id, self.model_name, outcome.text, outcome.finish_reason, usage, info
+            exchange.request_id,
+            self.config.model_name,
+            decoded.text,
+            decoded.final.finish_reason if decoded.final is not None else None,
+            created=exchange.created,
+            usage=usage,
+            kvtransfer=_kvtransfer_info(exchange, decoded),
         )
-        logger.info("done: %d tokens", len(outcome.token_ids), extra={"request_id": request_id})
-        return web.json_response(body)
+        self._log_done(exchange, decoded)
+        return web.json_response(body, headers={"x-request-id": exchange.request_id})
 
     async def _stream(
         self,
         request: web.Request,
-        request_id: str,
-        parsed: CompletionRequest,
-        replies: Any,
-        route: dict[str, str],
-        started: float,
+        exchange: _Exchange,
+        replies: AsyncIterator[generation_pb2.GenerateResponse],
     ) -> web.StreamResponse:
-        outcome = _Outcome()
-        response: web.StreamResponse | None = None
+        sse = _SseWriter(request, exchange.request_id)
+        try:
+            await self._stream_into(sse, exchange, replies)
+        except ConnectionResetError:
+            if sse.response is None:
+                raise
+            raise _ClientGone(sse.response) from None
+        if sse.response is None:  # _stream_into always writes: narrows the type
+            raise RuntimeError("unreachable: a stream that wrote nothing")
+        return sse.response
+
+    async def _stream_into(
+        self,
+        sse: _SseWriter,
+        exchange: _Exchange,
+        replies: AsyncIterator[generation_pb2.GenerateResponse],
+    ) -> None:
+        # The response opens at the first byte to send (`_SseWriter`): an error before that
+        # is still a plain HTTP error with its status; after it, an SSE error event.
+        decoded = _Decoded()
         try:
             async for reply in replies:
-                self._absorb(outcome, reply)
-                if response is None:
-                    response = web.StreamResponse(
-                        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                    )
-                    await response.prepare(request)
-                if reply.finished:
-                    break
-                if reply.text:
-                    chunk = completion_body(
-                        request_id, self.model_name, reply.text, None, None, None
-                    )
-                    await response.write(_sse(chunk))
+                self._absorb(exchange, decoded, reply)
+                if decoded.final is None and reply.text:
+                    await sse.send(self._chunk(exchange, reply.text, None))
+            failure = decoded.failure(exchange.route["decode"])
+            if failure is not None:
+                raise failure
         except UpstreamError as exc:
-            if response is None:
+            if sse.response is None:
                 raise
-            self.metrics.upstream_error(exc.role, exc.status)
-            await response.write(_sse(error_body(str(exc), "upstream_error")))
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        if response is None:
-            raise UpstreamError(502, "decode", route["decode"], "the stream ended without output")
-        final = outcome.final
-        if outcome.finish_reason == "error":
-            reason = f"decode daemon {route['decode']}: {final.error if final else 'failed'}"
-            self.metrics.upstream_error("decode", 502)
-            await response.write(_sse(error_body(reason, "upstream_error")))
-        else:
-            last_text = final.text if final is not None else ""
-            info = self._info(request_id, outcome, route, started)
-            chunk = completion_body(
-                request_id, self.model_name, last_text, outcome.finish_reason, None, info
-            )
-            await response.write(_sse(chunk))
-            self.metrics.finished(200, started, outcome.first_token_at)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+            self._count_failure(exchange, exc)
+            await sse.send(error_body(str(exc), _error_kind(exc.status)))
+            await sse.done()
+            return
+        final = decoded.final
+        if final is None:  # failure() above rules this out; narrows the type
+            raise RuntimeError("unreachable: a decode stream without a final message")
+        info = _kvtransfer_info(exchange, decoded)
+        await sse.send(self._chunk(exchange, final.text, final.finish_reason, info))
+        await sse.done()
+        self._log_done(exchange, decoded)
 
-    @staticmethod
-    def _absorb(outcome: _Outcome, reply: Any) -> None:
-        if reply.token_ids and outcome.first_token_at is None:
-            outcome.first_token_at = time.monotonic()
-        outcome.token_ids.extend(reply.token_ids)
-        outcome.text += reply.text
-        if reply.num_prompt_tokens:
-            outcome.num_prompt_tokens = reply.num_prompt_tokens
-        if reply.finished:
-            outcome.finish_reason = reply.finish_reason
-            outcome.final = reply
+    # ------------------------------------------------------------------ helpers
 
-    @staticmethod
-    def _info(
-        request_id: str, outcome: _Outcome, route: dict[str, str], started: float
+    def _absorb(
+        self, exchange: _Exchange, decoded: _Decoded, reply: generation_pb2.GenerateResponse
+    ) -> None:
+        if decoded.absorb(reply) and decoded.first_token_at is not None:
+            self.metrics.first_token(decoded.first_token_at - exchange.started)
+
+    def _chunk(
+        self,
+        exchange: _Exchange,
+        text: str,
+        finish_reason: str | None,
+        info: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        metrics = outcome.final.metrics if outcome.final is not None else None
-        first = outcome.first_token_at
-        return {
-            "request_id": request_id,
-            **route,
-            "token_ids": outcome.token_ids,
-            "ttft_s": (first - started) if first is not None else None,
-            "kv_transfer_s": metrics.kv_transfer_s if metrics else 0.0,
-            "kv_blocks_received": metrics.kv_blocks_received if metrics else 0,
-            "kv_bytes_received": metrics.kv_bytes_received if metrics else 0,
-            "num_recomputed_tokens": metrics.num_recomputed_tokens if metrics else 0,
-        }
+        return completion_body(
+            exchange.request_id,
+            self.config.model_name,
+            text,
+            finish_reason,
+            created=exchange.created,
+            kvtransfer=info,
+        )
 
-    def _error(
-        self, status: int, message: str, kind: str, param: str | None = None
-    ) -> web.Response:
-        self.metrics.finished(status, None, None)
-        return web.json_response(error_body(message, kind, param), status=status)
+    def _upstream_failure(self, exchange: _Exchange, exc: UpstreamError) -> web.Response:
+        self._count_failure(exchange, exc)
+        return _error(exchange.request_id, exc.status, str(exc), kind=_error_kind(exc.status))
+
+    def _count_failure(self, exchange: _Exchange, exc: UpstreamError) -> None:
+        exchange.log.warning("failed (%d): %s", exc.status, exc)
+        self.metrics.upstream_error(exc.role, exc.reason)
+
+    @staticmethod
+    def _log_done(exchange: _Exchange, decoded: _Decoded) -> None:
+        final = decoded.final
+        exchange.log.info(
+            "done (%s): %d tokens, %d KV blocks received, %.1f ms",
+            final.finish_reason if final is not None else "?",
+            len(decoded.token_ids),
+            final.metrics.kv_blocks_received if final is not None else 0,
+            (time.monotonic() - exchange.started) * 1e3,
+        )
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload)}\n\n".encode()
+ROUTER = web.AppKey("router", RouterHandlers)
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidRequest("the request body is not valid JSON", None) from None
+
+
+def _kvtransfer_info(exchange: _Exchange, decoded: _Decoded) -> dict[str, Any]:
+    metrics = decoded.final.metrics if decoded.final is not None else None
+    first = decoded.first_token_at
+    return {
+        "request_id": exchange.request_id,
+        **exchange.route,
+        "token_ids": list(decoded.token_ids),
+        "ttft_s": None if first is None else first - exchange.started,
+        "kv_transfer_s": metrics.kv_transfer_s if metrics is not None else 0.0,
+        "kv_blocks_received": metrics.kv_blocks_received if metrics is not None else 0,
+        "kv_bytes_received": metrics.kv_bytes_received if metrics is not None else 0,
+        "num_recomputed_tokens": metrics.num_recomputed_tokens if metrics is not None else 0,
+    }
+
+
+def _error_kind(status: int) -> str:
+    # OpenAI's type for the client's own mistakes; anything upstream-side is ours to own.
+    return "invalid_request_error" if status < 500 else "upstream_error"
+
+
+def _error(
+    request_id: str,
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> web.Response:
+    body = error_body(message, kind, param, code)
+    return web.json_response(body, status=status, headers={"x-request-id": request_id})
+
+
+class _SseWriter:
+    """Server-sent events, the response prepared at the first event."""
+
+    def __init__(self, request: web.Request, request_id: str) -> None:
+        self._request = request
+        self._request_id = request_id
+        self.response: web.StreamResponse | None = None
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        if self.response is None:
+            headers = {**_SSE_HEADERS, "x-request-id": self._request_id}
+            self.response = web.StreamResponse(status=200, headers=headers)
+            await self.response.prepare(self._request)
+        await self.response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+    async def done(self) -> None:
+        if self.response is None:
+            raise RuntimeError("done() before any event")
+        await self.response.write(_SSE_DONE)
+        await self.response.write_eof()
+
+
+class _ClientGone(Exception):
+    """The client closed the connection while its stream was being written."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client disconnected")
+        self.response = response

@@ -1,12 +1,17 @@
-"""The router's Prometheus metrics, on a registry of its own."""
+"""The router's Prometheus metrics, on a registry of its own.
+
+A registry per app (not prometheus_client's global one) lets several routers live in one
+process, as tests run them, without "duplicated timeseries" errors.
+"""
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+# Not an HTTP status anyone sees: the client went away first (nginx's convention).
+CLIENT_CLOSED = 499
 
 
 class RouterMetrics:
@@ -14,35 +19,35 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "kvtransfer_router_requests",
-            "Completions by HTTP status",
+            "Completion requests by HTTP status (499: the client disconnected)",
             ["status"],
             registry=self.registry,
         )
         self._latency = Histogram(
             "kvtransfer_router_request_seconds",
-            "Whole request",
+            "Completion requests: HTTP request in to response done",
             buckets=_BUCKETS,
             registry=self.registry,
         )
         self._ttft = Histogram(
             "kvtransfer_router_time_to_first_token_seconds",
-            "Request in to first decode token",
+            "HTTP request in to the first decode token",
             buckets=_BUCKETS,
             registry=self.registry,
         )
         self._upstream_errors = Counter(
             "kvtransfer_router_upstream_errors",
-            "Daemon failures by role and HTTP status",
-            ["role", "status"],
+            "Daemon failures by role (prefill, decode) and reason (gRPC code or outcome)",
+            ["role", "reason"],
             registry=self.registry,
         )
 
-    def finished(self, status: int, started: float | None, first_token_at: float | None) -> None:
+    def request_done(self, status: int, seconds: float) -> None:
         self._requests.labels(status=str(status)).inc()
-        if started is not None:
-            self._latency.observe(time.monotonic() - started)
-            if first_token_at is not None:
-                self._ttft.observe(first_token_at - started)
+        self._latency.observe(seconds)
 
-    def upstream_error(self, role: str, status: int) -> None:
-        self._upstream_errors.labels(role=role, status=str(status)).inc()
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def upstream_error(self, role: str, reason: str) -> None:
+        self._upstream_errors.labels(role=role, reason=reason).inc()

@@ -1,4 +1,9 @@
-"""The OpenAI completions request the router accepts, validated, and the responses it sends."""
+"""The OpenAI completions request the router accepts, validated, and the bodies it answers with.
+
+Validation is strict on types (``"5"`` is not a number, ``true`` is not 1) so that a client's
+mistake becomes a 400 naming the field instead of a surprising completion. ``null`` means "the
+default" for every optional field, as OpenAI clients send it that way.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP = 4
-# Fields whose non-default values we cannot honour: rejected rather than silently ignored.
-_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None}
+_UINT32_MAX = 2**32 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Fields whose non-default values cannot be honoured: rejected rather than silently ignored.
+_UNSUPPORTED: dict[str, object] = {"n": 1, "best_of": 1, "echo": False, "logprobs": None}
 
 
 class InvalidRequest(ValueError):
-    """A malformed completions request; ``param`` names the field."""
+    """A malformed completions request; ``param`` names the field (``None``: the whole body)."""
 
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
@@ -21,52 +28,67 @@ class InvalidRequest(ValueError):
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One validated ``/v1/completions`` body; ``prompt`` is normalised to one str or id list."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
     model: str | None = None
     prompt: str | list[int]
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
+    # Bounds follow the proto fields (uint32 max_tokens, int64 seed) so nothing overflows there.
+    max_tokens: int = Field(default=16, ge=1, le=_UINT32_MAX)
+    temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)
     stop: list[str] = Field(default_factory=list)
     stream: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
-        # OpenAI allows a batch; one prompt (text or ids) wrapped in a list is accepted.
+        # OpenAI allows a batch; a batch of one (text or ids) is the same request as its element.
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
             value = value[0]
-        if isinstance(value, str) and not value:
-            raise ValueError("must not be empty")
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("must not be empty")
+            return value
         if isinstance(value, list):
             if not value:
                 raise ValueError("must not be empty")
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            if not all(_is_token_id(t) for t in value):
                 raise ValueError("must be a string, or a list of non-negative token ids")
-        return value
+            return value
+        raise ValueError("must be a string, or a list of non-negative token ids")
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, value: Any) -> Any:
-        if value is None:
-            return []
         if isinstance(value, str):
             value = [value]
-        if isinstance(value, list) and len(value) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if isinstance(value, list):
+            if len(value) > MAX_STOP:
+                raise ValueError(f"at most {MAX_STOP} stop strings")
+            if any(isinstance(s, str) and not s for s in value):
+                raise ValueError("stop strings must not be empty")
         return value
 
 
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT32_MAX
+
+
 def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a decoded JSON body; raises `InvalidRequest` naming the first bad field."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", None)
     for name, default in _UNSUPPORTED.items():
-        if body.get(name, default) not in (default, None):
+        value = body.get(name)
+        # type() too: ``true`` equals 1 and ``0`` equals False, but neither is the default.
+        if value is not None and (value != default or type(value) is not type(default)):
             raise InvalidRequest(f"{name}: not supported by this router", name)
+    fields = {k: v for k, v in body.items() if v is not None}
     try:
-        return CompletionRequest.model_validate(body)
+        return CompletionRequest.model_validate(fields)
     except ValidationError as exc:
         error = exc.errors()[0]
         field = str(error["loc"][0]) if error["loc"] else None
@@ -74,8 +96,14 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise InvalidRequest(f"{field}: {message}", field) from None
 
 
-def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def completion_body(
@@ -83,13 +111,16 @@ def completion_body(
     model: str,
     text: str,
     finish_reason: str | None,
-    usage: dict[str, int] | None,
-    kvtransfer: dict[str, Any] | None,
+    *,
+    created: int | None = None,
+    usage: dict[str, int] | None = None,
+    kvtransfer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A whole completion, or one streamed chunk of it (``usage`` omitted)."""
     body: dict[str, Any] = {
         "id": completion_id,
         "object": "text_completion",
-        "created": int(time.time()),
+        "created": int(time.time()) if created is None else created,
         "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
     }

@@ -1,0 +1,206 @@
+"""Scripted Generation daemons: real grpc.aio servers on 127.0.0.1 that record what they get.
+
+A behaviour is an async generator function ``(request, context) -> GenerateResponse...``; a
+daemon runs ``behaviour`` for every call (swap it between requests). Every call is recorded in
+``requests``; a call the client cancels (or whose deadline passes) is recorded in ``cancelled``
+and sets ``cancelled_event``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
+
+Reply = generation_pb2.GenerateResponse
+Behaviour = Callable[
+    [generation_pb2.GenerateRequest, grpc.aio.ServicerContext], AsyncIterator[Reply]
+]
+
+# The decode stream every test expects unless it says otherwise: text per message, and a
+# message with a token but no text yet (a partial UTF-8 character), which SSE must skip.
+DECODE_PIECES: tuple[tuple[list[int], str], ...] = (
+    ([72, 101], "He"),
+    ([108], ""),
+    ([108, 111], "llo"),
+    ([33], "!"),
+)
+DECODE_METRICS = generation_pb2.RequestMetrics(
+    ttft_s=0.01,
+    kv_transfer_s=0.25,
+    kv_blocks_received=3,
+    kv_bytes_received=3 * 4096,
+    num_cached_tokens=5,
+    num_recomputed_tokens=0,
+)
+
+
+def params_for(address: str, request_id: str) -> str:
+    """The kv_transfer_params_json the fake prefill at ``address`` returns."""
+    return json.dumps(
+        {
+            "do_remote_prefill": True,
+            "remote_engine_id": f"fake@{address}",
+            "remote_request_id": request_id,
+            "remote_block_ids": [4, 7, 9],
+        }
+    )
+
+
+def prefill_ok(address: str, *, with_params: bool = True) -> Behaviour:
+    async def behaviour(request, context):
+        yield Reply(request_id=request.request_id, num_prompt_tokens=5)
+        final = Reply(
+            request_id=request.request_id,
+            token_ids=[72],
+            text="H",
+            finished=True,
+            finish_reason="length",
+        )
+        if with_params:
+            final.kv_transfer_params_json = params_for(address, request.request_id)
+        yield final
+
+    return behaviour
+
+
+def decode_ok(
+    pieces: Sequence[tuple[list[int], str]] = DECODE_PIECES,
+    finish_reason: str = "length",
+    num_prompt_tokens: int = 5,
+) -> Behaviour:
+    async def behaviour(request, context):
+        for index, (ids, text) in enumerate(pieces):
+            reply = Reply(request_id=request.request_id, token_ids=ids, text=text)
+            if index == 0:
+                reply.num_prompt_tokens = num_prompt_tokens
+            if index == len(pieces) - 1:
+                reply.finished = True
+                reply.finish_reason = finish_reason
+                reply.metrics.CopyFrom(DECODE_METRICS)
+            yield reply
+
+    return behaviour
+
+
+def finish_error(error: str, pieces: Sequence[tuple[list[int], str]] = ()) -> Behaviour:
+    """Sends ``pieces``, then a final message with finish_reason "error"."""
+
+    async def behaviour(request, context):
+        for ids, text in pieces:
+            yield Reply(request_id=request.request_id, token_ids=ids, text=text)
+        yield Reply(
+            request_id=request.request_id, finished=True, finish_reason="error", error=error
+        )
+
+    return behaviour
+
+
+def fail(code: grpc.StatusCode, details: str) -> Behaviour:
+    async def behaviour(request, context):
+        await context.abort(code, details)
+        yield Reply()  # never reached; makes this an async generator
+
+    return behaviour
+
+
+def hang(pieces: Sequence[tuple[list[int], str]] = ()) -> Behaviour:
+    """Sends ``pieces``, then waits until the call is cancelled."""
+
+    async def behaviour(request, context):
+        for ids, text in pieces:
+            yield Reply(request_id=request.request_id, token_ids=ids, text=text)
+        await asyncio.Event().wait()
+        yield Reply()
+
+    return behaviour
+
+
+def gated(gate: asyncio.Event, then: Behaviour) -> Behaviour:
+    """Waits for ``gate``, then behaves like ``then``."""
+
+    async def behaviour(request, context):
+        await gate.wait()
+        async for reply in then(request, context):
+            yield reply
+
+    return behaviour
+
+
+@dataclass
+class FakeDaemon:
+    role: str
+    behaviour: Behaviour | None = None
+    credentials: grpc.ServerCredentials | None = None
+    requests: list[generation_pb2.GenerateRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    address: str = ""
+
+    def __post_init__(self) -> None:
+        self.received = asyncio.Event()
+        self.cancelled_event = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+
+    async def start(self) -> FakeDaemon:
+        server = grpc.aio.server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        if self.credentials is None:
+            port = server.add_insecure_port("127.0.0.1:0")
+        else:
+            port = server.add_secure_port("127.0.0.1:0", self.credentials)
+        await server.start()
+        await self.set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        self.address = f"127.0.0.1:{port}"
+        if self.behaviour is None:
+            self.behaviour = prefill_ok(self.address) if self.role == "prefill" else decode_ok()
+        return self
+
+    async def set_health(self, status: int) -> None:
+        await self._health.set("", status)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=None)
+            self._server = None
+
+
+class _Servicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, daemon: FakeDaemon) -> None:
+        self._daemon = daemon
+
+    async def Generate(self, request, context):
+        daemon = self._daemon
+        daemon.requests.append(request)
+        daemon.received.set()
+        if daemon.behaviour is None:
+            raise RuntimeError("FakeDaemon.start() sets a behaviour")
+        # Cancellation is read off the call's end, not from `except CancelledError`: a cancel
+        # that lands while grpc sends a message is raised in grpc's frame, not this one (and
+        # grpc.aio's context.cancelled() stays False). A call cancelled or past its deadline
+        # ends before the behaviour returned or raised (an abort raises).
+        ended = False
+
+        def on_done(_: grpc.aio.ServicerContext) -> None:
+            if not ended:
+                daemon.cancelled.append(request.request_id)
+                daemon.cancelled_event.set()
+
+        context.add_done_callback(on_done)
+        try:
+            async for reply in daemon.behaviour(request, context):
+                yield reply
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            ended = True
+            raise
+        ended = True

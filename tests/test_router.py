@@ -1,0 +1,735 @@
+"""The router alone, against fake Generation daemons (real grpc.aio servers with scripted
+answers, `router_helpers.fakes`) and a real HTTP client: what each daemon is asked, what the
+client gets back (JSON and SSE, byte framing included), round-robin, the 400 table, upstream
+errors mapped to HTTP statuses, deadlines, client disconnects, /health, /v1/models, /metrics
+and the command line. The end-to-end run with real daemons is tests/test_router_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from router_helpers.fakes import (
+    DECODE_METRICS,
+    DECODE_PIECES,
+    Behaviour,
+    FakeDaemon,
+    decode_ok,
+    fail,
+    finish_error,
+    gated,
+    hang,
+    params_for,
+    prefill_ok,
+)
+
+from kvtransfer.router import RouterConfig, RouterServer
+from kvtransfer.router.__main__ import main as router_main
+from kvtransfer.router.app import MAX_BODY_BYTES
+
+# A safety net so a bug shows as a failure instead of a stuck run; no test relies on timing.
+SCENARIO_TIMEOUT_S = 30.0
+DECODE_TEXT = "".join(text for _, text in DECODE_PIECES)
+DECODE_IDS = [t for ids, _ in DECODE_PIECES for t in ids]
+
+
+@dataclass
+class Cluster:
+    router: RouterServer
+    http: aiohttp.ClientSession
+    prefills: list[FakeDaemon]
+    decodes: list[FakeDaemon]
+
+    @property
+    def prefill(self) -> FakeDaemon:
+        return self.prefills[0]
+
+    @property
+    def decode(self) -> FakeDaemon:
+        return self.decodes[0]
+
+    async def post(self, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+        data = raw if raw is not None else json.dumps(body).encode()
+        async with self.http.post("/v1/completions", data=data) as response:
+            text = await response.text()
+            try:
+                return response.status, json.loads(text)
+            except json.JSONDecodeError:
+                return response.status, text
+
+    async def get(self, path: str) -> tuple[int, Any]:
+        async with self.http.get(path) as response:
+            text = await response.text()
+            return response.status, (json.loads(text) if path != "/metrics" else text)
+
+
+@asynccontextmanager
+async def cluster(
+    prefills: Sequence[Behaviour | None] = (None,),
+    decodes: Sequence[Behaviour | None] = (None,),
+    extra_prefill: Sequence[str] = (),
+    extra_decode: Sequence[str] = (),
+    **config: Any,
+) -> AsyncIterator[Cluster]:
+    """Fake daemons (default behaviour: a good prefill / decode) and a router in front of them;
+    ``extra_*`` are addresses added to the router's lists (e.g. where nothing listens)."""
+    # A test that fails with a request in flight should not wait out the default 60 s drain.
+    config.setdefault("shutdown_timeout_s", 2.0)
+    p = [await FakeDaemon("prefill", b).start() for b in prefills]
+    d = [await FakeDaemon("decode", b).start() for b in decodes]
+    try:
+        router_config = RouterConfig(
+            prefill=(*(f.address for f in p), *extra_prefill),
+            decode=(*(f.address for f in d), *extra_decode),
+            **config,
+        )
+        async with (
+            RouterServer(router_config) as router,
+            aiohttp.ClientSession(base_url=router.url) as http,
+        ):
+            yield Cluster(router, http, p, d)
+    finally:
+        for fake in (*p, *d):
+            await fake.stop()
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_TIMEOUT_S))
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def sse_events(raw: str) -> list[str]:
+    """The ``data:`` payloads of an event stream, checking the framing on the way."""
+    assert raw.endswith("\n\n"), raw
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), raw
+    return [e.removeprefix("data: ") for e in events]
+
+
+async def post_stream(c: Cluster, body: dict[str, Any]) -> tuple[aiohttp.ClientResponse, str]:
+    async with c.http.post("/v1/completions", json={**body, "stream": True}) as response:
+        return response, await response.text()
+
+
+# ---------------------------------------------------------------------- the happy path
+
+
+def test_prefill_then_decode_json_body(caplog):
+    caplog.set_level(logging.INFO, logger="kvtransfer.router")
+
+    async def scenario():
+        async with cluster() as c:
+            body = {
+                "model": "builtin",
+                "prompt": "Hello",
+                "max_tokens": 7,
+                "temperature": 0.5,
+                "top_p": 0.9,
+                "seed": 1234,
+                "stop": "\n\n",
+                "user": "ignored",
+            }
+            async with c.http.post("/v1/completions", json=body) as response:
+                assert response.status == 200
+                answer = await response.json()
+                header_id = response.headers["x-request-id"]
+            (pre,) = c.prefill.requests
+            (dec,) = c.decode.requests
+            request_id = answer["id"]
+            assert re.fullmatch(r"cmpl-[0-9a-f]{32}", request_id)
+            assert pre.request_id == dec.request_id == request_id == header_id
+            # The prefill: one token, the same sampling, asked to keep its KV for a decoder.
+            assert pre.WhichOneof("prompt") == "text" and pre.text == "Hello"
+            assert pre.sampling.max_tokens == 1
+            assert json.loads(pre.kv_transfer_params_json) == {"do_remote_decode": True}
+            assert pre.sampling.temperature == pytest.approx(0.5)
+            assert pre.sampling.top_p == pytest.approx(0.9)
+            assert pre.sampling.seed == 1234
+            assert list(pre.sampling.stop) == []  # a stop in the first token would lose the KV
+            # The decode: the original request and exactly the params the prefill returned.
+            assert dec.text == "Hello"
+            assert dec.kv_transfer_params_json == params_for(c.prefill.address, request_id)
+            assert dec.sampling.max_tokens == 7
+            assert dec.sampling.temperature == pytest.approx(0.5)
+            assert dec.sampling.top_p == pytest.approx(0.9)
+            assert dec.sampling.seed == 1234
+            assert list(dec.sampling.stop) == ["\n\n"]
+            info = answer.pop("kvtransfer")
+            assert isinstance(answer.pop("created"), int)
+            assert answer == {
+                "id": request_id,
+                "object": "text_completion",
+                "model": "builtin",
+                "choices": [
+                    {"index": 0, "text": DECODE_TEXT, "finish_reason": "length", "logprobs": None}
+                ],
+                "usage": {
+                    "prompt_tokens": 5,
+                    "completion_tokens": len(DECODE_IDS),
+                    "total_tokens": 5 + len(DECODE_IDS),
+                },
+            }
+            ttft = info.pop("ttft_s")
+            assert isinstance(ttft, float) and ttft >= 0
+            assert info == {
+                "request_id": request_id,
+                "prefill": c.prefill.address,
+                "decode": c.decode.address,
+                "token_ids": DECODE_IDS,
+                "kv_transfer_s": DECODE_METRICS.kv_transfer_s,
+                "kv_blocks_received": DECODE_METRICS.kv_blocks_received,
+                "kv_bytes_received": DECODE_METRICS.kv_bytes_received,
+                "num_recomputed_tokens": 0,
+            }
+            assert c.prefill.cancelled == c.decode.cancelled == []
+            return request_id
+
+    request_id = asyncio.run(asyncio.wait_for(scenario(), SCENARIO_TIMEOUT_S))
+    about = [r for r in caplog.records if r.name == "kvtransfer.router" and r.levelno >= 20]
+    messages = [r.getMessage() for r in about]
+    assert any(m.startswith("received") for m in messages), messages
+    assert any(m.startswith("done (length)") for m in messages), messages
+    assert {getattr(r, "request_id", None) for r in about} == {request_id}
+
+
+def test_prompt_forms_token_ids_and_batches_of_one():
+    async def scenario():
+        async with cluster() as c:
+            for prompt, oneof, value in [
+                ([1, 2, 3], "token_ids", [1, 2, 3]),
+                ([[4, 5]], "token_ids", [4, 5]),
+                (["one"], "text", "one"),
+                ([0], "token_ids", [0]),
+            ]:
+                status, body = await c.post({"prompt": prompt})
+                assert status == 200, body
+                for sent in (c.prefill.requests[-1], c.decode.requests[-1]):
+                    assert sent.WhichOneof("prompt") == oneof
+                    got = list(sent.token_ids.ids) if oneof == "token_ids" else sent.text
+                    assert got == value
+                # Defaults: 16 tokens, greedy, no seed; null means the default too.
+            status, _ = await c.post({"prompt": "x", "max_tokens": None, "stop": None})
+            assert status == 200
+            sampling = c.decode.requests[-1].sampling
+            assert sampling.max_tokens == 16 and sampling.temperature == 0
+            assert not sampling.HasField("seed") and list(sampling.stop) == []
+
+    run(scenario)
+
+
+def test_stream_sse_framing_and_chunks():
+    async def scenario():
+        async with cluster() as c:
+            response, raw = await post_stream(c, {"prompt": "Hello", "max_tokens": 4})
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            events = sse_events(raw)
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            # One chunk per decode message with text (the text-less one is skipped), the last
+            # one carries the finish reason and the kvtransfer object.
+            assert [ch["choices"][0]["text"] for ch in chunks] == ["He", "llo", "!"]
+            assert [ch["choices"][0]["finish_reason"] for ch in chunks] == [None, None, "length"]
+            request_id = c.decode.requests[0].request_id
+            assert response.headers["x-request-id"] == request_id
+            for chunk in chunks:
+                assert chunk["id"] == request_id and chunk["object"] == "text_completion"
+                assert chunk["model"] == "builtin" and chunk["created"] == chunks[0]["created"]
+                assert "usage" not in chunk
+            assert ["kvtransfer" in ch for ch in chunks] == [False, False, True]
+            info = chunks[-1]["kvtransfer"]
+            assert info["token_ids"] == DECODE_IDS and info["request_id"] == request_id
+            assert info["decode"] == c.decode.address
+            assert info["kv_blocks_received"] == DECODE_METRICS.kv_blocks_received
+
+    run(scenario)
+
+
+def test_round_robin_over_two_prefill_and_two_decode_daemons():
+    async def scenario():
+        async with cluster(prefills=[None, None], decodes=[None, None]) as c:
+            routes = []
+            for _ in range(4):
+                status, body = await c.post({"prompt": "x", "max_tokens": 2})
+                assert status == 200, body
+                routes.append((body["kvtransfer"]["prefill"], body["kvtransfer"]["decode"]))
+            p0, p1 = (f.address for f in c.prefills)
+            d0, d1 = (f.address for f in c.decodes)
+            assert routes == [(p0, d0), (p1, d1), (p0, d0), (p1, d1)]
+            for fake in (*c.prefills, *c.decodes):
+                assert len(fake.requests) == 2
+            # Each decode got the params of the prefill that ran the same request.
+            for fake in c.decodes:
+                for sent in fake.requests:
+                    owner = next(p for p in c.prefills if sent.request_id in _ids(p))
+                    assert sent.kv_transfer_params_json == params_for(
+                        owner.address, sent.request_id
+                    )
+
+    run(scenario)
+
+
+def _ids(fake: FakeDaemon) -> set[str]:
+    return {r.request_id for r in fake.requests}
+
+
+# ---------------------------------------------------------------------- bad requests
+
+BAD_BODIES: list[tuple[Any, str | None, str]] = [
+    ({}, "prompt", "prompt: Field required"),
+    ({"prompt": ""}, "prompt", "prompt: must not be empty"),
+    ({"prompt": []}, "prompt", "prompt: must not be empty"),
+    ({"prompt": 5}, "prompt", "prompt: must be a string"),
+    ({"prompt": ["a", "b"]}, "prompt", "prompt: must be a string"),
+    ({"prompt": [1, -2]}, "prompt", "prompt: must be a string, or a list"),
+    ({"prompt": [1, True]}, "prompt", "prompt: must be a string"),
+    ({"prompt": [1.5]}, "prompt", "prompt: must be a string"),
+    ({"prompt": [2**32]}, "prompt", "prompt: must be a string"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "max_tokens: Input should be a valid"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens", "max_tokens: Input should be a valid"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid"),
+    ({"prompt": "x", "max_tokens": 2**32}, "max_tokens", "max_tokens: Input should be less"),
+    ({"prompt": "x", "temperature": -1}, "temperature", "temperature: Input should be greater"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature", "temperature: Input should be"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "top_p: Input should be greater than 0"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p", "top_p: Input should be less than or equal to 1"),
+    ({"prompt": "x", "seed": "1"}, "seed", "seed: Input should be a valid integer"),
+    ({"prompt": "x", "seed": 1.5}, "seed", "seed: Input should be a valid integer"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "stop: at most 4"),
+    ({"prompt": "x", "stop": 3}, "stop", "stop: Input should be a valid list"),
+    ({"prompt": "x", "stop": ["a", 1]}, "stop", "stop: Input should be a valid string"),
+    ({"prompt": "x", "stop": [""]}, "stop", "stop: stop strings must not be empty"),
+    ({"prompt": "x", "stream": "yes"}, "stream", "stream: Input should be a valid boolean"),
+    ({"prompt": "x", "model": 7}, "model", "model: Input should be a valid string"),
+    ({"prompt": "x", "n": 2}, "n", "n: not supported by this router"),
+    ({"prompt": "x", "n": True}, "n", "n: not supported by this router"),
+    ({"prompt": "x", "best_of": 3}, "best_of", "best_of: not supported"),
+    ({"prompt": "x", "echo": True}, "echo", "echo: not supported"),
+    ({"prompt": "x", "logprobs": 1}, "logprobs", "logprobs: not supported"),
+    ({"prompt": "x", "logprobs": 0}, "logprobs", "logprobs: not supported"),
+    (["x"], None, "the request body must be a JSON object"),
+]
+
+
+def test_bad_bodies_get_400_naming_the_field_and_reach_no_daemon():
+    async def scenario():
+        async with cluster() as c:
+            for body, param, message in BAD_BODIES:
+                status, answer = await c.post(body)
+                assert status == 400, (body, answer)
+                assert answer == {
+                    "error": {
+                        "message": answer["error"]["message"],
+                        "type": "invalid_request_error",
+                        "param": param,
+                        "code": None,
+                    }
+                }, body
+                assert answer["error"]["message"].startswith(message), (body, answer)
+            for raw in (b"{not json", b"", b"\xff\xfe"):
+                status, answer = await c.post(raw=raw)
+                assert status == 400, raw
+                assert answer["error"]["message"] == "the request body is not valid JSON"
+            status, answer = await c.post(raw=b" " * (MAX_BODY_BYTES + 1))
+            assert status == 413
+            assert answer["error"]["message"].startswith("the request body is larger than")
+            status, answer = await c.post({"prompt": "x", "model": "gpt-9"})
+            assert status == 404
+            assert answer["error"]["param"] == "model"
+            assert answer["error"]["code"] == "model_not_found"
+            assert answer["error"]["message"].startswith("model 'gpt-9' does not exist")
+            assert c.prefill.requests == c.decode.requests == []
+            # Defaults of the unsupported fields, and unknown fields, are fine.
+            fine = {"prompt": "x", "n": 1, "best_of": 1, "echo": False, "logprobs": None}
+            status, answer = await c.post({**fine, "presence_penalty": 0, "user": "u"})
+            assert status == 200, answer
+
+    run(scenario)
+
+
+# ---------------------------------------------------------------------- upstream errors
+
+
+def test_grpc_errors_and_error_finishes_map_to_http_statuses():
+    code = grpc.StatusCode
+
+    async def scenario():
+        async with cluster() as c:
+            p, d = c.prefill, c.decode
+            good = {"prefill": p.behaviour, "decode": d.behaviour}
+            # (role at fault, its behaviour, HTTP status, the message after the daemon's name)
+            cases: list[tuple[str, Behaviour, int, str]] = [
+                ("prefill", fail(code.INVALID_ARGUMENT, "prompt: bad"), 400, "INVALID_ARGUMENT"),
+                ("prefill", fail(code.RESOURCE_EXHAUSTED, "pool"), 400, "RESOURCE_EXHAUSTED"),
+                ("prefill", fail(code.UNAVAILABLE, "draining"), 503, "UNAVAILABLE: draining"),
+                ("prefill", fail(code.INTERNAL, "boom"), 502, "INTERNAL: boom"),
+                ("prefill", finish_error("engine died"), 502, "engine died"),
+                ("prefill", prefill_ok(p.address, with_params=False), 502, "no kv_transfer"),
+                ("decode", fail(code.INVALID_ARGUMENT, "kv_transfer_params: bad"), 400, "INV"),
+                ("decode", fail(code.UNAVAILABLE, "stopping"), 503, "UNAVAILABLE: stopping"),
+                ("decode", finish_error("KV load failed", [([1], "a")]), 502, "KV load failed"),
+            ]
+            for role, behaviour, status, text in cases:
+                p.behaviour, d.behaviour = good["prefill"], good["decode"]
+                fake = p if role == "prefill" else d
+                fake.behaviour = behaviour
+                decode_calls = len(d.requests)
+                got, answer = await c.post({"prompt": "x"})
+                assert got == status, (text, answer)
+                message = answer["error"]["message"]
+                assert message.startswith(f"{role} daemon {fake.address}: {text}"), message
+                kind = "invalid_request_error" if status < 500 else "upstream_error"
+                assert answer["error"]["type"] == kind
+                # A failed prefill never reaches a decode daemon.
+                assert len(d.requests) == decode_calls + (role == "decode"), text
+            p.behaviour = fail(code.INVALID_ARGUMENT, "prompt.token_ids[1] = 99999 is outside")
+            _, answer = await c.post({"prompt": [1, 99999]})
+            assert answer["error"]["message"] == (
+                f"prefill daemon {p.address}: INVALID_ARGUMENT: "
+                "prompt.token_ids[1] = 99999 is outside"
+            )
+
+    run(scenario)
+
+
+def test_unreachable_daemons_are_named_in_503s():
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def scenario():
+        async with cluster(decodes=[], extra_decode=[dead]) as c:
+            status, answer = await c.post({"prompt": "x"})
+            assert status == 503
+            message = answer["error"]["message"]
+            assert message.startswith(f"decode daemon {dead}: UNAVAILABLE"), message
+        async with cluster(prefills=[], extra_prefill=[dead]) as c:
+            status, answer = await c.post({"prompt": "x"})
+            assert status == 503
+            assert answer["error"]["message"].startswith(f"prefill daemon {dead}: UNAVAILABLE")
+            assert c.decode.requests == []
+
+    run(scenario)
+
+
+def test_deadline_turns_a_hung_daemon_into_503_not_a_hang():
+    async def scenario():
+        async with cluster(prefills=[hang()], request_timeout_s=0.3) as c:
+            status, answer = await c.post({"prompt": "x"})
+            assert status == 503
+            message = answer["error"]["message"]
+            assert message.startswith(f"prefill daemon {c.prefill.address}: DEADLINE_EXCEEDED")
+            await c.prefill.cancelled_event.wait()  # the daemon saw the call end
+            assert c.decode.requests == []
+            # The deadline covers the whole request: a decode that hangs after its first
+            # message ends the stream with an SSE error event, then [DONE].
+            c.prefill.behaviour = prefill_ok(c.prefill.address)
+            c.decode.behaviour = hang([([9], "Hi")])
+            response, raw = await post_stream(c, {"prompt": "x"})
+            assert response.status == 200
+            events = sse_events(raw)
+            assert json.loads(events[0])["choices"][0]["text"] == "Hi"
+            error = json.loads(events[1])["error"]
+            assert error["message"].startswith(
+                f"decode daemon {c.decode.address}: DEADLINE_EXCEEDED"
+            )
+            assert error["type"] == "upstream_error"
+            assert events[2:] == ["[DONE]"]
+
+    run(scenario)
+
+
+def test_stream_errors_before_and_after_the_first_byte():
+    async def scenario():
+        async with cluster() as c:
+            d = c.decode
+            # After the first chunk: an SSE error event naming the daemon, then [DONE].
+            d.behaviour = finish_error("KV load failed", [([1], "ab")])
+            response, raw = await post_stream(c, {"prompt": "x"})
+            assert response.status == 200
+            events = sse_events(raw)
+            assert [json.loads(e) for e in events[1:-1]] == [
+                {
+                    "error": {
+                        "message": f"decode daemon {d.address}: KV load failed",
+                        "type": "upstream_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            ]
+            assert json.loads(events[0])["choices"][0]["text"] == "ab"
+            assert events[-1] == "[DONE]"
+            # Before any byte: still a plain HTTP error with its status.
+            for behaviour, status in [
+                (finish_error("KV load failed"), 502),
+                (fail(grpc.StatusCode.UNAVAILABLE, "draining"), 503),
+            ]:
+                d.behaviour = behaviour
+                async with c.http.post(
+                    "/v1/completions", json={"prompt": "x", "stream": True}
+                ) as response:
+                    assert response.status == status
+                    assert response.content_type == "application/json"
+                    answer = await response.json()
+                assert answer["error"]["message"].startswith(f"decode daemon {d.address}: ")
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_client_disconnect_cancels_the_upstream_call(stream):
+    async def scenario():
+        async with cluster(decodes=[hang([([1], "a")])]) as c:
+            body = json.dumps({"prompt": "x", "stream": stream}).encode()
+            reader, writer = await asyncio.open_connection("127.0.0.1", c.router.port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+            await c.decode.received.wait()
+            if stream:  # the first chunk is out: the client is mid-stream
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            writer.close()
+            await writer.wait_closed()
+            await c.decode.cancelled_event.wait()
+            assert c.decode.cancelled == [c.decode.requests[0].request_id]
+            metrics = await _wait_for_metric(c, 'kvtransfer_router_requests_total{status="499"}')
+            assert 'kvtransfer_router_requests_total{status="499"} 1.0' in metrics
+
+    run(scenario)
+
+
+async def _wait_for_metric(c: Cluster, needle: str) -> str:
+    # The handler records its status as it unwinds, just after the daemon saw the cancel.
+    while True:
+        _, text = await c.get("/metrics")
+        if needle in text:
+            return text
+        await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- other endpoints
+
+
+def test_health_models_and_metrics():
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def scenario():
+        async with cluster(prefills=[None, None], extra_decode=[dead]) as c:
+            p0, p1 = c.prefills
+            status, body = await c.get("/health")
+            # One serving decode is enough; the dead one is named.
+            assert status == 200
+            assert body["status"] == "ok"
+            assert body["prefill"] == {p0.address: "SERVING", p1.address: "SERVING"}
+            assert body["decode"][c.decode.address] == "SERVING"
+            assert body["decode"][dead] == "UNREACHABLE (UNAVAILABLE)"
+            await p0.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            assert (await c.get("/health"))[0] == 200
+            await p1.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            status, body = await c.get("/health")
+            assert status == 503 and body["status"] == "unavailable"
+            assert body["prefill"] == {p0.address: "NOT_SERVING", p1.address: "NOT_SERVING"}
+
+            status, body = await c.get("/v1/models")
+            assert status == 200
+            assert body == {
+                "object": "list",
+                "data": [{"id": "builtin", "object": "model", "owned_by": "kvtransfer"}],
+            }
+
+            assert (await c.post({"prompt": "x"}))[0] == 200
+            assert (await c.post({"prompt": ""}))[0] == 400
+            c.decode.behaviour = fail(grpc.StatusCode.UNAVAILABLE, "draining")
+            assert (await c.post({"prompt": "x"}))[0] == 503
+            status, text = await c.get("/metrics")
+            assert status == 200
+            for line in [
+                'kvtransfer_router_requests_total{status="200"} 1.0',
+                'kvtransfer_router_requests_total{status="400"} 1.0',
+                'kvtransfer_router_requests_total{status="503"} 1.0',
+                "kvtransfer_router_request_seconds_count 3.0",
+                "kvtransfer_router_time_to_first_token_seconds_count 1.0",
+                'kvtransfer_router_upstream_errors_total{reason="UNAVAILABLE",role="decode"} 1.0',
+            ]:
+                assert line in text.splitlines(), line
+
+    run(scenario)
+
+
+def test_model_name_is_configurable():
+    async def scenario():
+        async with cluster(model_name="tiny-llama") as c:
+            assert (await c.get("/v1/models"))[1]["data"][0]["id"] == "tiny-llama"
+            status, body = await c.post({"prompt": "x", "model": "tiny-llama"})
+            assert status == 200 and body["model"] == "tiny-llama"
+            assert (await c.post({"prompt": "x", "model": "builtin"}))[0] == 404
+
+    run(scenario)
+
+
+def test_mtls_to_the_daemons(tmp_path):
+    from control_helpers.certs import make_certs
+
+    certs = make_certs(tmp_path)
+
+    def server_credentials() -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(open(certs.server_key, "rb").read(), open(certs.server_cert, "rb").read())],
+            root_certificates=open(certs.ca, "rb").read(),
+            require_client_auth=True,
+        )
+
+    async def scenario():
+        prefill = await FakeDaemon("prefill", credentials=server_credentials()).start()
+        decode = await FakeDaemon("decode", credentials=server_credentials()).start()
+        tls = {"tls_ca": certs.ca, "tls_cert": certs.client_cert, "tls_key": certs.client_key}
+        try:
+            for extra, status in [(tls, 200), ({}, 503)]:
+                config = RouterConfig((prefill.address,), (decode.address,), **extra)
+                async with (
+                    RouterServer(config) as router,
+                    aiohttp.ClientSession(base_url=router.url) as http,
+                    http.post("/v1/completions", json={"prompt": "x"}) as response,
+                ):
+                    assert response.status == status, await response.text()
+        finally:
+            await prefill.stop()
+            await decode.stop()
+
+    run(scenario)
+
+
+def test_config_is_checked_up_front(tmp_path):
+    good = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
+    not_pem = tmp_path / "x.pem"
+    not_pem.write_text("hello")
+    for overrides, message in [
+        ({"prefill": ()}, "at least one prefill daemon"),
+        ({"decode": ["nohost"]}, "'nohost' is not HOST:PORT"),
+        ({"decode": ["h:99999"]}, "is not HOST:PORT"),
+        ({"port": -1}, "port must be in"),
+        ({"request_timeout_s": 0}, "request_timeout_s must be > 0"),
+        ({"tls_cert": str(not_pem)}, "certificate and key go together"),
+        ({"tls_ca": str(tmp_path / "missing.pem")}, "cannot read"),
+        ({"tls_ca": str(not_pem)}, "is not a PEM file"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RouterConfig(**{**good, **overrides})
+    assert RouterConfig(prefill=["[::1]:5"], decode=["h:6"]).prefill == ("[::1]:5",)
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: --prefill, --decode"),
+        (["--prefill", "x", "--decode", "h:1"], "argument --prefill: 'x' is not HOST:PORT"),
+        (["--prefill", "h:1", "--decode", "h:1", "--port", "70000"], "port must be in"),
+        (["--prefill", "h:1", "--decode", "h:1", "--request-timeout-s", "0"], "must be > 0"),
+        (["--prefill", "h:1", "--decode", "h:1", "--tls-ca", "/nope.pem"], "cannot read"),
+        (["--prefill", "h:1", "--decode", "h:1", "--port", "eighty"], "invalid int value"),
+    ],
+)
+def test_bad_flags_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        router_main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvtransfer-router: error: " in err and message in err, err
+
+
+def test_module_entry_point_bad_flags_exit_2_without_traceback():
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtransfer.router", "--prefill", "nope", "--decode", "h:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "error: argument --prefill: 'nope' is not HOST:PORT" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_cli_prints_its_url_serves_and_drains_on_sigterm():
+    async def scenario():
+        gate = asyncio.Event()
+        prefill = await FakeDaemon("prefill").start()
+        decode = await FakeDaemon("decode").start()
+        argv = ["--port", "0", "--prefill", prefill.address, "--decode", decode.address]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "kvtransfer.router",
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            line = (await process.stdout.readline()).decode()
+            match = re.fullmatch(r"router listening on (http://127\.0\.0\.1:(\d+))\n", line)
+            assert match, line
+            url, port = match.group(1), int(match.group(2))
+            async with aiohttp.ClientSession(base_url=url) as http:
+                async with http.post("/v1/completions", json={"prompt": "x"}) as response:
+                    assert response.status == 200
+                    assert (await response.json())["choices"][0]["text"] == DECODE_TEXT
+                # A request in flight when SIGTERM arrives still completes.
+                decode.behaviour = gated(gate, decode_ok())
+                in_flight = asyncio.create_task(http.post("/v1/completions", json={"prompt": "y"}))
+                while len(decode.requests) < 2:
+                    await asyncio.sleep(0.01)
+                process.send_signal(signal.SIGTERM)
+                await _wait_until_refused(port)  # stopped accepting
+                gate.set()
+                async with await in_flight as response:
+                    assert response.status == 200
+                    assert (await response.json())["choices"][0]["text"] == DECODE_TEXT
+            assert await process.wait() == 0
+            stderr = (await process.stderr.read()).decode()
+            assert "stopping" in stderr and "Traceback" not in stderr
+            assert re.search(r"\[request_id=cmpl-[0-9a-f]{32}\] received", stderr), stderr
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            await prefill.stop()
+            await decode.stop()
+
+    run(scenario)
+
+
+async def _wait_until_refused(port: int) -> None:
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except ConnectionError:  # refused, or reset: the listener closed under the connect
+            return
+        writer.close()
+        await writer.wait_closed()
+        await asyncio.sleep(0.01)
