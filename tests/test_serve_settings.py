@@ -70,6 +70,16 @@ def test_config_file_problems(tmp_path):
         load_settings("decode", ["--config", str(bad)], environ={})
 
 
+def test_tls_and_token_problems_fail_before_start(tmp_path):
+    with pytest.raises(SettingsError, match="--tls-cert and --tls-key are required"):
+        load_settings("decode", ["--tls-ca", str(tmp_path / "ca.pem")], environ={})
+    missing = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
+    with pytest.raises(SettingsError, match=r"^--tls-\*: .*does not exist"):
+        load_settings("decode", missing, environ={})
+    with pytest.raises(SettingsError, match=r"^--admin-token: "):
+        load_settings("decode", [], environ={"KVTRANSFER_ADMIN_TOKEN": "has space"})
+
+
 def test_daemon_command_exits_2_naming_the_flag():
     done = subprocess.run(
         [sys.executable, "-m", "decode_node", "--port", "-1"],

@@ -82,10 +82,23 @@ class DaemonSettings(BaseModel):
             return None
         from kvtransfer.control.security import TLSFiles
 
+        if self.tls_cert is None or self.tls_key is None:
+            raise SettingsError("--tls-cert and --tls-key are required to serve TLS")
         try:
             return TLSFiles(cert_file=self.tls_cert, key_file=self.tls_key, ca_file=self.tls_ca)
         except ValueError as exc:
             raise SettingsError(f"--tls-*: {exc}") from None
+
+    def check_security(self) -> None:
+        """Fail at start-up, not at bind time, on unusable TLS files or admin token."""
+        self.tls_files()
+        if self.admin_token is not None:
+            from kvtransfer.control.security import admin_token_metadata
+
+            try:
+                admin_token_metadata(self.admin_token)
+            except ValueError as exc:
+                raise SettingsError(f"--admin-token: {exc}") from None
 
     def resolved_engine_id(self) -> str:
         if self.engine_id:
@@ -177,9 +190,11 @@ def load_settings(
             merged[key] = value
     merged.update({k: v for k, v in args.items() if v is not None})
     try:
-        return DaemonSettings(role=role, **merged)
+        settings = DaemonSettings(role=role, **merged)
     except ValidationError as exc:
         raise SettingsError(_describe(exc)) from None
+    settings.check_security()
+    return settings
 
 
 def _read_config_file(path: Path, keys: Sequence[str]) -> dict[str, Any]:
