@@ -366,8 +366,7 @@ def test_emulation_matches_kubectl_kustomize(renders, name):
         timeout=60,
         check=False,
     )
-    if result.returncode != 0:
-        pytest.skip(f"kubectl kustomize failed: {result.stderr.strip()[:200]}")
+    assert result.returncode == 0, result.stderr
     expected = {resource_id(o): o for o in yaml.safe_load_all(result.stdout) if o}
     assert {resource_id(o): o for o in renders[name]} == expected
 
@@ -817,18 +816,21 @@ def all_invocations(renders, compose, fake_bin, tmp_path) -> list[Invocation]:
 
 def test_real_parsers_accept_every_command_line(renders, compose, fake_bin, tmp_path):
     """The contract above, checked against the daemons' and router's own parsers."""
-    try:
-        from connectors.ucx.config import UcxConfig
-        from kvtransfer.router.__main__ import _parser as router_parser
-        from kvtransfer.serve.settings import load_settings
-    except ImportError as exc:
-        pytest.skip(f"daemon/router code not importable: {exc}")
+    from connectors.ucx.config import UcxConfig
+    from kvtransfer.router.__main__ import _parser as router_parser
+    from kvtransfer.serve.settings import load_settings
+
     for inv in all_invocations(renders, compose, fake_bin, tmp_path):
         if inv.role == "router":
             args = router_parser().parse_args(inv.argv)
             assert args.prefill and args.decode, inv.where
             continue
-        environ = {k: v for k, v in inv.env.items() if k.startswith("KVTRANSFER_")}
+        # Compose fills ${VAR...} from the operator's shell; stand in a valid value.
+        environ = {
+            k: "sample-admin-token" if v.startswith("${") else v
+            for k, v in inv.env.items()
+            if k.startswith("KVTRANSFER_")
+        }
         settings = load_settings(inv.role, inv.argv, environ=environ)
         config = settings.transfer_config()
         assert config.kv_role == KV_ROLES[inv.role], inv.where
