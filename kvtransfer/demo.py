@@ -238,12 +238,11 @@ def _check_counters(decode_address: str) -> None:
 
 
 def _check_exit_blocks(service: Any) -> None:
-    for line in reversed(service.log_path.read_text().splitlines()):
-        if "KV blocks in use at exit" in line:
-            if "stopped: 0 KV blocks" not in line:
-                raise DemoFailure(f"{service.name}: {line.split(': ', 1)[-1]}")
-            return
-    raise DemoFailure(f"{service.name} did not report its blocks at exit")
+    used = service.blocks_in_use_at_exit()
+    if used is None:
+        raise DemoFailure(f"{service.name} did not report its blocks at exit")
+    if used != 0:
+        raise DemoFailure(f"{service.name}: {used} KV blocks in use at exit")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtransfer.router.openai_api import CompletionRequest
+from kvtransfer.serve.client import generate_request as build_generate_request
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
 PREFILL_PARAMS_JSON = json.dumps({"do_remote_decode": True})
@@ -197,16 +198,12 @@ def generate_request(
     request_id: str, request: CompletionRequest, *, max_tokens: int, stop: bool = True
 ) -> generation_pb2.GenerateRequest:
     """The Generate message for ``request``; ``stop=False`` leaves the stop strings out."""
-    sampling = generation_pb2.SamplingOptions(
-        max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p
+    return build_generate_request(
+        request_id,
+        request.prompt,
+        max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=request.stop if stop else (),
     )
-    if stop:
-        sampling.stop.extend(request.stop)
-    if request.seed is not None:
-        sampling.seed = request.seed
-    message = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
-    if isinstance(request.prompt, str):
-        message.text = request.prompt
-    else:
-        message.token_ids.ids.extend(request.prompt)
-    return message

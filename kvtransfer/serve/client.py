@@ -31,6 +31,7 @@ def generate_request(
     max_tokens: int,
     *,
     temperature: float | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
@@ -41,6 +42,8 @@ def generate_request(
     )
     if temperature is not None:
         sampling.temperature = temperature
+    if top_p is not None:
+        sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
     message = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling)

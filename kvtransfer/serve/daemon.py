@@ -38,6 +38,7 @@ from kvtransfer.engine.llm import LLM
 from kvtransfer.serve.admin_backend import EngineAdminBackend, connector_totals, held_kv
 from kvtransfer.serve.engine_thread import EngineThread
 from kvtransfer.serve.generation import GenerationService, ServiceContext
+from kvtransfer.serve.launcher import EXIT_BLOCKS_MARKER, EXIT_BLOCKS_PREFIX
 from kvtransfer.serve.ledger import ServingLedger
 from kvtransfer.serve.logs import configure_logging
 from kvtransfer.serve.metrics import DaemonMetrics
@@ -98,8 +99,9 @@ class Daemon:
         )
         service = GenerationService(context)
         security: dict[str, object] = {}
-        if settings.tls_files() is not None:
-            security["tls"] = settings.tls_files()
+        tls = settings.tls_files()
+        if tls is not None:
+            security["tls"] = tls
         if settings.admin_token:
             security["admin_token"] = settings.admin_token
         self._server = await start_control_server(
@@ -237,7 +239,9 @@ async def serve(settings: DaemonSettings, ready_stream: TextIO = sys.stdout) -> 
     used = await asyncio.to_thread(daemon.num_used_blocks)
     await daemon.stop()
     # Tests and operators read this line to check nothing was left behind.
-    logger.info("stopped: %s KV blocks in use at exit", "unknown" if used is None else used)
+    logger.info(
+        "%s%s %s", EXIT_BLOCKS_PREFIX, "unknown" if used is None else used, EXIT_BLOCKS_MARKER
+    )
     return 0
 
 

@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_START_TIMEOUT_S = 120.0
+# The daemon's last log line reads "stopped: N KV blocks in use at exit".
+EXIT_BLOCKS_PREFIX = "stopped: "
+EXIT_BLOCKS_MARKER = "KV blocks in use at exit"
 _ROUTER_READY = re.compile(r"router listening on (http://\S+)")
 
 
@@ -93,6 +96,14 @@ class ServiceProcess:
             self.popen.kill()
         self.popen.wait()
         self._close_stdout()
+
+    def blocks_in_use_at_exit(self) -> int | None:
+        """What a stopped daemon logged last: KV blocks still in use (``None``: not reported)."""
+        for line in reversed(self.log_path.read_text(errors="replace").splitlines()):
+            if EXIT_BLOCKS_MARKER in line:
+                value = line.rsplit(EXIT_BLOCKS_PREFIX, 1)[1].split(" ", 1)[0]
+                return None if value == "unknown" else int(value)
+        return None
 
     def log_tail(self, lines: int = 20) -> str:
         return log_tail(self.log_path, lines)

@@ -94,8 +94,4 @@ def admin(address: str, method: str, *args: Any, **client: Any) -> Any:
 
 def exit_used_blocks(process: ServiceProcess) -> int | None:
     """The daemon's last words: how many KV blocks were still in use when it stopped."""
-    for line in reversed(process.log_path.read_text().splitlines()):
-        if "KV blocks in use at exit" in line:
-            value = line.split("stopped: ", 1)[1].split(" ", 1)[0]
-            return None if value == "unknown" else int(value)
-    return None
+    return process.blocks_in_use_at_exit()
