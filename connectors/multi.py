@@ -211,6 +211,11 @@ class MultiConnector(KVConnectorBase_V1):
         for child in self._connectors:
             child.validate_kv_transfer_params(params)
 
+    def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        # Every child is asked: the KV may be held by any of them, or by several.
+        released = [child.release_kv(kv_transfer_params) for child in self._connectors]
+        return any(released)
+
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

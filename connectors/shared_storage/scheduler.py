@@ -112,6 +112,10 @@ class SharedStorageScheduler:
 
     # ------------------------------------------------------------------ consumer
 
+    def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        # Files hold the KV, not blocks: there is nothing held to give back early.
+        return False
+
     def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None:
         if self._config.is_kv_consumer:
             RemotePrefill.parse(params)

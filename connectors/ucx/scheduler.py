@@ -209,6 +209,9 @@ class UcxScheduler:
         if self._config.is_kv_producer:
             wants_remote_decode(params)
 
+    def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        return False  # replaced by the capability check in the next commit
+
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -202,6 +202,21 @@ class KVConnectorBase_V1:
         request that passes may still be aborted before it is ever scheduled.
         """
 
+    def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        """A consumer gives up the KV this producer holds for a finished request, now.
+
+        ``kv_transfer_params`` are the params `request_finished` returned for it, as the
+        consumer (or the router on its behalf) holds them; a connector that hands out access
+        secrets must check them here. Runs on the scheduler side, on the engine's thread, at any
+        time after the request finished, and may repeat: releasing twice, or releasing KV
+        already freed (pulled, expired), is not an error and returns False. Returns True when
+        this call released held KV; the blocks are freed through ``finished_sending`` as for
+        any other release. Raise `ValueError` naming the key for params that cannot describe
+        KV of this engine, `PermissionError` when they do but their secret does not match.
+        The default holds nothing and returns False.
+        """
+        return False
+
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -52,6 +52,8 @@ class SchedulerHalf(Protocol):
 
     def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None: ...
 
+    def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool: ...
+
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]: ...
@@ -188,6 +190,9 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
 
     def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None:
         self._scheduler_half("validate_kv_transfer_params").validate_kv_transfer_params(params)
+
+    def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        return self._scheduler_half("release_kv").release_kv(kv_transfer_params)
 
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int

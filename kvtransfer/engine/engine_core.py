@@ -122,6 +122,18 @@ class EngineCore:
     def abort_request(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(list(request_ids))
 
+    def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        """Give back KV held for a consumer before it is pulled (see
+        `KVConnectorBase_V1.release_kv`); False when nothing was held or no connector runs."""
+        if not isinstance(kv_transfer_params, Mapping):
+            raise ValueError(
+                "kv_transfer_params must be an object (dict), got "
+                f"{type(kv_transfer_params).__name__}"
+            )
+        if self.connector is None:
+            return False
+        return self.connector.release_kv(kv_transfer_params)
+
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         worker_outputs = self.executor.execute_model(scheduler_output)
