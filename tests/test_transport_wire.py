@@ -131,7 +131,7 @@ def test_request_without_head_range_round_trips():
 def test_request_prefix_is_stable_and_names_the_version():
     data = _request().encode()
     magic, version, kind, reply_tag, address_len = struct.unpack_from("<4sHHQI", data)
-    assert (magic, version, kind, reply_tag, address_len) == (b"KVTQ", 1, 1, 42, 217)
+    assert (magic, version, kind, reply_tag, address_len) == (b"KVTQ", 2, 1, 42, 217)
     envelope = peek_request(data)
     assert envelope.reply_address == UCX_ADDRESS
     assert envelope.reply_tag == 42
@@ -141,7 +141,7 @@ def test_newer_version_is_answerable_but_refused():
     data = bytearray(_request().encode())
     struct.pack_into("<H", data, 4, PROTOCOL_VERSION + 1)
     assert peek_request(data).reply_tag == 42
-    with pytest.raises(WireFormatError, match=r"protocol version 2, server speaks 1") as info:
+    with pytest.raises(WireFormatError, match=r"protocol version 3, server speaks 2") as info:
         PullRequestMessage.decode(data)
     assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
 

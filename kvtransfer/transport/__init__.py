@@ -5,9 +5,17 @@ Importing this package does not initialise UCX; creating a `KVTransferAgent` doe
 
 from __future__ import annotations
 
+from kvtransfer.transport.access import (
+    AccessDenied,
+    LeaseAccess,
+    LeaseGrants,
+    new_secret,
+    secret_digest,
+)
 from kvtransfer.transport.agent import KVTransferAgent, TransportConfig
 from kvtransfer.transport.client import PeerHandle, PullHandle, PullResult
 from kvtransfer.transport.errors import (
+    CorruptPayloadError,
     ErrorCode,
     InvalidPeerAddress,
     PeerUnreachable,
@@ -20,10 +28,14 @@ from kvtransfer.transport.errors import (
 from kvtransfer.transport.spec import KVLayout, PullSpec
 
 __all__ = [
+    "AccessDenied",
+    "CorruptPayloadError",
     "ErrorCode",
     "InvalidPeerAddress",
     "KVLayout",
     "KVTransferAgent",
+    "LeaseAccess",
+    "LeaseGrants",
     "PeerHandle",
     "PeerUnreachable",
     "PullHandle",
@@ -35,4 +47,6 @@ __all__ = [
     "TransportClosed",
     "TransportConfig",
     "TransportError",
+    "new_secret",
+    "secret_digest",
 ]

@@ -25,6 +25,7 @@ from types import MappingProxyType, TracebackType
 
 import torch
 
+from kvtransfer.transport.access import LeaseGrants
 from kvtransfer.transport.buffers import BufferPool
 from kvtransfer.transport.client import PeerHandle, PullClient, PullHandle
 from kvtransfer.transport.errors import PeerUnreachable, TransportClosed, TransportError
@@ -63,6 +64,8 @@ class TransportConfig:
     server_threads: int = 1
     # Idle message buffers kept for reuse.
     buffer_pool_bytes: int = 256 << 20
+    # Served payloads carry their xxh3-64, checked by the puller before anything is written.
+    checksum: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "send_timeout_s", "connect_timeout_s"):
@@ -144,8 +147,12 @@ class KVTransferAgent:
 
     # -- serving ------------------------------------------------------------------------------
 
-    def start_server(self) -> None:
-        """Answer pull requests from the registered caches on a background thread; idempotent."""
+    def start_server(self, grants: LeaseGrants | None = None) -> None:
+        """Answer pull requests from the registered caches on a background thread; idempotent.
+
+        With ``grants`` only pulls presenting a granted lease are served (what an engine does);
+        without, any peer may read any block (tests and benchmarks on a trusted host).
+        """
         self._check_open()
         with self._lock:
             if self._server is None:
@@ -155,6 +162,8 @@ class KVTransferAgent:
                     lambda: self._caches,
                     send_timeout_s=self.config.send_timeout_s,
                     threads=self.config.server_threads,
+                    grants=grants,
+                    checksum=self.config.checksum,
                 )
             server = self._server
         server.start()

@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 # Small buffers are cheap to allocate; pooling starts at this size class.
 _MIN_POOLED = 64 << 10
@@ -113,3 +114,10 @@ class BufferPool:
     def cached_bytes(self) -> int:
         with self._lock:
             return self._cached
+
+
+def payload_checksum(payload: torch.Tensor) -> int | None:
+    """xxh3-64 of a host payload; None for device memory (hashing it would cost a copy)."""
+    if payload.is_cuda:
+        return None
+    return xxhash.xxh3_64_intdigest(memoryview(payload.numpy()))

@@ -34,11 +34,13 @@ from kvtransfer.transport.buffers import (
     BufferPool,
     RowView,
     payload_bytes,
+    payload_checksum,
     row_view,
     scatter_from,
     synchronize,
 )
 from kvtransfer.transport.errors import (
+    CorruptPayloadError,
     ErrorCode,
     PeerUnreachable,
     RemoteTransferError,
@@ -400,6 +402,7 @@ class PullClient:
             num_heads=len(plans[0].local_heads),
             block_ids=pack_block_ids(spec.remote_block_ids[first:last]),
             payload_bytes=total,
+            lease=None if spec.lease is None else (spec.lease.lease_id, spec.lease.secret),
         ).encode()
         buffer = self._pool.acquire(total, device)
         exchange = _Exchange(
@@ -474,6 +477,15 @@ class PullClient:
                 f"bytes, expected {total}",
                 code=ErrorCode.LAYOUT_MISMATCH,
             )
+        if header.checksum is not None:
+            # A payload that does not hash to what the server sent is never scattered.
+            got = payload_checksum(exchange.payload)
+            if got is not None and got != header.checksum:
+                self._pool.release(exchange.payload_buffer)
+                raise CorruptPayloadError(
+                    f"pull {spec.request_id!r}: payload from {peer.name} is corrupt "
+                    f"(xxh3 {got:016x}, server sent {header.checksum:016x}); nothing was written"
+                )
         ids = local_ids[exchange.first : exchange.last]
         sizes = _segment_sizes(plans, exchange.last - exchange.first)
         offsets, _ = segment_offsets(sizes)

@@ -23,6 +23,8 @@ class ErrorCode(enum.IntEnum):
     LAYOUT_MISMATCH = 6
     NOT_SERVING = 7
     INTERNAL = 8
+    ACCESS_DENIED = 9
+    CORRUPT_PAYLOAD = 10
 
 
 class TransportError(Exception):
@@ -50,6 +52,10 @@ class PeerUnreachable(TransportError, ConnectionError):
 
 class InvalidPeerAddress(PeerUnreachable, ValueError):
     """The bytes given as a peer address are not a kvtransfer agent address."""
+
+
+class CorruptPayloadError(TransportError):
+    """A payload's checksum did not match what the server computed: it was not used."""
 
 
 class TransferCancelled(TransportError):

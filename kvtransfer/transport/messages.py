@@ -9,7 +9,8 @@ a peer's bytes are never executed.
 A pull exchange is three tagged messages:
 
 * request (client -> server) on `REQUEST_TAG`: what to read and where to answer;
-* response header (server -> client) on ``reply_tag``: status, payload size, error text;
+* response header (server -> client) on ``reply_tag``: status, payload size, the payload's
+  checksum (xxh3-64, zero when the server does not checksum), error text;
 * response payload (server -> client) on ``reply_tag | 1``: the gathered KV bytes, or zero bytes
   on error so the client's posted receive always completes.
 
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 
 from kvtransfer.transport.errors import ErrorCode, InvalidPeerAddress, TransportError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# The address envelope has its own version: it did not change when the messages did.
+ADDRESS_VERSION = 1
 
 # Requests use the top tag bit; reply tags never do (see `reply_tags`).
 REQUEST_TAG = (1 << 63) | 0x4B5654
@@ -53,8 +56,10 @@ _REQUEST_STABLE = struct.Struct("<4sHHQI")
 _REQUEST_V1 = struct.Struct("<QII")
 # Stable across versions: magic, version, status.
 _RESPONSE_STABLE = struct.Struct("<4sHH")
-# Version 1: payload bytes, error message length.
-_RESPONSE_V1 = struct.Struct("<QI")
+# Version 2: payload bytes, payload checksum, flags, error message length.
+_RESPONSE_V2 = struct.Struct("<QQII")
+# Response flag: the checksum field holds the payload's xxh3-64.
+FLAG_CHECKSUM = 1
 
 
 class WireFormatError(TransportError, ValueError):
@@ -75,7 +80,7 @@ def encode_address(ucx_address: bytes) -> bytes:
     """
     return (
         _ADDRESS.pack(
-            _ADDRESS_MAGIC, PROTOCOL_VERSION, 0, len(ucx_address), zlib.crc32(ucx_address)
+            _ADDRESS_MAGIC, ADDRESS_VERSION, 0, len(ucx_address), zlib.crc32(ucx_address)
         )
         + ucx_address
     )
@@ -93,9 +98,9 @@ def decode_address(address: bytes) -> bytes:
     magic, version, _, length, crc = _ADDRESS.unpack_from(data)
     if magic != _ADDRESS_MAGIC:
         raise InvalidPeerAddress(f"peer address has magic {magic!r}, expected {_ADDRESS_MAGIC!r}")
-    if version != PROTOCOL_VERSION:
+    if version != ADDRESS_VERSION:
         raise InvalidPeerAddress(
-            f"peer address has protocol version {version}, this agent speaks {PROTOCOL_VERSION}"
+            f"peer address has protocol version {version}, this agent speaks {ADDRESS_VERSION}"
         )
     ucx_address = data[_ADDRESS.size :]
     if len(ucx_address) != length:
@@ -183,7 +188,8 @@ class RequestEnvelope:
 
 @dataclass(frozen=True)
 class PullRequestMessage:
-    """Read ``block_ids`` of ``layers`` (heads ``remote_heads``, all if None) in one payload."""
+    """Read ``block_ids`` of ``layers`` (heads ``remote_heads``, all if None) in one payload,
+    presenting ``lease`` (lease id, secret) to a server that serves leased KV only."""
 
     request_id: str
     reply_tag: int
@@ -193,21 +199,22 @@ class PullRequestMessage:
     num_heads: int
     block_ids: bytes
     payload_bytes: int
+    lease: tuple[str, str] | None = None
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids) // 8
 
     def encode(self) -> bytes:
-        body = json.dumps(
-            {
-                "request_id": self.request_id,
-                "layers": [[x.name, x.dtype, x.block_size, x.head_dim] for x in self.layers],
-                "heads": None if self.remote_heads is None else list(self.remote_heads),
-                "num_heads": self.num_heads,
-            },
-            separators=(",", ":"),
-        ).encode()
+        fields: dict[str, object] = {
+            "request_id": self.request_id,
+            "layers": [[x.name, x.dtype, x.block_size, x.head_dim] for x in self.layers],
+            "heads": None if self.remote_heads is None else list(self.remote_heads),
+            "num_heads": self.num_heads,
+        }
+        if self.lease is not None:
+            fields["lease"] = list(self.lease)
+        body = json.dumps(fields, separators=(",", ":")).encode()
         return b"".join(
             (
                 _REQUEST_STABLE.pack(
@@ -259,6 +266,7 @@ class PullRequestMessage:
             num_heads=_field(body, "num_heads", int),
             block_ids=bytes(view[offset:]),
             payload_bytes=payload_bytes,
+            lease=_decode_lease(body),
         )
 
 
@@ -324,6 +332,19 @@ def _decode_heads(body: dict) -> tuple[int, int] | None:
     return heads[0], heads[1]
 
 
+def _decode_lease(body: dict) -> tuple[str, str] | None:
+    lease = body.get("lease")
+    if lease is None:
+        return None
+    if (
+        not isinstance(lease, list)
+        or len(lease) != 2
+        or not all(isinstance(v, str) and v for v in lease)
+    ):
+        raise WireFormatError("bad lease: want [lease id, secret], both non-empty strings")
+    return lease[0], lease[1]
+
+
 # -- response -----------------------------------------------------------------------------
 
 
@@ -334,22 +355,28 @@ class PullResponseHeader:
     status: ErrorCode
     payload_bytes: int = 0
     message: str = ""
+    checksum: int | None = None
 
     def encode(self) -> bytes:
-        room = RESPONSE_HEADER_BYTES - _RESPONSE_STABLE.size - _RESPONSE_V1.size
+        room = RESPONSE_HEADER_BYTES - _RESPONSE_STABLE.size - _RESPONSE_V2.size
         text = self.message.encode()
         if len(text) > room:
             text = text[: room - 3].decode(errors="ignore").encode() + b"..."
         return (
             _RESPONSE_STABLE.pack(_RESPONSE_MAGIC, PROTOCOL_VERSION, int(self.status))
-            + _RESPONSE_V1.pack(self.payload_bytes, len(text))
+            + _RESPONSE_V2.pack(
+                self.payload_bytes,
+                self.checksum or 0,
+                0 if self.checksum is None else FLAG_CHECKSUM,
+                len(text),
+            )
             + text
         )
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> PullResponseHeader:
         view = memoryview(data)
-        if len(view) < _RESPONSE_STABLE.size + _RESPONSE_V1.size:
+        if len(view) < _RESPONSE_STABLE.size + _RESPONSE_V2.size:
             raise WireFormatError(f"response header truncated: {len(view)} bytes")
         magic, version, status = _RESPONSE_STABLE.unpack_from(view)
         if magic != _RESPONSE_MAGIC:
@@ -361,8 +388,10 @@ class PullResponseHeader:
                 f"response uses protocol version {version}, client speaks {PROTOCOL_VERSION}",
                 code=ErrorCode.UNSUPPORTED_VERSION,
             )
-        payload_bytes, text_len = _RESPONSE_V1.unpack_from(view, _RESPONSE_STABLE.size)
-        start = _RESPONSE_STABLE.size + _RESPONSE_V1.size
+        payload_bytes, checksum, flags, text_len = _RESPONSE_V2.unpack_from(
+            view, _RESPONSE_STABLE.size
+        )
+        start = _RESPONSE_STABLE.size + _RESPONSE_V2.size
         if len(view) < start + text_len:
             raise WireFormatError("response header message truncated")
         try:
@@ -370,4 +399,9 @@ class PullResponseHeader:
         except ValueError:
             code = ErrorCode.INTERNAL
         text = bytes(view[start : start + text_len]).decode(errors="replace")
-        return cls(status=code, payload_bytes=payload_bytes, message=text)
+        return cls(
+            status=code,
+            payload_bytes=payload_bytes,
+            message=text,
+            checksum=checksum if flags & FLAG_CHECKSUM else None,
+        )

@@ -9,6 +9,12 @@ payload, so the client's posted payload receive completes too); the server keeps
 
 A send that does not complete within ``send_timeout_s`` means the client died or stopped
 reading: its endpoint is reset. Such a send cannot be cancelled, so its buffer is never reused.
+
+With `LeaseGrants` the server serves leased KV only (see `access`): each request must present
+its lease and secret, and is gathered while the lease is held open, so a lease revoked by the
+engine is never read afterwards. A request whose grant has not arrived yet is parked (not
+blocking the handler threads) until the grant comes or ``grant_wait_s`` passes. With
+``checksum`` every payload carries its xxh3-64 in the response header (host memory only).
 """
 
 from __future__ import annotations
@@ -16,17 +22,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from kvtransfer.transport.access import AccessDenied, LeaseAccess, LeaseGrants
 from kvtransfer.transport.buffers import (
     BufferPool,
     RowView,
     gather_into,
     payload_bytes,
+    payload_checksum,
     row_view,
     synchronize,
 )
@@ -49,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 # Layer names quoted in an error message before it is cut.
 _NAMES_IN_ERRORS = 8
+# Requests waiting for their grant at once; beyond this they are refused (no unbounded memory).
+MAX_PARKED = 1024
 
 
 class _Rejected(Exception):
@@ -74,6 +85,8 @@ class KVServer:
         *,
         send_timeout_s: float,
         threads: int = 1,
+        grants: LeaseGrants | None = None,
+        checksum: bool = True,
     ) -> None:
         self._loop = loop
         self._pool = pool
@@ -84,10 +97,20 @@ class KVServer:
             threading.Thread(target=self._serve, name=f"kvtransfer-serve-{i}", daemon=True)
             for i in range(threads)
         ]
+        self._grants = grants
+        self._checksum = checksum
+        self._parked: list[tuple[float, Any]] = []
+        self._parked_lock = threading.Lock()
+        if grants is not None:
+            self._threads.append(
+                threading.Thread(target=self._unpark, name="kvtransfer-serve-park", daemon=True)
+            )
         self._started = False
         self._stats_lock = threading.Lock()
         self.requests_served = 0
         self.requests_rejected = 0
+        # Payload bytes of the requests served: what this server put on the wire.
+        self.bytes_served = 0
 
     def start(self) -> None:
         if self._started:
@@ -111,6 +134,8 @@ class KVServer:
             self._queue.put(None)
         for thread in self._threads:
             thread.join(timeout_s)
+        with self._parked_lock:
+            self._parked.clear()
 
     # -- loop thread --------------------------------------------------------------------------
 
@@ -124,15 +149,47 @@ class KVServer:
 
     def _serve(self) -> None:
         while True:
-            data = self._queue.get()
-            if data is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            data, may_park = item if isinstance(item, tuple) else (item, True)
             try:
-                self._handle(data)
+                self._handle(data, may_park)
             except Exception:
                 logger.exception("pull request handling failed")
 
-    def _handle(self, data: Any) -> None:
+    def _unpark(self) -> None:
+        """Requeue parked requests once their grant (or revocation) came, or their wait ran out."""
+        grants = self._grants
+        if grants is None:
+            return
+        while self._started:
+            with self._parked_lock:
+                parked = self._parked
+                soonest = min((at for at, _ in parked), default=time.monotonic() + 1.0)
+            grants.wait_for_change(min(1.0, soonest - time.monotonic()))
+            now = time.monotonic()
+            with self._parked_lock:
+                ready, waiting = [], []
+                for entry in self._parked:
+                    at, (lease_id, _) = entry
+                    (ready if at <= now or grants.known(lease_id) else waiting).append(entry)
+                self._parked = waiting
+            for _, (_, data) in ready:
+                self._queue.put((data, False))
+
+    def _park(self, lease_id: str, data: Any) -> bool:
+        if self._grants is None:
+            return False
+        with self._parked_lock:
+            if len(self._parked) >= MAX_PARKED:
+                return False
+            deadline = time.monotonic() + self._grants.grant_wait_s
+            # The parking thread wakes at least every second: deadlines are met within that.
+            self._parked.append((deadline, (lease_id, data)))
+        return True
+
+    def _handle(self, data: Any, may_park: bool = True) -> None:
         try:
             envelope = peek_request(data)
         except WireFormatError as exc:
@@ -143,8 +200,20 @@ class KVServer:
         buffer: torch.Tensor | None = None
         try:
             request = PullRequestMessage.decode(data)
-            buffer, payload = self._gather(request)
-            header = PullResponseHeader(ErrorCode.OK, payload.numel())
+            access = None if request.lease is None else LeaseAccess(*request.lease)
+            if (
+                may_park
+                and access is not None
+                and self._grants is not None
+                and not self._grants.known(access.lease_id)
+                and self._park(access.lease_id, data)
+            ):
+                return
+            buffer, payload = self._gather_leased(request, access)
+            checksum = payload_checksum(payload) if self._checksum else None
+            header = PullResponseHeader(ErrorCode.OK, payload.numel(), checksum=checksum)
+        except AccessDenied as exc:
+            header = PullResponseHeader(exc.code, 0, str(exc))
         except (WireFormatError, _Rejected) as exc:
             header = PullResponseHeader(exc.code, 0, str(exc))
         except Exception as exc:
@@ -153,9 +222,19 @@ class KVServer:
         with self._stats_lock:
             if header.status == ErrorCode.OK:
                 self.requests_served += 1
+                self.bytes_served += header.payload_bytes
             else:
                 self.requests_rejected += 1
         self._reply(envelope.reply_address, envelope.reply_tag, header, buffer, payload)
+
+    def _gather_leased(
+        self, request: PullRequestMessage, access: LeaseAccess | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._grants is None:
+            return self._gather(request)
+        ids = unpack_block_ids(request.block_ids)
+        with self._grants.reading(access, ids):
+            return self._gather(request)
 
     def _gather(self, request: PullRequestMessage) -> tuple[torch.Tensor, torch.Tensor]:
         caches = self._caches()

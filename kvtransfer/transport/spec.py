@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.topology import HeadSource
+from kvtransfer.transport.access import LeaseAccess
 
 KV_CACHE_NDIM = 5
 
@@ -129,7 +130,8 @@ class PullSpec:
     """One pull from one peer. Block id lists pair up index by index; heads default to all.
 
     ``remote_heads`` indexes the remote tensor's head axis (the remote rank's local heads),
-    ``local_heads`` the local tensor's; both must hold the same number of heads.
+    ``local_heads`` the local tensor's; both must hold the same number of heads. ``lease`` is
+    what a server that serves leased KV only requires (see `access`).
     """
 
     request_id: str
@@ -138,8 +140,11 @@ class PullSpec:
     local_block_ids: tuple[int, ...]
     remote_heads: range | None = None
     local_heads: range | None = None
+    lease: LeaseAccess | None = None
 
     def __post_init__(self) -> None:
+        if self.lease is not None and not isinstance(self.lease, LeaseAccess):
+            raise ValueError(f"lease must be a LeaseAccess, got {type(self.lease).__name__}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
         names = self.layer_names
@@ -193,6 +198,7 @@ class PullSpec:
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         source: HeadSource,
+        lease: LeaseAccess | None = None,
     ) -> PullSpec:
         """The pull that reads one `TransferTopology.head_sources` entry."""
         return cls(
@@ -202,6 +208,7 @@ class PullSpec:
             local_block_ids=tuple(local_block_ids),
             remote_heads=range(source.remote_offset, source.remote_offset + source.num_heads),
             local_heads=range(source.local_offset, source.local_offset + source.num_heads),
+            lease=lease,
         )
 
 

@@ -1,0 +1,156 @@
+"""Who may read which blocks: leases as capabilities on the serving side of the data plane.
+
+A producer that keeps a finished request's blocks for a consumer hands out one unguessable
+secret with them (`new_secret`). Its transfer agents learn a *grant* for that lease (the
+secret's digest and the exact block ids); a pull names the lease and presents the secret, and
+is served only if the secret matches and every block it asks for belongs to that lease. When
+the lease ends (released or expired) the grant is *revoked*: pulls are refused from then on, and
+revoking waits for gathers of that lease already running, so once `revoke` returns none of its
+blocks is read again and the engine may reuse them.
+
+Grants travel from the producer's scheduler to its workers once per engine step, so a pull can
+arrive a moment before its grant: the server parks such a pull until the grant comes (up to
+``grant_wait_s``, see `KVServer`) instead of refusing a legitimate consumer. Revoked leases are
+remembered (bounded) so that a pull of a released lease is refused at once rather than after that
+wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from kvtransfer.transport.errors import ErrorCode, TransportError
+
+# Revoked lease ids remembered for an immediate refusal; older ones wait out grant_wait_s.
+_REVOKED_MEMORY = 65536
+# How long `revoke` waits for a gather of the lease that is still running.
+_REVOKE_WAIT_S = 30.0
+SECRET_BYTES = 32
+
+
+def new_secret() -> str:
+    """A fresh lease secret: 256 random bits, URL-safe text."""
+    return secrets.token_urlsafe(SECRET_BYTES)
+
+
+def secret_digest(secret: str) -> bytes:
+    """What a server stores instead of the secret itself."""
+    return hashlib.sha256(secret.encode()).digest()
+
+
+class AccessDenied(TransportError, PermissionError):
+    """A pull was refused: unknown or ended lease, wrong secret, or blocks outside the lease."""
+
+    code = ErrorCode.ACCESS_DENIED
+
+
+@dataclass(frozen=True)
+class LeaseAccess:
+    """What a pull presents: the lease (the producer's request id) and its secret."""
+
+    lease_id: str
+    secret: str
+
+    def __post_init__(self) -> None:
+        for name in ("lease_id", "secret"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"LeaseAccess.{name} must be a non-empty str, got {value!r}")
+
+    def __repr__(self) -> str:
+        # Never print the secret (logs, tracebacks).
+        return f"LeaseAccess({self.lease_id!r}, secret=<redacted>)"
+
+
+@dataclass
+class _Grant:
+    digest: bytes
+    block_ids: frozenset[int]
+    readers: int = 0
+
+
+class LeaseGrants:
+    """The grants one serving agent honours. Thread-safe."""
+
+    def __init__(self, grant_wait_s: float = 5.0) -> None:
+        if grant_wait_s < 0:
+            raise ValueError(f"grant_wait_s must be >= 0, got {grant_wait_s}")
+        self.grant_wait_s = grant_wait_s
+        self._cond = threading.Condition()
+        self._grants: dict[str, _Grant] = {}
+        self._revoked: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._grants)
+
+    def grant(self, lease_id: str, digest: bytes, block_ids: Iterable[int]) -> None:
+        """Allow reads of ``block_ids`` to whoever presents the secret hashing to ``digest``."""
+        with self._cond:
+            self._revoked.pop(lease_id, None)
+            self._grants[lease_id] = _Grant(digest, frozenset(block_ids))
+            self._cond.notify_all()
+
+    def revoke(self, lease_ids: Iterable[str]) -> None:
+        """End these leases; returns once no gather of them is running."""
+        deadline = time.monotonic() + _REVOKE_WAIT_S
+        with self._cond:
+            ended = []
+            for lease_id in lease_ids:
+                self._revoked[lease_id] = None
+                self._revoked.move_to_end(lease_id)
+                grant = self._grants.pop(lease_id, None)
+                if grant is not None:
+                    ended.append(grant)
+            while len(self._revoked) > _REVOKED_MEMORY:
+                self._revoked.popitem(last=False)
+            self._cond.notify_all()
+            self._cond.wait_for(
+                lambda: all(g.readers == 0 for g in ended), max(0.0, deadline - time.monotonic())
+            )
+
+    def known(self, lease_id: str) -> bool:
+        """Whether the lease was granted or has ended (False: its grant may still come)."""
+        with self._cond:
+            return lease_id in self._grants or lease_id in self._revoked
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Sleep until a grant or revocation happens, or ``timeout_s`` passes."""
+        with self._cond:
+            self._cond.wait(max(0.0, timeout_s))
+
+    @contextlib.contextmanager
+    def reading(self, access: LeaseAccess | None, block_ids: Iterable[int]) -> Iterator[None]:
+        """Hold the lease open for one gather, or raise `AccessDenied` naming why not."""
+        if access is None:
+            raise AccessDenied("the pull presents no lease: this server serves leased KV only")
+        wanted = set(block_ids)
+        with self._cond:
+            grant = self._grants.get(access.lease_id)
+            if grant is None:
+                state = "has ended" if access.lease_id in self._revoked else "is unknown"
+                raise AccessDenied(f"lease {access.lease_id!r} {state}: its KV cannot be read")
+            if not hmac.compare_digest(grant.digest, secret_digest(access.secret)):
+                raise AccessDenied(f"wrong secret for lease {access.lease_id!r}")
+            outside = sorted(wanted - grant.block_ids)
+            if outside:
+                shown = ", ".join(map(str, outside[:8])) + (" ..." if len(outside) > 8 else "")
+                raise AccessDenied(
+                    f"block(s) {shown} do not belong to lease {access.lease_id!r} "
+                    f"({len(grant.block_ids)} blocks)"
+                )
+            grant.readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                grant.readers -= 1
+                self._cond.notify_all()

@@ -1,0 +1,189 @@
+"""The data plane as a security boundary: leases, secrets, block ownership, checksums.
+
+A serving agent with `LeaseGrants` and a pulling agent run in this process over real UCX (the
+grants are driven from the test); a rogue server built on the raw `UcxLoop` sends a payload
+that does not match its checksum.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from transport_helpers.kv import LayerGroup, empty_caches, make_caches
+
+from kvtransfer.transport import (
+    CorruptPayloadError,
+    ErrorCode,
+    KVTransferAgent,
+    LeaseAccess,
+    LeaseGrants,
+    PullSpec,
+    RemoteTransferError,
+    TransportConfig,
+    new_secret,
+    secret_digest,
+)
+from kvtransfer.transport.messages import (
+    REQUEST_TAG,
+    PullRequestMessage,
+    PullResponseHeader,
+    encode_address,
+    payload_tag,
+)
+from kvtransfer.transport.ucx import UcxLoop
+
+GROUP = LayerGroup("model.layers", 0, 2)
+SEED = 5
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def served():
+    grants = LeaseGrants(grant_wait_s=1.0)
+    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as server:
+        server.register_kv_caches(make_caches(SEED, [GROUP]))
+        server.start_server(grants)
+        yield server, grants
+
+
+@pytest.fixture(scope="module")
+def client():
+    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as agent:
+        agent.register_kv_caches(empty_caches([GROUP]))
+        yield agent
+
+
+def _pull(client, server, remote_ids, lease, local_ids=None):
+    local = list(range(len(remote_ids))) if local_ids is None else local_ids
+    peer = client.connect(server.address)
+    spec = PullSpec("decode-1", GROUP.names(), remote_ids, local, lease=lease)
+    return client.pull(peer, spec).result(WAIT_S)
+
+
+def _grant(grants, lease_id, block_ids):
+    secret = new_secret()
+    grants.grant(lease_id, secret_digest(secret), block_ids)
+    return LeaseAccess(lease_id, secret)
+
+
+def _refused(client, server, remote_ids, lease, match):
+    with pytest.raises(RemoteTransferError, match=match) as info:
+        _pull(client, server, remote_ids, lease)
+    assert info.value.code == ErrorCode.ACCESS_DENIED
+
+
+def test_the_lease_holder_reads_exactly_its_blocks(served, client):
+    server, grants = served
+    access = _grant(grants, "req-own", [3, 4, 5])
+    _pull(client, server, [3, 5], access)
+    remote = server.kv_caches
+    for name in GROUP.names():
+        assert torch.equal(client.kv_caches[name][0], remote[name][3])
+        assert torch.equal(client.kv_caches[name][1], remote[name][5])
+
+
+def test_a_wrong_secret_is_refused(served, client):
+    server, grants = served
+    _grant(grants, "req-secret", [1])
+    _refused(client, server, [1], LeaseAccess("req-secret", new_secret()), "wrong secret")
+
+
+def test_blocks_outside_the_lease_are_refused(served, client):
+    server, grants = served
+    access = _grant(grants, "req-blocks", [7, 8])
+    _refused(client, server, [7, 9], access, r"block\(s\) 9 do not belong to lease 'req-blocks'")
+
+
+def test_another_requests_lease_cannot_be_used_with_this_secret(served, client):
+    server, grants = served
+    mine = _grant(grants, "req-mine", [10])
+    _grant(grants, "req-theirs", [11])
+    _refused(client, server, [11], LeaseAccess("req-theirs", mine.secret), "wrong secret")
+    _refused(client, server, [11], mine, r"block\(s\) 11 do not belong")
+
+
+def test_a_pull_without_a_lease_is_refused(served, client):
+    server, _ = served
+    _refused(client, server, [0], None, "presents no lease")
+
+
+def test_an_ended_lease_is_refused_at_once(served, client):
+    server, grants = served
+    access = _grant(grants, "req-ended", [12])
+    _pull(client, server, [12], access)
+    grants.revoke(["req-ended"])
+    started = time.monotonic()
+    _refused(client, server, [12], access, "lease 'req-ended' has ended")
+    # Remembered as ended: refused without waiting out grant_wait_s.
+    assert time.monotonic() - started < grants.grant_wait_s
+
+
+def test_an_unknown_lease_is_refused_after_the_grant_wait(served, client):
+    server, _ = served
+    _refused(client, server, [0], LeaseAccess("req-never", new_secret()), "is unknown")
+
+
+def test_a_pull_that_arrives_before_its_grant_is_served_once_it_comes(served, client):
+    server, grants = served
+    secret = new_secret()
+    timer = threading.Timer(0.3, lambda: grants.grant("req-late", secret_digest(secret), [13, 14]))
+    timer.start()
+    try:
+        _pull(client, server, [13, 14], LeaseAccess("req-late", secret))
+    finally:
+        timer.cancel()
+    assert torch.equal(
+        client.kv_caches[GROUP.names()[0]][1], server.kv_caches[GROUP.names()[0]][14]
+    )
+
+
+def test_revoke_waits_for_a_running_gather():
+    grants = LeaseGrants()
+    access = LeaseAccess("r", "s")
+    grants.grant("r", secret_digest("s"), [1])
+    order = []
+    with grants.reading(access, [1]):
+        revoker = threading.Thread(target=lambda: (grants.revoke(["r"]), order.append("revoked")))
+        revoker.start()
+        time.sleep(0.2)
+        order.append("gather done")
+    revoker.join(5)
+    assert order == ["gather done", "revoked"]
+
+
+def test_the_secret_is_never_printed():
+    assert "s3cret" not in repr(LeaseAccess("r", "s3cret"))
+
+
+@pytest.fixture
+def rogue_server():
+    """Answers every pull with the right size and a checksum of other bytes."""
+    loop = UcxLoop(name="rogue")
+    payloads = []
+
+    def answer(data, error):
+        if error is not None:
+            return
+        request = PullRequestMessage.decode(data)
+        body = torch.full((request.payload_bytes,), 7, dtype=torch.uint8)
+        payloads.append(body)
+        header = PullResponseHeader(ErrorCode.OK, request.payload_bytes, checksum=12345)
+        loop.send(request.reply_address, header.encode(), request.reply_tag)
+        loop.send(request.reply_address, body, payload_tag(request.reply_tag))
+
+    loop.call(lambda: loop.listen(REQUEST_TAG, answer)).result(WAIT_S)
+    yield loop
+    loop.close()
+
+
+def test_a_corrupt_payload_is_a_typed_failure_and_never_written(client, rogue_server):
+    before = {name: t.clone() for name, t in client.kv_caches.items()}
+    peer = client.connect(encode_address(rogue_server.address))
+    spec = PullSpec("corrupt", GROUP.names(), [0, 1], [20, 21])
+    with pytest.raises(CorruptPayloadError, match=r"payload from peer-\w+ is corrupt"):
+        client.pull(peer, spec).result(WAIT_S)
+    for name, tensor in client.kv_caches.items():
+        assert torch.equal(tensor, before[name])
