@@ -96,6 +96,18 @@ class GenerationClient:
                 result.metrics = message.metrics
         return result
 
+    def release_kv(
+        self, request_id: str, kv_transfer_params: dict[str, Any] | str, timeout_s: float = 10.0
+    ) -> bool:
+        """``Generation.ReleaseKV``: give back the KV a prefill holds for ``request_id``;
+        params as the prefill returned them (a dict, or its JSON text sent verbatim)."""
+        if not isinstance(kv_transfer_params, str):
+            kv_transfer_params = json.dumps(kv_transfer_params)
+        request = generation_pb2.ReleaseKVRequest(
+            request_id=request_id, kv_transfer_params_json=kv_transfer_params
+        )
+        return self._stub.ReleaseKV(request, timeout=timeout_s).released
+
     def close(self) -> None:
         self._channel.close()
 

@@ -1,8 +1,11 @@
 """`GenerationService`: the gRPC ``Generation`` service of a daemon.
 
-Each call is one request: validated here (a bad field is INVALID_ARGUMENT before the engine
-sees anything), queued on the engine thread, then streamed back as the engine produces tokens.
-A cancelled call (the client went away) aborts the request, which frees its blocks.
+Each ``Generate`` call is one request: validated here (a bad field is INVALID_ARGUMENT before
+the engine sees anything), queued on the engine thread, then streamed back as the engine
+produces tokens. A cancelled call (the client went away) aborts the request, which frees its
+blocks. ``ReleaseKV`` hands the connector's ``release_kv`` the params a finished prefill
+returned, on the engine thread, so KV nobody will pull is freed now rather than at its lease's
+end.
 """
 
 from __future__ import annotations
@@ -25,11 +28,19 @@ from kvtransfer.engine.request import (
 from kvtransfer.serve.engine_thread import EngineThread, EngineUnavailable
 from kvtransfer.serve.ledger import ServingLedger
 from kvtransfer.serve.metrics import DaemonMetrics
-from kvtransfer.serve.requests import ParsedRequest, RequestError, parse_generate_request
+from kvtransfer.serve.requests import (
+    ParsedRequest,
+    RequestError,
+    parse_generate_request,
+    parse_transfer_params,
+)
 from kvtransfer.serve.text_stream import TextStream
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger("kvtransfer.serve.requests")
+
+# A release is one connector call between two steps; a busy engine answers well within this.
+_RELEASE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,36 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 ctx.ledger.count("requests_aborted")
                 ctx.metrics.request_finished("abort")
                 logger.info("call cancelled: aborted", extra={"request_id": parsed.request_id})
+
+    async def ReleaseKV(
+        self, request: generation_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ReleaseKVResponse:
+        ctx = self._ctx
+        refuse = _Refusal(ctx.metrics, context, request.request_id or "-")
+        if not request.request_id:
+            await refuse(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        try:
+            params = parse_transfer_params(request.kv_transfer_params_json, required=True)
+        except RequestError as exc:
+            await refuse(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            released = await asyncio.to_thread(
+                ctx.engine.call, lambda core: core.release_kv(params), _RELEASE_TIMEOUT_S
+            )
+        except PermissionError as exc:
+            await refuse(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except ValueError as exc:
+            await refuse(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (EngineUnavailable, TimeoutError) as exc:
+            await refuse(grpc.StatusCode.UNAVAILABLE, str(exc))
+        extra = {"request_id": request.request_id}
+        ctx.metrics.kv_release("released" if released else "not_held")
+        if released:
+            ctx.ledger.count("kv_releases")
+            logger.info("KV released on request: its blocks free at the next step", extra=extra)
+        else:
+            logger.info("release asked: no KV held (pulled, expired or never)", extra=extra)
+        return generation_pb2.ReleaseKVResponse(released=bool(released))
 
     async def _stream(
         self, parsed: ParsedRequest, outputs: asyncio.Queue[EngineCoreOutput], admitted: float
@@ -204,3 +245,26 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._ctx.metrics.failure("rejected")
         logger.info("rejected: %s", message, extra={"request_id": request.request_id or "-"})
         await context.abort(code, message)
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """Ends a ReleaseKV call with ``code``: counted by outcome, logged, then aborted."""
+
+    metrics: DaemonMetrics
+    context: grpc.aio.ServicerContext
+    request_id: str
+
+    async def __call__(self, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.kv_release(_RELEASE_OUTCOMES.get(code, "error"))
+        logger.info(
+            "release refused (%s): %s", code.name, message, extra={"request_id": self.request_id}
+        )
+        await self.context.abort(code, message)
+
+
+_RELEASE_OUTCOMES = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.PERMISSION_DENIED: "denied",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+}

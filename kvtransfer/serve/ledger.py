@@ -28,6 +28,7 @@ COUNTERS = (
     "kv_tokens_received",
     "kv_tokens_recomputed",
     "kv_leases_expired",
+    "kv_releases",
     "handshakes",
 )
 

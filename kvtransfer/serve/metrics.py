@@ -34,6 +34,11 @@ class DaemonMetrics:
             "kvtransfer_requests", "Requests by how they finished", ("finish_reason",)
         )
         self._failures = counter("kvtransfer_failures", "Failures by reason", ("reason",))
+        self._releases = counter(
+            "kvtransfer_kv_releases",
+            "ReleaseKV calls by outcome (released, not_held, invalid, denied, unavailable)",
+            ("outcome",),
+        )
         self.ttft = histogram(
             "kvtransfer_time_to_first_token_seconds", "Admission to first token", _LATENCY_BUCKETS
         )
@@ -66,6 +71,9 @@ class DaemonMetrics:
 
     def failure(self, reason: str) -> None:
         self._failures.labels(**self._labels, reason=reason).inc()
+
+    def kv_release(self, outcome: str) -> None:
+        self._releases.labels(**self._labels, outcome=outcome).inc()
 
     def set_blocks(self, used: int, free: int) -> None:
         self._blocks_used.set(used)

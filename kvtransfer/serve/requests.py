@@ -40,7 +40,7 @@ def parse_generate_request(
         prompt_token_ids=prompt,
         sampling_params=_sampling_params(sampling),
         stop=_stop_strings(sampling),
-        kv_transfer_params=_transfer_params(request.kv_transfer_params_json),
+        kv_transfer_params=parse_transfer_params(request.kv_transfer_params_json),
     )
 
 
@@ -99,12 +99,17 @@ def _stop_strings(sampling: generation_pb2.SamplingOptions) -> tuple[str, ...]:
     return stop
 
 
-def _transfer_params(text: str) -> dict[str, Any] | None:
+def parse_transfer_params(text: str, *, required: bool = False) -> dict[str, Any] | None:
+    """``kv_transfer_params_json`` as a dict; ``None`` when empty and not ``required``."""
     if not text:
+        if required:
+            raise RequestError("kv_transfer_params_json must not be empty")
         return None
     try:
         params = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except RecursionError:
+        raise RequestError("kv_transfer_params_json is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
         raise RequestError(f"kv_transfer_params_json is not valid JSON: {exc}") from None
     if not isinstance(params, dict):
         raise RequestError(

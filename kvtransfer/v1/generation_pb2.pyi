@@ -6,6 +6,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReleaseKVRequest(_message.Message):
+    __slots__ = ("request_id", "kv_transfer_params_json")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kv_transfer_params_json: str
+    def __init__(self, request_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ...) -> None: ...
+
+class ReleaseKVResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
 class SamplingOptions(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class GenerationStub:
                 request_serializer=kvtransfer_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvtransfer_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ReleaseKV = channel.unary_unary(
+                '/kvtransfer.v1.Generation/ReleaseKV',
+                request_serializer=kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -56,6 +61,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseKV(self, request, context):
+        """Gives back, now, the KV a prefill daemon holds for a finished request, instead of at the end
+        of its lease: the router calls it when the decode call failed or its client went away after
+        the prefill returned. kv_transfer_params_json is exactly the JSON that request's prefill
+        returned (a connector that hands out per-request secrets checks them). Idempotent: KV already
+        pulled, released, expired or never held answers released=false. Accepted while draining.
+        INVALID_ARGUMENT: an empty request_id, malformed JSON or a non-object, or params that cannot
+        describe KV of this engine (the message names the key). PERMISSION_DENIED: the params name
+        KV this daemon holds but their secret does not match. UNAVAILABLE: the engine is not
+        running or did not answer in time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +83,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvtransfer_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=kvtransfer_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'ReleaseKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKV,
+                    request_deserializer=kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -92,6 +117,33 @@ class Generation:
             '/kvtransfer.v1.Generation/Generate',
             kvtransfer_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             kvtransfer_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtransfer.v1.Generation/ReleaseKV',
+            kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVRequest.SerializeToString,
+            kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
