@@ -31,6 +31,7 @@ from ucx_helpers.engines import (
     worker_half,
 )
 
+from connectors.ucx.metadata import prompt_digest
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM
@@ -89,8 +90,13 @@ def test_producer_keeps_blocks_until_the_consumer_is_done(producer, expected):
             "tp_size": 1,
             "pp_size": 1,
             "remote_num_tokens": len(prompt),
+            "remote_kv_secret": params["remote_kv_secret"],
+            "remote_prompt_digest": prompt_digest(prompt),
         }
+        assert re.fullmatch(r"[A-Za-z0-9_-]{43}", params["remote_kv_secret"])
         assert len(params["remote_block_ids"]) == blocks_of(prompt)
+    secrets = {o.kv_transfer_params["remote_kv_secret"] for o in outputs}
+    assert len(secrets) == len(PROMPTS)
     num_blocks = sum(blocks_of(p) for p in PROMPTS)
     assert core.scheduler.block_manager.num_used_blocks == num_blocks
     assert len(half.leases) == len(PROMPTS)
@@ -148,6 +154,8 @@ def test_pulled_blocks_equal_the_producers_bytes_drafter_included():
         params = None
         while params is None:
             params = next((o.kv_transfer_params for o in producer.step() if o.finished), None)
+        # The step after the request finished grants its lease to the producer's workers.
+        producer.step()
         decoder.add_request("d", prompt, DECODE, params)
         request = decoder.scheduler.get_request("d")
         deadline = time.monotonic() + WAIT_S
@@ -204,19 +212,22 @@ def test_malformed_params_are_rejected_before_anything_is_held(producer, expecte
     assert good.token_ids == expected[3]
 
 
-def test_params_that_do_not_fit_this_engine_fail_that_request_only(producer, expected):
-    (output,) = prefill(producer, [PROMPTS[3]])
-    bad = {**output.kv_transfer_params, "remote_block_ids": [0], "remote_request_id": "never"}
+def test_a_prompt_other_than_the_one_prefilled_fails_that_request_only(producer, expected):
+    outputs = prefill(producer, [PROMPTS[3], PROMPTS[3]])
+    core = producer.engine
+    other = list(PROMPTS[3])
+    other[5] = (other[5] + 1) % 200
     with consumer() as llm:
-        params = [bad, output.kv_transfer_params]
-        bad_result, good = pd_run(producer, llm, [PROMPTS[3], PROMPTS[3]], params)
+        params = [o.kv_transfer_params for o in outputs]
+        bad_result, good = pd_run(producer, llm, [other, PROMPTS[3]], params)
     assert bad_result.finish_reason == "error"
     assert bad_result.error.startswith(
         "KV connector UcxConnector.get_num_new_matched_tokens raised for request gen-0: "
-        "ValueError: kv_transfer_params.remote_block_ids holds 1 blocks, remote_num_tokens 70 "
-        "needs 9"
+        "ValueError: the prompt differs from the 70 prompt tokens engine 'prefill' computed "
+        "(kv_transfer_params.remote_prompt_digest mismatch)"
     )
     assert good.token_ids == expected[3]
+    assert core.scheduler.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
@@ -239,7 +250,7 @@ def test_incompatible_block_size_follows_the_policy(producer, expected, policy, 
     ("change", "logged"),
     [
         ({"remote_engine_id": "ghost"}, "EngineIdMismatchError: expected engine 'ghost' at "),
-        ({"remote_port": None}, "PeerUnavailableError: GetHandshake to 127.0.0.1:"),
+        ({"remote_port": None}, "ProducerUnreachable: engine 'prefill-lease' at 127.0.0.1:"),
     ],
     ids=["unknown-engine-id", "unreachable"],
 )
@@ -455,3 +466,38 @@ def test_stepping_producer_frees_blocks_while_the_consumer_runs(producer, expect
     assert len(scheduler_half(core).leases) == 0
     finish(core)
     assert [r.token_ids for r in results] == expected[:2]
+
+
+@pytest.mark.parametrize(
+    ("blocks", "error", "logged"),
+    [
+        (
+            [0],
+            "KV connector UcxConnector.get_num_new_matched_tokens raised for request gen-0: "
+            "ValueError: kv_transfer_params.remote_block_ids holds 1 blocks, remote_num_tokens "
+            "70 needs 9 of 8 tokens",
+            "",
+        ),
+        (
+            list(range(100000)),
+            "KV load failed for request gen-0 (kv_load_failure_policy=fail)",
+            "RemoteLayoutError: kv_transfer_params.remote_block_ids holds 100000 blocks, "
+            "remote_num_tokens 70 needs exactly 9 of engine 'prefill''s 8-token blocks",
+        ),
+    ],
+    ids=["too-few", "too-many"],
+)
+def test_block_lists_that_do_not_fit_fail_that_request_only(
+    producer, expected, blocks, error, logged, caplog
+):
+    (output,) = prefill(producer, [PROMPTS[3]])
+    bad = {**output.kv_transfer_params, "remote_block_ids": blocks}
+    (spare,) = prefill(producer, [PROMPTS[3]])
+    with consumer() as llm, caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+        params = [bad, spare.kv_transfer_params]
+        bad_result, good = pd_run(producer, llm, [PROMPTS[3], PROMPTS[3]], params)
+    assert bad_result.finish_reason == "error"
+    assert bad_result.error.startswith(error)
+    assert logged in caplog.text
+    assert bad_result.token_ids == []
+    assert good.token_ids == expected[3]

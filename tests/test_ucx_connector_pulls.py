@@ -199,7 +199,8 @@ FAILURES = {
     "unreachable": (
         {"port": None},
         REMOTE_IDS,
-        "PeerUnavailableError: GetHandshake to 127.0.0.1:\\d+ failed after 2 attempt\\(s\\)",
+        "ProducerUnreachable: engine 'kv_producer-1x1' at 127.0.0.1:\\d+ is gone: "
+        "Connection refused",
     ),
     "stale-generation": (
         {"generation": 12345},
@@ -295,12 +296,11 @@ def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
     c = pool.get("kv_consumer", 1, 1)
     remote = p.remote("expired", REMOTE_IDS)
     leases = p.scheduler.scheduler_half.leases
-    leases.finish([("expired", 0)])
-    leases.take()  # the producer let go of the blocks before the consumer read them
+    leases.finish([("expired", 0, remote.secret)])
+    # The producer let go of the blocks before the consumer read them: its workers' grant ends.
+    p.step(releases=tuple(leases.take()))
     spec = LoadSpec("late", remote, REMOTE_IDS, LOCAL_IDS)
     with caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
         assert run_load(c, spec) == {(0, 0): ({"late"}, {"late"}, set(LOCAL_IDS))}
-    assert (
-        "LeaseLostError: engine 'kv_producer-1x1' no longer holds request 'expired' (its lease "
-        "ran out, or the engine restarted): the blocks read may be stale" in caplog.text
-    )
+    assert "(ACCESS_DENIED): lease 'expired' has ended: its KV cannot be read" in caplog.text
+    assert all(torch.all(cache == SENTINEL) for cache in c.caches[(0, 0)].values())

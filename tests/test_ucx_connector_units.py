@@ -13,13 +13,14 @@ import torch
 
 from connectors.ucx import RemotePrefill, UcxConfig, UcxConnector, UcxHandshakeMetadata
 from connectors.ucx.identity import WorkerIdentity, parse_layer_name
-from connectors.ucx.leases import LeaseBook
+from connectors.ucx.leases import LeaseBook, LeaseSecretMismatch
 from connectors.ucx.metadata import Release, UcxLayer
 from connectors.ucx.notify import (
     KEEP_ALIVE,
     RELEASE,
     Done,
     KeepAliveRequest,
+    LeaseRef,
     NotifyReply,
     ReleaseRequest,
     notify_handler,
@@ -109,6 +110,8 @@ PARAMS = {
     "tp_size": 2,
     "pp_size": 1,
     "remote_num_tokens": 10,
+    "remote_kv_secret": "s3cret",
+    "remote_prompt_digest": "ab" * 32,
 }
 
 
@@ -116,8 +119,9 @@ def test_params_parse_to_a_remote_prefill():
     assert RemotePrefill.parse(None) is None
     assert RemotePrefill.parse({"do_remote_decode": True}) is None
     remote = RemotePrefill.parse({**PARAMS, "remote_generation": 9})
-    assert remote == RemotePrefill("p", "r", (3, 4), "::1", 7000, 2, 1, 10, 9)
+    assert remote == RemotePrefill("p", "r", (3, 4), "::1", 7000, 2, 1, 10, "s3cret", "ab" * 32, 9)
     assert remote.address == "[::1]:7000"
+    assert "s3cret" not in repr(remote)
     assert RemotePrefill.parse(PARAMS).generation is None
 
 
@@ -134,6 +138,10 @@ def test_params_parse_to_a_remote_prefill():
         ({"pp_size": None}, "kv_transfer_params.pp_size is missing"),
         ({"remote_generation": "x"}, "remote_generation must be an int >= 0, got 'x'"),
         ({"do_remote_prefill": 1}, "kv_transfer_params.do_remote_prefill must be a bool, got 1"),
+        ({"remote_kv_secret": None}, "kv_transfer_params.remote_kv_secret is missing"),
+        ({"remote_kv_secret": ""}, "remote_kv_secret must be a non-empty string, got ''"),
+        ({"remote_prompt_digest": "AB" * 32}, "remote_prompt_digest must be 64 lowercase hex"),
+        ({"remote_prompt_digest": None}, "kv_transfer_params.remote_prompt_digest is missing"),
     ],
 )
 def test_malformed_params_name_the_key(change, message):
@@ -165,12 +173,12 @@ def test_lease_book_releases_finished_then_expired_requests():
     clock = Clock()
     book = LeaseBook(10.0, clock)
     for rid in ("a", "b", "c"):
-        book.hold(rid)
+        book.hold(rid, f"secret-{rid}")
     clock.now = 105.0
-    assert book.extend(["b", "zzz"]) == ["b"]
-    assert book.finish([("c", 4), ("zzz", 1)]) == ["c"]
+    assert book.extend([("b", "secret-b"), ("zzz", "x")]) == ["b"]
+    assert book.finish([("c", 4, "secret-c"), ("zzz", 1, "x")]) == ["c"]
     assert book.take() == [Release("c", 4)]
-    assert book.extend(["c"]) == []
+    assert book.extend([("c", "secret-c")]) == []
     clock.now = 110.0
     assert book.take() == [Release("a", expired=True)]
     clock.now = 114.9
@@ -180,6 +188,23 @@ def test_lease_book_releases_finished_then_expired_requests():
     assert len(book) == 0
     with pytest.raises(ValueError, match="lease_s must be > 0, got 0"):
         LeaseBook(0)
+
+
+def test_lease_book_refuses_reports_with_another_secret():
+    clock = Clock()
+    book = LeaseBook(10.0, clock)
+    book.hold("victim", "right")
+    book.hold("mine", "mine")
+    with pytest.raises(
+        LeaseSecretMismatch, match=r"wrong kv secret for held request\(s\) \['victim'\]"
+    ):
+        book.finish([("mine", 1, "mine"), ("victim", 0, "guess")])
+    with pytest.raises(LeaseSecretMismatch):
+        book.extend([("victim", "guess")])
+    # Nothing changed: neither the forged release nor the honest one in the same message.
+    assert book.take() == []
+    clock.now = 110.0
+    assert sorted(r.req_id for r in book.take()) == ["mine", "victim"]
 
 
 # ------------------------------------------------------------------ worker payloads
@@ -318,17 +343,39 @@ def _call(address: str, method: str, body: bytes) -> NotifyReply:
 
 def test_notify_service_extends_and_releases_leases(notify_server):
     address, leases = notify_server
-    leases.hold("a")
-    leases.hold("b")
-    keep = KeepAliveRequest(engine_id="e", generation=5, request_ids=("a", "x"))
+    leases.hold("a", "sa")
+    leases.hold("b", "sb")
+    keep = KeepAliveRequest(
+        engine_id="e",
+        generation=5,
+        leases=(LeaseRef(request_id="a", secret="sa"), LeaseRef(request_id="x", secret="sx")),
+    )
     assert _call(address, KEEP_ALIVE, keep.model_dump_json().encode()) == NotifyReply(
         known=("a",), lease_s=7.0
     )
-    stale = ReleaseRequest(engine_id="e", generation=4, done=(Done(request_id="a", num_blocks=1),))
+    stale = ReleaseRequest(
+        engine_id="e", generation=4, done=(Done(request_id="a", num_blocks=1, secret="sa"),)
+    )
     assert _call(address, RELEASE, stale.model_dump_json().encode()).known == ()
-    done = ReleaseRequest(engine_id="e", done=(Done(request_id="b", num_blocks=2),))
+    done = ReleaseRequest(engine_id="e", done=(Done(request_id="b", num_blocks=2, secret="sb"),))
     assert _call(address, RELEASE, done.model_dump_json().encode()).known == ("b",)
     assert leases.take() == [Release("b", 2)]
+
+
+def test_forged_release_and_keep_alive_are_refused(notify_server):
+    address, leases = notify_server
+    leases.hold("victim", "the-secret")
+    forged = ReleaseRequest(
+        engine_id="e", done=(Done(request_id="victim", num_blocks=0, secret="guess"),)
+    )
+    pin = KeepAliveRequest(engine_id="e", leases=(LeaseRef(request_id="victim", secret="guess"),))
+    for method, message in ((RELEASE, forged), (KEEP_ALIVE, pin)):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _call(address, method, message.model_dump_json().encode())
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert "wrong kv secret for held request(s) ['victim']" in info.value.details()
+    assert leases.take() == []
+    assert len(leases) == 1
 
 
 def test_notify_service_rejects_garbage_and_other_engines(notify_server):
@@ -337,7 +384,7 @@ def test_notify_service_rejects_garbage_and_other_engines(notify_server):
         _call(address, RELEASE, b"{not json")
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("malformed ReleaseRequest: ")
-    other = KeepAliveRequest(engine_id="other", request_ids=())
+    other = KeepAliveRequest(engine_id="other", leases=())
     with pytest.raises(grpc.aio.AioRpcError) as info:
         _call(address, KEEP_ALIVE, other.model_dump_json().encode())
     assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION

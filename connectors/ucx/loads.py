@@ -2,9 +2,13 @@
 
 1. get the producer from `RemoteEngines` (handshake and connect on the first request);
 2. start one `PullSpec` per planned pull (its layers, its head slice, the request's blocks);
-3. wait for all of them, each bounded by the transfer timeout;
-4. confirm the producer still holds the request: had its lease run out before or during the
-   read, the blocks may have been reused, and the load fails instead of decoding garbage.
+3. wait for all of them, each bounded by the transfer timeout, probing the producer meanwhile
+   (`liveness`): a dead or unreachable producer, or one that no longer holds the request,
+   fails the load in about a second instead of at the timeout.
+
+Every pull presents the lease's secret; the producer serves only that lease's blocks and only
+while it holds the lease (it stops before it frees them), so a load that succeeded read the
+request's own KV, never blocks reused by another request.
 
 `cancel` (from the step thread, for an aborted request) stops it: before the pulls start
 nothing is started, after that every pull is cancelled, and `PullHandle.cancel` guarantees
@@ -15,12 +19,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from connectors.ucx.metadata import LoadSpec, RemotePrefill
+from connectors.ucx.liveness import PROBE_INTERVAL_S, AskHeld, ProducerWatch
+from connectors.ucx.metadata import LoadSpec
+from connectors.ucx.plan import check_request_blocks
 from connectors.ucx.remote import RemoteEngine, RemoteEngines
-from kvtransfer.transport import KVTransferAgent, PullHandle, PullSpec
+from kvtransfer.transport import (
+    ErrorCode,
+    KVTransferAgent,
+    PullHandle,
+    PullSpec,
+    RemoteTransferError,
+)
 
 # Extra wait beyond a pull's own timeout: the pull raises TransferTimeoutError itself first.
 _RESULT_GRACE_S = 5.0
@@ -28,15 +39,6 @@ _RESULT_GRACE_S = 5.0
 
 class LoadCancelled(Exception):
     """The request was aborted; its pulls were stopped."""
-
-
-class LeaseLostError(RuntimeError):
-    """The producer no longer held the request after the read: the blocks read may have
-    belonged to another request by then."""
-
-
-# Asks the producer whether it still holds a request (see `Notifier.confirm_held`).
-ConfirmHeld = Callable[[RemotePrefill], bool]
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,12 @@ class LoadJob:
         engines: RemoteEngines,
         agent: KVTransferAgent,
         transfer_timeout_s: float,
-        confirm_held: ConfirmHeld,
+        ask_held: AskHeld | None = None,
     ) -> None:
         self.spec = spec
         self._engines = engines
         self._agent = agent
-        self._confirm_held = confirm_held
+        self._ask_held = ask_held
         self._timeout_s = transfer_timeout_s
         self._lock = threading.Lock()
         self._cancelled = False
@@ -88,24 +90,20 @@ class LoadJob:
             return LoadOutcome(0, 0, 0.0)
         self._check_cancelled()
         engine = self._engines.get(spec.remote)
+        check_request_blocks(spec.remote, next(iter(engine.metadata.values())).block_size)
         try:
             handles = self._start(engine)
-            total = sum(self._wait(handle) for handle in handles)
+            total = self._wait_all(handles)
         except LoadCancelled:
             raise
-        except BaseException:
+        except BaseException as exc:
             # A pull stopped by cancel() fails too; that is the cancellation, not an error.
             self._check_cancelled()
             self.cancel()
-            # The producer may be gone or restarted: handshake again next time.
-            self._engines.invalidate(engine)
+            if not _refused_access(exc):
+                # The producer may be gone or restarted: handshake again next time.
+                self._engines.invalidate(engine)
             raise
-        if not self._confirm_held(spec.remote):
-            raise LeaseLostError(
-                f"engine {spec.remote.engine_id!r} no longer holds request "
-                f"{spec.remote.request_id!r} (its lease ran out, or the engine restarted): the "
-                "blocks read may be stale"
-            )
         return LoadOutcome(len(spec.local_block_ids), total, time.perf_counter() - started)
 
     def _start(self, engine: RemoteEngine) -> list[PullHandle]:
@@ -124,17 +122,34 @@ class LoadJob:
                             local_block_ids=spec.local_block_ids,
                             remote_heads=pull.remote_heads,
                             local_heads=pull.local_heads,
+                            lease=spec.remote.lease,
                         ),
                         timeout_s=self._timeout_s,
                     )
                 )
             return list(self._handles)
 
-    def _wait(self, handle: PullHandle) -> int:
-        result = handle.result(self._timeout_s + _RESULT_GRACE_S)
-        return result.payload_bytes
+    def _wait_all(self, handles: list[PullHandle]) -> int:
+        deadline = time.monotonic() + self._timeout_s + _RESULT_GRACE_S
+        watch = ProducerWatch(self.spec.remote, self._ask_held)
+        total = 0
+        for handle in handles:
+            while True:
+                try:
+                    total += handle.result(PROBE_INTERVAL_S).payload_bytes
+                    break
+                except TimeoutError:
+                    if handle.done() or time.monotonic() >= deadline:
+                        raise
+                watch.check()
+        return total
 
     def _check_cancelled(self) -> None:
         with self._lock:
             if self._cancelled:
                 raise LoadCancelled(f"load of request {self.spec.req_id!r} was cancelled")
+
+
+def _refused_access(error: BaseException) -> bool:
+    """A pull refused for its lease says nothing about the producer's health."""
+    return isinstance(error, RemoteTransferError) and error.code == ErrorCode.ACCESS_DENIED

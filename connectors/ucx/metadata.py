@@ -2,8 +2,9 @@
 
 * `UcxHandshakeMetadata`: published once by every worker and served over `KVHandshake`: where
   its transfer agent listens and which layers, KV heads and blocks it holds.
-* `UcxConnectorMetadata`: per step, scheduler -> every worker: requests to load (`LoadSpec`) and
-  finished requests whose blocks the producer may now free (`Release`).
+* `UcxConnectorMetadata`: per step, scheduler -> every worker: requests to load (`LoadSpec`),
+  newly held requests whose blocks consumers may read with their secret (`Grant`), and held
+  requests whose blocks the producer may now free (`Release`; their grants end).
 * `RemotePrefill`: the ``kv_transfer_params`` a producer returned, validated on the consumer.
 """
 
@@ -11,14 +12,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata, KVConnectorMetadata
-from kvtransfer.transport import KVLayout
+from kvtransfer.transport import KVLayout, LeaseAccess
 
 _NonNegative = Field(ge=0)
 _Positive = Field(gt=0)
@@ -115,8 +118,16 @@ class RemotePrefill:
     tp_size: int
     pp_size: int
     num_tokens: int
+    # The lease's capability: every pull, keep-alive and release presents it.
+    secret: str = field(repr=False)
+    # sha256 of the prompt tokens the producer computed (`prompt_digest`).
+    prompt_digest: str
     # The producer's handshake generation; a restarted producer has lost these blocks.
     generation: int | None = None
+
+    @property
+    def lease(self) -> LeaseAccess:
+        return LeaseAccess(self.request_id, self.secret)
 
     @property
     def address(self) -> str:
@@ -142,6 +153,8 @@ class RemotePrefill:
             tp_size=_count(params, "tp_size", 1),
             pp_size=_count(params, "pp_size", 1),
             num_tokens=_count(params, "remote_num_tokens", 0),
+            secret=_text(params, "remote_kv_secret"),
+            prompt_digest=_digest(params, "remote_prompt_digest"),
             generation=generation,
         )
 
@@ -163,6 +176,16 @@ class LoadSpec:
 
 
 @dataclass(frozen=True)
+class Grant:
+    """A request the producer now holds: its workers serve ``block_ids`` to pulls presenting
+    the secret whose sha256 is ``secret_digest``."""
+
+    req_id: str
+    secret_digest: bytes = field(repr=False)
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Release:
     """A producer request whose blocks the workers may free: its consumer is done with them
     (``num_blocks`` it read) or nobody pulled them in time (``expired``)."""
@@ -175,7 +198,24 @@ class Release:
 @dataclass(frozen=True)
 class UcxConnectorMetadata(KVConnectorMetadata):
     loads: tuple[LoadSpec, ...] = ()
+    grants: tuple[Grant, ...] = ()
     releases: tuple[Release, ...] = ()
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """sha256 (hex) of token ids as little-endian int64: what a consumer compares its own
+    prompt with before it loads a producer's KV."""
+    packed = array("q", token_ids)
+    if packed.itemsize != 8 or array("h", [1]).tobytes() != b"\x01\x00":
+        raise RuntimeError("prompt_digest assumes a little-endian host with 8-byte longs")
+    return hashlib.sha256(packed.tobytes()).hexdigest()
+
+
+def _digest(params: Mapping[str, Any], key: str) -> str:
+    value = _text(params, key)
+    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise ValueError(f"kv_transfer_params.{key} must be 64 lowercase hex digits (sha256)")
+    return value
 
 
 def _flag(params: Mapping[str, Any], key: str) -> bool:

@@ -2,20 +2,23 @@
 
 Service ``kvtransfer.v1.UcxConnectorNotify`` (JSON bodies, no protobuf, nothing executable):
 
-* ``Release {engine_id, generation, done: [{request_id, num_blocks}]}``: the consumer is done
-  with these requests (loaded, failed, aborted or not needed): the producer may free their
-  blocks;
-* ``KeepAlive {engine_id, generation, request_ids}``: the consumer still waits to pull them:
-  extend their leases.
+* ``Release {engine_id, generation, done: [{request_id, num_blocks, secret}]}``: the consumer
+  is done with these requests (loaded, failed, aborted or not needed): the producer may free
+  their blocks;
+* ``KeepAlive {engine_id, generation, leases: [{request_id, secret}]}``: the consumer still
+  waits to pull them: extend their leases.
 
 Both answer ``{known, lease_s}``: the ids the producer still held and its lease length, from
 which the consumer paces its keep-alives. A message for another handshake generation (the
-producer restarted since; request ids may repeat) is answered but not acted on.
+producer restarted since; request ids may repeat) is answered but not acted on. Every request
+named must come with the secret its params carried (``remote_kv_secret``): a message with a
+wrong secret for a held request is refused whole with PERMISSION_DENIED, so nobody can free or
+pin another request's KV by naming it.
 
 The producer serves it next to `KVHandshake` (`notify_handler`). On the consumer, a `Notifier`
 sends from a background event loop, so the step thread never waits on the network: the
-scheduler half's releases and keep-alives, and each worker's check that a request it has just
-read is still held (`Notifier.confirm_held`).
+scheduler half's releases and keep-alives, and the workers' "is it still held?" questions while
+a load waits on a producer (`Notifier.ask_held`, see `liveness`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any, TypeVar
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from connectors.ucx.leases import LeaseBook
+from connectors.ucx.leases import LeaseBook, LeaseSecretMismatch
 from connectors.ucx.metadata import RemotePrefill
 from kvtransfer.control.security import TLSFiles, channel_credentials, channel_options
 
@@ -54,8 +57,12 @@ class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class Done(_Message):
+class LeaseRef(_Message):
     request_id: str = Field(min_length=1)
+    secret: str = Field(min_length=1, repr=False)
+
+
+class Done(LeaseRef):
     num_blocks: int = Field(ge=0)
 
 
@@ -68,7 +75,7 @@ class ReleaseRequest(_Message):
 class KeepAliveRequest(_Message):
     engine_id: str = Field(min_length=1)
     generation: int | None = None
-    request_ids: tuple[str, ...]
+    leases: tuple[LeaseRef, ...]
 
 
 class NotifyReply(_Message):
@@ -92,13 +99,15 @@ def notify_handler(engine_id: str, generation: int, leases: LeaseBook) -> grpc.G
         message = await _parse(ReleaseRequest, body, engine_id, context)
         if not current(message):
             return reply([])
-        return reply(leases.finish((d.request_id, d.num_blocks) for d in message.done))
+        done = [(d.request_id, d.num_blocks, d.secret) for d in message.done]
+        return reply(await _authorised(context, lambda: leases.finish(done)))
 
     async def keep_alive(body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         message = await _parse(KeepAliveRequest, body, engine_id, context)
         if not current(message):
             return reply([])
-        return reply(leases.extend(message.request_ids))
+        claims = [(ref.request_id, ref.secret) for ref in message.leases]
+        return reply(await _authorised(context, lambda: leases.extend(claims)))
 
     return grpc.method_handlers_generic_handler(
         SERVICE,
@@ -107,6 +116,15 @@ def notify_handler(engine_id: str, generation: int, leases: LeaseBook) -> grpc.G
             "KeepAlive": grpc.unary_unary_rpc_method_handler(keep_alive),
         },
     )
+
+
+async def _authorised(context: grpc.aio.ServicerContext, act: Callable[[], list[str]]) -> list[str]:
+    try:
+        return act()
+    except LeaseSecretMismatch as exc:
+        logger.warning("refused a notify message: %s", exc)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        raise  # abort raises; this keeps type checkers honest
 
 
 async def _parse(
@@ -131,6 +149,8 @@ async def _parse(
 
 # Where a keep-alive goes: (address, engine id, generation).
 _Producer = tuple[str, str, int | None]
+# What it names: (request id, secret).
+_Claim = tuple[str, str]
 
 
 def _key(remote: RemotePrefill) -> _Producer:
@@ -139,7 +159,7 @@ def _key(remote: RemotePrefill) -> _Producer:
 
 class Notifier:
     """Talks to producers from a private event loop thread: Release and KeepAlive messages
-    (scheduler half), and "is this request still held?" checks (`confirm_held`, workers).
+    (scheduler half), and "is this request still held?" questions (`ask_held`, workers).
 
     Keep-alives go to each producer with watched loads at a quarter of its lease (learned from
     its first reply), batched per producer. Fire and forget: a producer that cannot be reached
@@ -179,22 +199,25 @@ class Notifier:
         message = ReleaseRequest(
             engine_id=remote.engine_id,
             generation=remote.generation,
-            done=(Done(request_id=remote.request_id, num_blocks=num_blocks),),
+            done=(Done(request_id=remote.request_id, num_blocks=num_blocks, secret=remote.secret),),
         )
         self._submit(lambda: self._spawn(self._release(remote.address, message)))
 
-    def confirm_held(self, remote: RemotePrefill, timeout_s: float) -> bool:
-        """Whether the producer still holds ``remote``'s request right now (one KeepAlive
-        round trip, which also renews the lease). Leases never come back, so a request still
-        held after a read was held, and its blocks unchanged, during the whole read. Raises
-        the gRPC error when the producer cannot be asked."""
+    def ask_held(self, remote: RemotePrefill) -> concurrent.futures.Future[bool]:
+        """Whether the producer still holds ``remote``'s request (one KeepAlive round trip,
+        which also renews the lease); the future fails with the gRPC error when the producer
+        cannot be asked. Used to notice a producer that restarted while a load waits."""
         body = KeepAliveRequest(
             engine_id=remote.engine_id,
             generation=remote.generation,
-            request_ids=(remote.request_id,),
+            leases=(LeaseRef(request_id=remote.request_id, secret=remote.secret),),
         )
-        reply = self._run(self._call(remote.address, KEEP_ALIVE, body.model_dump_json().encode()))
-        return remote.request_id in reply.result(timeout_s).known
+
+        async def ask() -> bool:
+            reply = await self._call(remote.address, KEEP_ALIVE, body.model_dump_json().encode())
+            return remote.request_id in reply.known
+
+        return self._run(ask())
 
     def close(self, flush_timeout_s: float = 2.0) -> None:
         with self._lock:
@@ -284,16 +307,16 @@ class Notifier:
         while True:
             now = loop.time()
             with self._lock:
-                groups: dict[_Producer, list[str]] = {}
+                groups: dict[_Producer, list[_Claim]] = {}
                 for remote in self._watched.values():
-                    groups.setdefault(_key(remote), []).append(remote.request_id)
+                    groups.setdefault(_key(remote), []).append((remote.request_id, remote.secret))
             for key in [k for k in self._due if k not in groups]:
                 del self._due[key]
-            for key, request_ids in groups.items():
+            for key, claims in groups.items():
                 # A producer not heard from yet is due now.
                 if now >= self._due.setdefault(key, now):
                     self._due[key] = now + self._interval_s(key[0])
-                    self._spawn(self._keep_alive(key, request_ids))
+                    self._spawn(self._keep_alive(key, claims))
             wake = min(self._due.values(), default=now + DEFAULT_KEEP_ALIVE_S)
             changed.clear()
             with contextlib.suppress(TimeoutError):
@@ -318,10 +341,12 @@ class Notifier:
             self._wake()
         return reply
 
-    async def _keep_alive(self, key: _Producer, request_ids: list[str]) -> None:
+    async def _keep_alive(self, key: _Producer, claims: list[_Claim]) -> None:
         address, engine_id, generation = key
         body = KeepAliveRequest(
-            engine_id=engine_id, generation=generation, request_ids=tuple(request_ids)
+            engine_id=engine_id,
+            generation=generation,
+            leases=tuple(LeaseRef(request_id=r, secret=s) for r, s in claims),
         )
         try:
             await self._call(address, KEEP_ALIVE, body.model_dump_json().encode())

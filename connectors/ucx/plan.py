@@ -103,6 +103,18 @@ def check_remote_engine(
             )
 
 
+def check_request_blocks(remote: RemotePrefill, block_size: int) -> None:
+    """A producer lists exactly the blocks of ``remote_num_tokens`` at its block size: any
+    other list was not returned by it, and must not pick (or skip) blocks silently."""
+    needed = -(-remote.num_tokens // block_size)
+    if len(remote.block_ids) != needed:
+        raise RemoteLayoutError(
+            f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} blocks, "
+            f"remote_num_tokens {remote.num_tokens} needs exactly {needed} of engine "
+            f"{remote.engine_id!r}'s {block_size}-token blocks"
+        )
+
+
 def plan_pulls(
     identity: WorkerIdentity,
     topologies: LocalTopologies,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from connectors.ucx.identity import WorkerIdentity
+from connectors.ucx.liveness import ensure_reachable
 from connectors.ucx.metadata import RemotePrefill, UcxHandshakeMetadata
 from connectors.ucx.plan import LocalTopologies, PlannedPull, check_remote_engine, plan_pulls
 from kvtransfer.connector.metadata import PpTpRank
@@ -122,6 +123,7 @@ class RemoteEngines:
         return None
 
     def _handshake(self, remote: RemotePrefill) -> RemoteEngine:
+        ensure_reachable(remote)
         started = time.perf_counter()
         fetched = fetch_handshake_sync(
             remote.address,

@@ -6,14 +6,19 @@ Producer:
    `KVHandshake` on ``kv_ip:kv_port``, with the `notify` service on the same port;
 2. a request finished with ``do_remote_decode`` keeps its blocks (``delay_free``) under a lease
    and returns the params a consumer pulls with (host and port of that server, block ids, TP x
-   PP, handshake generation);
-3. each step hands the workers the requests whose consumer reported done, or whose lease ran
-   out; every worker reports them in ``finished_sending`` and the engine frees the blocks.
+   PP, handshake generation), a fresh secret (``remote_kv_secret``) without which nothing of
+   that lease can be read, released or extended, and the digest of the prompt tokens computed
+   (``remote_prompt_digest``); the next step grants the workers that lease (`Grant`);
+3. each step hands the workers the requests whose consumer reported done (or whose KV was
+   given back through `release_kv`), or whose lease ran out; the workers end their grants,
+   report them in ``finished_sending``, and the engine frees the blocks.
 
 Consumer:
 
 1. a request with ``do_remote_prefill`` is offered the producer's prompt tokens beyond its local
-   prefix hit, loaded asynchronously (malformed params raise `ValueError`: that request fails);
+   prefix hit, loaded asynchronously (malformed params, too few blocks for
+   ``remote_num_tokens``, or a prompt whose digest differs from the one the producer computed
+   raise `ValueError`: that request fails and its producer is told to free the KV);
 2. the next step's metadata tells every worker which remote blocks go into which local blocks;
 3. while the load is in flight a background notifier keeps the producer's lease alive; once
    the engine saw it received (or failed, or cancelled) it tells the producer to free it.
@@ -31,10 +36,12 @@ from connectors.ucx.config import UcxConfig
 from connectors.ucx.identity import UNSPECIFIED_MODEL, compat_from_layout, compat_info
 from connectors.ucx.leases import LeaseBook
 from connectors.ucx.metadata import (
+    Grant,
     LoadSpec,
     RemotePrefill,
     UcxConnectorMetadata,
     UcxHandshakeMetadata,
+    prompt_digest,
     wants_remote_decode,
 )
 from connectors.ucx.notify import Notifier, notify_handler
@@ -47,6 +54,7 @@ from kvtransfer.connector.metadata import (
 )
 from kvtransfer.control import CompatibilityInfo, ControlServerThread, HandshakeBook
 from kvtransfer.outputs import KVConnectorOutput
+from kvtransfer.transport import new_secret, secret_digest
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +141,7 @@ class UcxScheduler:
         # Loading requests that finished (aborted) before their load reported.
         self._abandoned: set[str] = set()
         self._loads: list[LoadSpec] = []
+        self._grants: list[Grant] = []
         self._stats_totals: dict[str, float] = {}
 
     # ------------------------------------------------------------------ start-up
@@ -210,7 +219,20 @@ class UcxScheduler:
             wants_remote_decode(params)
 
     def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool:
-        return False  # replaced by the capability check in the next commit
+        """Free a held request's blocks now; the params must carry its secret."""
+        if not self._config.is_kv_producer:
+            return False
+        remote = RemotePrefill.parse(kv_transfer_params)
+        if remote is None:
+            raise ValueError("kv_transfer_params.do_remote_prefill must be true")
+        if remote.engine_id != self._config.engine_id:
+            raise ValueError(
+                f"kv_transfer_params.remote_engine_id {remote.engine_id!r} is not this engine "
+                f"({self._config.engine_id!r})"
+            )
+        if self._book is None or remote.generation not in (None, self._book.generation):
+            return False  # another generation's request: its blocks are gone already
+        return bool(self._leases.finish([(remote.request_id, 0, remote.secret)]))
 
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
@@ -230,11 +252,22 @@ class UcxScheduler:
         block_size = self._block_size()
         needed = -(-remote.num_tokens // block_size)
         if len(remote.block_ids) < needed:
+            # The exact count is checked against the producer's block size once its
+            # handshake is known (`plan.check_request_blocks`).
             raise ValueError(
                 f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} blocks, "
                 f"remote_num_tokens {remote.num_tokens} needs {needed} of {block_size} tokens"
             )
-        count = min(remote.num_tokens, len(request.prompt_token_ids)) - num_computed_tokens
+        prompt = request.prompt_token_ids
+        if len(prompt) < remote.num_tokens or (
+            prompt_digest(prompt[: remote.num_tokens]) != remote.prompt_digest
+        ):
+            raise ValueError(
+                f"the prompt differs from the {remote.num_tokens} prompt tokens engine "
+                f"{remote.engine_id!r} computed (kv_transfer_params.remote_prompt_digest "
+                "mismatch): its KV would not be this prompt's"
+            )
+        count = remote.num_tokens - num_computed_tokens
         if count <= 0:
             # Everything is cached here already: the producer can free its blocks now.
             self._consumed.add(rid)
@@ -322,8 +355,15 @@ class UcxScheduler:
             "remote_num_tokens": num_tokens,
         }
         if num_tokens == 0 or len(block_ids) < num_blocks:
-            return False, {**params, "remote_num_tokens": 0, "remote_block_ids": []}
-        self._leases.hold(rid)
+            # Nothing is held: the consumer computes the prompt itself.
+            num_tokens = 0
+            params.update(remote_num_tokens=0, remote_block_ids=[])
+        params["remote_kv_secret"] = secret = new_secret()
+        params["remote_prompt_digest"] = prompt_digest(request.prompt_token_ids[:num_tokens])
+        if num_tokens == 0:
+            return False, params
+        self._leases.hold(rid, secret)
+        self._grants.append(Grant(rid, secret_digest(secret), tuple(params["remote_block_ids"])))
         return True, params
 
     def _release_unused(self, request: KVRequest) -> None:
@@ -347,8 +387,11 @@ class UcxScheduler:
             self._stats_totals["blocks_consumed"] = (
                 self._stats_totals.get("blocks_consumed", 0.0) + consumed
             )
-        metadata = UcxConnectorMetadata(loads=tuple(self._loads), releases=releases)
+        metadata = UcxConnectorMetadata(
+            loads=tuple(self._loads), grants=tuple(self._grants), releases=releases
+        )
         self._loads = []
+        self._grants = []
         return metadata
 
     def shutdown(self) -> None:

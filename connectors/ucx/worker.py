@@ -1,13 +1,15 @@
 """The worker half of `UcxConnector`: this worker's transfer agent, its loads and releases.
 
-Every worker owns one `KVTransferAgent` over its registered caches (drafter layers included);
-a producer's agent serves pulls from a background thread, so blocks are read while the engine
-keeps stepping. A consumer runs each `LoadSpec` as a `LoadJob` on a small thread pool: the
-handshake, UCX connects, pulls and the final "still held?" check with the producer never run on
-the step thread, and finished or failed loads are reported exactly once through
-`transfer_results`. A load of an aborted request is cancelled and reported at once (cancelling
-guarantees no later write). Producer releases decided by the scheduler half are reported as
-``finished_sending`` in the step that carries them.
+Every worker owns one `KVTransferAgent` over its registered caches (drafter layers included); a
+producer's agent serves pulls from a background thread, so blocks are read while the engine keeps
+stepping, and only for leases the scheduler half granted (`LeaseGrants`): a release or expiry in
+the step's metadata ends the grant before the request is reported ``finished_sending``, so no pull
+reads blocks the engine is about to reuse. A consumer runs each `LoadSpec` as a `LoadJob` on a
+small thread pool: the handshake, UCX connects, pulls and the producer's liveness probes never
+run on the step thread, and finished or failed loads are reported exactly once
+through `transfer_results`. A load of an aborted request is cancelled and reported at once
+(cancelling guarantees no later write). Producer releases decided by the scheduler half are
+reported as ``finished_sending`` in the step that carries them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from connectors.ucx.identity import WorkerIdentity
 from connectors.ucx.loads import LoadCancelled, LoadJob, LoadOutcome
 from connectors.ucx.metadata import (
     LoadSpec,
-    RemotePrefill,
     UcxConnectorMetadata,
     UcxHandshakeMetadata,
 )
@@ -36,7 +37,7 @@ from connectors.ucx.remote import RemoteEngine, RemoteEngines, encode_agent_addr
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import TransferResults
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorStats
-from kvtransfer.transport import KVTransferAgent, TransportConfig
+from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class UcxWorker:
         self._loads: dict[str, tuple[LoadSpec, LoadJob | None]] = {}
         self._results: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         self._released: list[str] = []
+        self._grants = LeaseGrants()
         self._sent_blocks = 0
         self._load_errors: set[int] = set()
         self._stats_lock = threading.Lock()
@@ -105,7 +107,7 @@ class UcxWorker:
         try:
             agent.register_kv_caches(kv_caches)
             if self._config.is_kv_producer:
-                agent.start_server()
+                agent.start_server(self._grants)
         except BaseException:
             agent.close()
             raise
@@ -126,6 +128,11 @@ class UcxWorker:
     # ------------------------------------------------------------------ per step
 
     def start_load_kv(self, metadata: UcxConnectorMetadata) -> None:
+        for grant in metadata.grants:
+            self._grants.grant(grant.req_id, grant.secret_digest, grant.block_ids)
+        if metadata.releases:
+            # Returns once no pull reads these blocks: they are freed after this step.
+            self._grants.revoke(release.req_id for release in metadata.releases)
         for release in metadata.releases:
             self._released.append(release.req_id)
             self._add("num_leases_expired" if release.expired else "num_sends", 1)
@@ -140,7 +147,7 @@ class UcxWorker:
             self._results.put(_Finished(spec, error=error))
             return
         job = LoadJob(
-            spec, self._engines, self._agent, self._ucx.transfer_timeout_s, self._confirm_held
+            spec, self._engines, self._agent, self._ucx.transfer_timeout_s, self._notifier.ask_held
         )
         self._loads[spec.req_id] = (spec, job)
         if self._pool is None:
@@ -148,9 +155,6 @@ class UcxWorker:
                 self._ucx.max_concurrent_loads, thread_name_prefix="kvtransfer-ucx-load"
             )
         self._pool.submit(self._run, job)
-
-    def _confirm_held(self, remote: RemotePrefill) -> bool:
-        return self._notifier.confirm_held(remote, self._ucx.handshake_timeout_s)
 
     def _run(self, job: LoadJob) -> None:
         try:

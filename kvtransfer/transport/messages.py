@@ -79,9 +79,7 @@ def encode_address(ucx_address: bytes) -> bytes:
     UCX aborts the whole process on some malformed addresses, so a checksum guards it.
     """
     return (
-        _ADDRESS.pack(
-            _ADDRESS_MAGIC, ADDRESS_VERSION, 0, len(ucx_address), zlib.crc32(ucx_address)
-        )
+        _ADDRESS.pack(_ADDRESS_MAGIC, ADDRESS_VERSION, 0, len(ucx_address), zlib.crc32(ucx_address))
         + ucx_address
     )
 

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from connectors.ucx import LoadSpec, RemotePrefill, UcxConnector, UcxConnectorMetadata
+from connectors.ucx.metadata import Grant
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole, merge_handshake_metadata
 from kvtransfer.engine.parallel import pp_layer_range
 from kvtransfer.topology import kv_head_range
+from kvtransfer.transport import new_secret, secret_digest
 
 MODEL = "synthetic"
 NUM_LAYERS = 4
@@ -76,8 +78,11 @@ class SyntheticEngine:
         self, request_id: str = "r", block_ids: Sequence[int] = (), **changes
     ) -> RemotePrefill:
         """The params a consumer would receive for ``block_ids`` of this producer, which now
-        holds ``request_id`` for it (as `request_finished` would)."""
-        self.scheduler.scheduler_half.leases.hold(request_id)
+        holds ``request_id`` for it and has granted its workers that lease (as
+        `request_finished` and the next step would)."""
+        secret = new_secret()
+        self.scheduler.scheduler_half.leases.hold(request_id, secret)
+        self.step(grants=(Grant(request_id, secret_digest(secret), tuple(block_ids)),))
         host, port = self.address.rsplit(":", 1)
         fields = {
             "engine_id": self.engine_id,
@@ -88,10 +93,20 @@ class SyntheticEngine:
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
             "num_tokens": len(block_ids) * BLOCK_SIZE,
+            "secret": secret,
+            "prompt_digest": "0" * 64,
             "generation": self.generation,
         }
         fields.update(changes)
         return RemotePrefill(**fields)
+
+    def step(self, **metadata) -> None:
+        """Hand every worker one step's metadata, as the engine would."""
+        bound = UcxConnectorMetadata(**metadata)
+        for worker in self.workers.values():
+            worker.bind_connector_metadata(bound)
+            worker.start_load_kv(None)
+            worker.clear_connector_metadata()
 
     def shutdown(self) -> None:
         for worker in self.workers.values():
