@@ -115,12 +115,12 @@ def test_producer_keeps_blocks_until_the_consumer_is_done(producer, expected):
     assert len(half.leases) == 0
     bytes_per_block = 4 * 2 * 2 * BLOCK_SIZE * 16 * 4  # layers x K/V x heads x tokens x dim x f32
     assert sent["num_sends"] == len(PROMPTS)
-    assert sent["blocks_sent"] == num_blocks
+    assert sent["blocks_consumed"] == num_blocks
     assert sent["bytes_sent"] == num_blocks * bytes_per_block
     assert sent.get("num_leases_expired", 0) == 0
     assert received["num_handshakes"] == 1
     assert received["num_loads"] == len(PROMPTS)
-    assert received["blocks_received"] == num_blocks
+    assert received["blocks_loaded"] == num_blocks
     assert received["bytes_received"] == num_blocks * bytes_per_block
 
 

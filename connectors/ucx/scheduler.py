@@ -306,7 +306,7 @@ class UcxScheduler:
         stats = output.kv_connector_stats
         if stats is not None:
             for key, value in stats.reduce().items():
-                self._stats_totals[key] = self._stats_totals.get(key, 0.0) + value
+                self._add_total(key, value)
         failed = output.failed_recving or set()
         for rid in output.finished_recving or ():
             entry = self._loading.pop(rid, None)
@@ -315,9 +315,16 @@ class UcxScheduler:
             remote, num_blocks = entry
             read_nothing = rid in failed or rid in self._abandoned
             self._abandoned.discard(rid)
+            if not read_nothing:
+                # Counted once per request whatever the TP x PP: the blocks the producer is
+                # told were read (its blocks_consumed).
+                self._add_total("blocks_loaded", num_blocks)
             notifier = self._notifier_for()
             notifier.unwatch(rid)
             notifier.release(remote, 0 if read_nothing else num_blocks)
+
+    def _add_total(self, key: str, value: float) -> None:
+        self._stats_totals[key] = self._stats_totals.get(key, 0.0) + value
 
     def _notifier_for(self) -> Notifier:
         if self._notifier is None:
@@ -384,9 +391,7 @@ class UcxScheduler:
         # What consumers said they read: blocks of this engine, counted once whatever the TP.
         consumed = sum(r.num_blocks for r in releases if not r.expired)
         if consumed:
-            self._stats_totals["blocks_consumed"] = (
-                self._stats_totals.get("blocks_consumed", 0.0) + consumed
-            )
+            self._add_total("blocks_consumed", consumed)
         metadata = UcxConnectorMetadata(
             loads=tuple(self._loads), grants=tuple(self._grants), releases=releases
         )

@@ -67,11 +67,11 @@ class UcxWorker:
         self._results: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         self._released: list[str] = []
         self._grants = LeaseGrants()
-        self._sent_blocks = 0
         self._load_errors: set[int] = set()
         self._stats_lock = threading.Lock()
         self._stats: dict[str, float | list[float]] = {}
         self._pulls_served = 0
+        self._bytes_served = 0
         self._closed = False
 
     # ------------------------------------------------------------------ set-up
@@ -102,6 +102,7 @@ class UcxWorker:
             TransportConfig(
                 timeout_s=self._ucx.transfer_timeout_s,
                 connect_timeout_s=self._ucx.handshake_timeout_s,
+                net_devices=self._ucx.ucx_net_devices(),
             )
         )
         try:
@@ -136,7 +137,6 @@ class UcxWorker:
         for release in metadata.releases:
             self._released.append(release.req_id)
             self._add("num_leases_expired" if release.expired else "num_sends", 1)
-            self._sent_blocks += release.num_blocks
         for spec in metadata.loads:
             self._start_load(spec)
 
@@ -234,16 +234,16 @@ class UcxWorker:
             values.append(value)  # type: ignore[union-attr]
 
     def stats(self) -> KVConnectorStats | None:
-        if self._sent_blocks and self._identity is not None:
-            self._add("blocks_sent", self._sent_blocks)
-            self._add("bytes_sent", self._sent_blocks * self._identity.bytes_per_block)
-            self._sent_blocks = 0
         server = self._agent.server if self._agent is not None else None
         if server is not None:
-            served = server.requests_served
+            # What crossed the wire, whoever asked and whatever became of the pull after: a
+            # consumer's bytes_received is never more than this, and equal when nothing was
+            # cancelled or refused on its side.
+            served, served_bytes = server.requests_served, server.bytes_served
             if served > self._pulls_served:
                 self._add("pull_messages_served", served - self._pulls_served)
-                self._pulls_served = served
+                self._add("bytes_sent", served_bytes - self._bytes_served)
+                self._pulls_served, self._bytes_served = served, served_bytes
         with self._stats_lock:
             if not self._stats:
                 return None

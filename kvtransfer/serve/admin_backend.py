@@ -15,9 +15,15 @@ from kvtransfer.serve.engine_thread import EngineThread
 from kvtransfer.serve.ledger import HeldKV, ServingLedger
 
 # The connector's cumulative stats that become status counters (connector key -> counter).
+# Blocks are counted once per request on the scheduler side (what the consumer read, as it
+# reported to the producer); bytes are what crossed the wire, summed over workers (every layer,
+# drafter included). So after transfers prefill's kv_blocks_sent equals decode's
+# kv_blocks_received, and kv_bytes_sent >= kv_bytes_received (equal unless pulls were
+# cancelled or refused after the producer sent them).
 _CONNECTOR_COUNTERS = {
     "blocks_consumed": "kv_blocks_sent",
     "bytes_sent": "kv_bytes_sent",
+    "blocks_loaded": "kv_blocks_received",
     "bytes_received": "kv_bytes_received",
     "num_leases_expired": "kv_leases_expired",
     "num_handshakes": "handshakes",
