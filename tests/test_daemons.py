@@ -1,6 +1,8 @@
 """The prefill and decode daemons as real processes: Generation over gRPC equals a colocated run,
 admin counters show the KV really moved, bad input is rejected with the field named while the
-daemons keep serving, cancellation frees blocks, drain and SIGTERM lose nothing."""
+daemons keep serving, cancellation frees blocks, ReleaseKV frees held KV at once (and only with
+the request's secret), messages up to the shared size limit get through, drain and SIGTERM lose
+nothing."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from serve_helpers.daemons import (
 
 from kvtransfer.control import check_health
 from kvtransfer.serve.client import GenerationClient, generate_request
+from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES, grpc_message_limit
 
 MAX_TOKENS = 12
 REMOTE_DECODE = {"do_remote_decode": True}
@@ -186,6 +189,67 @@ def test_admin_transfers_show_kv_held_for_a_consumer(pair):
     assert held.num_blocks == len(first.kv_transfer_params["remote_block_ids"])
     assert held.num_bytes > 0
     assert admin(prefill.address, "abort", "no-such-request") is False
+    with GenerationClient(prefill.address) as client:  # nobody will pull it: give it back
+        assert client.release_kv("held", first.kv_transfer_params) is True
+
+
+def test_release_kv_frees_held_kv_at_once_and_only_with_its_secret(pair):
+    prefill, _ = pair
+    with GenerationClient(prefill.address) as client:
+        first = client.generate(
+            generate_request("release-me", PROMPTS[2], 1, kv_transfer_params=REMOTE_DECODE)
+        )
+        params = first.kv_transfer_params
+        assert held_blocks(prefill.address, "release-me") == len(params["remote_block_ids"])
+        before = admin(prefill.address, "status").counters["kv_releases"]
+        for change, code, message in [
+            ({"remote_kv_secret": "guess"}, "PERMISSION_DENIED", "wrong kv secret"),
+            ({"remote_engine_id": "p9"}, "INVALID_ARGUMENT", "kv_transfer_params.remote_engine_id"),
+        ]:
+            with pytest.raises(grpc.RpcError) as refused:
+                client.release_kv("release-me", {**params, **change})
+            assert refused.value.code().name == code
+            assert message in refused.value.details()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.release_kv("release-me", "{nope")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "kv_transfer_params_json is not valid JSON" in refused.value.details()
+        assert held_blocks(prefill.address, "release-me") > 0  # all refused: still held
+        # The params exactly as returned: freed at the next step, far inside the 30 s lease.
+        assert client.release_kv("release-me", params) is True
+        deadline = time.monotonic() + 10
+        while held_blocks(prefill.address, "release-me"):
+            assert time.monotonic() < deadline, "released blocks stayed in use"
+            time.sleep(0.05)
+        assert client.release_kv("release-me", params) is False  # idempotent
+    assert admin(prefill.address, "status").counters["kv_releases"] == before + 1
+
+
+def held_blocks(address: str, request_id: str) -> int:
+    """The blocks a prefill daemon still holds for ``request_id`` (KVAdmin ListTransfers)."""
+    return sum(t.num_blocks for t in admin(address, "transfers") if t.request_id == request_id)
+
+
+def test_messages_up_to_the_shared_limit_reach_the_engine(pair):
+    _, decode = pair
+    limit = grpc_message_limit(DEFAULT_MAX_REQUEST_BYTES)
+    with GenerationClient(decode.address) as client:
+        # A prompt as long as the router lets through arrives; the engine says why it cannot run.
+        fits = "x" * DEFAULT_MAX_REQUEST_BYTES
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(generate_request("big", fits, 1))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().endswith(
+            f"prompt has {DEFAULT_MAX_REQUEST_BYTES} tokens but max_model_len is 2048 "
+            "(no room to generate)"
+        )
+        # Past the gRPC limit: refused by gRPC before the daemon parses anything.
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(generate_request("bigger", "x" * limit, 1))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in refused.value.details()
+        assert f"vs. {limit}" in refused.value.details()
+    assert admin(decode.address, "status").num_used_blocks == 0
 
 
 def test_health_reflection_and_metrics(pair):

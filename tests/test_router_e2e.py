@@ -1,12 +1,15 @@
 """End to end through the router, with real daemons as separate processes: completions equal the
 colocated `kvtransfer generate` output (JSON and SSE, 1P1D, 2P1D, TP/PP differing across the
-sides); bad requests get 400 naming the field; a dead daemon becomes an HTTP error naming it."""
+sides); bad requests get 400 naming the field, bodies over the shared limit 413; a dead decode
+daemon is ejected, nothing is prefilled for it, and KV prefilled for a decode that failed is
+released at once (not after its lease); a restarted daemon is re-admitted."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -21,7 +24,12 @@ from serve_helpers.daemons import (
     start_router,
 )
 
+from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+
 MAX_TOKENS = 10
+# The prefill's lease in the release test: KV freed well before it was freed by a release.
+LEASE_S = 60
+RELEASED_WITHIN_S = 15.0
 
 
 def post(base_url: str, body: object, raw: bytes | None = None) -> tuple[int, str]:
@@ -187,7 +195,7 @@ def test_two_prefill_daemons_are_used_in_turn_and_a_dead_decode_is_named(tmp_pat
         )
         status, text = get(router.address, "/health")
         assert status == 503
-        assert json.loads(text)["decode"][decode.address].startswith("UNREACHABLE")
+        assert json.loads(text)["decode"][decode.address] == "UNREACHABLE (UNAVAILABLE)"
 
 
 @pytest.mark.parametrize(
@@ -232,3 +240,130 @@ def test_tls_and_admin_token_end_to_end(tmp_path, expected, capsys):
         # Without the CA the daemon's certificate is not trusted: a clear error, no hang.
         assert main(["admin", "status", "--target", decode.address, "--timeout-s", "1"]) == 1
         capsys.readouterr()
+
+
+def test_body_limit_is_one_clear_413_and_a_body_under_it_reaches_the_daemon(one_to_one, expected):
+    url, prefill, _ = one_to_one
+    frame = b'{"prompt": "", "max_tokens": 1}'
+
+    def body(size: int) -> bytes:
+        return frame.replace(b'""', b'"' + b"x" * (size - len(frame)) + b'"')
+
+    before = admin(prefill.address, "status").counters["requests_rejected"]
+    status, text = post(url, None, raw=body(DEFAULT_MAX_REQUEST_BYTES + 1))
+    assert status == 413, text
+    assert json.loads(text)["error"]["message"] == (
+        f"the request body is larger than {DEFAULT_MAX_REQUEST_BYTES} bytes, this router's "
+        "limit (--max-request-bytes)"
+    )
+    # Just under: the daemon's gRPC limit lets it through, and the prefill engine says why
+    # the prompt cannot run (not a transport message about sizes).
+    status, text = post(url, None, raw=body(DEFAULT_MAX_REQUEST_BYTES))
+    assert status == 400, text
+    message = json.loads(text)["error"]["message"]
+    assert message.startswith(f"prefill daemon {prefill.address}: INVALID_ARGUMENT: request ")
+    tokens = DEFAULT_MAX_REQUEST_BYTES - len(frame)  # one per byte with the built-in tokenizer
+    assert message.endswith(
+        f"prompt has {tokens} tokens but max_model_len is 2048 (no room to generate)"
+    )
+    after = admin(prefill.address, "status")
+    assert after.counters["requests_rejected"] == before + 1
+    assert after.num_used_blocks == 0
+    assert complete(url, PROMPTS[0])["kvtransfer"]["token_ids"] == expected[0]
+
+
+def metric(base_url: str, line: str) -> bool:
+    return line in get(base_url, "/metrics")[1].splitlines()
+
+
+def wait_until(what: str, condition, within_s: float) -> float:
+    """Polls ``condition``; returns the seconds it took, failing after ``within_s``."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < within_s, f"{what}: not within {within_s:g} s"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def used_blocks(daemon) -> int:
+    return admin(daemon.address, "status").num_used_blocks
+
+
+def started(daemon) -> int:
+    return admin(daemon.address, "status").counters["requests_started"]
+
+
+def test_dead_decode_is_ejected_nothing_is_prefilled_for_it_and_held_kv_is_released(
+    tmp_path, expected
+):
+    lease = {"kv_connector_extra_config": {"kv_lease_s": LEASE_S}}
+    prefill = start_daemon("prefill", tmp_path, "--engine-id", "p", kv=lease)
+    decode = start_daemon("decode", tmp_path, "--engine-id", "d")
+    # One router only learns from failed calls (no check in the test's time), one checks often.
+    calls_only = start_router(
+        tmp_path, [prefill], [decode], "--health-interval-s", "600", name="router-calls"
+    )
+    checking = start_router(
+        tmp_path, [prefill], [decode], "--health-interval-s", "0.2", name="router-checks"
+    )
+    restarted = None
+    try:
+        for url in (calls_only.address, checking.address):
+            assert complete(url, PROMPTS[1])["kvtransfer"]["token_ids"] == expected[1]
+        wait_until("pulled KV freed", lambda: used_blocks(prefill) == 0, RELEASED_WITHIN_S)
+
+        decode.kill()
+        # Not known dead yet: prefilled, the decode call fails, the KV is given back at once.
+        status, text = post(calls_only.address, {"prompt": PROMPTS[2], "max_tokens": 4})
+        assert status == 503, text
+        message = json.loads(text)["error"]["message"]
+        assert message.startswith(f"decode daemon {decode.address}: UNAVAILABLE: "), message
+        assert started(prefill) == 3
+        took = wait_until("released KV freed", lambda: used_blocks(prefill) == 0, RELEASED_WITHIN_S)
+        assert took < LEASE_S
+        assert admin(prefill.address, "status").counters["kv_releases"] == 1
+        released = 'kvtransfer_router_kv_releases_total{outcome="released",trigger="decode_failed"}'
+        assert metric(calls_only.address, released + " 1.0")
+
+        # Now ejected, by the failed call on one router and by the health checks on the other:
+        # 503 naming the decode daemon, and nothing sent to the prefill.
+        no_decode = f"no decode daemon is healthy ({decode.address}: UNREACHABLE (UNAVAILABLE))"
+        wait_until(
+            "health checks eject the dead decode",
+            lambda: get(checking.address, "/health")[0] == 503,
+            RELEASED_WITHIN_S,
+        )
+        for url in (calls_only.address, checking.address):
+            status, text = post(url, {"prompt": PROMPTS[2], "max_tokens": 4})
+            assert (status, json.loads(text)["error"]["message"]) == (503, no_decode)
+            status, text = get(url, "/health")
+            assert status == 503
+            assert json.loads(text)["decode"] == {decode.address: "UNREACHABLE (UNAVAILABLE)"}
+        assert started(prefill) == 3 and used_blocks(prefill) == 0
+
+        # Restarted in place, with a smaller pool: the checking router re-admits it.
+        port = decode.address.rsplit(":", 1)[1]
+        small = ("--engine-id", "d", "--port", port, "--num-kv-blocks", "8")
+        restarted = start_daemon("decode", tmp_path, *small, name="decode-restarted")
+        wait_until(
+            "re-admission",
+            lambda: get(checking.address, "/health")[0] == 200,
+            RELEASED_WITHIN_S,
+        )
+        assert complete(checking.address, PROMPTS[0])["kvtransfer"]["token_ids"] == expected[0]
+        # A prompt the prefill takes and the decode cannot: the decode refuses it (400 naming
+        # it), and the prefill's KV is given back at once.
+        status, text = post(checking.address, {"prompt": PROMPTS[2], "max_tokens": 4})
+        assert status == 400, text
+        message = json.loads(text)["error"]["message"]
+        assert message.startswith(f"decode daemon {decode.address}: RESOURCE_EXHAUSTED: ")
+        took = wait_until("released KV freed", lambda: used_blocks(prefill) == 0, RELEASED_WITHIN_S)
+        assert took < LEASE_S
+        assert admin(prefill.address, "status").counters["kv_releases"] == 2
+        assert get(checking.address, "/health")[0] == 200  # a refusal is no ejection
+    finally:
+        for process in (checking, calls_only, restarted, prefill):
+            if process is not None:
+                process.terminate()
+    assert exit_used_blocks(prefill) == 0
+    assert restarted is not None and exit_used_blocks(restarted) == 0

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvtransfer.serve.settings import SettingsError, load_settings
 from kvtransfer.serve.text_stream import TextStream
 
@@ -20,6 +21,11 @@ def test_defaults_per_role():
     assert prefill.transfer_config().kv_role == "kv_producer"
     assert decode.transfer_config().kv_role == "kv_consumer"
     assert decode.transfer_config().kv_connector == "UcxConnector"
+    # The router's default too: what it accepts, the daemons' gRPC servers take.
+    assert prefill.max_request_bytes == decode.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+    flag = load_settings("decode", ["--max-request-bytes", "1024"], environ={})
+    env = load_settings("decode", [], environ={"KVTRANSFER_MAX_REQUEST_BYTES": "2048"})
+    assert (flag.max_request_bytes, env.max_request_bytes) == (1024, 2048)
 
 
 def test_layers_override_in_order(tmp_path):
@@ -54,6 +60,7 @@ def test_json_config_file_and_env_json(tmp_path):
         (["--kv-transfer-config", "{nope"], {}, "--kv-transfer-config: Value error, not valid"),
         ([], {"KVTRANSFER_PP": "two"}, "--pp: Input should be a valid integer"),
         (["--log-level", "loud"], {}, "--log-level: Input should be 'DEBUG'"),
+        (["--max-request-bytes", "0"], {}, "--max-request-bytes: Input should be greater than"),
     ],
 )
 def test_bad_settings_name_the_setting(argv, environ, message):

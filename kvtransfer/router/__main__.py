@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from kvtransfer.router.config import RouterConfig, check_address
 from kvtransfer.router.server import RouterServer
+from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvtransfer.serve.logs import configure_logging
 
 logger = logging.getLogger("kvtransfer.router")
@@ -35,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible HTTP router over prefill and decode daemons: "
         "/v1/completions (JSON and SSE), /v1/models, /health, /metrics.",
     )
-    daemons = "HOST:PORT of a %s daemon's gRPC server; repeat for more (round-robin)"
+    daemons = "HOST:PORT of a %s daemon's gRPC server; repeat for more (round-robin over the "
+    daemons += "healthy ones)"
     for role in ("prefill", "decode"):
         parser.add_argument(
             f"--{role}",
@@ -53,6 +55,26 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         help="deadline of a whole request, prefill and decode together (default 300)",
+    )
+    parser.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=1.0,
+        help="how often every daemon's health is checked; an ejected daemon is picked again "
+        "once a check finds it SERVING (default 1)",
+    )
+    parser.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=1.0,
+        help="deadline of one health check (default 1)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body; larger ones get 413. Give the daemons the same value "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES})",
     )
     parser.add_argument(
         "--shutdown-timeout-s",
@@ -79,6 +101,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         port=args.port,
         model_name=args.model_name,
         request_timeout_s=args.request_timeout_s,
+        health_interval_s=args.health_interval_s,
+        health_timeout_s=args.health_timeout_s,
+        max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout_s,
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,

@@ -6,10 +6,16 @@ Life cycle of a request:
    the deadline (``request_timeout_s``) starts, and the request gets one id, ``cmpl-<hex>``,
    used on both daemons, in the answer (also as the ``x-request-id`` header) and on every log
    line.
-2. Validate: the JSON body becomes a `CompletionRequest` (`openai_api`); a malformed one is
+2. Validate: a body over ``max_request_bytes`` is answered 413 naming the limit; one that is not
+   UTF-8 JSON, nests deeper than 64 levels or holds a lone surrogate is 400 naming the problem
+   (`openai_api.parse_json_body`); the JSON becomes a `CompletionRequest`, a malformed one is
    answered 400 naming the field, an unknown model 404. Nothing reaches a daemon.
-3. Pick daemons: the next prefill daemon in turn; the next decode daemon in turn once the
-   prefill has succeeded (two separate round-robin counters, `upstream.DaemonPool`).
+3. Pick daemons, healthy ones only (`upstream.DaemonPool`: health-checked every
+   ``health_interval_s``, a daemon whose call fails at the transport level is ejected at once).
+   With no healthy decode daemon the answer is 503 naming each decode daemon's state, before
+   any prefill: KV prefilled for nobody would only be held until its lease ran out. Then the
+   next healthy prefill daemon in turn; the next healthy decode daemon in turn once the prefill
+   has succeeded (two separate round-robin counters).
 4. Prefill: ``Generate`` with the prompt, ``max_tokens=1``, the same temperature, top_p and
    seed, and ``kv_transfer_params={"do_remote_decode": true}``; its stream is drained.
 5. Params: the prefill's final message carries the ``kv_transfer_params_json`` a decode engine
@@ -26,6 +32,13 @@ Life cycle of a request:
    carries the remaining deadline. A client that disconnects cancels the handler (the runner
    is built with ``handler_cancellation``), which cancels the gRPC call: the daemon aborts the
    request and frees its blocks.
+9. Release: once the prefill returned its params, a decode that does not finish with "length"
+   or "stop" (no healthy decode left, the call failed, an error or abort finish, the client
+   went away) makes the router call ``ReleaseKV`` on that prefill daemon with exactly those
+   params, so the KV is freed now rather than at the end of its lease. The call runs in a task
+   of its own with ``release_timeout_s``: the client's answer never waits for it and the
+   handler's cancellation does not reach it; ``kvtransfer_router_kv_releases_total`` counts
+   the outcomes.
 """
 
 from __future__ import annotations
@@ -51,8 +64,16 @@ from kvtransfer.router.openai_api import (
     completion_body,
     error_body,
     parse_completion_request,
+    parse_json_body,
 )
-from kvtransfer.router.upstream import DaemonPool, Upstream, UpstreamError
+from kvtransfer.router.upstream import (
+    Daemon,
+    DaemonPool,
+    NoHealthyDaemon,
+    PrefillResult,
+    Upstream,
+    UpstreamError,
+)
 from kvtransfer.v1 import generation_pb2
 
 logger = logging.getLogger("kvtransfer.router")
@@ -64,8 +85,8 @@ _SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _SSE_DONE = b"data: [DONE]\n\n"
-# aiohttp's 1 MiB default is too small for long prompts sent as token-id lists.
-MAX_BODY_BYTES = 32 * 2**20
+# Decode outcomes after which the decode engine has pulled, or let go of, the prefill's KV.
+_CLEAN_FINISHES = frozenset({"length", "stop"})
 
 
 def make_app(config: RouterConfig) -> web.Application:
@@ -75,7 +96,8 @@ def make_app(config: RouterConfig) -> web.Application:
     so that a client that disconnects cancels the upstream calls.
     """
     router = RouterHandlers(config)
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    # aiohttp's 1 MiB default is too small for long prompts; see kvtransfer.serve.limits.
+    app = web.Application(client_max_size=config.max_request_bytes)
     app[ROUTER] = router
     app.cleanup_ctx.append(router.channels)
     app.router.add_post("/v1/completions", router.completions)
@@ -95,6 +117,8 @@ class _Exchange:
     created: int
     log: logging.LoggerAdapter[logging.Logger]
     route: dict[str, str] = field(default_factory=dict)
+    # Set once the decode stream ended with "length" or "stop": its KV load is settled.
+    decoded: bool = False
 
 
 @dataclass
@@ -130,6 +154,10 @@ class _Decoded:
     def text(self) -> str:
         return "".join(self.texts)
 
+    @property
+    def clean(self) -> bool:
+        return self.final is not None and self.final.finish_reason in _CLEAN_FINISHES
+
     def failure(self, address: str) -> UpstreamError | None:
         if self.final is None:
             message = "the stream ended without a final message"
@@ -147,6 +175,13 @@ class RouterHandlers:
         self.config = config
         self.metrics = RouterMetrics()
         self._upstream: Upstream | None = None
+        # ReleaseKV calls in flight: they outlive their handlers, not the channels.
+        self._releases: set[asyncio.Task[None]] = set()
+
+    @property
+    def releases_in_flight(self) -> int:
+        """``ReleaseKV`` calls started and not yet answered."""
+        return len(self._releases)
 
     @property
     def upstream(self) -> Upstream:
@@ -156,16 +191,36 @@ class RouterHandlers:
 
     async def channels(self, app: web.Application) -> AsyncIterator[None]:
         # grpc.aio channels belong to the loop that creates them: open them on the app's loop.
-        credentials = self.config.channel_credentials()
-        self._upstream = Upstream(
-            DaemonPool("prefill", self.config.prefill, credentials),
-            DaemonPool("decode", self.config.decode, credentials),
-        )
+        config = self.config
+        credentials = config.channel_credentials()
+        pools = [
+            DaemonPool(
+                role,
+                addresses,
+                credentials,
+                options=config.channel_options(),
+                on_health=self._health_changed,
+            )
+            for role, addresses in (("prefill", config.prefill), ("decode", config.decode))
+        ]
+        upstream = Upstream(*pools)
+        try:
+            await upstream.start(config.health_interval_s, config.health_timeout_s)
+        except BaseException:
+            await upstream.close()
+            raise
+        self._upstream = upstream
         try:
             yield
         finally:
-            upstream, self._upstream = self._upstream, None
+            # Handlers are done by now; the releases they started each have a deadline
+            # (release_timeout_s), so waiting for them is bounded.
+            await asyncio.gather(*self._releases, return_exceptions=True)
+            self._upstream = None
             await upstream.close()
+
+    def _health_changed(self, daemon: Daemon, healthy: bool, state: str, first: bool) -> None:
+        self.metrics.daemon_health(daemon.role, daemon.address, healthy, state, first)
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -174,12 +229,15 @@ class RouterHandlers:
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
-        timeout_s = self.config.health_timeout_s
-        prefill, decode = await asyncio.gather(
-            self.upstream.prefill.health(timeout_s), self.upstream.decode.health(timeout_s)
-        )
-        ok = "SERVING" in prefill.values() and "SERVING" in decode.values()
-        body = {"status": "ok" if ok else "unavailable", "prefill": prefill, "decode": decode}
+        """The pool as the last health checks and calls left it: 200 while at least one
+        prefill and one decode daemon may be picked, else 503; no daemon is called."""
+        prefill, decode = self.upstream.prefill, self.upstream.decode
+        ok = prefill.any_healthy() and decode.any_healthy()
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "prefill": prefill.states(),
+            "decode": decode.states(),
+        }
         return web.json_response(body, status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -222,11 +280,14 @@ class RouterHandlers:
         log: logging.LoggerAdapter[logging.Logger],
     ) -> web.StreamResponse:
         try:
-            parsed = parse_completion_request(await _json_body(request))
+            parsed = parse_completion_request(parse_json_body(await request.read()))
         except web.HTTPRequestEntityTooLarge:
-            message = f"the request body is larger than {request.client_max_size} bytes"
+            message = (
+                f"the request body is larger than {request.client_max_size} bytes, "
+                "this router's limit (--max-request-bytes)"
+            )
             log.info("rejected (413): %s", message)
-            return _error(request_id, 413, message)
+            return _error(request_id, 413, message, code="request_too_large")
         except InvalidRequest as exc:
             log.info("rejected (400): %s", exc)
             return _error(request_id, 400, str(exc), param=exc.param)
@@ -250,7 +311,26 @@ class RouterHandlers:
     async def _route(self, request: web.Request, exchange: _Exchange) -> web.StreamResponse:
         deadline = exchange.started + self.config.request_timeout_s
         upstream = self.upstream
+        # KV prefilled for no decode daemon would only wait out its lease.
+        upstream.decode.require_healthy()
         prefill = await upstream.run_prefill(exchange.request_id, exchange.request, deadline)
+        try:
+            response = await self._decode(request, exchange, prefill, deadline)
+        except BaseException as exc:
+            self._release_unless_decoded(exchange, prefill, _release_trigger(exc))
+            raise
+        # An SSE stream that failed after its first byte ends here too, with an error event.
+        self._release_unless_decoded(exchange, prefill, "decode_failed")
+        return response
+
+    async def _decode(
+        self,
+        request: web.Request,
+        exchange: _Exchange,
+        prefill: PrefillResult,
+        deadline: float,
+    ) -> web.StreamResponse:
+        upstream = self.upstream
         decode = upstream.pick_decode()
         exchange.route = {"prefill": prefill.daemon.address, "decode": decode.address}
         exchange.log.info(
@@ -283,6 +363,7 @@ class RouterHandlers:
         failure = decoded.failure(exchange.route["decode"])
         if failure is not None:
             raise failure
+        exchange.decoded = decoded.clean
         usage = {
             "prompt_tokens": decoded.num_prompt_tokens,
             "completion_tokens": len(decoded.token_ids),
@@ -344,10 +425,39 @@ class RouterHandlers:
         final = decoded.final
         if final is None:  # failure() above rules this out; narrows the type
             raise RuntimeError("unreachable: a decode stream without a final message")
+        exchange.decoded = decoded.clean
         info = _kvtransfer_info(exchange, decoded)
         await sse.send(self._chunk(exchange, final.text, final.finish_reason, info))
         await sse.done()
         self._log_done(exchange, decoded)
+
+    # ------------------------------------------------------------------ releasing KV
+
+    def _release_unless_decoded(
+        self, exchange: _Exchange, prefill: PrefillResult, trigger: str
+    ) -> None:
+        """Unless the decode stream finished cleanly, give the prefill's KV back now.
+
+        A task of its own: the client's answer never waits for it, and cancelling the handler
+        (the client went away) does not cancel it.
+        """
+        upstream = self._upstream
+        if exchange.decoded or upstream is None:  # closed: the lease frees the KV instead
+            return
+        release = self._release(upstream, exchange, prefill, trigger)
+        task = asyncio.get_running_loop().create_task(release)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(
+        self, upstream: Upstream, exchange: _Exchange, prefill: PrefillResult, trigger: str
+    ) -> None:
+        outcome = await upstream.release_kv(
+            prefill, exchange.request_id, self.config.release_timeout_s
+        )
+        self.metrics.kv_release(trigger, outcome)
+        log = exchange.log.info if outcome in ("released", "not_held") else exchange.log.warning
+        log("KV release on %s (%s): %s", prefill.daemon.address, trigger, outcome)
 
     # ------------------------------------------------------------------ helpers
 
@@ -375,7 +485,10 @@ class RouterHandlers:
 
     def _upstream_failure(self, exchange: _Exchange, exc: UpstreamError) -> web.Response:
         self._count_failure(exchange, exc)
-        return _error(exchange.request_id, exc.status, str(exc), kind=_error_kind(exc.status))
+        code = exc.reason if isinstance(exc, NoHealthyDaemon) else None
+        return _error(
+            exchange.request_id, exc.status, str(exc), kind=_error_kind(exc.status), code=code
+        )
 
     def _count_failure(self, exchange: _Exchange, exc: UpstreamError) -> None:
         exchange.log.warning("failed (%d): %s", exc.status, exc)
@@ -396,11 +509,10 @@ class RouterHandlers:
 ROUTER = web.AppKey("router", RouterHandlers)
 
 
-async def _json_body(request: web.Request) -> Any:
-    try:
-        return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise InvalidRequest("the request body is not valid JSON", None) from None
+def _release_trigger(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.CancelledError | _ClientGone | ConnectionResetError):
+        return "client_gone"
+    return "decode_failed" if isinstance(exc, UpstreamError) else "error"
 
 
 def _kvtransfer_info(exchange: _Exchange, decoded: _Decoded) -> dict[str, Any]:

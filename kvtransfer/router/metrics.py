@@ -6,7 +6,7 @@ process, as tests run them, without "duplicated timeseries" errors.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -42,6 +42,32 @@ class RouterMetrics:
             registry=self.registry,
         )
 
+        self._daemon_healthy = Gauge(
+            "kvtransfer_router_daemon_healthy",
+            "1 while the router picks this daemon (SERVING, no failed call since), else 0",
+            ["role", "address"],
+            registry=self.registry,
+        )
+        self._ejections = Counter(
+            "kvtransfer_router_daemon_ejections",
+            "Daemons taken out of the pool, by the state that ejected them",
+            ["role", "address", "state"],
+            registry=self.registry,
+        )
+        self._readmissions = Counter(
+            "kvtransfer_router_daemon_readmissions",
+            "Ejected daemons put back by a health check that found them SERVING",
+            ["role", "address"],
+            registry=self.registry,
+        )
+        self._releases = Counter(
+            "kvtransfer_router_kv_releases",
+            "ReleaseKV calls to prefill daemons, by trigger (decode_failed, client_gone, error) "
+            "and outcome (released, not_held, or the gRPC code)",
+            ["trigger", "outcome"],
+            registry=self.registry,
+        )
+
     def request_done(self, status: int, seconds: float) -> None:
         self._requests.labels(status=str(status)).inc()
         self._latency.observe(seconds)
@@ -51,3 +77,18 @@ class RouterMetrics:
 
     def upstream_error(self, role: str, reason: str) -> None:
         self._upstream_errors.labels(role=role, reason=reason).inc()
+
+    def daemon_health(
+        self, role: str, address: str, healthy: bool, state: str, first: bool
+    ) -> None:
+        """A daemon's health became known (``first``) or flipped."""
+        self._daemon_healthy.labels(role=role, address=address).set(1 if healthy else 0)
+        if first:
+            return
+        if healthy:
+            self._readmissions.labels(role=role, address=address).inc()
+        else:
+            self._ejections.labels(role=role, address=address, state=state).inc()
+
+    def kv_release(self, trigger: str, outcome: str) -> None:
+        self._releases.labels(trigger=trigger, outcome=outcome).inc()

@@ -3,10 +3,16 @@
 Validation is strict on types (``"5"`` is not a number, ``true`` is not 1) so that a client's
 mistake becomes a 400 naming the field instead of a surprising completion. ``null`` means "the
 default" for every optional field, as OpenAI clients send it that way.
+
+The body itself (`parse_json_body`) must be UTF-8 JSON nested at most `MAX_JSON_DEPTH` levels
+whose strings, keys included, are valid Unicode: a lone surrogate escape such as ``"\\ud800"``
+decodes in Python but cannot be encoded for a daemon. Each is a 400 naming the problem.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from typing import Any
 
@@ -15,6 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_STOP = 4
 _UINT32_MAX = 2**32 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Objects and arrays inside each other, the body itself being level 1. A completion request
+# needs 3 (body, prompt batch, token ids); the bound keeps parsing and checking cheap.
+MAX_JSON_DEPTH = 64
+# Only an escape can put a surrogate into a decoded string (strict UTF-8 decoding refuses the
+# raw bytes), so bodies without one skip the string walk.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # Fields whose non-default values cannot be honoured: rejected rather than silently ignored.
 _UNSUPPORTED: dict[str, object] = {"n": 1, "best_of": 1, "echo": False, "logprobs": None}
 
@@ -75,6 +87,81 @@ class CompletionRequest(BaseModel):
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT32_MAX
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Decode a request body; raises `InvalidRequest` naming what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(
+            f"the request body is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset "
+            f"{exc.start} ({exc.reason})",
+            None,
+        ) from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        raise InvalidRequest("the request body is not valid JSON", None) from None
+    except RecursionError:  # far deeper than MAX_JSON_DEPTH
+        raise _too_deep() from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}", None) from None
+    # Counting brackets (those inside strings too) is fast and bounds the depth from above.
+    nested = text.count("[") + text.count("{") > MAX_JSON_DEPTH
+    if nested or _SURROGATE_ESCAPE.search(text):
+        _check_tree(body, check_strings=_SURROGATE_ESCAPE.search(text) is not None)
+    return body
+
+
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest(
+        f"the request body is JSON nested deeper than {MAX_JSON_DEPTH} levels", None
+    )
+
+
+def _check_tree(body: Any, *, check_strings: bool) -> None:
+    """Depth and (when asked) Unicode of every value, iteratively: no recursion to exhaust."""
+    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(body, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            if check_strings and isinstance(value, str):
+                _check_unicode(value, path)
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        for key, item in items:
+            if check_strings and isinstance(key, str):
+                _check_unicode(key, path, key=True)
+            if isinstance(item, dict | list) or (check_strings and isinstance(item, str)):
+                stack.append((item, depth + 1, (*path, key)))
+
+
+def _check_unicode(text: str, path: tuple[str | int, ...], *, key: bool = False) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = _json_path(path) or "the request body"
+        what = "a key" if key else "a string"
+        surrogate = f"\\u{ord(text[exc.start]):04x}"
+        raise InvalidRequest(
+            f"{where}: {what} holds a lone surrogate ({surrogate}), which is not valid Unicode",
+            str(path[0]) if path else None,
+        ) from None
+
+
+def _json_path(path: tuple[str | int, ...]) -> str:
+    parts = []
+    for step in path:
+        parts.append(f"[{step}]" if isinstance(step, int) else f".{step}" if parts else step)
+    return "".join(parts)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

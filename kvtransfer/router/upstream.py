@@ -1,4 +1,15 @@
-"""The router's gRPC side: daemons picked round-robin, prefill then decode, errors typed.
+"""The router's gRPC side: healthy daemons picked round-robin, prefill then decode, errors typed.
+
+Health. Each role's daemons form a `DaemonPool`. A daemon is picked only while healthy: its last
+grpc.health.v1 ``Check`` answered SERVING and no call failed at the transport level since. A
+call that fails with UNAVAILABLE (refused, reset, draining), or a ``Generate`` call that fails
+with DEADLINE_EXCEEDED before the daemon sent anything, ejects the daemon at once; a background
+task checks every daemon each ``health_interval_s`` (deadline ``health_timeout_s``) and
+re-admits it once it answers SERVING, so a false ejection costs one interval. NOT_SERVING
+(draining) daemons are not picked. A daemon's state is ``SERVING``, ``NOT_SERVING``,
+``SERVICE_UNKNOWN`` or ``UNREACHABLE (<code>)`` (its last check or call failed with that gRPC
+code); ``NOT_CHECKED`` only before the first check, which runs before the router serves.
+Ejections and re-admissions are logged and counted.
 
 Everything that goes wrong upstream becomes an `UpstreamError` carrying the HTTP status to
 answer, the role and address of the daemon at fault, and a short ``reason`` label (metrics):
@@ -10,6 +21,10 @@ INVALID_ARGUMENT                              400     the daemon refused the inp
                                                       names the field and is passed through)
 RESOURCE_EXHAUSTED                            400     the prompt can never fit the daemon's block
                                                       pool: retrying (what 429 invites) won't help
+a message over a gRPC size limit              413     the daemons take less than the router's
+                                                      ``max_request_bytes``: set both the same
+no healthy daemon of a role                   503     `NoHealthyDaemon`, naming each one's state;
+                                                      raised before anything is sent
 UNAVAILABLE (draining, down, unreachable)     503     another daemon or a later retry may work
 DEADLINE_EXCEEDED (``request_timeout_s``)     503     same; the message names the daemon
 prefill ended with finish_reason "error",     502     the daemon answered, but not usably
@@ -18,16 +33,19 @@ decode ended with finish_reason "error"       502     (SSE error event if bytes 
 a stream that ended without a final message   502
 any other gRPC status (INTERNAL, ...)         502
 ============================================  ======  ============================================
+
+``Upstream.release_kv`` gives a prefill's KV back (``Generation.ReleaseKV``) when no decode will
+pull it; it answers an outcome label and never raises.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
+import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,7 +54,11 @@ from kvtransfer.router.openai_api import CompletionRequest
 from kvtransfer.serve.client import generate_request as build_generate_request
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
+logger = logging.getLogger("kvtransfer.router.upstream")
+
 PREFILL_PARAMS_JSON = json.dumps({"do_remote_decode": True})
+SERVING = "SERVING"
+NOT_CHECKED = "NOT_CHECKED"
 
 _STATUS_FOR_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -44,20 +66,42 @@ _STATUS_FOR_CODE = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 503,
 }
+# gRPC's own words when a message exceeds max_send/receive_message_length (either side).
+_SIZE_LIMIT_DETAILS = "message larger than max"
+
+HealthListener = Callable[["Daemon", bool, str, bool], None]
+"""``(daemon, healthy, state, first)``: called when a daemon's health is first known and each
+time it flips; ``first`` marks the start-up check."""
 
 
 class UpstreamError(RuntimeError):
     """A daemon failed the request: ``status`` is the HTTP status to answer with."""
 
     def __init__(
-        self, status: int, message: str, role: str, address: str, reason: str = "error"
+        self,
+        status: int,
+        message: str,
+        role: str,
+        address: str,
+        reason: str = "error",
+        *,
+        text: str | None = None,
     ) -> None:
-        super().__init__(f"{role} daemon {address}: {message}")
+        super().__init__(text or f"{role} daemon {address}: {message}")
         self.status = status
         self.message = message
         self.role = role
         self.address = address
         self.reason = reason
+
+
+class NoHealthyDaemon(UpstreamError):
+    """No daemon of ``role`` is healthy: 503 at once, naming each daemon and its state."""
+
+    def __init__(self, role: str, states: Mapping[str, str]) -> None:
+        listed = "; ".join(f"{address}: {state}" for address, state in states.items())
+        message = f"no {role} daemon is healthy ({listed})"
+        super().__init__(503, message, role, ", ".join(states), "no_healthy_daemon", text=message)
 
 
 @dataclass(frozen=True)
@@ -68,36 +112,121 @@ class Daemon:
     stub: generation_pb2_grpc.GenerationStub
 
 
+@dataclass
+class _Health:
+    state: str = NOT_CHECKED
+    healthy: bool = False
+    # time.monotonic() of the last ejection by a failed call: a check that began before it
+    # saw the daemon earlier and must not re-admit it.
+    ejected_at: float = float("-inf")
+
+
 class DaemonPool:
     """The daemons of one role: one channel each, reused by every request; ``pick`` is
-    round-robin (one asyncio loop, so the shared cycle needs no lock)."""
+    round-robin over the healthy ones (one asyncio loop, so no lock)."""
 
     def __init__(
-        self, role: str, addresses: Sequence[str], credentials: grpc.ChannelCredentials | None
+        self,
+        role: str,
+        addresses: Sequence[str],
+        credentials: grpc.ChannelCredentials | None,
+        *,
+        options: Sequence[tuple[str, int | str]] = (),
+        on_health: HealthListener | None = None,
     ) -> None:
         if not addresses:
             raise ValueError(f"at least one {role} daemon is required")
         self.role = role
-        self.daemons = tuple(_connect(role, address, credentials) for address in addresses)
-        self._turns = itertools.cycle(self.daemons)
+        self.daemons = tuple(_connect(role, a, credentials, options) for a in addresses)
+        self._health = {d.address: _Health() for d in self.daemons}
+        self._on_health = on_health
+        self._next = 0
+        self._probing: asyncio.Task[None] | None = None
 
     def pick(self) -> Daemon:
-        return next(self._turns)
+        """The next healthy daemon in turn; `NoHealthyDaemon` when there is none."""
+        for _ in self.daemons:
+            daemon = self.daemons[self._next]
+            self._next = (self._next + 1) % len(self.daemons)
+            if self._health[daemon.address].healthy:
+                return daemon
+        raise NoHealthyDaemon(self.role, self.states())
 
-    async def health(self, timeout_s: float) -> dict[str, str]:
-        """address -> serving status name, or ``UNREACHABLE (<code>)``; checked concurrently."""
+    def require_healthy(self) -> None:
+        """Raises `NoHealthyDaemon` unless some daemon may be picked."""
+        if not self.any_healthy():
+            raise NoHealthyDaemon(self.role, self.states())
+
+    def any_healthy(self) -> bool:
+        return any(h.healthy for h in self._health.values())
+
+    def states(self) -> dict[str, str]:
+        """address -> state (see the module docstring), as last seen; no call is made."""
+        return {address: health.state for address, health in self._health.items()}
+
+    def eject(self, daemon: Daemon, code: grpc.StatusCode, details: str) -> None:
+        """A call to ``daemon`` failed at the transport level: stop picking it now."""
+        self._health[daemon.address].ejected_at = time.monotonic()
+        self._set(daemon, False, f"UNREACHABLE ({code.name})", f"a call failed: {details}")
+
+    async def check(self, timeout_s: float) -> None:
+        """Health-check every daemon concurrently and apply the answers."""
+        started = time.monotonic()
         states = await asyncio.gather(*(_check(d, timeout_s) for d in self.daemons))
-        return {d.address: state for d, state in zip(self.daemons, states, strict=True)}
+        for daemon, state in zip(self.daemons, states, strict=True):
+            if state == SERVING and self._health[daemon.address].ejected_at >= started:
+                continue
+            self._set(daemon, state == SERVING, state, "health check")
+
+    def start_checking(self, interval_s: float, timeout_s: float) -> None:
+        """Check every ``interval_s`` in the background, until `close`."""
+        if self._probing is None:
+            self._probing = asyncio.create_task(self._check_forever(interval_s, timeout_s))
 
     async def close(self) -> None:
+        probing, self._probing = self._probing, None
+        if probing is not None:
+            probing.cancel()
+            await asyncio.gather(probing, return_exceptions=True)
         await asyncio.gather(*(d.channel.close() for d in self.daemons))
 
+    async def _check_forever(self, interval_s: float, timeout_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.check(timeout_s)
+            except Exception:  # a bug here must not silently end health checking
+                logger.exception("%s health check failed", self.role)
 
-def _connect(role: str, address: str, credentials: grpc.ChannelCredentials | None) -> Daemon:
+    def _set(self, daemon: Daemon, healthy: bool, state: str, why: str) -> None:
+        health = self._health[daemon.address]
+        first = health.state == NOT_CHECKED
+        flipped = health.healthy != healthy
+        health.state, health.healthy = state, healthy
+        name = f"{self.role} daemon {daemon.address}"
+        if first:
+            if healthy:
+                logger.info("%s: %s at start-up", name, state)
+            else:
+                logger.warning("%s: %s at start-up, not picked until SERVING", name, state)
+        elif flipped and healthy:
+            logger.info("%s re-admitted: %s", name, state)
+        elif flipped:
+            logger.warning("%s ejected: %s (%s)", name, state, why)
+        if (first or flipped) and self._on_health is not None:
+            self._on_health(daemon, healthy, state, first)
+
+
+def _connect(
+    role: str,
+    address: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, int | str]],
+) -> Daemon:
     if credentials is None:
-        channel = grpc.aio.insecure_channel(address)
+        channel = grpc.aio.insecure_channel(address, options=list(options))
     else:
-        channel = grpc.aio.secure_channel(address, credentials)
+        channel = grpc.aio.secure_channel(address, credentials, options=list(options))
     return Daemon(role, address, channel, generation_pb2_grpc.GenerationStub(channel))
 
 
@@ -116,12 +245,23 @@ class PrefillResult:
     kv_transfer_params_json: str
 
 
+@dataclass
 class Upstream:
     """Prefill then decode for one request, on daemons it picks; every call has a deadline."""
 
-    def __init__(self, prefill: DaemonPool, decode: DaemonPool) -> None:
-        self.prefill = prefill
-        self.decode = decode
+    prefill: DaemonPool
+    decode: DaemonPool
+    _pools: dict[str, DaemonPool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._pools = {self.prefill.role: self.prefill, self.decode.role: self.decode}
+
+    async def start(self, interval_s: float, timeout_s: float) -> None:
+        """Check every daemon once (so the first request sees real health), then keep
+        checking in the background."""
+        await asyncio.gather(self.prefill.check(timeout_s), self.decode.check(timeout_s))
+        self.prefill.start_checking(interval_s, timeout_s)
+        self.decode.start_checking(interval_s, timeout_s)
 
     async def run_prefill(
         self, request_id: str, request: CompletionRequest, deadline: float
@@ -135,7 +275,7 @@ class Upstream:
         message = generate_request(request_id, request, max_tokens=1, stop=False)
         message.kv_transfer_params_json = PREFILL_PARAMS_JSON
         final: generation_pb2.GenerateResponse | None = None
-        async for reply in _call(daemon, message, deadline):
+        async for reply in _call(self.prefill, daemon, message, deadline):
             if reply.finished:
                 final = reply
         if final is None:
@@ -160,14 +300,34 @@ class Upstream:
         """Decode messages as they arrive; close the iterator to cancel the call."""
         message = generate_request(request_id, request, max_tokens=request.max_tokens)
         message.kv_transfer_params_json = kv_transfer_params_json
-        return _call(daemon, message, deadline)
+        return _call(self.decode, daemon, message, deadline)
+
+    async def release_kv(self, prefill: PrefillResult, request_id: str, timeout_s: float) -> str:
+        """``ReleaseKV`` on the prefill daemon that returned ``prefill``'s params, verbatim.
+
+        Returns the outcome: "released", "not_held" (already pulled, released or expired), or
+        the gRPC code's name. Never raises: nobody waits for it but the metrics.
+        """
+        daemon = prefill.daemon
+        message = generation_pb2.ReleaseKVRequest(
+            request_id=request_id, kv_transfer_params_json=prefill.kv_transfer_params_json
+        )
+        try:
+            answer = await daemon.stub.ReleaseKV(message, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            # Not DEADLINE_EXCEEDED: the release waits for the engine's current step, which may
+            # outlast release_timeout_s on a healthy daemon; the health checks judge liveness.
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._pools[daemon.role].eject(daemon, exc.code(), exc.details() or "")
+            return exc.code().name
+        return "released" if answer.released else "not_held"
 
     async def close(self) -> None:
         await asyncio.gather(self.prefill.close(), self.decode.close())
 
 
 async def _call(
-    daemon: Daemon, message: generation_pb2.GenerateRequest, deadline: float
+    pool: DaemonPool, daemon: Daemon, message: generation_pb2.GenerateRequest, deadline: float
 ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
     timeout_s = deadline - time.monotonic()
     if timeout_s <= 0:
@@ -175,19 +335,36 @@ async def _call(
         message = f"{reason}: the request timeout ran out before this call"
         raise UpstreamError(503, message, daemon.role, daemon.address, reason)
     call = daemon.stub.Generate(message, timeout=timeout_s)
+    answered = False
     try:
         async for reply in call:
+            answered = True
             yield reply
     except grpc.aio.AioRpcError as exc:
-        code = exc.code()
-        status = _STATUS_FOR_CODE.get(code, 502)
-        raise UpstreamError(
-            status, f"{code.name}: {exc.details()}", daemon.role, daemon.address, code.name
-        ) from None
+        raise _call_failed(pool, daemon, exc, answered) from None
     finally:
         # Reached on cancellation (the HTTP client went away) and on early close: cancelling
         # the call makes the daemon abort the request and free its blocks.
         call.cancel()
+
+
+def _call_failed(
+    pool: DaemonPool, daemon: Daemon, exc: grpc.aio.AioRpcError, answered: bool
+) -> UpstreamError:
+    code, details = exc.code(), exc.details() or ""
+    # A deadline hit while the daemon was streaming is the request's length, not a dead daemon.
+    if code == grpc.StatusCode.UNAVAILABLE or (
+        code == grpc.StatusCode.DEADLINE_EXCEEDED and not answered
+    ):
+        pool.eject(daemon, code, details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _SIZE_LIMIT_DETAILS in details.lower():
+        message = (
+            f"{code.name}: the request is larger than this daemon's gRPC message limit "
+            f"({details}); give the router and every daemon the same --max-request-bytes"
+        )
+        return UpstreamError(413, message, daemon.role, daemon.address, "message_too_large")
+    status = _STATUS_FOR_CODE.get(code, 502)
+    return UpstreamError(status, f"{code.name}: {details}", daemon.role, daemon.address, code.name)
 
 
 def _fault(daemon: Daemon, message: str, reason: str) -> UpstreamError:

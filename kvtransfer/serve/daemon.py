@@ -40,6 +40,7 @@ from kvtransfer.serve.engine_thread import EngineThread
 from kvtransfer.serve.generation import GenerationService, ServiceContext
 from kvtransfer.serve.launcher import EXIT_BLOCKS_MARKER, EXIT_BLOCKS_PREFIX
 from kvtransfer.serve.ledger import ServingLedger
+from kvtransfer.serve.limits import grpc_message_options
 from kvtransfer.serve.logs import configure_logging
 from kvtransfer.serve.metrics import DaemonMetrics
 from kvtransfer.serve.settings import DaemonSettings, Role, SettingsError, load_settings
@@ -109,6 +110,7 @@ class Daemon:
             settings.port,
             book=self.handshake_book(core),
             admin=admin,
+            options=grpc_message_options(settings.max_request_bytes),
             services=[
                 (
                     GENERATION_SERVICE,

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
+from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 Role = Literal["prefill", "decode"]
 
@@ -58,6 +59,9 @@ class DaemonSettings(BaseModel):
     tls_ca: str | None = None
     admin_token: str | None = None
     drain_timeout_s: float = Field(default=60.0, gt=0)
+    # The same setting as the router's: the gRPC server accepts messages of this size plus
+    # headroom (`kvtransfer.serve.limits`), so anything the router accepted fits.
+    max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
 
@@ -168,6 +172,12 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     add("--tls-ca", help="CA that client certificates must chain to (enables mTLS)")
     add("--admin-token", help="shared token KVAdmin calls must carry (prefer the env variable)")
     add("--drain-timeout-s", type=float, help="SIGTERM/Drain: longest wait for in-flight work")
+    add(
+        "--max-request-bytes",
+        type=int,
+        help=f"largest request, as the router's flag (default {DEFAULT_MAX_REQUEST_BYTES}); "
+        "the gRPC server accepts it plus 1 MiB of headroom",
+    )
     add("--log-level", help="DEBUG | INFO | WARNING | ERROR")
     add("--log-format", help="text | json")
     return parser

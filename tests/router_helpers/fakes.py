@@ -3,24 +3,32 @@
 A behaviour is an async generator function ``(request, context) -> GenerateResponse...``; a
 daemon runs ``behaviour`` for every call (swap it between requests). Every call is recorded in
 ``requests``; a call the client cancels (or whose deadline passes) is recorded in ``cancelled``
-and sets ``cancelled_event``.
+and sets ``cancelled_event``. ``ReleaseKV`` calls are recorded in ``releases`` (and set
+``released``), then answered by ``release_behaviour`` (default: released=true). Health is
+SERVING from the start (`set_health` changes it); `stop` then `restart` brings the daemon back
+on the same address. Message limits are the real daemons' (`kvtransfer.serve.limits`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES, grpc_message_options
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
 Reply = generation_pb2.GenerateResponse
 Behaviour = Callable[
     [generation_pb2.GenerateRequest, grpc.aio.ServicerContext], AsyncIterator[Reply]
+]
+ReleaseBehaviour = Callable[
+    [generation_pb2.ReleaseKVRequest, grpc.aio.ServicerContext],
+    Awaitable[generation_pb2.ReleaseKVResponse],
 ]
 
 # The decode stream every test expects unless it says otherwise: text per message, and a
@@ -133,38 +141,75 @@ def gated(gate: asyncio.Event, then: Behaviour) -> Behaviour:
     return behaviour
 
 
+def release_answer(released: bool = True) -> ReleaseBehaviour:
+    async def behaviour(request, context):
+        return generation_pb2.ReleaseKVResponse(released=released)
+
+    return behaviour
+
+
+def release_fails(code: grpc.StatusCode, details: str) -> ReleaseBehaviour:
+    async def behaviour(request, context):
+        await context.abort(code, details)
+
+    return behaviour
+
+
+def release_gated(gate: asyncio.Event, then: ReleaseBehaviour) -> ReleaseBehaviour:
+    """Waits for ``gate`` (or the caller's deadline), then answers like ``then``."""
+
+    async def behaviour(request, context):
+        await gate.wait()
+        return await then(request, context)
+
+    return behaviour
+
+
 @dataclass
 class FakeDaemon:
     role: str
     behaviour: Behaviour | None = None
     credentials: grpc.ServerCredentials | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     requests: list[generation_pb2.GenerateRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    releases: list[generation_pb2.ReleaseKVRequest] = field(default_factory=list)
+    release_behaviour: ReleaseBehaviour = field(default_factory=release_answer)
     address: str = ""
 
     def __post_init__(self) -> None:
         self.received = asyncio.Event()
         self.cancelled_event = asyncio.Event()
+        self.released = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
+        self._status: int = health_pb2.HealthCheckResponse.SERVING
 
-    async def start(self) -> FakeDaemon:
-        server = grpc.aio.server()
+    async def start(self, port: int = 0) -> FakeDaemon:
+        server = grpc.aio.server(options=grpc_message_options(self.max_request_bytes))
         generation_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), server)
+        self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self.credentials is None:
-            port = server.add_insecure_port("127.0.0.1:0")
+            port = server.add_insecure_port(f"127.0.0.1:{port}")
         else:
-            port = server.add_secure_port("127.0.0.1:0", self.credentials)
+            port = server.add_secure_port(f"127.0.0.1:{port}", self.credentials)
         await server.start()
-        await self.set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self.set_health(self._status)
         self._server = server
         self.address = f"127.0.0.1:{port}"
         if self.behaviour is None:
             self.behaviour = prefill_ok(self.address) if self.role == "prefill" else decode_ok()
         return self
 
+    async def restart(self) -> FakeDaemon:
+        """Serve again on the same address after `stop` (a daemon restarted in place)."""
+        if self._server is not None:
+            raise RuntimeError("restart() after stop()")
+        return await self.start(int(self.address.rsplit(":", 1)[1]))
+
     async def set_health(self, status: int) -> None:
+        self._status = status
         await self._health.set("", status)
 
     async def stop(self) -> None:
@@ -176,6 +221,11 @@ class FakeDaemon:
 class _Servicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, daemon: FakeDaemon) -> None:
         self._daemon = daemon
+
+    async def ReleaseKV(self, request, context):
+        self._daemon.releases.append(request)
+        self._daemon.released.set()
+        return await self._daemon.release_behaviour(request, context)
 
     async def Generate(self, request, context):
         daemon = self._daemon

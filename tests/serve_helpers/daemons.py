@@ -54,13 +54,14 @@ def start_router(
     prefills: Sequence[ServiceProcess],
     decodes: Sequence[ServiceProcess],
     *extra: str,
+    name: str = "router",
 ) -> ServiceProcess:
     flags = ["--port", "0", *extra]
     for daemon in prefills:
         flags += ["--prefill", daemon.address]
     for daemon in decodes:
         flags += ["--decode", daemon.address]
-    return ServiceProcess.start("router", router_command(*flags), log_dir / "router.log")
+    return ServiceProcess.start(name, router_command(*flags), log_dir / f"{name}.log")
 
 
 @contextlib.contextmanager
