@@ -15,4 +15,7 @@ Life cycle of a request:
 5. The decode scheduler reports the request done (Release); the next step frees the blocks
    (``finished_sending``). A consumer that never comes lets the lease expire, which frees them
    too. KVAdmin ``ListTransfers`` shows the KV still held.
+6. When no decode will pull it (the decode call failed, the client went away), the router calls
+   ``Generation.ReleaseKV`` with the params of step 3; UcxConnector's ``release_kv`` checks
+   their ``remote_kv_secret`` and the next step frees the blocks, long before the lease ends.
 """

@@ -9,7 +9,9 @@ Life cycle of a daemon:
    and release notices on ``kv_ip:kv_port``.
 3. One gRPC server on ``--port`` serves Generation, KVAdmin, grpc.health.v1 and reflection
    (and, on a prefill daemon, KVHandshake from the same book as ``kv_port``); metrics go to
-   ``--metrics-port``. A ``ready`` line with the bound addresses goes to stdout.
+   ``--metrics-port``. A ``ready`` line with the bound addresses goes to stdout. The server
+   takes messages of ``--max-request-bytes`` plus headroom (`kvtransfer.serve.limits`), the
+   router's body limit when both keep the default.
 4. Requests flow through `GenerationService` and the engine thread (see its module).
 5. SIGTERM or KVAdmin ``Drain``: health turns NOT_SERVING and new Generate calls get
    UNAVAILABLE; requests in flight run to the end; a prefill daemon keeps the KV it holds until
