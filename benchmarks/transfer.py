@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -427,12 +427,12 @@ def _recv_exact(connection: socket.socket, size: int) -> bytes | None:
     return bytes(data)
 
 
-def _server_process(ready: Any, stop: Any, threads: int) -> None:
-    from kvtransfer.transport import KVTransferAgent
+def _server_process(ready: Any, stop: Any, threads: int, checksum: bool) -> None:
+    from kvtransfer.transport import KVTransferAgent, TransportConfig
 
     torch.set_num_threads(threads)
     caches = remote_caches()
-    agent = KVTransferAgent()
+    agent = KVTransferAgent(TransportConfig(checksum=checksum))
     agent.register_kv_caches(caches)
     agent.start_server()
     listener = socket.create_server(("127.0.0.1", 0))
@@ -451,7 +451,7 @@ def run_ours_and_tcp(
 
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Queue()
-    server = ctx.Process(target=_server_process, args=(ready, stop, threads))
+    server = ctx.Process(target=_server_process, args=(ready, stop, threads, config.checksum))
     server.start()
     ours: dict[str, list[float]] = {}
     tcp: dict[str, list[float]] = {}
@@ -584,6 +584,11 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=None, help="TransportConfig.chunk_bytes")
     parser.add_argument("--inflight", type=int, default=None, help="max_inflight_chunks")
     parser.add_argument("--no-handshake", action="store_true")
+    parser.add_argument(
+        "--checksum-cost",
+        action="store_true",
+        help="also run our pulls without payload checksums and print what they cost",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.iterations < 1 or args.warmup < 0 or args.torch_threads < 1:
@@ -608,6 +613,11 @@ def main() -> None:
         overrides["max_inflight_chunks"] = args.inflight
     config = TransportConfig(**overrides)
     ours, tcp = run_ours_and_tcp(args.iterations, args.warmup, args.torch_threads, config)
+    unchecked = None
+    if args.checksum_cost:
+        unchecked, _ = run_ours_and_tcp(
+            args.iterations, args.warmup, args.torch_threads, replace(config, checksum=False)
+        )
 
     rows = []
     for case in CASES:
@@ -623,6 +633,9 @@ def main() -> None:
             "ours_p50_ms": percentile_ms(ours[case.name], 50),
             "ours_p99_ms": percentile_ms(ours[case.name], 99),
             "nixl_p50_ms": None if nixl_samples is None else percentile_ms(nixl_samples, 50),
+            "ours_no_checksum_gbps": None
+            if unchecked is None
+            else gbps(case.nbytes, unchecked[case.name]),
             "samples": len(ours[case.name]),
             **handshake,
         }
@@ -643,11 +656,19 @@ def main() -> None:
     print("-" * len(header))
     for row in rows:
         ratio = None if row["nixl_gbps"] is None else row["ours_gbps"] / row["nixl_gbps"]
+        plain = row["ours_no_checksum_gbps"]
+        if plain is not None:
+            row["checksum_cost_pct"] = 100.0 * (1.0 - row["ours_gbps"] / plain)
         print(
             f"{row['case']:<24} {row['blocks']:>6} {row['bytes'] / MiB:>7.1f} "
             f"{_fmt(row['ours_gbps']):>6} {_fmt(row['nixl_gbps']):>6} "
             f"{_fmt(row['tcp_gbps']):>6} {_fmt(row['memcpy_gbps']):>6} "
             f"{row['ours_p50_ms']:>8.2f} {row['ours_p99_ms']:>8.2f} {_fmt(ratio):>9}"
+            + (
+                ""
+                if plain is None
+                else f"  no-cksum {_fmt(plain)} cost {row['checksum_cost_pct']:+.1f}%"
+            )
         )
     if args.json is not None:
         args.json.write_text(
