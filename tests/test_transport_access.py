@@ -78,10 +78,10 @@ def _refused(client, server, remote_ids, lease, match):
 def test_the_lease_holder_reads_exactly_its_blocks(served, client):
     server, grants = served
     access = _grant(grants, "req-own", [3, 4, 5])
-    _pull(client, server, [3, 5], access)
+    _pull(client, server, [4, 5], access.at(1))
     remote = server.kv_caches
     for name in GROUP.names():
-        assert torch.equal(client.kv_caches[name][0], remote[name][3])
+        assert torch.equal(client.kv_caches[name][0], remote[name][4])
         assert torch.equal(client.kv_caches[name][1], remote[name][5])
 
 
@@ -187,3 +187,30 @@ def test_a_corrupt_payload_is_a_typed_failure_and_never_written(client, rogue_se
         client.pull(peer, spec).result(WAIT_S)
     for name, tensor in client.kv_caches.items():
         assert torch.equal(tensor, before[name])
+
+
+@pytest.mark.parametrize(
+    ("remote_ids", "offset", "match"),
+    [
+        ([16, 15], 0, r"not lease 'req-order''s blocks at positions \[0, 2\)"),
+        ([15, 15], 0, r"not lease 'req-order''s blocks at positions \[0, 2\)"),
+        ([16, 17], 0, r"not lease 'req-order''s blocks at positions \[0, 2\)"),
+        ([15, 16], 1, r"not lease 'req-order''s blocks at positions \[1, 3\)"),
+    ],
+    ids=["reordered", "repeated", "shifted", "wrong-offset"],
+)
+def test_blocks_must_be_the_lease_s_in_order(served, client, remote_ids, offset, match):
+    server, grants = served
+    secret = new_secret()
+    grants.grant("req-order", secret_digest(secret), [15, 16, 17], "d" * 64)
+    _refused(client, server, remote_ids, LeaseAccess("req-order", secret, "d" * 64, offset), match)
+    # The lease's own blocks, from any position, in order, are served.
+    _pull(client, server, [16, 17], LeaseAccess("req-order", secret, "d" * 64, 1))
+
+
+def test_a_pull_for_another_prompt_is_refused(served, client):
+    server, grants = served
+    secret = new_secret()
+    grants.grant("req-prompt", secret_digest(secret), [18], "a" * 64)
+    access = LeaseAccess("req-prompt", secret, "b" * 64)
+    _refused(client, server, [18], access, "holds the KV of another prompt")

@@ -122,7 +122,7 @@ class LoadJob:
                             local_block_ids=spec.local_block_ids,
                             remote_heads=pull.remote_heads,
                             local_heads=pull.local_heads,
-                            lease=spec.remote.lease,
+                            lease=spec.lease,
                         ),
                         timeout_s=self._timeout_s,
                     )

@@ -126,10 +126,6 @@ class RemotePrefill:
     generation: int | None = None
 
     @property
-    def lease(self) -> LeaseAccess:
-        return LeaseAccess(self.request_id, self.secret)
-
-    @property
     def address(self) -> str:
         if ":" in self.host and not self.host.startswith("["):
             return f"[{self.host}]:{self.port}"
@@ -167,22 +163,34 @@ def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
 @dataclass(frozen=True)
 class LoadSpec:
     """Copy the producer's ``remote_block_ids`` into this engine's ``local_block_ids`` (index by
-    index; blocks already in the local prefix cache are not listed)."""
+    index; blocks already in the local prefix cache are not listed, so the first one is block
+    ``remote_offset`` of the producer's list)."""
 
     req_id: str
     remote: RemotePrefill
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
+    remote_offset: int = 0
+
+    @property
+    def lease(self) -> LeaseAccess:
+        """What this load's pulls present (the prompt digest was checked against this
+        engine's own prompt before the load was planned)."""
+        remote = self.remote
+        return LeaseAccess(
+            remote.request_id, remote.secret, remote.prompt_digest, self.remote_offset
+        )
 
 
 @dataclass(frozen=True)
 class Grant:
-    """A request the producer now holds: its workers serve ``block_ids`` to pulls presenting
-    the secret whose sha256 is ``secret_digest``."""
+    """A request the producer now holds: its workers serve ``block_ids`` (in this order) to
+    pulls presenting the secret whose sha256 is ``secret_digest`` and ``prompt_digest``."""
 
     req_id: str
     secret_digest: bytes = field(repr=False)
     block_ids: tuple[int, ...]
+    prompt_digest: str = ""
 
 
 @dataclass(frozen=True)

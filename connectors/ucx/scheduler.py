@@ -292,7 +292,7 @@ class UcxScheduler:
                 f"request {rid}: {start + num_external_tokens} tokens need {end} blocks, "
                 f"{len(block_ids)} were allocated"
             )
-        self._loads.append(LoadSpec(rid, remote, remote.block_ids[first:end], local))
+        self._loads.append(LoadSpec(rid, remote, remote.block_ids[first:end], local, first))
         self._consumed.add(rid)
         self._loading[rid] = (remote, len(local))
         self._notifier_for().watch(rid, remote)
@@ -366,11 +366,14 @@ class UcxScheduler:
             num_tokens = 0
             params.update(remote_num_tokens=0, remote_block_ids=[])
         params["remote_kv_secret"] = secret = new_secret()
-        params["remote_prompt_digest"] = prompt_digest(request.prompt_token_ids[:num_tokens])
+        params["remote_prompt_digest"] = digest = prompt_digest(
+            request.prompt_token_ids[:num_tokens]
+        )
         if num_tokens == 0:
             return False, params
         self._leases.hold(rid, secret)
-        self._grants.append(Grant(rid, secret_digest(secret), tuple(params["remote_block_ids"])))
+        blocks = tuple(params["remote_block_ids"])
+        self._grants.append(Grant(rid, secret_digest(secret), blocks, digest))
         return True, params
 
     def _release_unused(self, request: KVRequest) -> None:

@@ -130,7 +130,9 @@ class UcxWorker:
 
     def start_load_kv(self, metadata: UcxConnectorMetadata) -> None:
         for grant in metadata.grants:
-            self._grants.grant(grant.req_id, grant.secret_digest, grant.block_ids)
+            self._grants.grant(
+                grant.req_id, grant.secret_digest, grant.block_ids, grant.prompt_digest
+            )
         if metadata.releases:
             # Returns once no pull reads these blocks: they are freed after this step.
             self._grants.revoke(release.req_id for release in metadata.releases)

@@ -1,9 +1,13 @@
 """Who may read which blocks: leases as capabilities on the serving side of the data plane.
 
 A producer that keeps a finished request's blocks for a consumer hands out one unguessable
-secret with them (`new_secret`). Its transfer agents learn a *grant* for that lease (the
-secret's digest and the exact block ids); a pull names the lease and presents the secret, and
-is served only if the secret matches and every block it asks for belongs to that lease. When
+secret with them (`new_secret`). Its transfer agents learn a *grant* for that lease: the
+secret's digest, the lease's blocks in prompt order, and the digest of the prompt tokens whose
+KV they hold. A pull names the lease, presents the secret and the prompt digest the consumer
+computed from its own prompt, and says at which position of the lease its blocks start; it is
+served only if all of that matches, so a consumer cannot have the blocks in another order,
+twice, or under a prompt they were not computed for (its prefix cache would then hand that KV
+to other requests of that prompt). When
 the lease ends (released or expired) the grant is *revoked*: pulls are refused from then on, and
 revoking waits for gathers of that lease already running, so once `revoke` returns none of its
 blocks is read again and the engine may reuse them.
@@ -54,26 +58,42 @@ class AccessDenied(TransportError, PermissionError):
 
 @dataclass(frozen=True)
 class LeaseAccess:
-    """What a pull presents: the lease (the producer's request id) and its secret."""
+    """What a pull presents: the lease (the producer's request id), its secret, the digest of
+    the prompt the consumer will use the KV for, and the position in the lease's block list of
+    the pull's first block."""
 
     lease_id: str
     secret: str
+    prompt_digest: str = ""
+    block_offset: int = 0
 
     def __post_init__(self) -> None:
         for name in ("lease_id", "secret"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"LeaseAccess.{name} must be a non-empty str, got {value!r}")
+        if not isinstance(self.prompt_digest, str):
+            raise ValueError(f"LeaseAccess.prompt_digest must be a str, got {self.prompt_digest!r}")
+        offset = self.block_offset
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"LeaseAccess.block_offset must be an int >= 0, got {offset!r}")
+
+    def at(self, offset: int) -> LeaseAccess:
+        """The same access for a part of the pull starting ``offset`` blocks further."""
+        return LeaseAccess(
+            self.lease_id, self.secret, self.prompt_digest, self.block_offset + offset
+        )
 
     def __repr__(self) -> str:
         # Never print the secret (logs, tracebacks).
-        return f"LeaseAccess({self.lease_id!r}, secret=<redacted>)"
+        return f"LeaseAccess({self.lease_id!r}, secret=<redacted>, offset={self.block_offset})"
 
 
 @dataclass
 class _Grant:
     digest: bytes
-    block_ids: frozenset[int]
+    block_ids: tuple[int, ...]
+    prompt_digest: str
     readers: int = 0
 
 
@@ -92,11 +112,14 @@ class LeaseGrants:
         with self._cond:
             return len(self._grants)
 
-    def grant(self, lease_id: str, digest: bytes, block_ids: Iterable[int]) -> None:
-        """Allow reads of ``block_ids`` to whoever presents the secret hashing to ``digest``."""
+    def grant(
+        self, lease_id: str, digest: bytes, block_ids: Iterable[int], prompt_digest: str = ""
+    ) -> None:
+        """Allow reads of ``block_ids`` (in this order) to whoever presents the secret hashing
+        to ``digest`` and ``prompt_digest`` (empty: not checked)."""
         with self._cond:
             self._revoked.pop(lease_id, None)
-            self._grants[lease_id] = _Grant(digest, frozenset(block_ids))
+            self._grants[lease_id] = _Grant(digest, tuple(block_ids), prompt_digest)
             self._cond.notify_all()
 
     def revoke(self, lease_ids: Iterable[str]) -> None:
@@ -132,7 +155,7 @@ class LeaseGrants:
         """Hold the lease open for one gather, or raise `AccessDenied` naming why not."""
         if access is None:
             raise AccessDenied("the pull presents no lease: this server serves leased KV only")
-        wanted = set(block_ids)
+        wanted = list(block_ids)
         with self._cond:
             grant = self._grants.get(access.lease_id)
             if grant is None:
@@ -140,13 +163,26 @@ class LeaseGrants:
                 raise AccessDenied(f"lease {access.lease_id!r} {state}: its KV cannot be read")
             if not hmac.compare_digest(grant.digest, secret_digest(access.secret)):
                 raise AccessDenied(f"wrong secret for lease {access.lease_id!r}")
-            outside = sorted(wanted - grant.block_ids)
-            if outside:
-                shown = ", ".join(map(str, outside[:8])) + (" ..." if len(outside) > 8 else "")
+            if grant.prompt_digest and not hmac.compare_digest(
+                grant.prompt_digest, access.prompt_digest
+            ):
                 raise AccessDenied(
-                    f"block(s) {shown} do not belong to lease {access.lease_id!r} "
-                    f"({len(grant.block_ids)} blocks)"
+                    f"lease {access.lease_id!r} holds the KV of another prompt than the one "
+                    "the pull is for (prompt digest mismatch)"
                 )
+            start = access.block_offset
+            expected = list(grant.block_ids[start : start + len(wanted)])
+            if wanted != expected:
+                outside = sorted(set(wanted) - set(grant.block_ids))
+                if outside:
+                    shown = ", ".join(map(str, outside[:8])) + (" ..." if len(outside) > 8 else "")
+                    problem = f"block(s) {shown} do not belong to lease {access.lease_id!r}"
+                else:
+                    problem = (
+                        f"blocks are not lease {access.lease_id!r}'s blocks at positions "
+                        f"[{start}, {start + len(wanted)}) (reordered, repeated or shifted)"
+                    )
+                raise AccessDenied(f"{problem} ({len(grant.block_ids)} blocks)")
             grant.readers += 1
         try:
             yield

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kvtransfer.transport.access import LeaseAccess
 from kvtransfer.transport.buffers import (
     BufferPool,
     RowView,
@@ -95,6 +96,10 @@ class PullResult:
 
 class _BrokenPeer(PeerUnreachable):
     """A send or receive with the peer failed: its endpoint is reset."""
+
+
+def _lease_fields(lease: LeaseAccess) -> tuple[str, str, str, int]:
+    return lease.lease_id, lease.secret, lease.prompt_digest, lease.block_offset
 
 
 def _cancelled(spec: PullSpec) -> TransferCancelled:
@@ -402,7 +407,7 @@ class PullClient:
             num_heads=len(plans[0].local_heads),
             block_ids=pack_block_ids(spec.remote_block_ids[first:last]),
             payload_bytes=total,
-            lease=None if spec.lease is None else (spec.lease.lease_id, spec.lease.secret),
+            lease=None if spec.lease is None else _lease_fields(spec.lease.at(first)),
         ).encode()
         buffer = self._pool.acquire(total, device)
         exchange = _Exchange(

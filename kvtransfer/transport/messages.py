@@ -187,7 +187,8 @@ class RequestEnvelope:
 @dataclass(frozen=True)
 class PullRequestMessage:
     """Read ``block_ids`` of ``layers`` (heads ``remote_heads``, all if None) in one payload,
-    presenting ``lease`` (lease id, secret) to a server that serves leased KV only."""
+    presenting ``lease`` (lease id, secret, prompt digest, position of the first block in the
+    lease) to a server that serves leased KV only."""
 
     request_id: str
     reply_tag: int
@@ -197,7 +198,7 @@ class PullRequestMessage:
     num_heads: int
     block_ids: bytes
     payload_bytes: int
-    lease: tuple[str, str] | None = None
+    lease: tuple[str, str, str, int] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -330,17 +331,23 @@ def _decode_heads(body: dict) -> tuple[int, int] | None:
     return heads[0], heads[1]
 
 
-def _decode_lease(body: dict) -> tuple[str, str] | None:
+def _decode_lease(body: dict) -> tuple[str, str, str, int] | None:
     lease = body.get("lease")
     if lease is None:
         return None
     if (
         not isinstance(lease, list)
-        or len(lease) != 2
-        or not all(isinstance(v, str) and v for v in lease)
+        or len(lease) != 4
+        or not all(isinstance(v, str) and v for v in lease[:2])
+        or not isinstance(lease[2], str)
+        or isinstance(lease[3], bool)
+        or not isinstance(lease[3], int)
+        or lease[3] < 0
     ):
-        raise WireFormatError("bad lease: want [lease id, secret], both non-empty strings")
-    return lease[0], lease[1]
+        raise WireFormatError(
+            "bad lease: want [lease id, secret, prompt digest, first block position]"
+        )
+    return lease[0], lease[1], lease[2], lease[3]
 
 
 # -- response -----------------------------------------------------------------------------
