@@ -290,7 +290,7 @@ def test_connect_is_cached_and_refuses_garbage(agent, servers):
     with pytest.raises(InvalidPeerAddress, match=r"peer address has magic b'garb'"):
         agent.connect(b"garbage" * 40)
     truncated = servers[0].address[:-3]
-    with pytest.raises(InvalidPeerAddress, match=r"declares 217 UCX address bytes but carries"):
+    with pytest.raises(InvalidPeerAddress, match=r"declares \d+ UCX address bytes but carries"):
         agent.connect(truncated)
 
 

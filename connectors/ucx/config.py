@@ -9,15 +9,23 @@ client certificate for mTLS), ``tls_ca_file`` the CA a producer requires client 
 to chain to (mTLS) and the CA a consumer verifies producers with, ``tls_server_name`` the name
 a consumer expects on producer certificates when it differs from the dialled host. Any of them
 turns TLS on; an engine that produces then needs a certificate and key.
+
+UCX is confined to the interface that carries KV traffic (see `kvtransfer.transport.netdev`):
+``kv_net_device`` names it (UCX device names, comma-separated), else ``UCX_NET_DEVICES``, else
+the interface holding ``kv_ip`` (on a consumer too: its own KV address).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.control.security import TLSFiles
+from kvtransfer.transport.netdev import kv_net_devices
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_LEASE_S = 30.0
@@ -33,7 +41,7 @@ _TLS_KEYS = {
     "tls_ca_file": "ca_file",
     "tls_server_name": "server_name",
 }
-_EXTRA_KEYS = (*_SECONDS_KEYS, "max_concurrent_loads", *_TLS_KEYS)
+_EXTRA_KEYS = (*_SECONDS_KEYS, "max_concurrent_loads", "kv_net_device", *_TLS_KEYS)
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,8 @@ class UcxConfig:
     """``lease_s``: how long a producer keeps a finished request's blocks for a consumer that
     has not pulled them (consumers extend it while they wait). ``transfer_timeout_s`` bounds one
     request's pulls, ``handshake_timeout_s`` one handshake attempt (two are made) and one UCX
-    connect. ``tls``: see the module docstring; ``None`` is plaintext."""
+    connect. ``tls``: see the module docstring; ``None`` is plaintext. ``net_device``: UCX
+    network devices for KV traffic (``kv_net_device``); ``None`` derives them."""
 
     host: str = DEFAULT_HOST
     port: int = 0
@@ -50,11 +59,24 @@ class UcxConfig:
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     max_concurrent_loads: int = DEFAULT_MAX_CONCURRENT_LOADS
     tls: TLSFiles | None = None
+    net_device: str | None = None
 
     @property
     def server_tls(self) -> TLSFiles | None:
         """What the producer's handshake server uses (a client-only setting dropped)."""
         return None if self.tls is None else replace(self.tls, server_name=None)
+
+    def ucx_net_devices(self) -> str | None:
+        """The UCX network devices of this host's KV traffic (``None``: ``UCX_NET_DEVICES``).
+
+        `ValueError` naming ``kv_ip`` when no interface here holds it."""
+        chosen = kv_net_devices(self.host, self.net_device)
+        logger.info(
+            "UCX network devices for KV traffic: %s (from %s)",
+            chosen.devices or "as set",
+            chosen.source,
+        )
+        return chosen.devices
 
     @classmethod
     def from_transfer_config(cls, config: KVTransferConfig) -> UcxConfig:
@@ -78,6 +100,7 @@ class UcxConfig:
                 extra, "max_concurrent_loads", defaults.max_concurrent_loads
             ),
             tls=_tls(extra, serves=config.is_kv_producer),
+            net_device=_net_device(extra),
         )
 
 
@@ -94,6 +117,19 @@ def _count(extra: dict[str, Any], key: str, default: int) -> int:
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"kv_connector_extra_config.{key} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _net_device(extra: dict[str, Any]) -> str | None:
+    value = extra.get("kv_net_device")
+    if value is None:
+        return None
+    names = value.split(",") if isinstance(value, str) else []
+    if not names or any(not name or name != name.strip() for name in names):
+        raise ValueError(
+            "kv_connector_extra_config.kv_net_device must name UCX network devices, "
+            f"comma-separated without spaces (e.g. 'eth0' or 'mlx5_0:1,eth0'), got {value!r}"
+        )
     return value
 
 

@@ -66,6 +66,12 @@ class TransportConfig:
     buffer_pool_bytes: int = 256 << 20
     # Served payloads carry their xxh3-64, checked by the puller before anything is written.
     checksum: bool = True
+    # UCX network devices KV traffic may use ("eth0", "mlx5_0:1,eth0"): UCX listens, advertises
+    # and dials only there. None leaves it to UCX (UCX_NET_DEVICES, else every interface).
+    net_devices: str | None = None
+    # Shared memory with peers on this host and in this network namespace; False: always the
+    # network (see `locality`).
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "send_timeout_s", "connect_timeout_s"):
@@ -82,6 +88,14 @@ class TransportConfig:
             raise ValueError(f"buffer_pool_bytes must be an int, got {self.buffer_pool_bytes!r}")
         if self.buffer_pool_bytes < 0:
             raise ValueError(f"buffer_pool_bytes must be >= 0, got {self.buffer_pool_bytes}")
+        if self.net_devices is not None and (
+            not isinstance(self.net_devices, str) or not self.net_devices.strip()
+        ):
+            raise ValueError(
+                f"net_devices must be a non-empty str or None, got {self.net_devices!r}"
+            )
+        if not isinstance(self.shared_memory, bool):
+            raise ValueError(f"shared_memory must be a bool, got {self.shared_memory!r}")
 
 
 class KVTransferAgent:
@@ -93,7 +107,9 @@ class KVTransferAgent:
         self._closed = False
         self._caches: Mapping[str, torch.Tensor] = MappingProxyType({})
         self._peers: dict[bytes, PeerHandle] = {}
-        self._loop = UcxLoop()
+        self._loop = UcxLoop(
+            net_devices=self.config.net_devices, shared_memory=self.config.shared_memory
+        )
         self._address = encode_address(self._loop.address)
         self._pool = BufferPool(self.config.buffer_pool_bytes)
         self._server: KVServer | None = None

@@ -19,6 +19,14 @@ Traps this module works around (see the UCX facts notes of the project):
 * ``import ucxx`` writes UCX variables into ``os.environ``, so it happens only when a loop is
   created, never at module import.
 
+Transport selection. The context is confined to ``net_devices`` (the interface carrying KV
+traffic, see `netdev`) through ucxx's config dict, so UCX listens on, advertises and dials that
+interface only. Addresses handed around (``address``, the ``address`` of `endpoint`) are packed
+`WorkerAddresses`: a peer in the same `Locality` (host and network namespace) is dialled at its
+full UCX address (shared memory where UCX finds it usable, plus the network device), any other
+peer at its network-only address, so shared memory is never tried where its wake-ups cannot
+arrive. ``shared_memory=False`` makes every peer remote.
+
 The ``libucx-cu12`` wheel is built without verbs/rdmacm: between hosts this runs over TCP, not
 InfiniBand/RoCE, unless a system UCX with those transports is used.
 """
@@ -41,7 +49,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvtransfer.transport.errors import TransportClosed
+from kvtransfer.transport.errors import PeerUnreachable, TransportClosed
+from kvtransfer.transport.locality import Locality, WorkerAddresses
+from kvtransfer.transport.messages import peer_name
+from kvtransfer.transport.ucp_query import net_only_address
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +95,27 @@ def _ucx_modules() -> tuple[Any, Any, Any]:
 class UcxLoop:
     """A UCX worker plus its progress thread. Methods marked *loop thread* must run on it."""
 
-    def __init__(self, *, name: str = "kvtransfer-ucx") -> None:
+    def __init__(
+        self,
+        *,
+        name: str = "kvtransfer-ucx",
+        net_devices: str | None = None,
+        shared_memory: bool = True,
+    ) -> None:
         self._ucx, self._array, self._np = _ucx_modules()
         ucx = self._ucx
-        self._context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        options = {} if net_devices is None else {"NET_DEVICES": net_devices}
+        self._context = ucx.UCXContext(options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self._worker = ucx.UCXWorker(self._context)
         self._worker.init_blocking_progress_mode()
         self._epoll_fd = self._worker.epoll_file_descriptor
-        self.address: bytes = bytes(self._worker.address)
+        self.net_devices: str = str(self._context.config.get("NET_DEVICES", "all"))
+        self.locality = Locality.current() if shared_memory else Locality.unique()
+        addresses = WorkerAddresses(
+            self.locality, bytes(self._worker.address), net_only_address(self._worker.handle)
+        )
+        # Packed `WorkerAddresses`: what peers dial and what requests name as reply address.
+        self.address: bytes = addresses.pack()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -172,12 +196,34 @@ class UcxLoop:
     # -- loop thread --------------------------------------------------------------------------
 
     def endpoint(self, address: bytes) -> Any:
-        """The cached endpoint to the worker at raw UCX ``address`` (loop thread)."""
+        """The cached endpoint to the worker at packed ``address`` (loop thread).
+
+        `InvalidPeerAddress` if it is not a packed `WorkerAddresses`, `PeerUnreachable` if UCX
+        finds no transport to it.
+        """
         endpoint = self._endpoints.get(address)
         if endpoint is None:
+            peer = WorkerAddresses.unpack(address)
+            local = peer.locality == self.locality
             ucx = self._ucx
-            endpoint = ucx.UCXEndpoint.create_from_worker_address(
-                self._worker, ucx.UCXAddress.create_from_buffer(address), False
+            try:
+                endpoint = ucx.UCXEndpoint.create_from_worker_address(
+                    self._worker,
+                    ucx.UCXAddress.create_from_buffer(peer.for_peer_at(self.locality)),
+                    False,
+                )
+            except ucx.UCXError as exc:
+                raise PeerUnreachable(
+                    f"no UCX transport reaches {peer_name(address)} "
+                    f"({'same host and network namespace' if local else 'over the network'}) "
+                    f"from network devices {self.net_devices}: {type(exc).__name__}: {exc}"
+                ) from exc
+            logger.debug(
+                "endpoint to %s: %s",
+                peer_name(address),
+                "shared memory or network (same host and network namespace)"
+                if local
+                else "network only",
             )
             self._endpoints[address] = endpoint
         return endpoint
@@ -383,7 +429,10 @@ class UcxLoop:
                 endpoint.close()
             self._worker.cancel_inflight_requests()
             stop = time.monotonic() + _SHUTDOWN_DRAIN_S
-            while self._tracked and time.monotonic() < stop:
+            # Closes need progress too: an endpoint left closing keeps its worker, and with it
+            # the worker's listening sockets, alive after the loop is gone.
+            endpoints = list(self._endpoints.values())
+            while (self._tracked or any(e.alive for e in endpoints)) and time.monotonic() < stop:
                 self._progress()
                 time.sleep(0.001)
         except Exception:
