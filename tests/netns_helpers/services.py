@@ -1,0 +1,140 @@
+"""Daemons, the router and HTTP clients run inside test hosts (`topology.Host`).
+
+Processes are started as ``ip netns exec <namespace> python -m ...``: ``ip`` execs the
+command, so the `ServiceProcess` pid is the daemon itself and SIGTERM reaches it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kvtransfer.serve.launcher import ServiceProcess, daemon_command, router_command
+from netns_helpers.topology import Host
+
+BLOCK_SIZE = 16
+NUM_KV_BLOCKS = 96
+_TESTS_DIR = str(Path(__file__).resolve().parents[1])
+
+
+def start_daemon(
+    host: Host,
+    role: str,
+    logs: Path,
+    *flags: str,
+    kv_ip: str | None = None,
+    extra: dict[str, Any] | None = None,
+    bind: str | None = None,
+) -> ServiceProcess:
+    """A daemon serving gRPC on ``bind`` (default: the host's address) with its KV traffic on
+    ``kv_ip`` (default: the same address)."""
+    bind = bind or host.address
+    config = {
+        "kv_ip": kv_ip or bind,
+        "kv_port": 0,
+        "kv_connector_extra_config": extra or {},
+    }
+    argv = daemon_command(
+        role,
+        "--host",
+        bind,
+        "--port",
+        "0",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        "--metrics-port",
+        "0",
+        "--kv-transfer-config",
+        json.dumps(config),
+        *flags,
+    )
+    name = f"{role}-{host.name}"
+    return ServiceProcess.start(name, host.command(argv), logs / f"{name}.log")
+
+
+def start_router(
+    host: Host,
+    logs: Path,
+    prefills: Sequence[ServiceProcess],
+    decodes: Sequence[ServiceProcess],
+    *flags: str,
+    bind: str | None = None,
+) -> ServiceProcess:
+    argv = ["--host", bind or host.address, "--port", "0", *flags]
+    for daemon in prefills:
+        argv += ["--prefill", daemon.address]
+    for daemon in decodes:
+        argv += ["--decode", daemon.address]
+    return ServiceProcess.start(
+        f"router-{host.name}", host.command(router_command(*argv)), logs / "router.log"
+    )
+
+
+def start_together(*starts: Any) -> list[ServiceProcess]:
+    """Call each zero-argument ``start`` at once (engines load in parallel); stops the ones
+    that started if another fails."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    started = [f.result() for f in futures if f.exception() is None]
+    for future in futures:
+        if future.exception() is not None:
+            for process in started:
+                process.kill()
+            raise future.exception()  # type: ignore[misc]
+    return started
+
+
+def run_requests(
+    host: Host,
+    url: str,
+    bodies: Sequence[dict[str, Any]],
+    *,
+    concurrency: int = 1,
+    timeout_s: float = 60.0,
+    delay_s: float = 0.0,
+) -> subprocess.Popen[str]:
+    """POST every body to ``url``/v1/completions from inside ``host``; the child prints one JSON
+    line per finished request (see `netns_helpers.load`). Read them with `results`."""
+    argv = [
+        sys.executable,
+        "-m",
+        "netns_helpers.load",
+        "--url",
+        url,
+        "--concurrency",
+        str(concurrency),
+        "--timeout-s",
+        str(timeout_s),
+        "--delay-s",
+        str(delay_s),
+        "--bodies",
+        json.dumps(list(bodies)),
+    ]
+    return subprocess.Popen(host.command(argv), stdout=subprocess.PIPE, text=True, cwd=_TESTS_DIR)
+
+
+def results(process: subprocess.Popen[str], timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Every result line of a `run_requests` child, in request order, once it exits."""
+    stdout, _ = process.communicate(timeout=timeout_s)
+    assert process.returncode == 0, f"request runner exited with {process.returncode}"
+    lines = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+    return sorted(lines, key=lambda result: result["index"])
+
+
+def complete(host: Host, url: str, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return results(run_requests(host, url, bodies), 300.0)
+
+
+def admin_status(host: Host, target: str) -> dict[str, Any]:
+    """``kvtransfer admin status --json`` of the daemon at ``target``, asked from ``host``."""
+    argv = [sys.executable, "-m", "kvtransfer", "admin", "status", "--target", target, "--json"]
+    done = subprocess.run(host.command(argv), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)

@@ -1,0 +1,277 @@
+"""P/D across hosts, with test hosts in network namespaces (the ``netns`` tier).
+
+Three prefill daemons (1x1, TP2, PP2), a decode daemon (1x1), the router and the client each
+run in their own namespace on one switch; every namespace also holds an unrouted interface
+that UCX must never advertise or dial. KV moves between namespaces over TCP: UCX may not use
+shared memory there (see `kvtransfer.transport.locality`). Checked:
+
+* completions through the router equal a colocated run, with each prefill (1x1, TP2, PP2 ->
+  decode 1x1) serving, and the KV received rather than recomputed;
+* every socket listens on its daemon's configured address only (``ss`` in each namespace),
+  and with everything on 127.0.0.1 in a namespace holding other addresses too, nothing listens
+  anywhere else;
+* a partition of the decode host and then of a prefill host in the middle of a bounded load:
+  while cut off, requests end in typed 5xx answers within the request deadline; after the heal
+  they succeed again with the right tokens; at the end no daemon holds a KV block.
+
+Needs root and ``ip netns``; skipped with the reason otherwise, failed instead when
+``KVTRANSFER_REQUIRE_NETNS=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from netns_helpers.services import (
+    admin_status,
+    complete,
+    results,
+    run_requests,
+    start_daemon,
+    start_router,
+    start_together,
+)
+from netns_helpers.topology import Host, NetnsUnavailable, Network
+from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks
+
+from kvtransfer.serve.launcher import ServiceProcess
+
+pytestmark = pytest.mark.netns
+
+MAX_TOKENS = 8
+# Small, so that a partition is felt (and healed from) within seconds; a partition outlasts
+# the request deadline, so requests caught in it end (typed) before it heals.
+REQUEST_DEADLINE_S = 8.0
+KV_EXTRA = {"transfer_timeout_s": 5, "kv_lease_s": 8, "handshake_timeout_s": 2}
+PARTITION_S = 10.0
+
+
+def network(tag: str) -> Network:
+    try:
+        return Network(tag)
+    except NetnsUnavailable as exc:
+        if os.environ.get("KVTRANSFER_REQUIRE_NETNS") == "1":
+            pytest.fail(f"KVTRANSFER_REQUIRE_NETNS=1 but {exc}")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _namespaces_available() -> None:
+    """Skip (or fail) before any engine is loaded for the colocated reference."""
+    network("probe").close()
+
+
+@dataclass
+class Cluster:
+    net: Network
+    prefills: dict[str, tuple[Host, ServiceProcess]]
+    decode: tuple[Host, ServiceProcess]
+    router: tuple[Host, ServiceProcess]
+    client: Host
+
+    @property
+    def url(self) -> str:
+        return self.router[1].address
+
+    def daemons(self) -> list[tuple[Host, ServiceProcess]]:
+        return [*self.prefills.values(), self.decode]
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    return colocated(PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("multihost")
+    with network("mh") as net:
+        shapes = {"p11": (), "ptp2": ("--tp", "2"), "ppp2": ("--pp", "2")}
+        hosts = {name: net.add_host(name) for name in [*shapes, "decode", "router", "client"]}
+        processes: list[ServiceProcess] = []
+        try:
+            starts: list[Callable[[], ServiceProcess]] = [
+                _starter(hosts[name], "prefill", logs, flags) for name, flags in shapes.items()
+            ]
+            starts.append(_starter(hosts["decode"], "decode", logs, ()))
+            processes += start_together(*starts)
+            prefills = dict(zip(shapes, processes[:3], strict=True))
+            decode = processes[3]
+            router = start_router(
+                hosts["router"],
+                logs,
+                list(prefills.values()),
+                [decode],
+                "--request-timeout-s",
+                str(REQUEST_DEADLINE_S),
+            )
+            processes.append(router)
+            yield Cluster(
+                net,
+                {name: (hosts[name], process) for name, process in prefills.items()},
+                (hosts["decode"], decode),
+                (hosts["router"], router),
+                hosts["client"],
+            )
+        finally:
+            for process in reversed(processes):
+                process.terminate()
+    for process in processes[:4]:
+        assert exit_used_blocks(process) == 0, process.log_tail()
+
+
+def _starter(host: Host, role: str, logs, flags: tuple[str, ...]) -> Callable[[], ServiceProcess]:
+    return lambda: start_daemon(host, role, logs, *flags, extra=KV_EXTRA)
+
+
+def _body(prompt_index: int) -> dict[str, Any]:
+    return {"prompt": PROMPTS[prompt_index], "max_tokens": MAX_TOKENS}
+
+
+def _tokens(result: dict[str, Any]) -> list[int]:
+    assert result["status"] == 200, result
+    return result["body"]["kvtransfer"]["token_ids"]
+
+
+def test_completions_across_hosts_equal_colocated(cluster, expected):
+    # Rotated so that every prefill (round-robin) serves every prompt.
+    order = [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    answers = complete(cluster.client, cluster.url, [_body(i) for i in order])
+    served: dict[str, set[int]] = {}
+    for prompt_index, result in zip(order, answers, strict=True):
+        assert _tokens(result) == expected[prompt_index]
+        info = result["body"]["kvtransfer"]
+        assert info["kv_blocks_received"] > 0 and info["num_recomputed_tokens"] == 0
+        served.setdefault(info["prefill"], set()).add(prompt_index)
+    addresses = {process.address for _, process in cluster.prefills.values()}
+    assert set(served) == addresses, served
+    decode = cluster.decode[1]
+    counters = admin_status(cluster.client, decode.address)["counters"]
+    assert counters["kv_tokens_recomputed"] == 0 and counters["kv_blocks_received"] > 0
+
+
+def test_every_listener_is_on_the_configured_address(cluster):
+    for host, _ in [*cluster.daemons(), cluster.router]:
+        sockets = cluster.net.listening(host)
+        assert sockets, f"nothing listens in {host.namespace}"
+        for address, owner in sockets:
+            # TP/PP worker processes of one daemon talk over gloo on loopback (see
+            # worker_process: GLOO_SOCKET_IFNAME=lo); nothing else may listen off the address.
+            assert address in (host.address, "127.0.0.1"), (host.name, address, owner)
+        addresses = {address for address, _ in sockets}
+        if host.name in ("p11", "decode", "router"):
+            assert addresses == {host.address}, (host.name, sockets)
+
+
+def test_loopback_only_binds_loopback_in_a_namespace_with_other_addresses(tmp_path, expected):
+    with network("lo") as net:
+        host = net.add_host("solo")
+        local = "127.0.0.1"
+        processes: list[ServiceProcess] = []
+        try:
+            processes += start_together(
+                lambda: start_daemon(host, "prefill", tmp_path, "--tp", "2", bind=local),
+                lambda: start_daemon(host, "decode", tmp_path, bind=local),
+            )
+            router = start_router(host, tmp_path, processes[:1], processes[1:2], bind=local)
+            processes.append(router)
+            (answer,) = complete(host, processes[2].address, [_body(1)])
+            assert _tokens(answer) == expected[1]
+            sockets = net.listening(host)
+            # prefill: gRPC, kv_port, metrics, 2 UCX workers; decode: gRPC, metrics, UCX; router.
+            assert len(sockets) >= 8, sockets
+            assert {address for address, _ in sockets} == {local}, sockets
+        finally:
+            for process in reversed(processes):
+                process.terminate()
+    assert [exit_used_blocks(p) for p in processes[:2]] == [0, 0]
+
+
+def test_partitions_fail_typed_then_heal(cluster, expected):
+    # The only decode daemon cut off: requests fail (typed) until it is back.
+    decode_host, _ = cluster.decode
+    _partition_under_load(cluster, decode_host, expected, must_fail=True)
+    _wait_until_served(cluster, expected, lambda info: True)
+    # One of three prefills cut off: what it had in flight may fail (typed), the rest is served
+    # by the others; once healed it serves again and decode pulls from it again.
+    prefill_host, prefill = cluster.prefills["p11"]
+    _partition_under_load(cluster, prefill_host, expected, must_fail=False)
+    _wait_until_served(cluster, expected, lambda info: info["prefill"] == prefill.address)
+    _wait_until_no_blocks_used(cluster)
+
+
+def _partition_under_load(
+    cluster: Cluster, host: Host, expected: list[list[int]], *, must_fail: bool
+) -> None:
+    """A bounded load (paced requests, a few at once) with ``host`` cut off in the middle."""
+    bodies = [_body(i % len(PROMPTS)) for i in range(28)]
+    load = run_requests(
+        cluster.client,
+        cluster.url,
+        bodies,
+        concurrency=8,
+        delay_s=0.5,
+        timeout_s=REQUEST_DEADLINE_S + 30,
+    )
+    try:
+        time.sleep(2.0)
+        cluster.net.partition(host)
+        time.sleep(PARTITION_S)
+    finally:
+        cluster.net.heal(host)
+    outcomes = results(load, timeout_s=120)
+    assert len(outcomes) == len(bodies)
+    failures = []
+    for result in outcomes:
+        # Never a hang: every answer comes within the router's deadline (plus scheduling slack).
+        assert result["elapsed_s"] <= REQUEST_DEADLINE_S + 5, result
+        if result["status"] == 200:
+            assert _tokens(result) == expected[result["index"] % len(PROMPTS)]
+            continue
+        assert 500 <= result["status"] < 600, result
+        error = result["body"]["error"]
+        assert "daemon" in error["message"] and error["type"], result
+        failures.append(result)
+    summary = [(r["status"], r["elapsed_s"]) for r in outcomes]
+    print(f"{host.name} cut off for {PARTITION_S} s: (status, seconds) {summary}")
+    if must_fail:
+        assert failures, f"cutting off {host.name} failed no request: {summary}"
+
+
+def _wait_until_served(
+    cluster: Cluster,
+    expected: list[list[int]],
+    wanted: Callable[[dict[str, Any]], bool],
+    timeout_s: float = 60.0,
+) -> None:
+    """Requests until one answer satisfies ``wanted``; every 200 must carry the right tokens."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        for result in complete(cluster.client, cluster.url, [_body(i) for i in range(3)]):
+            last = result
+            if result["status"] == 200:
+                assert _tokens(result) == expected[result["index"]]
+                if wanted(result["body"]["kvtransfer"]):
+                    return
+        time.sleep(0.5)
+    raise AssertionError(f"not healed within {timeout_s} s; last answer {last}")
+
+
+def _wait_until_no_blocks_used(cluster: Cluster, timeout_s: float = 60.0) -> None:
+    # KV held for requests whose decode failed is released by the router or by its lease.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = {
+            host.name: admin_status(cluster.client, process.address)["num_used_blocks"]
+            for host, process in cluster.daemons()
+        }
+        if not any(used.values()):
+            return
+        assert time.monotonic() < deadline, f"KV blocks still in use: {used}"
+        time.sleep(1.0)
