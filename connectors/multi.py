@@ -173,6 +173,13 @@ class MultiConnector(KVConnectorBase_V1):
             failed |= child_failed or set()
         return sending or None, (recving | failed) or None, failed or None
 
+    def get_load_failure_reasons(self) -> dict[str, str]:
+        reasons: dict[str, str] = {}
+        for child in self._connectors:
+            for req_id, reason in child.get_load_failure_reasons().items():
+                reasons.setdefault(req_id, reason)
+        return reasons
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set()
         for child in self._connectors:

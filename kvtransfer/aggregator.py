@@ -32,6 +32,8 @@ class KVOutputAggregator:
         self._expected_finished_count = expected_finished_count
         self._sending: dict[str, _Pending] = {}
         self._recving: dict[str, _Pending] = {}
+        # Reasons arrive with a worker's report and leave with the engine-wide failure.
+        self._reasons: dict[str, str] = {}
 
     @classmethod
     def from_connector(cls, connector: KVConnectorBase_V1, world_size: int) -> KVOutputAggregator:
@@ -83,6 +85,8 @@ class KVOutputAggregator:
                 failed_recving,
             )
             invalid_block_ids |= kv_out.invalid_block_ids or set()
+            for req_id, reason in (kv_out.load_failure_reasons or {}).items():
+                self._reasons.setdefault(req_id, reason)
             if kv_out.kv_connector_stats is not None and not kv_out.kv_connector_stats.is_empty():
                 stats = (
                     kv_out.kv_connector_stats
@@ -90,12 +94,14 @@ class KVOutputAggregator:
                     else stats.aggregate(kv_out.kv_connector_stats)
                 )
 
+        reasons = {rid: self._reasons.pop(rid) for rid in finished_recving if rid in self._reasons}
         merged = KVConnectorOutput(
             finished_sending=finished_sending or None,
             finished_recving=finished_recving or None,
             failed_recving=failed_recving or None,
             invalid_block_ids=invalid_block_ids or None,
             kv_connector_stats=stats,
+            load_failure_reasons={r: reasons[r] for r in failed_recving if r in reasons} or None,
         )
         base = outputs[output_rank]
         if base is None:

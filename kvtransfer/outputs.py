@@ -26,6 +26,8 @@ class KVConnectorOutput:
     failed_recving: set[str] | None = None
     invalid_block_ids: set[int] | None = None
     kv_connector_stats: KVConnectorStats | None = None
+    # Why loads in failed_recving failed, by request id (not every failure has one).
+    load_failure_reasons: dict[str, str] | None = None
     expected_finished_count: int = 0
 
     def is_empty(self) -> bool:

@@ -151,3 +151,25 @@ def test_from_connector_uses_finished_count_or_world_size():
     )
     plain = KVConnectorBase_V1(config, KVConnectorRole.SCHEDULER)
     assert KVOutputAggregator.from_connector(plain, 8).expected_finished_count == 8
+
+
+def test_a_failure_reason_waits_for_every_worker_and_leaves_with_the_failure():
+    agg = KVOutputAggregator(2)
+    first = agg.aggregate(
+        [
+            out(
+                finished_recving={"a"},
+                failed_recving={"a"},
+                load_failure_reasons={"a": "ProducerUnreachable: gone"},
+            ),
+            None,
+        ]
+    )
+    assert first is not None and first.kv_connector_output is None
+    second = kv(agg.aggregate([None, out(finished_recving={"a"}, failed_recving={"a"})]))
+    assert second.failed_recving == {"a"}
+    assert second.load_failure_reasons == {"a": "ProducerUnreachable: gone"}
+    # Reported once: a later failure of the same id starts without it.
+    agg.aggregate([out(finished_recving={"a"}, failed_recving={"a"}), None])
+    third = kv(agg.aggregate([None, out(finished_recving={"a"}, failed_recving={"a"})]))
+    assert third.load_failure_reasons is None

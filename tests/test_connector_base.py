@@ -193,6 +193,7 @@ HOOKS = {
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
     "validate_kv_transfer_params",
+    "get_load_failure_reasons",
     "release_kv",
     "build_connector_meta",
     "update_connector_output",

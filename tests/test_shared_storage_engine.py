@@ -203,7 +203,14 @@ def test_failed_load_follows_the_policy(produced, expected, case, policy):
     assert plain.token_ids == expected[2]
     if policy == "fail":
         assert failed.finish_reason == "error"
-        assert failed.error == "KV load failed for request gen-0 (kv_load_failure_policy=fail)"
+        reason = {
+            "missing": "LoadError: producer file(s) pp0_tp0.safetensors did not appear",
+            "corrupt": "StorageFormatError: cannot read pp0_tp0.safetensors",
+            "other-prompt": "",
+        }[case]
+        assert failed.error.startswith(
+            f"KV load failed for request gen-0 (kv_load_failure_policy=fail): {reason}"
+        )
         assert failed.token_ids == []
     else:
         assert failed.token_ids == expected[index]
@@ -217,7 +224,9 @@ def test_block_size_mismatch_fails_the_load(produced):
         (result,) = llm.generate([PROMPTS[3]], DECODE, [outputs[3].kv_transfer_params])
         llm.engine.drain()
         llm.engine.check_no_leaks()
-    assert result.error == "KV load failed for request gen-0 (kv_load_failure_policy=fail)"
+    assert result.error.startswith(
+        "KV load failed for request gen-0 (kv_load_failure_policy=fail): "
+    )
 
 
 @pytest.mark.parametrize(

@@ -95,6 +95,7 @@ class SharedStorageWorker:
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._threads: list[threading.Thread] = []
         self._load_errors: set[int] = set()
+        self._failure_reasons: dict[str, str] = {}
         self._stats: dict[str, int] = {}
         self._closed = False
 
@@ -213,6 +214,7 @@ class SharedStorageWorker:
                 self._count("num_loads_cancelled", result)
             elif result.error:
                 failed.add(result.req_id)
+                self._failure_reasons[result.req_id] = str(result.error)
                 self._load_errors.update(result.blocks)
                 self._count("num_loads_failed", result)
                 logger.warning("loading KV of request %s failed: %s", result.req_id, result.error)
@@ -229,6 +231,10 @@ class SharedStorageWorker:
     def block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def load_failure_reasons(self) -> dict[str, str]:
+        reasons, self._failure_reasons = self._failure_reasons, {}
+        return reasons
 
     def stats(self) -> KVConnectorStats | None:
         if not self._stats:

@@ -68,6 +68,7 @@ class UcxWorker:
         self._released: list[str] = []
         self._grants = LeaseGrants()
         self._load_errors: set[int] = set()
+        self._failure_reasons: dict[str, str] = {}
         self._stats_lock = threading.Lock()
         self._stats: dict[str, float | list[float]] = {}
         self._pulls_served = 0
@@ -191,6 +192,9 @@ class UcxWorker:
                 self._add("num_loads_cancelled", 1)
             elif finished.error is not None:
                 failed.add(spec.req_id)
+                self._failure_reasons[spec.req_id] = (
+                    f"{type(finished.error).__name__}: {finished.error}"
+                )
                 self._load_errors.update(spec.local_block_ids)
                 self._add("num_loads_failed", 1)
                 logger.warning(
@@ -219,6 +223,10 @@ class UcxWorker:
     def block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def load_failure_reasons(self) -> dict[str, str]:
+        reasons, self._failure_reasons = self._failure_reasons, {}
+        return reasons
 
     # ------------------------------------------------------------------ stats
 

@@ -166,6 +166,15 @@ class KVConnectorBase_V1:
         sending, recving = self.get_finished(finished_req_ids)
         return sending, recving, None
 
+    def get_load_failure_reasons(self) -> dict[str, str]:
+        """Why each receive this worker reported failed failed, by request id, for the error the
+        request ends with under ``kv_load_failure_policy=fail`` (and the log under recompute).
+
+        Runs once per step right after `get_transfer_results`; drained by the call. Requests
+        without a reason get a generic message. The default gives none.
+        """
+        return {}
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (their content is garbage).
 

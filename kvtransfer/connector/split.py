@@ -81,6 +81,8 @@ class WorkerHalf(Protocol):
 
     def transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults: ...
 
+    def load_failure_reasons(self) -> dict[str, str]: ...
+
     def block_ids_with_load_errors(self) -> set[int]: ...
 
     def handshake_metadata(self) -> KVConnectorHandshakeMetadata | None: ...
@@ -172,6 +174,9 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
         return self._worker_half("get_transfer_results").transfer_results(finished_req_ids)
+
+    def get_load_failure_reasons(self) -> dict[str, str]:
+        return self._worker_half("get_load_failure_reasons").load_failure_reasons()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_half("get_block_ids_with_load_errors").block_ids_with_load_errors()

@@ -104,6 +104,7 @@ class ActiveKVConnector(KVConnector):
             if wait_for_save:
                 self.connector.wait_for_save()
             sending, recving, failed = self.connector.get_transfer_results(set(finished_req_ids))
+            reasons = self.connector.get_load_failure_reasons()
             invalid = self.connector.get_block_ids_with_load_errors()
             stats = self.connector.get_kv_connector_stats()
         finally:
@@ -117,6 +118,7 @@ class ActiveKVConnector(KVConnector):
             failed_recving=set(failed) if failed else None,
             invalid_block_ids=set(invalid) if invalid else None,
             kv_connector_stats=stats if stats is not None and not stats.is_empty() else None,
+            load_failure_reasons=dict(reasons) if reasons else None,
         )
         return None if output.is_empty() else output
 

@@ -18,7 +18,7 @@ for scheduling. Finishing a request stays the scheduler's job, so failures go th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtransfer.config import KVLoadFailurePolicy
@@ -100,7 +100,11 @@ class KVTransferState:
         results = ConnectorResults()
         self._apply_invalid_blocks(kv_out.invalid_block_ids or set(), running, fail, results)
         self._apply_finished_recving(
-            kv_out.finished_recving or set(), kv_out.failed_recving or set(), fail, results
+            kv_out.finished_recving or set(),
+            kv_out.failed_recving or set(),
+            kv_out.load_failure_reasons or {},
+            fail,
+            results,
         )
         for rid in kv_out.finished_sending or ():
             self._release_borrow(rid, _SEND)
@@ -139,7 +143,12 @@ class KVTransferState:
             results.reset_ids.add(request.request_id)
 
     def _apply_finished_recving(
-        self, finished: set[str], failed: set[str], fail: FailRequest, results: ConnectorResults
+        self,
+        finished: set[str],
+        failed: set[str],
+        reasons: Mapping[str, str],
+        fail: FailRequest,
+        results: ConnectorResults,
     ) -> None:
         bm = self.block_manager
         resumed: list[Request] = []
@@ -158,7 +167,7 @@ class KVTransferState:
                 request.load_started_at = None
             if rid in failed or request.load_failed:
                 if self.load_failure_policy == "fail":
-                    results.outputs.append(self._fail_load(request, fail))
+                    results.outputs.append(self._fail_load(request, fail, reasons.get(rid)))
                     continue
                 table = bm.get_block_ids(rid)
                 local_blocks = request.num_cached_tokens // bm.block_size
@@ -181,11 +190,11 @@ class KVTransferState:
         resumed.sort(key=lambda r: r.arrival_order)
         results.resumed.extend(resumed)
 
-    def _fail_load(self, request: Request, fail: FailRequest) -> EngineCoreOutput:
-        return fail(
-            request,
-            f"KV load failed for request {request.request_id} (kv_load_failure_policy=fail)",
-        )
+    def _fail_load(
+        self, request: Request, fail: FailRequest, reason: str | None = None
+    ) -> EngineCoreOutput:
+        message = f"KV load failed for request {request.request_id} (kv_load_failure_policy=fail)"
+        return fail(request, message if reason is None else f"{message}: {reason}")
 
     def _release_borrow(self, rid: str, kind: str) -> None:
         borrows = self._borrows.get(rid)
