@@ -178,6 +178,70 @@ class Namespaces:
             _ip("link", "del", self.host_link)
 
 
+class HelperNamespaces(Namespaces):
+    """The test tier's hosts (``tests/netns_helpers.topology.Network``: a switch namespace,
+    one namespace per service with an unrouted second interface), plus this namespace's own
+    veth to the switch (``.1``) for the load, the admin calls and the direct gRPC calls."""
+
+    def __init__(self, network_cls: Any) -> None:
+        super().__init__()
+        self._network_cls = network_cls
+        self.network: Any = None
+        self.hosts: dict[str, Any] = {}
+
+    def bridge_port(self, role: str) -> str:
+        return str(self.hosts[role].port)
+
+    def setup(self) -> Placement:
+        self.teardown()
+        self.network = network = self._network_cls("chaos")
+        for role in ("prefill", "decode", "router"):
+            self.hosts[role] = network.add_host(role)
+        self.switch = network.switch
+        subnet = self.hosts["prefill"].address.rsplit(".", 1)[0]
+        _ip(
+            "link",
+            "add",
+            self.host_link,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "sw-h",
+            "netns",
+            network.switch,
+        )
+        _ip("-n", network.switch, "link", "set", "sw-h", "master", "br0", "up")
+        _ip("addr", "add", f"{subnet}.1/24", "dev", self.host_link)
+        _ip("link", "set", self.host_link, "up")
+        hosts = {role: host.address for role, host in self.hosts.items()}
+        wrap = {role: host.command([]) for role, host in self.hosts.items()}
+        return Placement(hosts, dict(NS_PORTS), wrap, namespaces=True)
+
+    def teardown(self) -> None:
+        if self.network is not None:
+            self.network.close()  # the host link goes with its peer in the switch
+            self.network = None
+        if Path(f"/sys/class/net/{self.host_link}").exists():
+            _ip("link", "del", self.host_link)
+
+
+def make_namespaces() -> Namespaces:
+    """The test tier's namespace helpers when this checkout has them, else the set-up above."""
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    if (tests / "netns_helpers" / "topology.py").exists():
+        sys.path.insert(0, str(tests))
+        try:
+            from netns_helpers.topology import Network  # type: ignore[import-not-found]
+        except ImportError:
+            pass
+        else:
+            return HelperNamespaces(Network)
+        finally:
+            sys.path.remove(str(tests))
+    return Namespaces()
+
+
 def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode != 0:
@@ -1275,9 +1339,19 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvtransfer-chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    namespaces = Namespaces() if args.netns else None
-    placement = namespaces.setup() if namespaces is not None else local_placement()
-    mode = "network namespaces" if namespaces is not None else "127.0.0.1"
+    namespaces = make_namespaces() if args.netns else None
+    if namespaces is None:
+        placement = local_placement()
+    else:
+        try:
+            placement = namespaces.setup()
+        except BaseException as exc:
+            namespaces.teardown()
+            print(f"could not set up the network namespaces: {exc}")
+            return 2
+    mode = "127.0.0.1"
+    if namespaces is not None:
+        mode = f"network namespaces ({type(namespaces).__name__}, switch {namespaces.switch})"
     if namespaces is None:
         print("no --netns: everything on 127.0.0.1; the partition/heal phase is SKIPPED")
     services = Services(args, placement, log_dir)
