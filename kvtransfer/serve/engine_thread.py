@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +27,10 @@ OutputSink = Callable[[EngineCoreOutput], None]
 
 # How long an idle loop sleeps on its queue before looking at the stop flag again.
 _IDLE_WAIT_S = 0.1
+
+
+# Finished outputs with params remembered until their call confirms delivery (or gives up).
+_HANDED_OVER_MEMORY = 4096
 
 
 class EngineUnavailable(RuntimeError):
@@ -46,6 +51,9 @@ class EngineThread:
             queue.Queue()
         )
         self._sinks: dict[str, OutputSink] = {}
+        # KV handed over in finished outputs lately (request id -> params), in case the call
+        # that should carry them to the client is abandoned before it does.
+        self._handed_over: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtransfer-engine", daemon=True)
         self.broken: str | None = None
@@ -128,15 +136,39 @@ class EngineThread:
     def num_running(self) -> int:
         return len(self._sinks)
 
-    def abort_quietly(self, request_id: str) -> None:
-        """Abort without waiting (e.g. from a cancelled call); the output is dropped."""
+    def abandon(self, request_id: str) -> None:
+        """Nobody will read ``request_id``'s output any more (a cancelled or broken call): abort
+        it if it still runs, and give back KV it holds for a consumer that can never hear of it
+        (whether the abort produced it or the request had finished just before). No wait."""
 
-        def abort() -> None:
+        def abandon() -> None:
+            outputs: list[EngineCoreOutput] = []
             if self._sinks.pop(request_id, None) is not None:
-                self.core.abort_request([request_id])
+                outputs = self.core.abort_request([request_id])
+            handed = [o.kv_transfer_params for o in outputs if o.kv_transfer_params]
+            earlier = self._handed_over.pop(request_id, None)
+            for params in [*handed, *([earlier] if earlier is not None else [])]:
+                self._release_unheard(request_id, params)
 
         if self.is_running:
-            self._calls.put((abort, None))
+            self._calls.put((abandon, None))
+
+    def delivered(self, request_id: str) -> None:
+        """The client has the final output (and any params in it): nothing to give back."""
+
+        def forget() -> None:
+            self._handed_over.pop(request_id, None)
+
+        if self.is_running:
+            self._calls.put((forget, None))
+
+    def _release_unheard(self, request_id: str, params: Mapping[str, Any]) -> None:
+        try:
+            if self.core.release_kv(params):
+                logger.info("released KV nobody received", extra={"request_id": request_id})
+        except (ValueError, PermissionError) as exc:
+            # Params this engine made itself; failing here is a bug, not an attack.
+            logger.warning("could not release KV of an abandoned request: %s", exc)
 
     # ------------------------------------------------------------------ the engine thread
 
@@ -169,9 +201,13 @@ class EngineThread:
         for output in outputs:
             sink = self._sinks.get(output.req_id)
             if sink is None:
-                continue  # aborted quietly: nobody listens any more
+                continue  # abandoned: nobody listens any more
             if output.finished:
                 del self._sinks[output.req_id]
+                if output.kv_transfer_params:
+                    self._handed_over[output.req_id] = output.kv_transfer_params
+                    while len(self._handed_over) > _HANDED_OVER_MEMORY:
+                        self._handed_over.popitem(last=False)
             sink(output)
 
     def _break(self, exc: Exception) -> None:

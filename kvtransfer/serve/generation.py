@@ -105,6 +105,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             ", with kv_transfer_params" if parsed.kv_transfer_params else "",
             extra={"request_id": parsed.request_id},
         )
+        rid = parsed.request_id
+
+        def call_done(_: object) -> None:
+            # A final message written but the call cancelled all the same: the client may
+            # never have read the params in it, so their KV is given back, not left to a lease.
+            if context.cancelled():
+                ctx.engine.abandon(rid)
+            else:
+                ctx.engine.delivered(rid)
+
+        context.add_done_callback(call_done)
         finished = False
         try:
             async for message in self._stream(parsed, outputs, admitted):
@@ -112,8 +123,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 yield message
         finally:
             if not finished:
-                # Cancelled by the client, or the stream broke: nobody reads the rest.
-                ctx.engine.abort_quietly(parsed.request_id)
+                # Cancelled by the client, or the stream broke: nobody reads the rest, and KV
+                # held for a consumer would reach none.
+                ctx.engine.abandon(rid)
                 ctx.ledger.count("requests_aborted")
                 ctx.metrics.request_finished("abort")
                 logger.info("call cancelled: aborted", extra={"request_id": parsed.request_id})
@@ -175,7 +187,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 message.num_prompt_tokens = len(parsed.prompt_token_ids)
                 sent_header = True
             if delta.stopped and not output.finished:
-                ctx.engine.abort_quietly(rid)
+                ctx.engine.abandon(rid)
                 output = EngineCoreOutput(req_id=rid, finished=True, finish_reason="stop")
             if not output.finished:
                 if delta.token_ids or delta.text:

@@ -1,0 +1,73 @@
+"""A prefill call abandoned by its client gives its KV back at once, not at the lease's end.
+
+Whatever moment the client cancels at (before admission, mid-prompt, just as the engine finishes,
+after the final message was written), nobody will pull that KV: the daemon aborts the request
+if it still runs and releases the KV it holds. The lease here is a minute, so blocks that come
+back within seconds came back through that path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from serve_helpers.daemons import admin, exit_used_blocks, running, start_daemon
+
+from kvtransfer.serve.client import GenerationClient, generate_request
+
+REMOTE_DECODE = {"do_remote_decode": True}
+LEASE_S = 60.0
+# Far below the lease: what "at once" means on a loaded 2-core machine.
+BACK_WITHIN_S = 10.0
+PROMPT = "Abandoned prefill calls must not strand their KV until the lease runs out. " * 20
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("abandoned")
+    daemon = start_daemon(
+        "prefill",
+        logs,
+        "--engine-id",
+        "p-abandon",
+        kv={"kv_connector_extra_config": {"kv_lease_s": LEASE_S}},
+    )
+    with running(daemon):
+        yield daemon
+    assert exit_used_blocks(daemon) == 0
+
+
+def _wait_for_no_blocks(address: str) -> float:
+    started = time.monotonic()
+    while (used := admin(address, "status").num_used_blocks) != 0:
+        waited = time.monotonic() - started
+        assert waited < BACK_WITHIN_S, f"{used} blocks still held {waited:.1f} s after the cancel"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.005, 0.02, 0.05, 0.1, 0.2])
+def test_a_cancelled_prefill_call_holds_no_kv(prefill, delay_s):
+    request_id = f"abandon-{delay_s}"
+    final_params = None
+    with GenerationClient(prefill.address) as client:
+        call = client.stream(
+            generate_request(request_id, PROMPT, 1, kv_transfer_params=REMOTE_DECODE)
+        )
+        timer = threading.Timer(delay_s, call.cancel)
+        timer.start()
+        try:
+            for message in call:
+                if message.kv_transfer_params_json:
+                    final_params = message.kv_transfer_params_json
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.CANCELLED
+        timer.join()
+        if call.code() is grpc.StatusCode.OK:
+            # Done before the cancel: the client has the params and the KV waits for it.
+            assert final_params is not None
+            assert [t.request_id for t in admin(prefill.address, "transfers")] == [request_id]
+            assert client.release_kv(request_id, final_params) is True
+    _wait_for_no_blocks(prefill.address)
