@@ -328,9 +328,12 @@ class Notifier:
             channel = self._channels[address] = _open_channel(address, self._tls)
         return channel
 
-    async def _call(self, address: str, method: str, body: bytes) -> NotifyReply:
+    async def _call(
+        self, address: str, method: str, body: bytes, *, wait_for_ready: bool = False
+    ) -> NotifyReply:
         rpc = self._channel(address).unary_unary(method)
-        reply = NotifyReply.model_validate_json(await rpc(body, timeout=self._timeout_s))
+        answer = await rpc(body, timeout=self._timeout_s, wait_for_ready=wait_for_ready)
+        reply = NotifyReply.model_validate_json(answer)
         if self._lease_s.get(address) != reply.lease_s:
             self._lease_s[address] = reply.lease_s
             # Bring every keep-alive to this producer in line with its lease.
@@ -357,7 +360,9 @@ class Notifier:
         body = message.model_dump_json().encode()
         for attempt in range(1, _RELEASE_ATTEMPTS + 1):
             try:
-                await self._call(address, RELEASE, body)
+                # A producer restarting on its port is waited for (within the timeout) rather
+                # than failed at once: the release would otherwise leave KV to the lease.
+                await self._call(address, RELEASE, body, wait_for_ready=True)
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE or attempt == _RELEASE_ATTEMPTS:
@@ -376,7 +381,18 @@ class Notifier:
                 return
 
 
+# gRPC backs off reconnecting to a producer that went away for up to two minutes by default; a
+# restarted producer must hear releases and keep-alives within about a second.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def _open_channel(address: str, tls: TLSFiles | None) -> grpc.aio.Channel:
     if tls is None:
-        return grpc.aio.insecure_channel(address)
-    return grpc.aio.secure_channel(address, channel_credentials(tls), options=channel_options(tls))
+        return grpc.aio.insecure_channel(address, options=_RECONNECT_OPTIONS)
+    return grpc.aio.secure_channel(
+        address, channel_credentials(tls), options=[*_RECONNECT_OPTIONS, *channel_options(tls)]
+    )
