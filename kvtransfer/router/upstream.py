@@ -5,7 +5,9 @@ grpc.health.v1 ``Check`` answered SERVING and no call failed at the transport le
 call that fails with UNAVAILABLE (refused, reset, draining), or a ``Generate`` call that fails
 with DEADLINE_EXCEEDED before the daemon sent anything, ejects the daemon at once; a background
 task checks every daemon each ``health_interval_s`` (deadline ``health_timeout_s``) and
-re-admits it once it answers SERVING, so a false ejection costs one interval. NOT_SERVING
+re-admits it once it answers SERVING; while any daemon is out, checks run every
+``RECOVERY_INTERVAL_S`` (0.2 s) instead, so a false ejection, a restart or a resumed daemon costs
+a fraction of a second once the daemon is ready. NOT_SERVING
 (draining) daemons are not picked. A daemon's state is ``SERVING``, ``NOT_SERVING``,
 ``SERVICE_UNKNOWN`` or ``UNREACHABLE (<code>)`` (its last check or call failed with that gRPC
 code); ``NOT_CHECKED`` only before the first check, which runs before the router serves.
@@ -72,6 +74,9 @@ _SIZE_LIMIT_DETAILS = "message larger than max"
 HealthListener = Callable[["Daemon", bool, str, bool], None]
 """``(daemon, healthy, state, first)``: called when a daemon's health is first known and each
 time it flips; ``first`` marks the start-up check."""
+
+# Health-check pace while some daemon is out of the pool (at most the configured interval).
+RECOVERY_INTERVAL_S = 0.2
 
 
 class UpstreamError(RuntimeError):
@@ -192,7 +197,10 @@ class DaemonPool:
 
     async def _check_forever(self, interval_s: float, timeout_s: float) -> None:
         while True:
-            await asyncio.sleep(interval_s)
+            # A daemon out of the pool is looked at more often, so one that restarted or
+            # resumed serves again within a fraction of a second of being ready.
+            healthy = all(h.healthy for h in self._health.values())
+            await asyncio.sleep(interval_s if healthy else min(interval_s, RECOVERY_INTERVAL_S))
             try:
                 await self.check(timeout_s)
             except Exception:  # a bug here must not silently end health checking
