@@ -10,11 +10,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 
 import pytest
 from ucx_helpers.engines import BLOCK_SIZE, DECODE, PROMPTS, colocated
+from ucx_helpers.pd import decode_while_loading
 
 from kvtransfer.pd import PDPair
 
@@ -35,25 +35,6 @@ def expected() -> list[list[int]]:
     return [o.token_ids for o in colocated(PROMPTS)]
 
 
-def _decode_in_background(pair: PDPair, params: dict) -> tuple[threading.Thread, list[object]]:
-    outcome: list[object] = []
-
-    def decode() -> None:
-        try:
-            outcome.extend(pair.run_decode([PROMPTS[3]], DECODE, [params]))
-        except Exception as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=decode)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while pair.decode.stats()["num_loading_remote_kvs"] == 0:
-        assert time.monotonic() < deadline, "the decode request never started loading"
-        time.sleep(0.01)
-    time.sleep(0.3)  # the worker posts its pull on its next step
-    return thread, outcome
-
-
 def _pair(policy: str = "fail") -> PDPair:
     return PDPair(
         engine_overrides=OVERRIDES,
@@ -69,7 +50,7 @@ def test_a_stopped_producer_that_resumes_within_the_lease_still_serves(expected)
         (prefilled,) = pair.run_prefill([PROMPTS[3]])
         os.kill(pair.prefill.pid, signal.SIGSTOP)
         try:
-            thread, outcome = _decode_in_background(pair, prefilled.kv_transfer_params)
+            thread, outcome = decode_while_loading(pair, prefilled.kv_transfer_params)
             # Several probe rounds: a stopped process still accepts connections (the kernel
             # does), so it is slow, not dead.
             time.sleep(3.0)
@@ -91,7 +72,7 @@ def test_a_producer_killed_during_the_pull_fails_the_load_in_about_a_second(expe
         assert pair.generate([PROMPTS[0]], DECODE)[0].token_ids == expected[0]
         (prefilled,) = pair.run_prefill([PROMPTS[3]])
         os.kill(pair.prefill.pid, signal.SIGSTOP)
-        thread, outcome = _decode_in_background(pair, prefilled.kv_transfer_params)
+        thread, outcome = decode_while_loading(pair, prefilled.kv_transfer_params)
         killed = time.monotonic()
         pair.prefill.kill()
         thread.join(timeout=TRANSFER_TIMEOUT_S + 30)

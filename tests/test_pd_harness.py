@@ -8,11 +8,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 
 import pytest
 from ucx_helpers.engines import BLOCK_SIZE, DECODE, PROMPTS, colocated
+from ucx_helpers.pd import decode_while_loading
 
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.sampling_params import SamplingParams
@@ -147,23 +147,7 @@ def test_prefill_killed_mid_transfer(expected, policy):
         # Frozen, the prefill still holds the pull's endpoint open but answers nothing: the
         # decode worker's pull is posted and waiting when the process dies.
         os.kill(pair.prefill.pid, signal.SIGSTOP)
-        outcome: list[object] = []
-
-        def decode() -> None:
-            try:
-                outcome.extend(
-                    pair.run_decode([PROMPTS[3]], DECODE, [prefilled.kv_transfer_params])
-                )
-            except Exception as exc:
-                outcome.append(exc)
-
-        thread = threading.Thread(target=decode)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while pair.decode.stats()["num_loading_remote_kvs"] == 0:
-            assert time.monotonic() < deadline, "the decode request never started loading"
-            time.sleep(0.01)
-        time.sleep(0.3)  # the worker posts the pull on its next step
+        thread, outcome = decode_while_loading(pair, prefilled.kv_transfer_params)
         pair.prefill.kill()
         thread.join(timeout=60)
         assert not thread.is_alive()
