@@ -169,9 +169,12 @@ def test_abort_while_pulling_writes_nothing_and_reports_at_once(pool):
             assert time.monotonic() < deadline, "the pulls never started"
             time.sleep(0.005)
         assert worker.get_transfer_results(set()) == (None, None, None)
-        assert worker.get_transfer_results({"slow"}) == (None, {"slow"}, None)
+        # Reported failed (it delivered nothing), with no load errors (the blocks are not its
+        # own any more) and no reason (nobody waits for that request).
+        assert worker.get_transfer_results({"slow"}) == (None, {"slow"}, {"slow"})
         worker.clear_connector_metadata()
         assert worker.get_block_ids_with_load_errors() == set()
+        assert worker.get_load_failure_reasons() == {}
         assert worker.get_transfer_results(set()) == (None, None, None)
         assert all(torch.all(cache == SENTINEL) for cache in c.caches[(0, 0)].values())
         assert worker.get_kv_connector_stats().data["num_loads_cancelled"] == 1

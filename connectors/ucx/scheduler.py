@@ -138,8 +138,6 @@ class UcxScheduler:
         self._consumed: set[str] = set()
         # Loads not yet reported by every worker: our request id -> (producer, blocks).
         self._loading: dict[str, tuple[RemotePrefill, int]] = {}
-        # Loading requests that finished (aborted) before their load reported.
-        self._abandoned: set[str] = set()
         self._loads: list[LoadSpec] = []
         self._grants: list[Grant] = []
         self._stats_totals: dict[str, float] = {}
@@ -313,8 +311,9 @@ class UcxScheduler:
             if entry is None:
                 continue
             remote, num_blocks = entry
-            read_nothing = rid in failed or rid in self._abandoned
-            self._abandoned.discard(rid)
+            # A load that finished on every worker read the blocks even if its request was
+            # aborted meanwhile; cancelled loads are reported failed.
+            read_nothing = rid in failed
             if not read_nothing:
                 # Counted once per request whatever the TP x PP: the blocks the producer is
                 # told were read (its blocks_consumed).
@@ -338,8 +337,6 @@ class UcxScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._matched.pop(rid, None)
-        if rid in self._loading:
-            self._abandoned.add(rid)
         self._release_unused(request)
         self._consumed.discard(rid)
         if not self._config.is_kv_producer or not wants_remote_decode(request.kv_transfer_params):

@@ -189,6 +189,9 @@ class UcxWorker:
             del self._loads[spec.req_id]
             recving.add(spec.req_id)
             if finished.cancelled:
+                # Reported failed (it delivered nothing) but without load errors: its request
+                # is gone and its blocks may already hold another request's KV.
+                failed.add(spec.req_id)
                 self._add("num_loads_cancelled", 1)
             elif finished.error is not None:
                 failed.add(spec.req_id)
@@ -217,6 +220,7 @@ class UcxWorker:
             if entry[1] is not None:
                 entry[1].cancel()
             recving.add(req_id)
+            failed.add(req_id)
             self._add("num_loads_cancelled", 1)
         return sending or None, recving or None, failed or None
 
