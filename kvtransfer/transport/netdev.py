@@ -5,7 +5,8 @@ UCX's TCP transport otherwise listens on, advertises and dials every interface o
 stalls. `kv_net_devices` confines it to one interface, chosen in this order:
 
 1. ``kv_net_device`` from the connector's configuration (UCX device names, comma-separated,
-   passed through: e.g. ``eth0``, or ``mlx5_0:1,eth0`` with RDMA);
+   passed through: e.g. ``eth0``, or ``mlx5_0:1,eth0`` with RDMA; a network interface named
+   there must exist);
 2. ``UCX_NET_DEVICES`` in the environment (UCX's own variable; deployments set it);
 3. the interface that holds ``kv_ip`` (resolved if it is a name), found with the kernel's
    interface table (``SIOCGIFCONF`` for IPv4, ``/proc/net/if_inet6`` for IPv6).
@@ -93,6 +94,7 @@ def kv_net_devices(
 ) -> NetDevices:
     """The UCX network devices for KV traffic (see the module docstring for the order)."""
     if override is not None:
+        _check_interfaces(override)
         return NetDevices(override, "kv_net_device")
     environ = os.environ if environ is None else environ
     if environ.get(ENV_NET_DEVICES):
@@ -112,6 +114,18 @@ def kv_net_devices(
             entry.device,
         )
     return NetDevices(entry.device, f"kv_ip {kv_ip}")
+
+
+def _check_interfaces(devices: str) -> None:
+    # UCX only warns about a device it lacks and then has no network transport at all.
+    # RDMA devices ("mlx5_0:1") are not network interfaces: UCX checks those itself.
+    present = [name for _, name in socket.if_nameindex()]
+    for name in devices.split(","):
+        if name != "all" and ":" not in name and name not in present:
+            raise ValueError(
+                f"kv_net_device: no interface {name!r} here; this network namespace has "
+                f"{', '.join(present)}"
+            )
 
 
 def _resolve(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
