@@ -43,7 +43,8 @@ WAIT_S = 30.0
 @pytest.fixture(scope="module")
 def served():
     grants = LeaseGrants(grant_wait_s=1.0)
-    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as server:
+    # Checksums on: every pull of this module is verified, so none may be a false alarm.
+    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S, checksum=True)) as server:
         server.register_kv_caches(make_caches(SEED, [GROUP]))
         server.start_server(grants)
         yield server, grants

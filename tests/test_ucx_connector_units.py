@@ -63,10 +63,14 @@ def test_config_defaults_and_overrides():
     config = _config(
         kv_ip="0.0.0.0",
         kv_port=5555,
-        kv_connector_extra_config={"kv_lease_s": 2, "max_concurrent_loads": 1},
+        kv_connector_extra_config={
+            "kv_lease_s": 2,
+            "max_concurrent_loads": 1,
+            "kv_payload_checksum": True,
+        },
     )
     assert UcxConfig.from_transfer_config(config) == UcxConfig(
-        host="0.0.0.0", port=5555, lease_s=2.0, max_concurrent_loads=1
+        host="0.0.0.0", port=5555, lease_s=2.0, max_concurrent_loads=1, payload_checksum=True
     )
 
 
@@ -80,6 +84,7 @@ def test_config_defaults_and_overrides():
         ),
         ({"transfer_timeout_s": True}, r"transfer_timeout_s must be a number of seconds > 0"),
         ({"max_concurrent_loads": 0}, r"max_concurrent_loads must be an int >= 1, got 0"),
+        ({"kv_payload_checksum": "yes"}, r"kv_payload_checksum must be true or false, got 'yes'"),
     ],
 )
 def test_config_rejects_bad_extra_keys(extra, message):

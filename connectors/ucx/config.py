@@ -41,7 +41,13 @@ _TLS_KEYS = {
     "tls_ca_file": "ca_file",
     "tls_server_name": "server_name",
 }
-_EXTRA_KEYS = (*_SECONDS_KEYS, "max_concurrent_loads", "kv_net_device", *_TLS_KEYS)
+_EXTRA_KEYS = (
+    *_SECONDS_KEYS,
+    "max_concurrent_loads",
+    "kv_net_device",
+    "kv_payload_checksum",
+    *_TLS_KEYS,
+)
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,10 @@ class UcxConfig:
     has not pulled them (consumers extend it while they wait). ``transfer_timeout_s`` bounds one
     request's pulls, ``handshake_timeout_s`` one handshake attempt (two are made) and one UCX
     connect. ``tls``: see the module docstring; ``None`` is plaintext. ``net_device``: UCX
-    network devices for KV traffic (``kv_net_device``); ``None`` derives them."""
+    network devices for KV traffic (``kv_net_device``); ``None`` derives them.
+    ``payload_checksum``: a producer's payloads carry their xxh3-64, which consumers check
+    (``kv_payload_checksum``; off by default: it cost 11-34% of pull throughput in
+    ``benchmarks/transfer.py --checksum-cost`` on a 2-vCPU VM)."""
 
     host: str = DEFAULT_HOST
     port: int = 0
@@ -60,6 +69,7 @@ class UcxConfig:
     max_concurrent_loads: int = DEFAULT_MAX_CONCURRENT_LOADS
     tls: TLSFiles | None = None
     net_device: str | None = None
+    payload_checksum: bool = False
 
     @property
     def server_tls(self) -> TLSFiles | None:
@@ -101,6 +111,7 @@ class UcxConfig:
             ),
             tls=_tls(extra, serves=config.is_kv_producer),
             net_device=_net_device(extra),
+            payload_checksum=_flag(extra, "kv_payload_checksum", defaults.payload_checksum),
         )
 
 
@@ -111,6 +122,13 @@ def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
             f"kv_connector_extra_config.{key} must be a number of seconds > 0, got {value!r}"
         )
     return float(value)
+
+
+def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config.{key} must be true or false, got {value!r}")
+    return value
 
 
 def _count(extra: dict[str, Any], key: str, default: int) -> int:

@@ -104,6 +104,7 @@ class UcxWorker:
                 timeout_s=self._ucx.transfer_timeout_s,
                 connect_timeout_s=self._ucx.handshake_timeout_s,
                 net_devices=self._ucx.ucx_net_devices(),
+                checksum=self._ucx.payload_checksum,
             )
         )
         try:
