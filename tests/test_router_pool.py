@@ -29,8 +29,10 @@ from router_helpers.fakes import (
     decode_ok,
     fail,
     finish_error,
+    gated,
     hang,
     params_for,
+    prefill_ok,
     release_answer,
     release_fails,
     release_gated,
@@ -38,6 +40,7 @@ from router_helpers.fakes import (
 
 from kvtransfer.router import RouterConfig
 from kvtransfer.router.__main__ import _parser, config_from_args
+from kvtransfer.router.app import PREFILL_GRACE_S
 from kvtransfer.router.openai_api import MAX_JSON_DEPTH
 from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES, GRPC_HEADROOM_BYTES
 from kvtransfer.v1 import generation_pb2
@@ -502,5 +505,58 @@ def test_daemons_with_a_smaller_limit_than_the_router_get_one_clear_413():
             assert "larger than this daemon's gRPC message limit" in message
             assert message.endswith("give the router and every daemon the same --max-request-bytes")
             assert (await c.get("/health"))[0] == 200  # refused, not unreachable
+
+    run(scenario)
+
+
+async def _leave_during_prefill(c) -> None:
+    """Send a request and hang up once the prefill daemon has it."""
+    body = json.dumps({"prompt": "x"}).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", c.router.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+        b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    await c.prefill.received.wait()
+    writer.close()
+    await writer.wait_closed()
+
+
+def test_a_client_that_leaves_as_the_prefill_ends_gets_its_kv_released():
+    """The client leaves while the prefill's final message is on its way: the router still
+    reads it (within the grace) and gives the KV back, instead of leaving it to the lease."""
+
+    async def scenario():
+        gate = asyncio.Event()
+        async with cluster(health_interval_s=NO_CHECKS) as c:
+            p = c.prefill
+            p.behaviour = gated(gate, prefill_ok(p.address))
+            await _leave_during_prefill(c)
+            await asyncio.sleep(0.1)  # the handler is cancelled by now
+            gate.set()
+            await p.released.wait()
+            assert p.releases == [release_of(p, p.requests[0].request_id)]
+            assert p.cancelled == []
+            assert c.decode.requests == []
+            await released(c, "client_gone", "released")
+
+    run(scenario)
+
+
+def test_a_prefill_still_computing_when_the_client_leaves_is_cancelled():
+    """Past the grace the prefill call is cancelled (the daemon aborts it and gives back
+    anything it held); the router has no params, so it asks for no release."""
+
+    async def scenario():
+        async with cluster(health_interval_s=NO_CHECKS) as c:
+            p = c.prefill
+            p.behaviour = hang()
+            await _leave_during_prefill(c)
+            await asyncio.wait_for(p.cancelled_event.wait(), PREFILL_GRACE_S + 10)
+            assert p.releases == []
+            assert c.decode.requests == []
 
     run(scenario)

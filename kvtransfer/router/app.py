@@ -38,7 +38,9 @@ Life cycle of a request:
    params, so the KV is freed now rather than at the end of its lease. The call runs in a task
    of its own with ``release_timeout_s``: the client's answer never waits for it and the
    handler's cancellation does not reach it; ``kvtransfer_router_kv_releases_total`` counts
-   the outcomes.
+   the outcomes. A client that leaves during the prefill gives that call ``PREFILL_GRACE_S``
+   to deliver a final message already on its way (then its KV is released the same way);
+   a prefill still computing after that is cancelled, and the daemon gives back its KV itself.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ _SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _SSE_DONE = b"data: [DONE]\n\n"
+# How long a prefill call whose client left may take to deliver a final message already sent.
+PREFILL_GRACE_S = 0.5
 # Decode outcomes after which the decode engine has pulled, or let go of, the prefill's KV.
 _CLEAN_FINISHES = frozenset({"length", "stop"})
 
@@ -313,7 +317,7 @@ class RouterHandlers:
         upstream = self.upstream
         # KV prefilled for no decode daemon would only wait out its lease.
         upstream.decode.require_healthy()
-        prefill = await upstream.run_prefill(exchange.request_id, exchange.request, deadline)
+        prefill = await self._prefill(upstream, exchange, deadline)
         try:
             response = await self._decode(request, exchange, prefill, deadline)
         except BaseException as exc:
@@ -432,6 +436,36 @@ class RouterHandlers:
         self._log_done(exchange, decoded)
 
     # ------------------------------------------------------------------ releasing KV
+
+    async def _prefill(
+        self, upstream: Upstream, exchange: _Exchange, deadline: float
+    ) -> PrefillResult:
+        """The prefill call, shielded from the client leaving at the very moment it ends.
+
+        If the handler is cancelled, the call gets `PREFILL_GRACE_S` more to deliver a final
+        message that may already be on its way (the daemon finished, the RPC completed, only
+        this side has not read it yet), and that KV is released; a prefill still computing is
+        cancelled, and the daemon then gives its KV back itself.
+        """
+        call = asyncio.ensure_future(
+            upstream.run_prefill(exchange.request_id, exchange.request, deadline)
+        )
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            task = asyncio.get_running_loop().create_task(self._release_late(exchange, call))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+            raise
+
+    async def _release_late(self, exchange: _Exchange, call: asyncio.Future[PrefillResult]) -> None:
+        try:
+            prefill = await asyncio.wait_for(call, PREFILL_GRACE_S)
+        except (TimeoutError, asyncio.CancelledError, UpstreamError):
+            return  # cancelled while computing (the daemon releases), or failed: nothing held
+        upstream = self._upstream
+        if upstream is not None:
+            await self._release(upstream, exchange, prefill, "client_gone")
 
     def _release_unless_decoded(
         self, exchange: _Exchange, prefill: PrefillResult, trigger: str
