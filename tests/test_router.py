@@ -24,6 +24,7 @@ from router_helpers.cluster import (
     cluster,
     free_port,
     post_stream,
+    raw_completion,
     run,
     sse_events,
     wait_for_health,
@@ -429,15 +430,7 @@ def test_stream_errors_before_and_after_the_first_byte():
 def test_client_disconnect_cancels_the_upstream_call(stream):
     async def scenario():
         async with cluster(decodes=[hang([([1], "a")])]) as c:
-            body = json.dumps({"prompt": "x", "stream": stream}).encode()
-            reader, writer = await asyncio.open_connection("127.0.0.1", c.router.port)
-            writer.write(
-                b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
-                b"Content-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
+            reader, writer = await raw_completion(c, {"prompt": "x", "stream": stream})
             await c.decode.received.wait()
             if stream:  # the first chunk is out: the client is mid-stream
                 assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")

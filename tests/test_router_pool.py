@@ -19,6 +19,7 @@ from router_helpers.cluster import (
     Cluster,
     cluster,
     post_stream,
+    raw_completion,
     run,
     sse_events,
     wait_for_health,
@@ -268,15 +269,7 @@ def test_a_finished_decode_releases_nothing():
 def test_a_client_that_goes_away_after_prefill_releases_the_kv(stream):
     async def scenario():
         async with cluster(decodes=[hang([([1], "a")])], health_interval_s=NO_CHECKS) as c:
-            body = json.dumps({"prompt": "x", "stream": stream}).encode()
-            reader, writer = await asyncio.open_connection("127.0.0.1", c.router.port)
-            writer.write(
-                b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
-                b"Content-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
+            reader, writer = await raw_completion(c, {"prompt": "x", "stream": stream})
             await c.decode.received.wait()
             if stream:
                 assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
@@ -511,15 +504,7 @@ def test_daemons_with_a_smaller_limit_than_the_router_get_one_clear_413():
 
 async def _leave_during_prefill(c) -> None:
     """Send a request and hang up once the prefill daemon has it."""
-    body = json.dumps({"prompt": "x"}).encode()
-    _, writer = await asyncio.open_connection("127.0.0.1", c.router.port)
-    writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
-        b"Content-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    await writer.drain()
+    _, writer = await raw_completion(c, {"prompt": "x"})
     await c.prefill.received.wait()
     writer.close()
     await writer.wait_closed()

@@ -128,3 +128,19 @@ async def wait_for_metric(c: Cluster, needle: str) -> str:
         if needle in text:
             return text
         await asyncio.sleep(0.01)
+
+
+async def raw_completion(
+    c: Cluster, body: dict[str, Any]
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """POST ``body`` to /v1/completions over a bare socket, so the test can hang up mid-way."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", c.router.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+        b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    await writer.drain()
+    return reader, writer
