@@ -197,7 +197,7 @@ class UcxWorker:
             elif finished.error is not None:
                 failed.add(spec.req_id)
                 self._failure_reasons[spec.req_id] = (
-                    f"{type(finished.error).__name__}: {finished.error}"
+                    f"{_public_name(finished.error)}: {finished.error}"
                 )
                 self._load_errors.update(spec.local_block_ids)
                 self._add("num_loads_failed", 1)
@@ -280,3 +280,8 @@ class UcxWorker:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._notifier.close()
+
+
+def _public_name(error: BaseException) -> str:
+    """The error's type as a client may look it up (private subclasses named by their base)."""
+    return next(t.__name__ for t in type(error).__mro__ if not t.__name__.startswith("_"))

@@ -198,7 +198,6 @@ class PullSpec:
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         source: HeadSource,
-        lease: LeaseAccess | None = None,
     ) -> PullSpec:
         """The pull that reads one `TransferTopology.head_sources` entry."""
         return cls(
@@ -208,7 +207,6 @@ class PullSpec:
             local_block_ids=tuple(local_block_ids),
             remote_heads=range(source.remote_offset, source.remote_offset + source.num_heads),
             local_heads=range(source.local_offset, source.local_offset + source.num_heads),
-            lease=lease,
         )
 
 
