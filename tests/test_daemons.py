@@ -18,6 +18,7 @@ from serve_helpers.daemons import (
     PROMPTS,
     admin,
     colocated,
+    daemon_pair,
     exit_used_blocks,
     running,
     start_daemon,
@@ -34,16 +35,8 @@ REMOTE_DECODE = {"do_remote_decode": True}
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("daemons")
-    prefill = start_daemon("prefill", logs, "--engine-id", "p0")
-    try:
-        decode = start_daemon("decode", logs, "--engine-id", "d0")
-    except BaseException:
-        prefill.terminate()
-        raise
-    with running(decode, prefill):
-        yield prefill, decode
-    assert exit_used_blocks(prefill) == 0
-    assert exit_used_blocks(decode) == 0
+    with daemon_pair(logs, ["--engine-id", "p0"], ["--engine-id", "d0"]) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

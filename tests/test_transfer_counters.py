@@ -19,9 +19,7 @@ from serve_helpers.daemons import (
     BLOCK_SIZE,
     PROMPTS,
     admin,
-    exit_used_blocks,
-    running,
-    start_daemon,
+    daemon_pair,
 )
 
 from kvtransfer.serve.client import GenerationClient, generate_request
@@ -34,16 +32,8 @@ BYTES_PER_BLOCK = 4 * 2 * 2 * BLOCK_SIZE * 16 * 4
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("counters")
-    prefill = start_daemon("prefill", logs, "--engine-id", "p-tp2", "--tp", "2")
-    try:
-        decode = start_daemon("decode", logs, "--engine-id", "d-tp1")
-    except BaseException:
-        prefill.terminate()
-        raise
-    with running(decode, prefill):
-        yield prefill, decode
-    assert exit_used_blocks(prefill) == 0
-    assert exit_used_blocks(decode) == 0
+    with daemon_pair(logs, ["--engine-id", "p-tp2", "--tp", "2"], ["--engine-id", "d-tp1"]) as pair:
+        yield pair
 
 
 def _counters(address: str) -> dict[str, int]:

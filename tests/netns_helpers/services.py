@@ -14,11 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from serve_helpers.daemons import COMMON_FLAGS
+
 from kvtransfer.serve.launcher import ServiceProcess, daemon_command, router_command
 from netns_helpers.topology import Host
 
-BLOCK_SIZE = 16
-NUM_KV_BLOCKS = 96
 _TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
@@ -40,20 +40,7 @@ def start_daemon(
         "kv_connector_extra_config": extra or {},
     }
     argv = daemon_command(
-        role,
-        "--host",
-        bind,
-        "--port",
-        "0",
-        "--block-size",
-        str(BLOCK_SIZE),
-        "--num-kv-blocks",
-        str(NUM_KV_BLOCKS),
-        "--metrics-port",
-        "0",
-        "--kv-transfer-config",
-        json.dumps(config),
-        *flags,
+        role, "--host", bind, *COMMON_FLAGS, "--kv-transfer-config", json.dumps(config), *flags
     )
     name = f"{role}-{host.name}"
     return ServiceProcess.start(name, host.command(argv), logs / f"{name}.log")

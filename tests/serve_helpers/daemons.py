@@ -73,6 +73,23 @@ def running(*processes: ServiceProcess) -> Iterator[None]:
             process.terminate()
 
 
+@contextlib.contextmanager
+def daemon_pair(
+    log_dir: Path, prefill_flags: Sequence[str], decode_flags: Sequence[str]
+) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """A prefill and a decode daemon; both must stop with no KV block in use."""
+    prefill = start_daemon("prefill", log_dir, *prefill_flags)
+    try:
+        decode = start_daemon("decode", log_dir, *decode_flags)
+    except BaseException:
+        prefill.terminate()
+        raise
+    with running(decode, prefill):
+        yield prefill, decode
+    assert exit_used_blocks(prefill) == 0
+    assert exit_used_blocks(decode) == 0
+
+
 def colocated(
     prompts: Sequence[str | list[int]], max_tokens: int, **engine: Any
 ) -> list[list[int]]:
