@@ -33,6 +33,7 @@ from router_helpers.cluster import (
 from router_helpers.fakes import (
     DECODE_METRICS,
     DECODE_PIECES,
+    FIRST_PIECE,
     Behaviour,
     FakeDaemon,
     decode_ok,
@@ -47,8 +48,9 @@ from router_helpers.fakes import (
 from kvtransfer.router import RouterConfig, RouterServer
 from kvtransfer.router.__main__ import main as router_main
 
-DECODE_TEXT = "".join(text for _, text in DECODE_PIECES)
-DECODE_IDS = [t for ids, _ in DECODE_PIECES for t in ids]
+# What the client gets: the prefill's first token, then the decode stream.
+DECODE_TEXT = FIRST_PIECE[1] + "".join(text for _, text in DECODE_PIECES)
+DECODE_IDS = FIRST_PIECE[0] + [t for ids, _ in DECODE_PIECES for t in ids]
 
 
 # ---------------------------------------------------------------------- the happy path
@@ -85,9 +87,12 @@ def test_prefill_then_decode_json_body(caplog):
             assert pre.sampling.temperature == pytest.approx(0.5)
             assert pre.sampling.top_p == pytest.approx(0.9)
             assert pre.sampling.seed == 1234
-            assert list(pre.sampling.stop) == []  # a stop in the first token would lose the KV
-            # The decode: the original request and exactly the params the prefill returned.
+            # A stop in the first token ends the request there, as it would colocated.
+            assert list(pre.sampling.stop) == ["\n\n"]
+            # The decode: the original request and exactly the params the prefill returned,
+            # continuing after the prefill's first token.
             assert dec.text == "Hello"
+            assert list(dec.generated_token_ids) == FIRST_PIECE[0]
             assert dec.kv_transfer_params_json == params_for(c.prefill.address, request_id)
             assert dec.sampling.max_tokens == 7
             assert dec.sampling.temperature == pytest.approx(0.5)
@@ -166,17 +171,18 @@ def test_stream_sse_framing_and_chunks():
             events = sse_events(raw)
             assert events[-1] == "[DONE]"
             chunks = [json.loads(e) for e in events[:-1]]
-            # One chunk per decode message with text (the text-less one is skipped), the last
-            # one carries the finish reason and the kvtransfer object.
-            assert [ch["choices"][0]["text"] for ch in chunks] == ["He", "llo", "!"]
-            assert [ch["choices"][0]["finish_reason"] for ch in chunks] == [None, None, "length"]
+            # The prefill's first token, then one chunk per decode message with text (the
+            # text-less one is skipped); the last carries the finish reason and kvtransfer.
+            assert [ch["choices"][0]["text"] for ch in chunks] == [">", "He", "llo", "!"]
+            finish_reasons = [ch["choices"][0]["finish_reason"] for ch in chunks]
+            assert finish_reasons == [None, None, None, "length"]
             request_id = c.decode.requests[0].request_id
             assert response.headers["x-request-id"] == request_id
             for chunk in chunks:
                 assert chunk["id"] == request_id and chunk["object"] == "text_completion"
                 assert chunk["model"] == "builtin" and chunk["created"] == chunks[0]["created"]
                 assert "usage" not in chunk
-            assert ["kvtransfer" in ch for ch in chunks] == [False, False, True]
+            assert ["kvtransfer" in ch for ch in chunks] == [False, False, False, True]
             info = chunks[-1]["kvtransfer"]
             assert info["token_ids"] == DECODE_IDS and info["request_id"] == request_id
             assert info["decode"] == c.decode.address
@@ -375,13 +381,14 @@ def test_deadline_turns_a_hung_daemon_into_503_not_a_hang():
             response, raw = await post_stream(c, {"prompt": "x"})
             assert response.status == 200
             events = sse_events(raw)
-            assert json.loads(events[0])["choices"][0]["text"] == "Hi"
-            error = json.loads(events[1])["error"]
+            texts = [json.loads(e)["choices"][0]["text"] for e in events[:2]]
+            assert texts == [FIRST_PIECE[1], "Hi"]
+            error = json.loads(events[2])["error"]
             assert error["message"].startswith(
                 f"decode daemon {c.decode.address}: DEADLINE_EXCEEDED"
             )
             assert error["type"] == "upstream_error"
-            assert events[2:] == ["[DONE]"]
+            assert events[3:] == ["[DONE]"]
             # A decode that was streaming is alive: the deadline was the request's, no ejection.
             assert (await c.get("/health"))[1]["decode"] == {c.decode.address: "SERVING"}
 
@@ -392,36 +399,45 @@ def test_stream_errors_before_and_after_the_first_byte():
     async def scenario():
         async with cluster() as c:
             d = c.decode
-            # After the first chunk: an SSE error event naming the daemon, then [DONE].
+            # After the first chunks: an SSE error event naming the daemon, then [DONE].
+            error = {
+                "error": {
+                    "message": f"decode daemon {d.address}: KV load failed",
+                    "type": "upstream_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
             d.behaviour = finish_error("KV load failed", [([1], "ab")])
             response, raw = await post_stream(c, {"prompt": "x"})
             assert response.status == 200
             events = sse_events(raw)
-            assert [json.loads(e) for e in events[1:-1]] == [
-                {
-                    "error": {
-                        "message": f"decode daemon {d.address}: KV load failed",
-                        "type": "upstream_error",
-                        "param": None,
-                        "code": None,
-                    }
-                }
-            ]
-            assert json.loads(events[0])["choices"][0]["text"] == "ab"
+            texts = [json.loads(e)["choices"][0]["text"] for e in events[:2]]
+            assert texts == [FIRST_PIECE[1], "ab"]
+            assert [json.loads(e) for e in events[2:-1]] == [error]
             assert events[-1] == "[DONE]"
-            # Before any byte: still a plain HTTP error with its status.
+            # The first token (from the prefill) is out before the decode daemon answers:
+            # a decode that fails at once is an error event after it.
+            d.behaviour = finish_error("KV load failed")
+            response, raw = await post_stream(c, {"prompt": "x"})
+            events = sse_events(raw)
+            assert json.loads(events[0])["choices"][0]["text"] == FIRST_PIECE[1]
+            assert json.loads(events[1]) == error and events[2:] == ["[DONE]"]
+            # Before any byte (the prefill failed): still a plain HTTP error with its status.
             for behaviour, status in [
-                (finish_error("KV load failed"), 502),
+                (finish_error("out of blocks"), 502),
                 (fail(grpc.StatusCode.UNAVAILABLE, "draining"), 503),
             ]:
-                d.behaviour = behaviour
+                c.prefill.behaviour = behaviour
                 async with c.http.post(
                     "/v1/completions", json={"prompt": "x", "stream": True}
                 ) as response:
                     assert response.status == status
                     assert response.content_type == "application/json"
                     answer = await response.json()
-                assert answer["error"]["message"].startswith(f"decode daemon {d.address}: ")
+                prefix = f"prefill daemon {c.prefill.address}: "
+                assert answer["error"]["message"].startswith(prefix)
+                await wait_for_health(c, "ok")
 
     run(scenario)
 
@@ -488,7 +504,8 @@ def test_health_models_and_metrics():
                 'kvtransfer_router_requests_total{status="400"} 1.0',
                 'kvtransfer_router_requests_total{status="503"} 1.0',
                 "kvtransfer_router_request_seconds_count 3.0",
-                "kvtransfer_router_time_to_first_token_seconds_count 1.0",
+                # The first token comes from the prefill: the decode failure came after it.
+                "kvtransfer_router_time_to_first_token_seconds_count 2.0",
                 'kvtransfer_router_upstream_errors_total{reason="UNAVAILABLE",role="decode"} 1.0',
                 f'kvtransfer_router_daemon_healthy{{address="{p0.address}",role="prefill"}} 1.0',
                 f'kvtransfer_router_daemon_healthy{{address="{dead}",role="decode"}} 0.0',

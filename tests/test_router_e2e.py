@@ -58,8 +58,9 @@ def complete(base_url: str, prompt, **fields) -> dict:
     return json.loads(text)
 
 
-def stream(base_url: str, prompt) -> tuple[str, list[dict]]:
-    status, text = post(base_url, {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True})
+def stream(base_url: str, prompt, **fields) -> tuple[str, list[dict]]:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, **fields}
+    status, text = post(base_url, body)
     assert status == 200, text
     events = text.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
@@ -133,6 +134,48 @@ def test_token_id_prompt_and_stop(one_to_one, expected):
         "finish_reason": "stop",
         "logprobs": None,
     }
+
+
+def test_seeded_sampling_through_the_router_equals_colocated(one_to_one):
+    """The first token is sampled on the prefill, the rest on the decode: with the sampling
+    noise keyed by (seed, position), seeded runs still equal a colocated run."""
+    url, _, _ = one_to_one
+    sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
+    reference = colocated(PROMPTS, MAX_TOKENS, sampling=sampling)
+    greedy = colocated(PROMPTS[1:2], MAX_TOKENS)[0]
+    assert reference[1] != greedy  # the sampling really samples
+    for index, prompt in enumerate(PROMPTS):
+        assert complete(url, prompt, **sampling)["kvtransfer"]["token_ids"] == reference[index]
+
+
+def test_the_first_token_comes_from_the_prefill_and_may_end_the_request(one_to_one, expected):
+    url, prefill, decode = one_to_one
+    decode_calls = started(decode)
+    releases = admin(prefill.address, "status").counters["kv_releases"]
+    # max_tokens 1: the prefill's token is the whole answer; no KV is held for a decode.
+    body = complete(url, PROMPTS[1], max_tokens=1)
+    assert body["kvtransfer"]["token_ids"] == expected[1][:1]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 1
+    # A stop string the first token completes: "stop", no text, as colocated.
+    first_text = bytes(expected[1][:1]).decode()
+    body = complete(url, PROMPTS[1], stop=first_text)
+    assert body["choices"][0]["text"] == "" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["kvtransfer"]["token_ids"] == []
+    text, chunks = stream(url, PROMPTS[1], stop=first_text)
+    assert text == "" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # Neither reached the decode daemon, and the KV the stopped prefills held was given back.
+    assert started(decode) == decode_calls
+    wait_until(
+        "both releases",
+        lambda: admin(prefill.address, "status").counters["kv_releases"] == releases + 2,
+        RELEASED_WITHIN_S,
+    )
+    assert used_blocks(prefill) == 0
+    # Streamed normally, the first chunk holds exactly the first token's text.
+    text, chunks = stream(url, PROMPTS[1])
+    assert chunks[0]["choices"][0]["text"] == first_text
+    assert text == bytes(expected[1]).decode("utf-8", "replace")
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,47 @@ def test_async_load_of_the_whole_prompt_parks_then_recomputes_the_last_token():
     sched.block_manager.check_no_leaks()
 
 
+def test_a_request_continuing_a_prefill_loads_every_prompt_token_and_computes_none():
+    """First token from prefill: the request arrives with that token; the load brings the KV
+    of every prompt token, and its first step computes only the first token's position."""
+    conn, sched, runner = _setup()
+    conn.matches["a"] = [(10, True)]
+    request = make_request("a", PROMPT, max_tokens=4)
+    request.append_output_token(REF[0])
+    sched.add_request(request)
+    so, _ = step(sched, runner)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert conn.hook_calls("alloc") == [("alloc", "a", (0, 1, 2), 10)]
+    runner.finish_load("a")
+    step(sched, runner)
+    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING, 10)
+    so, outs = step(sched, runner)
+    (new,) = so.scheduled_new_reqs
+    assert (new.num_computed_tokens, new.token_ids) == (10, (*PROMPT, REF[0]))
+    assert dict(so.num_scheduled_tokens) == {"a": 1}
+    assert outs == [EngineCoreOutput(req_id="a", new_token_ids=(REF[1],))]
+    results = run_to_completion(sched, runner)
+    assert request.output_token_ids == REF and results["a"].finish_reason == "length"
+    sched.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize(
+    ("generated", "max_tokens", "message"),
+    [
+        ([5], 1, "1 generated tokens leave nothing to generate with max_tokens 1"),
+        ([5, 0], 4, "generated tokens hold the end-of-sequence token 0"),
+        ([5, 10_000], 4, "generated token 10000 at position 1 is outside the vocabulary"),
+    ],
+)
+def test_generated_tokens_that_end_the_request_are_refused(generated, max_tokens, message):
+    _, sched, _ = _setup(eos_token_id=0)
+    request = make_request("a", PROMPT, max_tokens=max_tokens)
+    request.extend_output_tokens(generated)
+    with pytest.raises(ValueError, match=message):
+        sched.add_request(request)
+    assert sched.get_request("a") is None
+
+
 def test_async_load_after_a_local_prefix_hit():
     conn, sched, runner = _setup()
     prompt = [*PROMPT[:8], 40, 41, 42, 43, 44, 45]

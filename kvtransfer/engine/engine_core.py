@@ -94,7 +94,10 @@ class EngineCore:
         prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         kv_transfer_params: Mapping[str, Any] | None = None,
+        generated_token_ids: Sequence[int] = (),
     ) -> None:
+        """Queue a request. ``generated_token_ids`` are outputs it already has (a prefill
+        engine's first token): it continues after them (see `Scheduler.add_request`)."""
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, Mapping):
             raise ValueError(
                 f"request {request_id!r}: kv_transfer_params must be an object (dict), "
@@ -116,6 +119,7 @@ class EngineCore:
                 seed=seed,
                 kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
                 eos_token_id=self.model_config.eos_token_id,
+                output_token_ids=[int(t) for t in generated_token_ids],
             )
         )
 

@@ -157,26 +157,22 @@ class Scheduler:
         rid = request.request_id
         if rid in self._requests or self._kv.is_borrowed(rid):
             raise DuplicateRequestError(f"request {rid}: duplicate request id")
-        if request.status is not RequestStatus.WAITING or request.output_token_ids:
-            raise ValueError(f"request {rid}: must be a new WAITING request without outputs")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid}: must be a new WAITING request")
         prompt_len = request.num_prompt_tokens
         if prompt_len == 0:
             raise ValueError(f"request {rid}: empty prompt")
-        for pos, token in enumerate(request.prompt_token_ids):
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(
-                    f"request {rid}: prompt token {token} at position {pos} is outside the "
-                    f"vocabulary [0, {self.vocab_size})"
-                )
-        if prompt_len >= self.max_model_len:
+        self._check_vocab(rid, "prompt", request.prompt_token_ids)
+        self._check_generated(request)
+        if request.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"request {rid}: prompt has {prompt_len} tokens but max_model_len is "
                 f"{self.max_model_len} (no room to generate)"
             )
-        needed = self.block_manager.blocks_needed(prompt_len + self.num_lookahead_tokens)
+        needed = self.block_manager.blocks_needed(request.num_tokens + self.num_lookahead_tokens)
         if needed > self.block_manager.num_blocks:
             raise PromptTooLargeError(
-                f"request {rid}: needs {needed} KV blocks ({prompt_len} prompt tokens + "
+                f"request {rid}: needs {needed} KV blocks ({request.num_tokens} prompt tokens + "
                 f"{self.num_lookahead_tokens} lookahead, block_size "
                 f"{self.block_manager.block_size}) but the pool has only "
                 f"{self.block_manager.num_blocks}"
@@ -185,6 +181,35 @@ class Scheduler:
         self._next_arrival += 1
         self._requests[rid] = request
         self._waiting.append(request)
+
+    def _check_vocab(self, rid: str, what: str, tokens: Sequence[int]) -> None:
+        for pos, token in enumerate(tokens):
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"request {rid}: {what} token {token} at position {pos} is outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+
+    def _check_generated(self, request: Request) -> None:
+        """Outputs a request arrives with (a prefill engine's first token) must leave it
+        something to generate: fewer than max_tokens, and no end of sequence among them."""
+        generated = request.output_token_ids
+        if not generated:
+            return
+        rid = request.request_id
+        self._check_vocab(rid, "generated", generated)
+        params = request.sampling_params
+        if len(generated) >= params.max_tokens:
+            raise ValueError(
+                f"request {rid}: {len(generated)} generated tokens leave nothing to generate "
+                f"with max_tokens {params.max_tokens}"
+            )
+        eos = request.eos_token_id if request.eos_token_id is not None else self.eos_token_id
+        if not params.ignore_eos and eos is not None and eos in generated:
+            raise ValueError(
+                f"request {rid}: generated tokens hold the end-of-sequence token {eos}: "
+                "the request has ended already"
+            )
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Abort unfinished requests; unknown or already finished ids are ignored."""

@@ -16,16 +16,21 @@ Life cycle of a request:
    any prefill: KV prefilled for nobody would only be held until its lease ran out. Then the
    next healthy prefill daemon in turn; the next healthy decode daemon in turn once the prefill
    has succeeded (two separate round-robin counters).
-4. Prefill: ``Generate`` with the prompt, ``max_tokens=1``, the same temperature, top_p and
-   seed, and ``kv_transfer_params={"do_remote_decode": true}``; its stream is drained.
-5. Params: the prefill's final message carries the ``kv_transfer_params_json`` a decode engine
-   pulls the prompt's KV with; missing params, or a final ``finish_reason`` "error", is a 502.
-6. Decode: ``Generate`` on the decode daemon with the same id, the original prompt and every
-   sampling option, and those params verbatim. It pulls the KV and regenerates from it, so its
-   stream holds every completion token, the first one included: only its tokens are returned.
+4. Prefill: ``Generate`` with the prompt, ``max_tokens=1``, every sampling option (stop strings
+   included) and, unless the client asked for one token, ``kv_transfer_params=
+   {"do_remote_decode": true}``. Its final message holds the request's first token.
+5. First token: it is the client's first token (SSE: sent at once, before any decode call).
+   When it ended the request (``max_tokens`` 1, a stop string, the end of sequence) the answer
+   ends here; KV held anyway is released (step 9). A final ``finish_reason`` "error", or a
+   "length" finish without ``kv_transfer_params_json``, is a 502.
+6. Decode: ``Generate`` on the decode daemon with the same id, the original prompt, every
+   sampling option, the prefill's params verbatim and its first token as
+   ``generated_token_ids``. It pulls the KV of every prompt token and continues after that
+   token (no prompt token is computed again); its stream holds the tokens after the first.
 7. Stream out: one JSON body (plus a ``kvtransfer`` object: route, token ids, ttft, KV transfer
-   metrics), or server-sent events, one ``data:`` chunk per decode message with text, the last
-   with the finish reason and the ``kvtransfer`` object, then ``data: [DONE]``.
+   metrics), or server-sent events, one ``data:`` chunk for the first token and one per decode
+   message with text, the last with the finish reason and the ``kvtransfer`` object, then
+   ``data: [DONE]``.
 8. Errors: a daemon failure becomes an `UpstreamError` whose status is answered as an OpenAI
    error body naming the daemon (role and address); see `upstream` for the table. Once SSE bytes
    are out, an error is sent as ``data: {"error": ...}`` then ``data: [DONE]``. Every gRPC call
@@ -134,6 +139,15 @@ class _Decoded:
     num_prompt_tokens: int = 0
     first_token_at: float | None = None
     final: generation_pb2.GenerateResponse | None = None
+
+    def seed(self, first: generation_pb2.GenerateResponse) -> None:
+        """Start from the prefill's final message: the first token, its text, the prompt size
+        (a decode stream then continues it; when the first token ended the request, it is
+        also the final message)."""
+        self.first_token_at = time.monotonic() if first.token_ids else None
+        self.token_ids.extend(first.token_ids)
+        self.texts.append(first.text)
+        self.num_prompt_tokens = first.num_prompt_tokens
 
     def absorb(self, reply: generation_pb2.GenerateResponse) -> bool:
         """Adds ``reply``; True when it carried the first token.
@@ -315,11 +329,24 @@ class RouterHandlers:
     async def _route(self, request: web.Request, exchange: _Exchange) -> web.StreamResponse:
         deadline = exchange.started + self.config.request_timeout_s
         upstream = self.upstream
-        # KV prefilled for no decode daemon would only wait out its lease.
-        upstream.decode.require_healthy()
+        if exchange.request.max_tokens > 1:
+            # KV prefilled for no decode daemon would only wait out its lease.
+            upstream.decode.require_healthy()
         prefill = await self._prefill(upstream, exchange, deadline)
+        exchange.route = {"prefill": prefill.daemon.address}
+        decoded = _Decoded()
+        decoded.seed(prefill.final)
+        if decoded.first_token_at is not None:
+            self.metrics.first_token(decoded.first_token_at - exchange.started)
+        if not prefill.continues:
+            # The first token ended the request (max_tokens 1, a stop, the end of sequence).
+            decoded.final = prefill.final
+            exchange.decoded = True
+            if prefill.kv_transfer_params_json:
+                self._release_soon(exchange, prefill, "ended_at_first_token")
+            return await self._respond(request, exchange, decoded, None)
         try:
-            response = await self._decode(request, exchange, prefill, deadline)
+            response = await self._decode(request, exchange, prefill, decoded, deadline)
         except BaseException as exc:
             self._release_unless_decoded(exchange, prefill, _release_trigger(exc))
             raise
@@ -332,11 +359,12 @@ class RouterHandlers:
         request: web.Request,
         exchange: _Exchange,
         prefill: PrefillResult,
+        decoded: _Decoded,
         deadline: float,
     ) -> web.StreamResponse:
         upstream = self.upstream
         decode = upstream.pick_decode()
-        exchange.route = {"prefill": prefill.daemon.address, "decode": decode.address}
+        exchange.route["decode"] = decode.address
         exchange.log.info(
             "prefilled on %s (%.1f ms); decoding on %s",
             prefill.daemon.address,
@@ -344,27 +372,35 @@ class RouterHandlers:
             decode.address,
         )
         replies = upstream.run_decode(
-            decode,
-            exchange.request_id,
-            exchange.request,
-            prefill.kv_transfer_params_json,
-            deadline,
+            decode, exchange.request_id, exchange.request, prefill, deadline
         )
         # aclosing: leaving early (error, client gone) closes the stream, cancelling the call.
         async with aclosing(replies):
-            if exchange.request.stream:
-                return await self._stream(request, exchange, replies)
-            return await self._collect(exchange, replies)
+            return await self._respond(request, exchange, decoded, replies)
+
+    async def _respond(
+        self,
+        request: web.Request,
+        exchange: _Exchange,
+        decoded: _Decoded,
+        replies: AsyncIterator[generation_pb2.GenerateResponse] | None,
+    ) -> web.StreamResponse:
+        """The answer: the prefill's first token, then the decode stream (``None`` when the
+        first token ended the request)."""
+        if exchange.request.stream:
+            return await self._stream(request, exchange, decoded, replies)
+        return await self._collect(exchange, decoded, replies)
 
     async def _collect(
         self,
         exchange: _Exchange,
-        replies: AsyncIterator[generation_pb2.GenerateResponse],
+        decoded: _Decoded,
+        replies: AsyncIterator[generation_pb2.GenerateResponse] | None,
     ) -> web.Response:
-        decoded = _Decoded()
-        async for reply in replies:
-            self._absorb(exchange, decoded, reply)
-        failure = decoded.failure(exchange.route["decode"])
+        if replies is not None:
+            async for reply in replies:
+                self._absorb(exchange, decoded, reply)
+        failure = decoded.failure(exchange.route.get("decode", exchange.route["prefill"]))
         if failure is not None:
             raise failure
         exchange.decoded = decoded.clean
@@ -389,11 +425,12 @@ class RouterHandlers:
         self,
         request: web.Request,
         exchange: _Exchange,
-        replies: AsyncIterator[generation_pb2.GenerateResponse],
+        decoded: _Decoded,
+        replies: AsyncIterator[generation_pb2.GenerateResponse] | None,
     ) -> web.StreamResponse:
         sse = _SseWriter(request, exchange.request_id)
         try:
-            await self._stream_into(sse, exchange, replies)
+            await self._stream_into(sse, exchange, decoded, replies)
         except ConnectionResetError:
             if sse.response is None:
                 raise
@@ -406,17 +443,21 @@ class RouterHandlers:
         self,
         sse: _SseWriter,
         exchange: _Exchange,
-        replies: AsyncIterator[generation_pb2.GenerateResponse],
+        decoded: _Decoded,
+        replies: AsyncIterator[generation_pb2.GenerateResponse] | None,
     ) -> None:
         # The response opens at the first byte to send (`_SseWriter`): an error before that
         # is still a plain HTTP error with its status; after it, an SSE error event.
-        decoded = _Decoded()
         try:
-            async for reply in replies:
-                self._absorb(exchange, decoded, reply)
-                if decoded.final is None and reply.text:
-                    await sse.send(self._chunk(exchange, reply.text, None))
-            failure = decoded.failure(exchange.route["decode"])
+            if replies is not None:
+                # The first token goes out now, before the decode daemon answers.
+                if decoded.text:
+                    await sse.send(self._chunk(exchange, decoded.text, None))
+                async for reply in replies:
+                    self._absorb(exchange, decoded, reply)
+                    if decoded.final is None and reply.text:
+                        await sse.send(self._chunk(exchange, reply.text, None))
+            failure = decoded.failure(exchange.route.get("decode", exchange.route["prefill"]))
             if failure is not None:
                 raise failure
         except UpstreamError as exc:
@@ -431,7 +472,9 @@ class RouterHandlers:
             raise RuntimeError("unreachable: a decode stream without a final message")
         exchange.decoded = decoded.clean
         info = _kvtransfer_info(exchange, decoded)
-        await sse.send(self._chunk(exchange, final.text, final.finish_reason, info))
+        # Ended by its first token, the final chunk carries that token's text.
+        text = final.text if replies is not None else decoded.text
+        await sse.send(self._chunk(exchange, text, final.finish_reason, info))
         await sse.done()
         self._log_done(exchange, decoded)
 
@@ -475,8 +518,13 @@ class RouterHandlers:
         A task of its own: the client's answer never waits for it, and cancelling the handler
         (the client went away) does not cancel it.
         """
+        if not exchange.decoded:
+            self._release_soon(exchange, prefill, trigger)
+
+    def _release_soon(self, exchange: _Exchange, prefill: PrefillResult, trigger: str) -> None:
+        """``ReleaseKV`` in a task of its own (see `_release_unless_decoded`)."""
         upstream = self._upstream
-        if exchange.decoded or upstream is None:  # closed: the lease frees the KV instead
+        if upstream is None:  # closed: the lease frees the KV instead
             return
         release = self._release(upstream, exchange, prefill, trigger)
         task = asyncio.get_running_loop().create_task(release)

@@ -249,8 +249,21 @@ async def _check(daemon: Daemon, timeout_s: float) -> str:
 
 @dataclass(frozen=True)
 class PrefillResult:
+    """A prefill call's outcome: its final message holds the request's first token."""
+
     daemon: Daemon
-    kv_transfer_params_json: str
+    final: generation_pb2.GenerateResponse
+
+    @property
+    def kv_transfer_params_json(self) -> str:
+        """The params its KV is pulled (or released) with; empty when none is held."""
+        return self.final.kv_transfer_params_json
+
+    @property
+    def continues(self) -> bool:
+        """Whether a decode daemon goes on: the first token was cut by max_tokens 1 of the
+        prefill (a stop or end of sequence ends the request here)."""
+        return self.final.finish_reason == "length" and bool(self.kv_transfer_params_json)
 
 
 @dataclass
@@ -274,25 +287,38 @@ class Upstream:
     async def run_prefill(
         self, request_id: str, request: CompletionRequest, deadline: float
     ) -> PrefillResult:
-        """One token on the next prefill daemon; returns the params its final message carries.
+        """The prompt and the request's first token on the next prefill daemon.
 
-        ``deadline`` is a `time.monotonic` instant. Stop strings stay off the prefill: a stop
-        matched in its one token would end the request before the KV is handed over.
+        ``deadline`` is a `time.monotonic` instant. The prefill samples with every option of
+        the request (stop strings included: a stop in the first token ends the request, as it
+        would colocated). Its KV is held for a decode daemon unless ``max_tokens`` is 1.
         """
         daemon = self.prefill.pick()
-        message = generate_request(request_id, request, max_tokens=1, stop=False)
-        message.kv_transfer_params_json = PREFILL_PARAMS_JSON
+        message = generate_request(request_id, request, max_tokens=1)
+        if request.max_tokens > 1:
+            message.kv_transfer_params_json = PREFILL_PARAMS_JSON
         final: generation_pb2.GenerateResponse | None = None
+        first = generation_pb2.GenerateResponse()
         async for reply in _call(self.prefill, daemon, message, deadline):
+            if final is not None:
+                continue
+            # One message of the whole stream: the header and any tokens sent before the end.
+            first.token_ids.extend(reply.token_ids)
+            first.text += reply.text
+            first.num_prompt_tokens = reply.num_prompt_tokens or first.num_prompt_tokens
             if reply.finished:
                 final = reply
         if final is None:
             raise _fault(daemon, "the stream ended without a final message", "incomplete_stream")
         if final.finish_reason == "error":
             raise _fault(daemon, final.error or "finished with an error", "finish_error")
-        if not final.kv_transfer_params_json:
+        for name in ("request_id", "finished", "finish_reason", "kv_transfer_params_json"):
+            setattr(first, name, getattr(final, name))
+        first.metrics.CopyFrom(final.metrics)
+        result = PrefillResult(daemon, first)
+        if request.max_tokens > 1 and final.finish_reason == "length" and not result.continues:
             raise _fault(daemon, "no kv_transfer_params in its final message", "no_kv_params")
-        return PrefillResult(daemon, final.kv_transfer_params_json)
+        return result
 
     def pick_decode(self) -> Daemon:
         return self.decode.pick()
@@ -302,12 +328,15 @@ class Upstream:
         daemon: Daemon,
         request_id: str,
         request: CompletionRequest,
-        kv_transfer_params_json: str,
+        prefill: PrefillResult,
         deadline: float,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-        """Decode messages as they arrive; close the iterator to cancel the call."""
+        """Decode messages as they arrive; close the iterator to cancel the call.
+
+        The decode daemon continues after the prefill's first token, with its KV params."""
         message = generate_request(request_id, request, max_tokens=request.max_tokens)
-        message.kv_transfer_params_json = kv_transfer_params_json
+        message.kv_transfer_params_json = prefill.kv_transfer_params_json
+        message.generated_token_ids.extend(prefill.final.token_ids)
         return _call(self.decode, daemon, message, deadline)
 
     async def release_kv(self, prefill: PrefillResult, request_id: str, timeout_s: float) -> str:
@@ -380,9 +409,9 @@ def _fault(daemon: Daemon, message: str, reason: str) -> UpstreamError:
 
 
 def generate_request(
-    request_id: str, request: CompletionRequest, *, max_tokens: int, stop: bool = True
+    request_id: str, request: CompletionRequest, *, max_tokens: int
 ) -> generation_pb2.GenerateRequest:
-    """The Generate message for ``request``; ``stop=False`` leaves the stop strings out."""
+    """The Generate message for ``request``, capped at ``max_tokens``."""
     return build_generate_request(
         request_id,
         request.prompt,
@@ -390,5 +419,5 @@ def generate_request(
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
-        stop=request.stop if stop else (),
+        stop=request.stop,
     )

@@ -101,13 +101,20 @@ class EngineThread:
         sampling_params: SamplingParams,
         kv_transfer_params: Mapping[str, Any] | None,
         sink: OutputSink,
+        generated_token_ids: Sequence[int] = (),
     ) -> None:
         """Queue a request; raises `ValueError` (bad input, duplicate id) from the engine."""
 
         def add(core: EngineCore) -> None:
             if request_id in self._sinks:
                 raise DuplicateRequestError(f"request {request_id}: duplicate request id")
-            core.add_request(request_id, prompt_token_ids, sampling_params, kv_transfer_params)
+            core.add_request(
+                request_id,
+                prompt_token_ids,
+                sampling_params,
+                kv_transfer_params,
+                generated_token_ids,
+            )
             self._sinks[request_id] = sink
 
         self.call(add)

@@ -11,6 +11,7 @@ end.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -71,6 +72,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         try:
             parsed = parse_generate_request(request, ctx.tokenizer, ctx.vocab_size)
+            text = _text_stream(parsed, ctx.tokenizer)
         except RequestError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), request)
         admitted = time.monotonic()
@@ -88,6 +90,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 parsed.sampling_params,
                 parsed.kv_transfer_params,
                 sink,
+                parsed.generated_token_ids,
             )
         except DuplicateRequestError as exc:
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(exc), request)
@@ -118,7 +121,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         context.add_done_callback(call_done)
         finished = False
         try:
-            async for message in self._stream(parsed, outputs, admitted):
+            async for message in self._stream(parsed, text, outputs, admitted):
                 finished = finished or message.finished
                 yield message
         finally:
@@ -161,17 +164,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ReleaseKVResponse(released=bool(released))
 
     async def _stream(
-        self, parsed: ParsedRequest, outputs: asyncio.Queue[EngineCoreOutput], admitted: float
+        self,
+        parsed: ParsedRequest,
+        text: TextStream,
+        outputs: asyncio.Queue[EngineCoreOutput],
+        admitted: float,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         ctx = self._ctx
         rid = parsed.request_id
-        text = TextStream(ctx.tokenizer, parsed.stop)
         first_token_at: float | None = None
         last_token_at = admitted
         sent_header = False
         while True:
             output = await outputs.get()
-            delta = text.feed(output.new_token_ids, final=output.finished)
+            # A prefill handing its request over keeps its text open: the decode daemon goes
+            # on from the same state (an incomplete character, a partial stop string).
+            delta = text.feed(
+                output.new_token_ids, final=output.finished and not _hands_over(output)
+            )
             now = time.monotonic()
             if output.new_token_ids:
                 if first_token_at is None:
@@ -189,6 +199,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if delta.stopped and not output.finished:
                 ctx.engine.abandon(rid)
                 output = EngineCoreOutput(req_id=rid, finished=True, finish_reason="stop")
+            elif delta.stopped:
+                # A stop string in the last token allowed: a stop, as a colocated run says.
+                output = dataclasses.replace(output, finish_reason="stop")
             if not output.finished:
                 if delta.token_ids or delta.text:
                     yield message
@@ -257,6 +270,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._ctx.metrics.failure("rejected")
         logger.info("rejected: %s", message, extra={"request_id": request.request_id or "-"})
         await context.abort(code, message)
+
+
+def _text_stream(parsed: ParsedRequest, tokenizer: Any) -> TextStream:
+    """The request's text stream, past the tokens it was generated with (already sent by the
+    daemon that produced them, so their text is not sent again)."""
+    text = TextStream(tokenizer, parsed.stop)
+    if parsed.generated_token_ids and text.feed(parsed.generated_token_ids).stopped:
+        raise RequestError("generated_token_ids complete a stop string: the request has ended")
+    return text
+
+
+def _hands_over(output: EngineCoreOutput) -> bool:
+    """A request cut at max_tokens whose KV is held for another engine to continue."""
+    return output.finish_reason == "length" and output.kv_transfer_params is not None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ class ParsedRequest:
     sampling_params: SamplingParams
     stop: tuple[str, ...]
     kv_transfer_params: dict[str, Any] | None
+    # Outputs produced elsewhere (a prefill daemon's first token); the engine continues after.
+    generated_token_ids: tuple[int, ...] = ()
 
 
 def parse_generate_request(
@@ -41,7 +43,24 @@ def parse_generate_request(
         sampling_params=_sampling_params(sampling),
         stop=_stop_strings(sampling),
         kv_transfer_params=parse_transfer_params(request.kv_transfer_params_json),
+        generated_token_ids=_generated_ids(request, vocab_size),
     )
+
+
+def _generated_ids(request: generation_pb2.GenerateRequest, vocab_size: int) -> tuple[int, ...]:
+    ids = tuple(request.generated_token_ids)
+    for index, token in enumerate(ids):
+        if token >= vocab_size:
+            raise RequestError(
+                f"generated_token_ids[{index}] = {token} is outside the vocabulary "
+                f"(size {vocab_size})"
+            )
+    if len(ids) >= max(request.sampling.max_tokens, 1):
+        raise RequestError(
+            f"generated_token_ids holds {len(ids)} tokens, max_tokens "
+            f"{request.sampling.max_tokens} leaves nothing to generate"
+        )
+    return ids
 
 
 def _prompt_ids(

@@ -49,6 +49,10 @@ DECODE_METRICS = generation_pb2.RequestMetrics(
 )
 
 
+# The first token every fake prefill samples (it goes out before the decode stream).
+FIRST_PIECE: tuple[list[int], str] = ([62], ">")
+
+
 def params_for(address: str, request_id: str) -> str:
     """The kv_transfer_params_json the fake prefill at ``address`` returns."""
     return json.dumps(
@@ -66,8 +70,8 @@ def prefill_ok(address: str, *, with_params: bool = True) -> Behaviour:
         yield Reply(request_id=request.request_id, num_prompt_tokens=5)
         final = Reply(
             request_id=request.request_id,
-            token_ids=[72],
-            text="H",
+            token_ids=FIRST_PIECE[0],
+            text=FIRST_PIECE[1],
             finished=True,
             finish_reason="length",
         )

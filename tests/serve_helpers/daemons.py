@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +91,18 @@ def daemon_pair(
 
 
 def colocated(
-    prompts: Sequence[str | list[int]], max_tokens: int, **engine: Any
+    prompts: Sequence[str | list[int]],
+    max_tokens: int,
+    *,
+    sampling: Mapping[str, Any] | None = None,
+    **engine: Any,
 ) -> list[list[int]]:
+    """The reference: the same engine, one process, no transfer (``sampling``: temperature,
+    seed and the like)."""
     config = EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, **engine)
+    params = SamplingParams(max_tokens=max_tokens, **(sampling or {}))
     with LLM(config) as llm:
-        outputs = llm.generate(list(prompts), SamplingParams(max_tokens=max_tokens))
+        outputs = llm.generate(list(prompts), params)
     return [o.token_ids for o in outputs]
 
 
