@@ -10,7 +10,7 @@ request finishes sending only after the last child that is still saving it repor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -172,6 +172,11 @@ class MultiConnector(KVConnectorBase_V1):
             recving |= child_recving or set()
             failed |= child_failed or set()
         return sending or None, (recving | failed) or None, failed or None
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        # Every child is asked (each may call it); polling is needed if any child would not.
+        answers = [child.set_completion_callback(callback) for child in self._connectors]
+        return all(answers)
 
     def get_load_failure_reasons(self) -> dict[str, str]:
         reasons: dict[str, str] = {}

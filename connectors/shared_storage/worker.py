@@ -92,6 +92,8 @@ class SharedStorageWorker:
         self._global_rank = global_rank
         self._caches: dict[str, torch.Tensor] = {}
         self._results: queue.SimpleQueue[_Result] = queue.SimpleQueue()
+        # Wakes the engine when a result is queued (`set_completion_callback`).
+        self._wake: Callable[[], None] | None = None
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._threads: list[threading.Thread] = []
         self._load_errors: set[int] = set()
@@ -182,13 +184,13 @@ class SharedStorageWorker:
             rank, rank_error = None, str(exc)
         for save in metadata.saves:
             if rank is None:
-                self._results.put(_Result(_SEND, save.req_id, error=rank_error))
+                self._report(_Result(_SEND, save.req_id, error=rank_error))
             else:
                 self._start_save(save, rank)
         for load in metadata.loads:
             if rank is None:
                 blocks = self._load_blocks(load)
-                self._results.put(_Result(_RECV, load.req_id, error=rank_error, blocks=blocks))
+                self._report(_Result(_RECV, load.req_id, error=rank_error, blocks=blocks))
             else:
                 self._start_load(load, rank)
 
@@ -232,6 +234,16 @@ class SharedStorageWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        self._wake = callback
+        return True
+
+    def _report(self, result: _Result) -> None:
+        """Queue a finished transfer for `transfer_results`, and wake the engine for it."""
+        self._results.put(result)
+        if self._wake is not None:
+            self._wake()
+
     def load_failure_reasons(self) -> dict[str, str]:
         reasons, self._failure_reasons = self._failure_reasons, {}
         return reasons
@@ -274,7 +286,7 @@ class SharedStorageWorker:
                 result = _Result(kind, req_id, cancelled=True, blocks=blocks)
             except Exception as exc:
                 result = _Result(kind, req_id, error=f"{type(exc).__name__}: {exc}", blocks=blocks)
-            self._results.put(result)
+            self._report(result)
 
         thread = threading.Thread(
             target=run, name=f"kvtransfer-shared-storage-{kind}-{req_id}", daemon=True
@@ -290,7 +302,7 @@ class SharedStorageWorker:
             path, header, tensors, token_ids = self._gather(spec, rank)
         except (IndexError, RuntimeError, ValueError) as exc:
             # A save that cannot start must not fail the step; it ends the borrow like any save.
-            self._results.put(_Result(_SEND, spec.req_id, error=f"{type(exc).__name__}: {exc}"))
+            self._report(_Result(_SEND, spec.req_id, error=f"{type(exc).__name__}: {exc}"))
             return
 
         def work(cancel: threading.Event) -> int:

@@ -44,6 +44,8 @@ class LeaseBook:
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
+        # Called after a consumer reported done, so the engine frees the blocks without a poll.
+        self.on_finish: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         with self._lock:
@@ -89,6 +91,8 @@ class LeaseBook:
             for req_id, lease in self._check((r, s) for r, _, s in done):
                 lease.done = read[req_id]
                 known.append(req_id)
+        if known and self.on_finish is not None:
+            self.on_finish()
         return known
 
     def take(self) -> list[Release]:

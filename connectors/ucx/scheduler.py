@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +156,11 @@ class UcxScheduler:
     @property
     def leases(self) -> LeaseBook:
         return self._leases
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        # What arrives between steps on this side: consumers done with held KV.
+        self._leases.on_finish = callback
+        return True
 
     def set_handshake(self, metadata: Mapping[PpTpRank, KVConnectorHandshakeMetadata]) -> None:
         # A second call (re-published workers) starts over with a new book and generation.

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -65,6 +65,8 @@ class UcxWorker:
         # Loads not reported yet, by request id; the job is None for one that could not start.
         self._loads: dict[str, tuple[LoadSpec, LoadJob | None]] = {}
         self._results: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
+        # Wakes the engine when a result is queued (`set_completion_callback`).
+        self._wake: Callable[[], None] | None = None
         self._released: list[str] = []
         self._grants = LeaseGrants()
         self._load_errors: set[int] = set()
@@ -148,7 +150,7 @@ class UcxWorker:
         if self._closed or self._agent is None or self._engines is None:
             self._loads[spec.req_id] = (spec, None)
             error = RuntimeError("UcxConnector worker has no registered KV caches or is shut down")
-            self._results.put(_Finished(spec, error=error))
+            self._report(_Finished(spec, error=error))
             return
         job = LoadJob(
             spec, self._engines, self._agent, self._ucx.transfer_timeout_s, self._notifier.ask_held
@@ -167,7 +169,7 @@ class UcxWorker:
             finished = _Finished(job.spec, cancelled=True)
         except BaseException as exc:
             finished = _Finished(job.spec, error=exc)
-        self._results.put(finished)
+        self._report(finished)
 
     def transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
         if self._loads or (self._agent is not None and self._agent.server is not None):
@@ -228,6 +230,16 @@ class UcxWorker:
     def block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        self._wake = callback
+        return True
+
+    def _report(self, result: _Finished) -> None:
+        """Queue a finished transfer for `transfer_results`, and wake the engine for it."""
+        self._results.put(result)
+        if self._wake is not None:
+            self._wake()
 
     def load_failure_reasons(self) -> dict[str, str]:
         reasons, self._failure_reasons = self._failure_reasons, {}

@@ -26,7 +26,7 @@ background must hand results back through these hooks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtransfer.connector.metadata import (
@@ -165,6 +165,19 @@ class KVConnectorBase_V1:
         """
         sending, recving = self.get_finished(finished_req_ids)
         return sending, recving, None
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        """Offer a callback that wakes the engine; True if this connector will call it.
+
+        Called once per instance: on workers after `register_kv_caches`, on the scheduler after
+        `set_xfer_handshake_metadata`. A connector that returns True calls ``callback`` (from
+        any thread, as often as it likes) whenever something happened that the next step must
+        act on: on a worker, a load or save it will report in `get_transfer_results` finished;
+        on the scheduler, e.g. a consumer gave back KV that `build_connector_meta` will free.
+        An engine whose connector instances all returned True sleeps between idle steps until
+        called instead of polling. The default returns False: the engine polls every idle step.
+        """
+        return False
 
     def get_load_failure_reasons(self) -> dict[str, str]:
         """Why each receive this worker reported failed failed, by request id, for the error the

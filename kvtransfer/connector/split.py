@@ -70,6 +70,8 @@ class SchedulerHalf(Protocol):
         self, request: KVRequest, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]: ...
 
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool: ...
+
 
 class WorkerHalf(Protocol):
     """What `RoleSplitConnector` calls on the worker-role half."""
@@ -82,6 +84,8 @@ class WorkerHalf(Protocol):
     def transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults: ...
 
     def load_failure_reasons(self) -> dict[str, str]: ...
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool: ...
 
     def block_ids_with_load_errors(self) -> set[int]: ...
 
@@ -177,6 +181,12 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
 
     def get_load_failure_reasons(self) -> dict[str, str]:
         return self._worker_half("get_load_failure_reasons").load_failure_reasons()
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        half: SchedulerHalf | WorkerHalf | None = self._worker or self._scheduler
+        if half is None:
+            raise RuntimeError(f"{type(self).__name__} has no half built")
+        return half.set_completion_callback(callback)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_half("get_block_ids_with_load_errors").block_ids_with_load_errors()

@@ -40,10 +40,16 @@ from kvtransfer.engine.model.loader import load_model_config
 from kvtransfer.engine.request import EngineCoreOutput, Request
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler import Scheduler
-from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from kvtransfer.engine.wakeup import Wakeup
+from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from kvtransfer.topology import kv_head_range
 
+# An idle step (nothing to compute, transfers in flight) of an engine whose connectors cannot
+# wake it sleeps this long before polling them again.
 IDLE_STEP_SLEEP_S = 0.001
+# One whose connectors wake it (`Wakeup`) sleeps until woken, at most this long: a safety net
+# for what no signal announces (leases running out, releases arriving on the scheduler side).
+IDLE_WAIT_CAP_S = 0.05
 
 
 class EngineCore:
@@ -63,6 +69,9 @@ class EngineCore:
             self.shutdown()
             raise
         self.worker_infos = tuple(worker_infos)
+        # Every worker's connector wakes the engine: idle steps sleep until woken, not poll.
+        self.wakes_on_kv_events = all(info.signals_kv_events for info in worker_infos)
+        self._interrupts: list[Wakeup] = []
         self.num_kv_blocks = worker_infos[0].num_kv_blocks
         layout = kv_cache_layout(config, self.model_config, self.num_kv_blocks)
         try:
@@ -74,6 +83,8 @@ class EngineCore:
             merged = merge_handshake_metadata([info.handshake_metadata for info in worker_infos])
             if merged:
                 self.connector.set_xfer_handshake_metadata_pp_aware(merged)
+            signal = self.executor.kv_events.signal
+            self.wakes_on_kv_events &= self.connector.set_completion_callback(signal)
         self.scheduler = Scheduler(
             config,
             num_blocks=self.num_kv_blocks,
@@ -138,17 +149,29 @@ class EngineCore:
             return False
         return self.connector.release_kv(kv_transfer_params)
 
+    def add_interrupt(self, wakeup: Wakeup) -> None:
+        """Let ``wakeup`` end an idle step's sleep too (the caller drains it): e.g. set when
+        a new request is queued for the thread that steps this engine."""
+        self._interrupts.append(wakeup)
+
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         worker_outputs = self.executor.execute_model(scheduler_output)
         output = self.aggregator.aggregate(worker_outputs, self.executor.output_rank)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            # Nothing to compute (waiting on transfers): yield instead of spinning, so the
-            # connectors' background threads get the GIL.
-            time.sleep(IDLE_STEP_SLEEP_S)
-        return self.scheduler.update_from_output(
+        outputs = self.scheduler.update_from_output(
             scheduler_output, output or EMPTY_MODEL_RUNNER_OUTPUT
         )
+        if scheduler_output.total_num_scheduled_tokens == 0 and not _reports_transfers(output):
+            self._idle()
+        return outputs
+
+    def _idle(self) -> None:
+        """Nothing was computed and no transfer finished: wait for one to finish (or for an
+        interrupt) instead of spinning; the connectors' threads get the GIL meanwhile."""
+        if self.wakes_on_kv_events:
+            self.executor.kv_events.wait(IDLE_WAIT_CAP_S, self._interrupts)
+        else:
+            time.sleep(IDLE_STEP_SLEEP_S)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -237,3 +260,12 @@ def check_parallel_fit(config: EngineConfig, model: ModelConfig) -> None:
         raise ValueError(
             f"model {config.model!r} cannot run with TP={tp} PP={pp}: " + "; ".join(problems)
         )
+
+
+def _reports_transfers(output: ModelRunnerOutput | None) -> bool:
+    """Whether the step's output holds transfer results the scheduler just acted on (so the
+    next step may have work at once)."""
+    kv = output.kv_connector_output if output is not None else None
+    if kv is None:
+        return False
+    return bool(kv.finished_recving or kv.finished_sending or kv.invalid_block_ids)

@@ -56,6 +56,7 @@ from kvtransfer.engine.executor_messages import (
 )
 from kvtransfer.engine.parallel import ParallelRank
 from kvtransfer.engine.scheduler_output import SchedulerOutput
+from kvtransfer.engine.wakeup import Wakeup
 from kvtransfer.engine.worker_process import (
     load_worker_cls,
     parse_worker_cls,
@@ -103,6 +104,8 @@ class WorkerInfo:
     num_kv_blocks: int
     handshake_metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata] | None
     layer_names: tuple[str, ...]
+    # The worker's connector wakes `Executor.kv_events` when a transfer finishes.
+    signals_kv_events: bool = False
 
 
 def parallel_ranks(config: EngineConfig) -> list[ParallelRank]:
@@ -125,6 +128,8 @@ class Executor(ABC):
         self._initialized = False
         self._failed = False
         self._closed_reason: str | None = None
+        # Set by the workers' connectors when a transfer finishes (`WorkerInfo.signals_kv_events`).
+        self.kv_events = Wakeup()
 
     @staticmethod
     def create(config: EngineConfig, worker_cls: str = DEFAULT_WORKER) -> Executor:
@@ -225,7 +230,8 @@ class UniprocExecutor(Executor):
         rank = self.ranks[0]
         try:
             if self._worker is None:
-                self._worker = load_worker_cls(self.worker_cls)(self.config, rank, None)
+                worker_cls = load_worker_cls(self.worker_cls)
+                self._worker = worker_cls(self.config, rank, None, self.kv_events.signal)
             return [dispatch(self._worker, request)]
         except Exception as exc:
             error = Failed.from_exception(rank, exc).error()
@@ -277,7 +283,15 @@ class MultiprocExecutor(Executor):
                     parent_conn, child_conn = ctx.Pipe(duplex=True)
                     proc = ctx.Process(
                         target=worker_main,
-                        args=(child_conn, config, rank, init_method, backend, worker_cls),
+                        args=(
+                            child_conn,
+                            config,
+                            rank,
+                            init_method,
+                            backend,
+                            worker_cls,
+                            self.kv_events.signal,
+                        ),
                         name=f"kvtransfer-worker-pp{rank.pp_rank}-tp{rank.tp_rank}",
                         daemon=True,
                     )

@@ -10,6 +10,7 @@ no-forward step: no_forward (bind, start_load_kv, get_transfer_results, clear; n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvtransfer.connector.factory import KVConnectorFactory
@@ -43,6 +44,11 @@ class KVConnector(NoLayerHooks):
     def handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None
 
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        """Whether ``callback`` will be called when a transfer finishes (so an idle engine
+        may sleep until then); nothing ever finishes here."""
+        return True
+
     def pre_forward(self, scheduler_output: SchedulerOutput) -> None:
         pass
 
@@ -74,6 +80,9 @@ class ActiveKVConnector(KVConnector):
 
     def handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.connector.get_handshake_metadata()
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        return self.connector.set_completion_callback(callback)
 
     def pre_forward(self, scheduler_output: SchedulerOutput) -> None:
         # A connector may read its bound metadata unconditionally, so a step whose scheduler

@@ -6,6 +6,8 @@ and drives it with `initialize` once, then `execute_model` every step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvtransfer.engine.config import EngineConfig
@@ -43,10 +45,16 @@ class SingleProcessComm:
 
 class Worker:
     def __init__(
-        self, config: EngineConfig, rank: ParallelRank, dist: WorkerDistributed | None
+        self,
+        config: EngineConfig,
+        rank: ParallelRank,
+        dist: WorkerDistributed | None,
+        kv_event_signal: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
+        # Called by the connector when a transfer finishes (see `kvtransfer.engine.wakeup`).
+        self.kv_event_signal = kv_event_signal
         self.comm = dist if dist is not None else SingleProcessComm()
         # Replaced in initialize(), once the layout the connector is told about is known.
         self.kv_connector: KVConnector = KVConnector()
@@ -89,6 +97,9 @@ class Worker:
         layout = kv_cache_layout(config, target_config, num_blocks, rank)
         self.kv_connector = make_kv_connector(config.kv_transfer_config, layout)
         self.kv_connector.register_kv_caches(all_caches)
+        signals = self.kv_event_signal is not None and self.kv_connector.set_completion_callback(
+            self.kv_event_signal
+        )
 
         proposer: Proposer | None = None
         runner = ModelRunner(
@@ -127,6 +138,7 @@ class Worker:
             num_kv_blocks=num_blocks,
             handshake_metadata={rank.key: handshake} if handshake is not None else None,
             layer_names=tuple(all_caches),
+            signals_kv_events=signals,
         )
 
     def _allocate(

@@ -14,7 +14,7 @@ import importlib
 import multiprocessing as mp
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -94,6 +94,7 @@ def worker_main(
     init_method: str,
     backend: str,
     worker_cls: str,
+    kv_event_signal: Callable[[], None] | None = None,
 ) -> None:
     """Entry point of a worker process: build the worker, then serve requests until told to
     stop. A start-up failure is kept and becomes the reply to every request."""
@@ -110,7 +111,7 @@ def worker_main(
 
         if rank.world_size > 1:
             dist = WorkerDistributed.init(rank, init_method, backend)
-        worker = cls(config, rank, dist)
+        worker = cls(config, rank, dist, kv_event_signal)
     except Exception as exc:
         startup_failure = Failed.from_exception(rank, exc)
 

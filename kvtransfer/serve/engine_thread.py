@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.request import DuplicateRequestError, EngineCoreOutput
 from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.engine.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class EngineThread:
         # that should carry them to the client is abandoned before it does.
         self._handed_over: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
         self._stopping = threading.Event()
+        # Set with every queued call: ends an idle step's wait for transfers at once.
+        self._wake = Wakeup()
+        core.add_interrupt(self._wake)
         self._thread = threading.Thread(target=self._run, name="kvtransfer-engine", daemon=True)
         self.broken: str | None = None
 
@@ -73,6 +77,10 @@ class EngineThread:
 
     # ------------------------------------------------------------------ calls from other threads
 
+    def _queue(self, item: tuple[Callable[[], None], concurrent.futures.Future | None]) -> None:
+        self._calls.put(item)
+        self._wake.set()
+
     def call(self, fn: Callable[[EngineCore], T], timeout_s: float = 30.0) -> T:
         """Run ``fn(core)`` on the engine thread between steps; its exception is re-raised."""
         if not self.is_running:
@@ -87,7 +95,7 @@ class EngineThread:
             except BaseException as exc:
                 future.set_exception(exc)
 
-        self._calls.put((run, future))
+        self._queue((run, future))
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:
@@ -158,7 +166,7 @@ class EngineThread:
                 self._release_unheard(request_id, params)
 
         if self.is_running:
-            self._calls.put((abandon, None))
+            self._queue((abandon, None))
 
     def delivered(self, request_id: str) -> None:
         """The client has the final output (and any params in it): nothing to give back."""
@@ -167,7 +175,7 @@ class EngineThread:
             self._handed_over.pop(request_id, None)
 
         if self.is_running:
-            self._calls.put((forget, None))
+            self._queue((forget, None))
 
     def _release_unheard(self, request_id: str, params: Mapping[str, Any]) -> None:
         try:
@@ -186,6 +194,8 @@ class EngineThread:
                 first = self._calls.get(timeout=None if busy else _IDLE_WAIT_S, block=not busy)
             except queue.Empty:
                 first = None
+            # Before running the calls: one queued after this still ends the next idle wait.
+            self._wake.drain()
             while first is not None:
                 first[0]()
                 try:

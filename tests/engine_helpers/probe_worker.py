@@ -75,7 +75,11 @@ def _targets(req_ids: set[str], prefix: str) -> dict[int, str]:
 
 class ProbeWorker:
     def __init__(
-        self, config: EngineConfig, rank: ParallelRank, dist: WorkerDistributed | None
+        self,
+        config: EngineConfig,
+        rank: ParallelRank,
+        dist: WorkerDistributed | None,
+        kv_event_signal: object = None,
     ) -> None:
         if config.extra.get("probe.fail_init_rank") == str(rank.rank):
             raise RuntimeError(f"probe constructor failed on rank {rank.rank}")
