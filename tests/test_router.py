@@ -116,6 +116,19 @@ def test_prefill_then_decode_json_body(caplog):
             }
             ttft = info.pop("ttft_s")
             assert isinstance(ttft, float) and ttft >= 0
+            # Each daemon's phases, joined (the fakes report only the decode's transfer), and
+            # the first-to-second token gap the router saw.
+            phases = info.pop("phases")
+            second = phases.pop("second_token_s")
+            assert isinstance(second, float) and second >= 0
+            assert phases == {
+                "prefill_queue_s": 0.0,
+                "prefill_compute_s": 0.0,
+                "decode_queue_s": 0.0,
+                "kv_transfer_s": DECODE_METRICS.kv_transfer_s,
+                "kv_overlapped_s": 0.0,
+                "decode_first_step_s": 0.0,
+            }
             assert info == {
                 "request_id": request_id,
                 "prefill": c.prefill.address,

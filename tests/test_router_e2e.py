@@ -112,6 +112,21 @@ def test_completions_equal_colocated_json_and_stream(one_to_one, expected):
             "total_tokens": len(prompt.encode()) + MAX_TOKENS,
         }
         assert info["kv_blocks_received"] > 0 and info["num_recomputed_tokens"] == 0
+        phases = info["phases"]
+        assert set(phases) == {
+            "prefill_queue_s",
+            "prefill_compute_s",
+            "decode_queue_s",
+            "kv_transfer_s",
+            "kv_overlapped_s",
+            "decode_first_step_s",
+            "second_token_s",
+        }
+        assert all(seconds >= 0 for seconds in phases.values()), phases
+        # Measured, not defaulted: the prefill computed, decode waited for KV then stepped.
+        for phase in ("prefill_compute_s", "kv_transfer_s", "decode_first_step_s"):
+            assert phases[phase] > 0, phases
+        assert phases["kv_transfer_s"] == info["kv_transfer_s"]
         assert body["id"] == info["request_id"] and body["id"].startswith("cmpl-")
         text, chunks = stream(url, prompt)
         assert text == body["choices"][0]["text"]

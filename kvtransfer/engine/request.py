@@ -8,6 +8,7 @@ protocol, so scheduler-role connector hooks receive it directly.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -98,6 +99,21 @@ class Request:
     # What connector loads did for this request, reported with its final output.
     kv_stats: RequestKVStats = field(default_factory=lambda: RequestKVStats())
     load_started_at: float | None = None
+    # `time.monotonic` instants for `RequestTimings`: queued, first given tokens, first sampled.
+    arrived_at: float | None = None
+    first_scheduled_at: float | None = None
+    first_sampled_at: float | None = None
+
+    def timings(self) -> RequestTimings:
+        """The phases so far (``queue_s`` excludes time parked for a KV load)."""
+        now = time.monotonic()
+        arrived = self.arrived_at if self.arrived_at is not None else now
+        scheduled = self.first_scheduled_at if self.first_scheduled_at is not None else now
+        compute = 0.0
+        if self.first_scheduled_at is not None and self.first_sampled_at is not None:
+            compute = self.first_sampled_at - self.first_scheduled_at
+        queue = max(0.0, scheduled - arrived - self.kv_stats.load_wait_s)
+        return RequestTimings(queue_s=queue, compute_s=compute)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -155,6 +171,19 @@ class RequestKVStats:
 
 
 @dataclass(frozen=True)
+class RequestTimings:
+    """Where a request's time to its first token went on this engine.
+
+    ``queue_s``: queued until first given tokens to compute, time parked for a KV load
+    excluded (`RequestKVStats.load_wait_s` holds that); ``compute_s``: from then until its
+    first token was sampled (a prefill's compute; a decode's first step).
+    """
+
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class EngineCoreOutput:
     """What one request produced in one step (or how it ended).
 
@@ -176,3 +205,4 @@ class EngineCoreOutput:
     # Measurements, so equality of outputs ignores them.
     num_cached_tokens: int = field(default=0, compare=False)
     kv_stats: RequestKVStats | None = field(default=None, compare=False)
+    timings: RequestTimings | None = field(default=None, compare=False)

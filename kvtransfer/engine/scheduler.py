@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -178,6 +179,7 @@ class Scheduler:
                 f"{self.block_manager.num_blocks}"
             )
         request.arrival_order = self._next_arrival
+        request.arrived_at = time.monotonic()
         self._next_arrival += 1
         self._requests[rid] = request
         self._waiting.append(request)
@@ -302,6 +304,8 @@ class Scheduler:
                 request.known_to_workers = True
             request.num_synced_tokens = request.num_tokens
             request.num_computed_tokens += step.num_scheduled[rid]
+            if request.first_scheduled_at is None:
+                request.first_scheduled_at = time.monotonic()
         return tuple(new_reqs), tuple(cached_reqs)
 
     def _allocate_running(
@@ -519,6 +523,8 @@ class Scheduler:
             if stop_status is not None:
                 break
 
+        if new_tokens and request.first_sampled_at is None:
+            request.first_sampled_at = time.monotonic()
         if stop_status is None and new_tokens and self.num_spec_tokens:
             # Drafts continue the token just sampled; a prefill chunk has none to continue.
             proposed = _row(mro.spec_token_ids, index)
@@ -600,6 +606,7 @@ class Scheduler:
             kv_transfer_params=params,
             num_cached_tokens=request.num_cached_tokens,
             kv_stats=dataclasses.replace(request.kv_stats),
+            timings=request.timings(),
         )
 
     def _finish_error(self, request: Request, error: str) -> EngineCoreOutput:

@@ -138,12 +138,16 @@ class _Decoded:
     texts: list[str] = field(default_factory=list)
     num_prompt_tokens: int = 0
     first_token_at: float | None = None
+    second_token_at: float | None = None
     final: generation_pb2.GenerateResponse | None = None
+    # The prefill's final message (its metrics are the prefill's phases).
+    prefill: generation_pb2.GenerateResponse | None = None
 
     def seed(self, first: generation_pb2.GenerateResponse) -> None:
         """Start from the prefill's final message: the first token, its text, the prompt size
         (a decode stream then continues it; when the first token ended the request, it is
         also the final message)."""
+        self.prefill = first
         self.first_token_at = time.monotonic() if first.token_ids else None
         self.token_ids.extend(first.token_ids)
         self.texts.append(first.text)
@@ -160,6 +164,8 @@ class _Decoded:
         first = bool(reply.token_ids) and self.first_token_at is None
         if first:
             self.first_token_at = time.monotonic()
+        elif reply.token_ids and self.second_token_at is None:
+            self.second_token_at = time.monotonic()
         self.token_ids.extend(reply.token_ids)
         self.texts.append(reply.text)
         if reply.num_prompt_tokens:
@@ -171,6 +177,23 @@ class _Decoded:
     @property
     def text(self) -> str:
         return "".join(self.texts)
+
+    def phases(self) -> dict[str, float]:
+        """Where the time went, in seconds: each daemon's own measurements, joined, plus the
+        first-to-second token gap this router saw (absent phases are left out)."""
+        phases: dict[str, float] = {}
+        if self.prefill is not None and self.prefill.HasField("metrics"):
+            phases["prefill_queue_s"] = self.prefill.metrics.queue_s
+            phases["prefill_compute_s"] = self.prefill.metrics.compute_s
+        final = self.final
+        if final is not None and final is not self.prefill and final.HasField("metrics"):
+            phases["decode_queue_s"] = final.metrics.queue_s
+            phases["kv_transfer_s"] = final.metrics.kv_transfer_s
+            phases["kv_overlapped_s"] = final.metrics.kv_overlapped_s
+            phases["decode_first_step_s"] = final.metrics.compute_s
+        if self.first_token_at is not None and self.second_token_at is not None:
+            phases["second_token_s"] = self.second_token_at - self.first_token_at
+        return phases
 
     @property
     def clean(self) -> bool:
@@ -576,8 +599,8 @@ class RouterHandlers:
         exchange.log.warning("failed (%d): %s", exc.status, exc)
         self.metrics.upstream_error(exc.role, exc.reason)
 
-    @staticmethod
-    def _log_done(exchange: _Exchange, decoded: _Decoded) -> None:
+    def _log_done(self, exchange: _Exchange, decoded: _Decoded) -> None:
+        self.metrics.phases(decoded.phases())
         final = decoded.final
         exchange.log.info(
             "done (%s): %d tokens, %d KV blocks received, %.1f ms",
@@ -609,6 +632,7 @@ def _kvtransfer_info(exchange: _Exchange, decoded: _Decoded) -> dict[str, Any]:
         "kv_blocks_received": metrics.kv_blocks_received if metrics is not None else 0,
         "kv_bytes_received": metrics.kv_bytes_received if metrics is not None else 0,
         "num_recomputed_tokens": metrics.num_recomputed_tokens if metrics is not None else 0,
+        "phases": decoded.phases(),
     }
 
 

@@ -35,6 +35,16 @@ class RouterMetrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
+        self._phases = Histogram(
+            "kvtransfer_router_phase_seconds",
+            "Where P/D requests' time went, as the daemons measured it: prefill_queue, "
+            "prefill_compute, kv_transfer (decode waiting for KV), kv_overlapped (of it, hidden "
+            "behind the prefill's compute), decode_queue, decode_first_step; and second_token "
+            "(first to second token, as streamed by this router)",
+            ["phase"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
         self._upstream_errors = Counter(
             "kvtransfer_router_upstream_errors",
             "Daemon failures by role (prefill, decode) and reason (gRPC code or outcome)",
@@ -74,6 +84,10 @@ class RouterMetrics:
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
+
+    def phases(self, phases: dict[str, float]) -> None:
+        for phase, seconds in phases.items():
+            self._phases.labels(phase=phase.removesuffix("_s")).observe(seconds)
 
     def upstream_error(self, role: str, reason: str) -> None:
         self._upstream_errors.labels(role=role, reason=reason).inc()

@@ -232,6 +232,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         metrics = message.metrics
         metrics.ttft_s = (first_token_at or time.monotonic()) - admitted
         metrics.num_cached_tokens = output.num_cached_tokens
+        if output.timings is not None:
+            metrics.queue_s = output.timings.queue_s
+            metrics.compute_s = output.timings.compute_s
+            ctx.metrics.queue_seconds.observe(metrics.queue_s)
+            if metrics.compute_s:
+                ctx.metrics.compute_seconds.observe(metrics.compute_s)
         if stats is not None:
             metrics.kv_transfer_s = stats.load_wait_s
             metrics.kv_blocks_received = stats.num_loaded_blocks

@@ -53,6 +53,17 @@ class DaemonMetrics:
             "Time a request waited for its remote KV",
             _LATENCY_BUCKETS,
         )
+        self.queue_seconds = histogram(
+            "kvtransfer_queue_seconds",
+            "Queued until first computed, time waiting for remote KV excluded",
+            _LATENCY_BUCKETS,
+        )
+        self.compute_seconds = histogram(
+            "kvtransfer_first_compute_seconds",
+            "First computed until the first token sampled here (prefill compute; a decode's "
+            "first step)",
+            _LATENCY_BUCKETS,
+        )
         self.handshakes = counter("kvtransfer_handshakes", "Handshakes made by this engine")
         self.handshake_seconds = histogram(
             "kvtransfer_handshake_seconds", "Handshake latency", _LATENCY_BUCKETS

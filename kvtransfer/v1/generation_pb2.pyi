@@ -61,7 +61,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("ttft_s", "kv_transfer_s", "kv_blocks_received", "kv_bytes_received", "num_cached_tokens", "num_recomputed_tokens", "queue_s", "compute_s", "first_step_s", "kv_overlapped_s")
+    __slots__ = ("ttft_s", "kv_transfer_s", "kv_blocks_received", "kv_bytes_received", "num_cached_tokens", "num_recomputed_tokens", "queue_s", "compute_s", "kv_overlapped_s")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -70,7 +70,6 @@ class RequestMetrics(_message.Message):
     NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
-    FIRST_STEP_S_FIELD_NUMBER: _ClassVar[int]
     KV_OVERLAPPED_S_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     kv_transfer_s: float
@@ -80,9 +79,8 @@ class RequestMetrics(_message.Message):
     num_recomputed_tokens: int
     queue_s: float
     compute_s: float
-    first_step_s: float
     kv_overlapped_s: float
-    def __init__(self, ttft_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., first_step_s: _Optional[float] = ..., kv_overlapped_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, ttft_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., kv_overlapped_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "error", "kv_transfer_params_json", "num_prompt_tokens", "metrics")
