@@ -158,6 +158,8 @@ def test_base_defaults():
     assert connector.get_kv_connector_stats() is None
     assert connector.get_finished_count() is None
     assert list(connector.take_events()) == []
+    # It will not wake the engine: an idle engine polls it instead.
+    assert connector.set_completion_callback(lambda: None) is False
     assert connector.request_finished(object(), [1]) == (False, None)  # type: ignore[arg-type]
     assert connector.get_num_new_matched_tokens(object(), 0) == (0, False)  # type: ignore[arg-type]
     connector.shutdown()
@@ -194,6 +196,7 @@ HOOKS = {
     "update_state_after_alloc",
     "validate_kv_transfer_params",
     "get_load_failure_reasons",
+    "set_completion_callback",
     "release_kv",
     "build_connector_meta",
     "update_connector_output",
