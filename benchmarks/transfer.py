@@ -1,4 +1,4 @@
-"""KV block pull throughput: this transport vs plain TCP, in-process memcpy and NIXL READ.
+"""KV block pull throughput and latency: this transport vs plain TCP, in-process memcpy, NIXL READ.
 
 Two processes on this host hold caches in the engine's paged layout (per layer
 ``[num_blocks, 2, heads, block_size, head_dim]``); the reader pulls scattered blocks:
@@ -9,9 +9,14 @@ Two processes on this host hold caches in the engine's paged layout (per layer
   (256 MiB per process). The 2048-block case uses B because A would move 2 GiB per request.
 
 Cases: 1 (latency), 16 and 256 blocks of A, 2048 blocks of B, 256 blocks of A reading half the
-heads (remote heads 4:8 into a 4-head cache, the decode-TP=2 case), and 256 blocks of A for
-layers 2..5 only.
-Block ids are seeded random permutations, so blocks are scattered on both sides.
+heads (remote heads 4:8 into a 4-head cache, the decode-TP=2 case), 256 blocks of A for
+layers 2..5 only, and 2048 blocks of B fragmented.
+Block ids are seeded random permutations, so blocks are scattered on both sides: a request's
+consecutive pairs are practically never adjacent on both sides at once, but sorted by id about
+half the blocks of the 2048-of-4096 case sit next to another requested one. The fragmented case
+takes every other block of B's pool (odd ids remote, even ids local, each side shuffled), so no
+two requested blocks are adjacent on either side even after sorting: a transport that sorts and
+coalesces contiguous runs gains nothing there, and it moves as many bytes as the random case.
 
 Methods, each timed per request (median over iterations after warm-up):
 
@@ -23,7 +28,16 @@ Methods, each timed per request (median over iterations after warm-up):
 * nixl: NIXL one-sided READ over its UCX backend, DRAM segments, one descriptor per block and
   layer (per K/V plane for head slices), descriptor lists prepared once; only if ``nixl_cu12``
   imports (``pip install --no-deps nixl-cu12``). It runs before UCX is imported here, in its own
-  processes, because ``import ucxx`` writes UCX variables into the environment.
+  processes, because ``import ucxx`` writes UCX variables into the environment. The initiator
+  busy-polls the transfer state (one core spinning, no wake-ups) while our pulls sleep on
+  events: keep that in mind when comparing small-pull latencies.
+
+Every case is expressible in NIXL descriptors (a layer range and a block subset are index
+subsets of the prepared lists, a head slice is one descriptor per K/V plane), so every case is
+measured for every method. ``nixl_p50_ms`` sits next to ``ours_p50_ms`` in each row and the
+table shows both with their ratio (``ours_over_nixl_p50``; the older ``ours/nixl`` column is the
+throughput ratio, its inverse). A row whose NIXL figures are null says why in ``nixl_note``
+(``--no-nixl``, ``nixl_cu12`` missing or its run failed).
 
 Every process uses one torch intra-op thread (``--torch-threads``): on a small shared host, OpenMP
 threads of two processes preempt each other.
@@ -35,7 +49,10 @@ a live ``UcxConnector`` prefill engine (built-in model, PP=2) runs in its own pr
 connect + RPC), warm with the cached client. The UCX endpoint connect is not included.
 ``--no-handshake`` skips it.
 
-    python benchmarks/transfer.py [--iterations 10] [--json results.json] [--no-nixl]
+    python benchmarks/transfer.py [--iterations 10] [--json results.json] [--no-nixl] [--quick]
+
+A full run takes about 2 minutes on a busy 2-CPU host. ``--quick`` (3 iterations, 1 warm-up, no
+handshake) is a smoke run; most of its ~1.5 minutes there is process start-up and cache set-up.
 """
 
 from __future__ import annotations
@@ -101,6 +118,8 @@ class Case:
     blocks: int
     heads: tuple[int, int] | None = None
     layers: tuple[int, int] | None = None
+    # Every ``stride``-th block of the pool instead of a random subset (fragmented case).
+    stride: int | None = None
 
     @property
     def layer_range(self) -> range:
@@ -121,8 +140,23 @@ class Case:
 
     def block_ids(self) -> tuple[list[int], list[int]]:
         generator = torch.Generator().manual_seed(self.blocks * 31 + len(self.name))
+        if self.stride is not None:
+            return self._strided_ids(self.stride, generator)
         remote = torch.randperm(self.layout.num_blocks, generator=generator)[: self.blocks]
         local = torch.randperm(self.layout.num_blocks, generator=generator)[: self.blocks]
+        return remote.tolist(), local.tolist()
+
+    def _strided_ids(self, stride: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
+        """Every ``stride``-th block, remote and local at different offsets, each shuffled.
+
+        Shuffled independently, so neither request order nor sorting by id yields a run.
+        """
+        if stride < 2 or self.blocks * stride > self.layout.num_blocks:
+            raise ValueError(f"{self.name}: {self.blocks} blocks at stride {stride} do not fit")
+        remote = torch.arange(self.blocks) * stride + (stride - 1)
+        local = torch.arange(self.blocks) * stride
+        remote = remote[torch.randperm(self.blocks, generator=generator)]
+        local = local[torch.randperm(self.blocks, generator=generator)]
         return remote.tolist(), local.tolist()
 
 
@@ -133,6 +167,7 @@ CASES = [
     Case("2048 blocks (B)", LAYOUT_B, 2048),
     Case("256 blocks, half heads", LAYOUT_A, 256, heads=(4, 8)),
     Case("256 blocks, layers 2-5", LAYOUT_A, 256, layers=(2, 6)),
+    Case("2048 blocks (B), frag.", LAYOUT_B, 2048, stride=2),
 ]
 
 
@@ -143,12 +178,32 @@ def _int_view(dtype: torch.dtype) -> torch.dtype:
     return {2: torch.int16, 4: torch.int32}[dtype.itemsize]
 
 
+def _pattern(layout: Layout, layer: int, start: torch.Tensor, count: int) -> torch.Tensor:
+    """Cache contents from flat element ``start`` (per row) on: element index + layer * 7919.
+
+    Computed in int32 (cast down to int16 for 2-byte dtypes, which keeps the low bits): no
+    value reaches 2**31, and half the memory traffic of int64 keeps setup and checks quick.
+    """
+    if layout.num_blocks * layout.block_bytes // layout.dtype.itemsize + layer * 7919 >= 1 << 31:
+        raise ValueError(f"layout {layout.name} is too large for int32 contents")
+    values = start.to(torch.int32)[:, None] + torch.arange(count, dtype=torch.int32)
+    return values.add_(layer * 7919).to(_int_view(layout.dtype))
+
+
 def remote_cache(layout: Layout, layer: int) -> torch.Tensor:
     """Distinct, cheaply reproducible contents (compared bitwise through an int view)."""
     shape = (layout.num_blocks, 2, layout.num_heads, layout.block_size, layout.head_dim)
     numel = layout.num_blocks * 2 * layout.num_heads * layout.head_elems
-    values = torch.arange(numel, dtype=torch.int64).add_(layer * 7919)
-    return values.to(_int_view(layout.dtype)).view(layout.dtype).view(shape)
+    values = _pattern(layout, layer, torch.zeros(1, dtype=torch.int32), numel)
+    return values.view(layout.dtype).view(shape)
+
+
+def remote_blocks(layout: Layout, layer: int, ids: list[int]) -> torch.Tensor:
+    """``remote_cache(layout, layer)[ids]`` without building the whole layer (for checks)."""
+    shape = (len(ids), 2, layout.num_heads, layout.block_size, layout.head_dim)
+    block_elems = 2 * layout.num_heads * layout.head_elems
+    start = torch.tensor(ids, dtype=torch.int64) * block_elems
+    return _pattern(layout, layer, start, block_elems).view(layout.dtype).view(shape)
 
 
 def remote_caches() -> dict[str, torch.Tensor]:
@@ -171,7 +226,7 @@ def verify(case: Case, caches: dict[str, torch.Tensor], remote: list[int], local
     heads = case.head_range
     for layer in case.layer_range:
         name = case.layout.layer_name(layer)
-        expected = remote_cache(case.layout, layer)[remote][:, :, heads.start : heads.stop]
+        expected = remote_blocks(case.layout, layer, remote)[:, :, heads.start : heads.stop]
         got = caches[name][local]
         itype = _int_view(case.layout.dtype)
         if not torch.equal(got.view(itype), expected.contiguous().view(itype)):
@@ -589,8 +644,15 @@ def main() -> None:
         action="store_true",
         help="also run our pulls with payload checksums (kv_payload_checksum) and print their cost",
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 3 iterations, 1 warm-up, no handshake (overrides those options)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.quick:
+        args.iterations, args.warmup, args.no_handshake = 3, 1, True
     if args.iterations < 1 or args.warmup < 0 or args.torch_threads < 1:
         parser.error("--iterations and --torch-threads must be >= 1, --warmup >= 0")
     torch.set_num_threads(args.torch_threads)
@@ -619,9 +681,14 @@ def main() -> None:
             args.iterations, args.warmup, args.torch_threads, replace(config, checksum=True)
         )
 
+    # Every case is expressible as NIXL descriptors: NIXL figures are missing only when the
+    # whole NIXL run is, and then every row says why.
+    nixl_missing = None if nixl is not None else nixl_note.removeprefix("n/a (").removesuffix(")")
     rows = []
     for case in CASES:
         nixl_samples = None if nixl is None else nixl[case.name]
+        nixl_p50 = None if nixl_samples is None else percentile_ms(nixl_samples, 50)
+        ours_p50 = percentile_ms(ours[case.name], 50)
         row = {
             "case": case.name,
             "blocks": case.blocks,
@@ -630,9 +697,14 @@ def main() -> None:
             "nixl_gbps": gbps(case.nbytes, nixl_samples),
             "tcp_gbps": gbps(case.nbytes, tcp[case.name]),
             "memcpy_gbps": gbps(case.nbytes, memcpy[case.name]),
-            "ours_p50_ms": percentile_ms(ours[case.name], 50),
+            "ours_p50_ms": ours_p50,
             "ours_p99_ms": percentile_ms(ours[case.name], 99),
-            "nixl_p50_ms": None if nixl_samples is None else percentile_ms(nixl_samples, 50),
+            "nixl_p50_ms": nixl_p50,
+            "nixl_p99_ms": None if nixl_samples is None else percentile_ms(nixl_samples, 99),
+            # > 1: our median pull takes that many times NIXL's.
+            "ours_over_nixl_p50": None if nixl_p50 is None else ours_p50 / nixl_p50,
+            # Why the NIXL figures of this row are null; None when they were measured.
+            "nixl_note": nixl_missing,
             "ours_checksum_gbps": None
             if checked is None
             else gbps(case.nbytes, checked[case.name]),
@@ -643,10 +715,14 @@ def main() -> None:
 
     header = (
         f"{'case':<24} {'blocks':>6} {'MiB':>7} {'ours':>6} {'nixl':>6} {'tcp':>6} "
-        f"{'memcpy':>6} {'p50 ms':>8} {'p99 ms':>8} {'ours/nixl':>9}"
+        f"{'memcpy':>6} {'p50 ms':>8} {'p99 ms':>8} {'ours/nixl':>9} {'nixl p50':>8} "
+        f"{'p50 x':>6}"
     )
     print(f"# {platform.node()} {os.cpu_count()} CPUs, torch threads {args.torch_threads}")
     print(f"# GB/s medians; nixl: {nixl_note}")
+    print(
+        "# p50/p99 ms: ours; ours/nixl: throughput ratio; nixl p50 ms; p50 x: ours p50 / nixl p50"
+    )
     handshake_what = "n/a (--no-handshake)" if args.no_handshake else HANDSHAKE_WHAT
     print(
         f"# handshake ({handshake_what}): cold {_fmt(handshake['handshake_cold_ms'])} ms, "
@@ -663,7 +739,8 @@ def main() -> None:
             f"{row['case']:<24} {row['blocks']:>6} {row['bytes'] / MiB:>7.1f} "
             f"{_fmt(row['ours_gbps']):>6} {_fmt(row['nixl_gbps']):>6} "
             f"{_fmt(row['tcp_gbps']):>6} {_fmt(row['memcpy_gbps']):>6} "
-            f"{row['ours_p50_ms']:>8.2f} {row['ours_p99_ms']:>8.2f} {_fmt(ratio):>9}"
+            f"{row['ours_p50_ms']:>8.2f} {row['ours_p99_ms']:>8.2f} {_fmt(ratio):>9} "
+            f"{_fmt(row['nixl_p50_ms'], 3):>8} {_fmt(row['ours_over_nixl_p50'], 1):>6}"
             + (
                 ""
                 if summed is None
