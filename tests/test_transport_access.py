@@ -215,3 +215,54 @@ def test_a_pull_for_another_prompt_is_refused(served, client):
     grants.grant("req-prompt", secret_digest(secret), [18], "a" * 64)
     access = LeaseAccess("req-prompt", secret, "b" * 64)
     _refused(client, server, [18], access, "holds the KV of another prompt")
+
+
+# ---------------------------------------------------------------------- layer-wise streaming
+
+
+def test_a_streaming_lease_serves_each_layer_once_computed_and_none_before(served, client):
+    """A lease granted while its KV is computed: a pull of a layer waits (parked, however
+    long past the grant wait) until that layer is ready; the other layer is served at once."""
+    server, grants = served
+    first, second = GROUP.names()
+    secret = new_secret()
+    grants.grant("req-stream", secret_digest(secret), [20, 21], pending_layers=[first, second])
+    lease = LeaseAccess("req-stream", secret)
+    assert not grants.ready("req-stream", [first]) and not grants.ready("req-stream", [second])
+    peer = client.connect(server.address)
+    waiting = client.pull(peer, PullSpec("decode-s", (first,), [20, 21], [5, 6], lease=lease))
+    grants.layer_ready(["req-stream"], second)
+    second_pull = PullSpec("decode-s", (second,), [20, 21], [5, 6], lease=lease)
+    client.pull(peer, second_pull).result(WAIT_S)
+    time.sleep(1.5)  # past grant_wait_s (1 s): a granted lease's pending layer still waits
+    assert not waiting.done()
+    grants.layer_ready(["req-stream"], first)
+    waiting.result(WAIT_S)
+    for name in GROUP.names():
+        assert torch.equal(client.kv_caches[name][5:7], server.kv_caches[name][20:22]), name
+
+
+def test_a_streaming_lease_revoked_mid_stream_refuses_its_waiting_pulls(served, client):
+    server, grants = served
+    first, _ = GROUP.names()
+    secret = new_secret()
+    grants.grant("req-gone", secret_digest(secret), [22], pending_layers=GROUP.names())
+    peer = client.connect(server.address)
+    spec = PullSpec("decode-g", (first,), [22], [7], lease=LeaseAccess("req-gone", secret))
+    waiting = client.pull(peer, spec)
+    grants.revoke(["req-gone"])  # the prefill was aborted while computing
+    with pytest.raises(RemoteTransferError, match="has ended") as info:
+        waiting.result(WAIT_S)
+    assert info.value.code == ErrorCode.ACCESS_DENIED
+
+
+def test_reading_a_layer_still_computed_is_refused_naming_it():
+    grants = LeaseGrants()
+    grants.grant("r", secret_digest("s"), [1], pending_layers=["a", "b"])
+    refused = pytest.raises(PermissionError, match=r"layer\(s\) a is still being computed")
+    with refused, grants.reading(LeaseAccess("r", "s"), [1], ["a"]):
+        pass
+    grants.layer_ready(["r"])  # every layer
+    assert grants.ready("r", ["a", "b"])
+    with grants.reading(LeaseAccess("r", "s"), [1], ["a", "b"]):
+        pass

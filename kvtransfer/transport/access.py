@@ -29,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtransfer.transport.errors import ErrorCode, TransportError
 
@@ -94,6 +94,8 @@ class _Grant:
     digest: bytes
     block_ids: tuple[int, ...]
     prompt_digest: str
+    # Layers whose KV is still being computed (a lease granted while its prefill runs).
+    pending: set[str] = field(default_factory=set)
     readers: int = 0
 
 
@@ -113,14 +115,45 @@ class LeaseGrants:
             return len(self._grants)
 
     def grant(
-        self, lease_id: str, digest: bytes, block_ids: Iterable[int], prompt_digest: str = ""
+        self,
+        lease_id: str,
+        digest: bytes,
+        block_ids: Iterable[int],
+        prompt_digest: str = "",
+        pending_layers: Iterable[str] = (),
     ) -> None:
         """Allow reads of ``block_ids`` (in this order) to whoever presents the secret hashing
-        to ``digest`` and ``prompt_digest`` (empty: not checked)."""
+        to ``digest`` and ``prompt_digest`` (empty: not checked); reads of ``pending_layers``
+        wait until `layer_ready` says their KV is complete."""
         with self._cond:
             self._revoked.pop(lease_id, None)
-            self._grants[lease_id] = _Grant(digest, tuple(block_ids), prompt_digest)
+            self._grants[lease_id] = _Grant(
+                digest, tuple(block_ids), prompt_digest, set(pending_layers)
+            )
             self._cond.notify_all()
+
+    def layer_ready(self, lease_ids: Iterable[str], layer_name: str | None = None) -> None:
+        """The KV of ``layer_name`` (every layer when None) is complete in these leases' blocks:
+        pulls waiting for it may go."""
+        with self._cond:
+            for lease_id in lease_ids:
+                grant = self._grants.get(lease_id)
+                if grant is None or not grant.pending:
+                    continue
+                if layer_name is None:
+                    grant.pending.clear()
+                else:
+                    grant.pending.discard(layer_name)
+            self._cond.notify_all()
+
+    def ready(self, lease_id: str, layer_names: Iterable[str]) -> bool:
+        """Whether a pull of these layers can be answered now: the lease ended (refused at
+        once), or it is granted and none of the layers is still being computed."""
+        with self._cond:
+            if lease_id in self._revoked:
+                return True
+            grant = self._grants.get(lease_id)
+            return grant is not None and grant.pending.isdisjoint(layer_names)
 
     def revoke(self, lease_ids: Iterable[str]) -> None:
         """End these leases; returns once no gather of them is running."""
@@ -151,7 +184,12 @@ class LeaseGrants:
             self._cond.wait(max(0.0, timeout_s))
 
     @contextlib.contextmanager
-    def reading(self, access: LeaseAccess | None, block_ids: Iterable[int]) -> Iterator[None]:
+    def reading(
+        self,
+        access: LeaseAccess | None,
+        block_ids: Iterable[int],
+        layer_names: Iterable[str] = (),
+    ) -> Iterator[None]:
         """Hold the lease open for one gather, or raise `AccessDenied` naming why not."""
         if access is None:
             raise AccessDenied("the pull presents no lease: this server serves leased KV only")
@@ -169,6 +207,12 @@ class LeaseGrants:
                 raise AccessDenied(
                     f"lease {access.lease_id!r} holds the KV of another prompt than the one "
                     "the pull is for (prompt digest mismatch)"
+                )
+            computing = sorted(grant.pending.intersection(layer_names))
+            if computing:
+                raise AccessDenied(
+                    f"lease {access.lease_id!r}: the KV of layer(s) {', '.join(computing[:4])} "
+                    "is still being computed"
                 )
             start = access.block_offset
             expected = list(grant.block_ids[start : start + len(wanted)])

@@ -172,13 +172,16 @@ class KVServer:
             with self._parked_lock:
                 ready, waiting = [], []
                 for entry in self._parked:
-                    at, (lease_id, _) = entry
-                    (ready if at <= now or grants.known(lease_id) else waiting).append(entry)
+                    at, (lease_id, names, _) = entry
+                    # A granted lease whose layers are being computed waits for them (or for
+                    # its revocation); only a grant that never came times out.
+                    go = grants.ready(lease_id, names) or (at <= now and not grants.known(lease_id))
+                    (ready if go else waiting).append(entry)
                 self._parked = waiting
-            for _, (_, data) in ready:
+            for _, (_, _, data) in ready:
                 self._queue.put((data, False))
 
-    def _park(self, lease_id: str, data: Any) -> bool:
+    def _park(self, lease_id: str, layer_names: tuple[str, ...], data: Any) -> bool:
         if self._grants is None:
             return False
         with self._parked_lock:
@@ -186,7 +189,7 @@ class KVServer:
                 return False
             deadline = time.monotonic() + self._grants.grant_wait_s
             # The parking thread wakes at least every second: deadlines are met within that.
-            self._parked.append((deadline, (lease_id, data)))
+            self._parked.append((deadline, (lease_id, layer_names, data)))
         return True
 
     def _handle(self, data: Any, may_park: bool = True) -> None:
@@ -201,12 +204,13 @@ class KVServer:
         try:
             request = PullRequestMessage.decode(data)
             access = None if request.lease is None else LeaseAccess(*request.lease)
+            names = tuple(layer.name for layer in request.layers)
             if (
                 may_park
                 and access is not None
                 and self._grants is not None
-                and not self._grants.known(access.lease_id)
-                and self._park(access.lease_id, data)
+                and not self._grants.ready(access.lease_id, names)
+                and self._park(access.lease_id, names, data)
             ):
                 return
             buffer, payload = self._gather_leased(request, access)
@@ -233,7 +237,8 @@ class KVServer:
         if self._grants is None:
             return self._gather(request)
         ids = unpack_block_ids(request.block_ids)
-        with self._grants.reading(access, ids):
+        names = [layer.name for layer in request.layers]
+        with self._grants.reading(access, ids, names):
             return self._gather(request)
 
     def _gather(self, request: PullRequestMessage) -> tuple[torch.Tensor, torch.Tensor]:
