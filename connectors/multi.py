@@ -290,6 +290,14 @@ class MultiConnector(KVConnectorBase_V1):
             self._new_extra_saves[request.request_id] = num_saving - 1
         return num_saving > 0, params or None
 
+    def take_early_kv_transfer_params(self) -> dict[str, dict[str, Any]]:
+        # The first child to stream a request gives its params (as for request_finished).
+        early: dict[str, dict[str, Any]] = {}
+        for child in self._connectors:
+            for req_id, params in child.take_early_kv_transfer_params().items():
+                early.setdefault(req_id, params)
+        return early
+
     def take_events(self) -> Iterable[Any]:
         for child in self._connectors:
             yield from child.take_events()

@@ -43,6 +43,7 @@ from router_helpers.fakes import (
     hang,
     params_for,
     prefill_ok,
+    prefill_streaming,
 )
 
 from kvtransfer.router import RouterConfig, RouterServer
@@ -83,7 +84,10 @@ def test_prefill_then_decode_json_body(caplog):
             # The prefill: one token, the same sampling, asked to keep its KV for a decoder.
             assert pre.WhichOneof("prompt") == "text" and pre.text == "Hello"
             assert pre.sampling.max_tokens == 1
-            assert json.loads(pre.kv_transfer_params_json) == {"do_remote_decode": True}
+            assert json.loads(pre.kv_transfer_params_json) == {
+                "do_remote_decode": True,
+                "kv_stream": True,
+            }
             assert pre.sampling.temperature == pytest.approx(0.5)
             assert pre.sampling.top_p == pytest.approx(0.9)
             assert pre.sampling.seed == 1234
@@ -148,6 +152,43 @@ def test_prefill_then_decode_json_body(caplog):
     assert any(m.startswith("received") for m in messages), messages
     assert any(m.startswith("done (length)") for m in messages), messages
     assert {getattr(r, "request_id", None) for r in about} == {request_id}
+
+
+def test_a_prefill_that_streams_its_kv_has_its_decode_called_while_it_computes():
+    async def scenario():
+        async with cluster() as c:
+            c.prefill.behaviour = prefill_streaming(c.prefill.address)
+            status, body = await c.post({"prompt": "Hello", "max_tokens": 7})
+            assert status == 200, body
+            (dec,) = c.decode.requests
+            # Called with the announced params, before the first token existed ...
+            assert dec.await_generated_tokens and list(dec.generated_token_ids) == []
+            assert dec.kv_transfer_params_json == params_for(c.prefill.address, body["id"])
+            # ... which then came through Continue.
+            (cont,) = c.decode.continues
+            assert (cont.request_id, list(cont.generated_token_ids)) == (body["id"], [62])
+            assert body["choices"][0]["text"] == DECODE_TEXT
+            assert body["kvtransfer"]["token_ids"] == DECODE_IDS
+            assert c.prefill.releases == [] and c.decode.cancelled == []
+            # A first token that ends the request: the decode called early is cancelled, and
+            # the prefill's KV released.
+            c.prefill.behaviour = prefill_streaming(c.prefill.address, finish_reason="stop")
+            status, body = await c.post({"prompt": "Hello", "max_tokens": 7})
+            assert status == 200, body
+            assert body["choices"][0]["finish_reason"] == "stop"
+            await c.prefill.released.wait()
+            assert [r.request_id for r in c.prefill.releases] == [body["id"]]
+            assert len(c.decode.continues) == 1
+            # The early call was cancelled at once: if it reached the daemon at all, it ended
+            # there cancelled.
+            late = [r.request_id for r in c.decode.requests[1:]]
+            for _ in range(200):
+                if set(late) <= set(c.decode.cancelled):
+                    break
+                await asyncio.sleep(0.01)
+            assert set(late) <= set(c.decode.cancelled)
+
+    run(scenario)
 
 
 def test_prompt_forms_token_ids_and_batches_of_one():

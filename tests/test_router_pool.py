@@ -437,7 +437,7 @@ def test_json_at_the_depth_limit_and_surrogate_pairs_are_fine():
 
 def body_of(size: int) -> bytes:
     """A completions body of exactly ``size`` bytes (a long text prompt)."""
-    frame = b'{"prompt": "", "max_tokens": 1}'
+    frame = b'{"prompt": "", "max_tokens": 2}'
     raw = frame.replace(b'""', b'"' + b"x" * (size - len(frame)) + b'"')
     assert len(raw) == size
     return raw

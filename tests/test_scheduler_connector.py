@@ -125,6 +125,47 @@ def test_a_request_continuing_a_prefill_loads_every_prompt_token_and_computes_no
     sched.block_manager.check_no_leaks()
 
 
+@pytest.mark.parametrize("first_token_arrives", [True, False], ids=["continued", "abandoned"])
+def test_a_request_awaiting_its_first_token_loads_then_waits_for_it(first_token_arrives):
+    """Dispatched alongside its prefill: the KV loads while the prefill still runs, then the
+    request waits, computing nothing, until the prefill's token arrives (or it is told none
+    will, and computes its first token itself)."""
+    conn, sched, runner = _setup()
+    conn.matches["a"] = [(10, True)]
+    request = make_request("a", PROMPT, max_tokens=4)
+    request.awaits_generated = True
+    sched.add_request(request)
+    so, _ = step(sched, runner)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    runner.finish_load("a")
+    step(sched, runner)
+    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING, 10)
+    # The whole load happened before the first token came: all of it overlapped the prefill.
+    assert request.kv_stats.overlapped_s == request.kv_stats.load_wait_s
+    for _ in range(3):  # loaded, but nothing to compute until continued
+        so, outs = step(sched, runner)
+        assert (so.total_num_scheduled_tokens, outs) == (0, [])
+    with pytest.raises(KeyError, match="request b is not waiting for generated tokens"):
+        sched.continue_request("b", [REF[0]])
+    with pytest.raises(ValueError, match="leave nothing to generate with max_tokens 4"):
+        sched.continue_request("a", REF)
+    if first_token_arrives:
+        sched.continue_request("a", [REF[0]])
+        so, outs = step(sched, runner)
+        assert dict(so.num_scheduled_tokens) == {"a": 1}
+        assert outs == [EngineCoreOutput(req_id="a", new_token_ids=(REF[1],))]
+    else:
+        sched.continue_request("a", [])
+        so, outs = step(sched, runner)
+        assert dict(so.num_scheduled_tokens) == {"a": 1}  # the last prompt token, again
+        assert outs == [EngineCoreOutput(req_id="a", new_token_ids=(REF[0],))]
+    with pytest.raises(KeyError):
+        sched.continue_request("a", [REF[1]])  # once only
+    run_to_completion(sched, runner)
+    assert request.output_token_ids == REF
+    sched.block_manager.check_no_leaks()
+
+
 @pytest.mark.parametrize(
     ("generated", "max_tokens", "message"),
     [

@@ -178,6 +178,9 @@ class SharedStorageScheduler:
 
     # ------------------------------------------------------------------ producer
 
+    def take_early_kv_transfer_params(self) -> dict[str, dict[str, Any]]:
+        return {}  # files are written as the request finishes: nothing to read before
+
     def set_completion_callback(self, callback: Callable[[], None]) -> bool:
         # Nothing arrives between steps on this side: no reason to be polled.
         return True

@@ -35,7 +35,7 @@ The scheduler half serves every ``(pp_rank, tp_rank)`` worker's handshake payloa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from connectors.ucx.config import UcxConfig
 from connectors.ucx.metadata import UcxConnectorMetadata, UcxHandshakeMetadata
@@ -44,6 +44,9 @@ from connectors.ucx.worker import UcxWorker
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole
 from kvtransfer.connector.split import RoleSplitConnector
+
+if TYPE_CHECKING:
+    import torch
 
 
 class UcxConnector(RoleSplitConnector[UcxScheduler, UcxWorker]):
@@ -70,6 +73,12 @@ class UcxConnector(RoleSplitConnector[UcxScheduler, UcxWorker]):
             lambda: UcxScheduler(config, ucx, kv_cache_config),
             lambda: UcxWorker(config, ucx, kv_cache_config),
         )
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Pull-based: nothing is sent; a layer computed for a streaming lease becomes servable.
+        self._worker_half("save_kv_layer").save_kv_layer(layer_name)
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -112,21 +112,28 @@ class LoadJob:
             if self._cancelled:
                 raise LoadCancelled(f"load of request {spec.req_id!r} was cancelled")
             for pull in engine.plan:
-                self._handles.append(
-                    self._agent.pull(
-                        engine.peers[pull.remote_rank],
-                        PullSpec(
-                            request_id=spec.req_id,
-                            layer_names=pull.layer_names,
-                            remote_block_ids=spec.remote_block_ids,
-                            local_block_ids=spec.local_block_ids,
-                            remote_heads=pull.remote_heads,
-                            local_heads=pull.local_heads,
-                            lease=spec.lease,
-                        ),
-                        timeout_s=self._timeout_s,
-                    )
+                # KV still being computed is pulled layer by layer, each as soon as it is.
+                groups = (
+                    [(name,) for name in pull.layer_names]
+                    if spec.remote.streaming
+                    else [pull.layer_names]
                 )
+                for layer_names in groups:
+                    self._handles.append(
+                        self._agent.pull(
+                            engine.peers[pull.remote_rank],
+                            PullSpec(
+                                request_id=spec.req_id,
+                                layer_names=layer_names,
+                                remote_block_ids=spec.remote_block_ids,
+                                local_block_ids=spec.local_block_ids,
+                                remote_heads=pull.remote_heads,
+                                local_heads=pull.local_heads,
+                                lease=spec.lease,
+                            ),
+                            timeout_s=self._timeout_s,
+                        )
+                    )
             return list(self._handles)
 
     def _wait_all(self, handles: list[PullHandle]) -> int:

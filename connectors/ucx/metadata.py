@@ -124,6 +124,8 @@ class RemotePrefill:
     prompt_digest: str
     # The producer's handshake generation; a restarted producer has lost these blocks.
     generation: int | None = None
+    # Announced while the producer computes it: pull it layer by layer, as each is ready.
+    streaming: bool = False
 
     @property
     def address(self) -> str:
@@ -152,12 +154,19 @@ class RemotePrefill:
             secret=_text(params, "remote_kv_secret"),
             prompt_digest=_digest(params, "remote_prompt_digest"),
             generation=generation,
+            streaming=_flag(params, "remote_streaming"),
         )
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
     """Whether a request asks its prompt KV to be kept for a remote decode engine."""
     return bool(params) and _flag(params, "do_remote_decode")
+
+
+def wants_kv_stream(params: Mapping[str, Any] | None) -> bool:
+    """Whether it also asks for its params early and its KV served layer by layer as computed
+    (``kv_stream``, with ``do_remote_decode``)."""
+    return wants_remote_decode(params) and _flag(params, "kv_stream")
 
 
 @dataclass(frozen=True)
@@ -191,6 +200,9 @@ class Grant:
     secret_digest: bytes = field(repr=False)
     block_ids: tuple[int, ...]
     prompt_digest: str = ""
+    # Granted in the step that computes the prompt's last part: each layer is served once this
+    # step's `save_kv_layer` ran for it (layer-wise streaming).
+    streaming: bool = False
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from connectors.ucx.metadata import (
     UcxConnectorMetadata,
     UcxHandshakeMetadata,
     prompt_digest,
+    wants_kv_stream,
     wants_remote_decode,
 )
 from connectors.ucx.notify import Notifier, notify_handler
@@ -141,6 +142,11 @@ class UcxScheduler:
         self._loads: list[LoadSpec] = []
         self._grants: list[Grant] = []
         self._stats_totals: dict[str, float] = {}
+        # Producer requests streaming their KV: their block table as known so far, until
+        # the step that computes their last prompt token grants them (then their params).
+        self._streams: dict[str, tuple[KVRequest, list[int]]] = {}
+        self._streamed: dict[str, dict[str, Any]] = {}
+        self._early: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ start-up
 
@@ -219,7 +225,7 @@ class UcxScheduler:
         if self._config.is_kv_consumer:
             RemotePrefill.parse(params)
         if self._config.is_kv_producer:
-            wants_remote_decode(params)
+            wants_kv_stream(params)
 
     def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool:
         """Free a held request's blocks now; the params must carry its secret."""
@@ -283,6 +289,8 @@ class UcxScheduler:
         self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         rid = request.request_id
+        if self._config.is_kv_producer and wants_kv_stream(request.kv_transfer_params):
+            self._streams[rid] = (request, list(block_ids))
         matched = self._matched.pop(rid, None)
         if matched is None or num_external_tokens == 0:
             return
@@ -346,12 +354,34 @@ class UcxScheduler:
         self._consumed.discard(rid)
         if not self._config.is_kv_producer or not wants_remote_decode(request.kv_transfer_params):
             return False, None
+        self._streams.pop(rid, None)
+        self._early.pop(rid, None)
+        streamed = self._streamed.pop(rid, None)
+        if streamed is not None:
+            # Granted and announced while computing: the blocks stay until the consumer (or
+            # the lease) lets go. A request that did not complete its prompt holds nothing
+            # worth reading: its lease ends now, and its blocks once no pull reads them.
+            if _num_computed_prompt_tokens(request) < streamed["remote_num_tokens"]:
+                self._leases.finish([(rid, 0, streamed["remote_kv_secret"])])
+                return True, None
+            return True, streamed
         if self._book is None or self._advertised is None or self._split is None:
             raise RuntimeError(f"UcxConnector cannot serve KV: {self._serve_error}")
+        params = self._hold(request, block_ids, streaming=False)
+        return params["remote_num_tokens"] > 0, params
+
+    def _hold(
+        self, request: KVRequest, block_ids: Sequence[int], *, streaming: bool
+    ) -> dict[str, Any]:
+        """The params a consumer pulls ``request``'s computed prompt KV with; unless there is
+        none, its blocks are held under a new lease and the next step grants them."""
+        if self._book is None or self._advertised is None or self._split is None:
+            raise RuntimeError(f"UcxConnector cannot serve KV: {self._serve_error}")
+        rid = request.request_id
         num_tokens = _num_computed_prompt_tokens(request)
         num_blocks = -(-num_tokens // self._split.block_size)
         host, port = self._advertised
-        params = {
+        params: dict[str, Any] = {
             "do_remote_prefill": True,
             "remote_engine_id": self._config.engine_id,
             "remote_request_id": rid,
@@ -372,11 +402,13 @@ class UcxScheduler:
             request.prompt_token_ids[:num_tokens]
         )
         if num_tokens == 0:
-            return False, params
+            return params
+        if streaming:
+            params["remote_streaming"] = True
         self._leases.hold(rid, secret)
         blocks = tuple(params["remote_block_ids"])
-        self._grants.append(Grant(rid, secret_digest(secret), blocks, digest))
-        return True, params
+        self._grants.append(Grant(rid, secret_digest(secret), blocks, digest, streaming))
+        return params
 
     def _release_unused(self, request: KVRequest) -> None:
         """A consumer request that finished without loading (aborted while it waited):
@@ -391,7 +423,34 @@ class UcxScheduler:
         if remote is not None and remote.engine_id != self._config.engine_id:
             self._notifier_for().release(remote, 0)
 
+    def take_early_kv_transfer_params(self) -> dict[str, dict[str, Any]]:
+        early, self._early = self._early, {}
+        return early
+
+    def _grant_streams(self, scheduler_output: Any) -> None:
+        """Grant the streaming requests whose last prompt token this step computes, before
+        it runs: each layer is served as soon as the workers computed it."""
+        if not self._streams:
+            return
+        for cached in getattr(scheduler_output, "scheduled_cached_reqs", ()):
+            entry = self._streams.get(cached.req_id)
+            if entry is not None:
+                entry[1].extend(cached.new_block_ids)
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", {})
+        for rid in [r for r in self._streams if r in scheduled]:
+            request, blocks = self._streams[rid]
+            if _num_computed_prompt_tokens(request) < len(request.prompt_token_ids):
+                continue  # an earlier chunk: its blocks are not all known yet
+            del self._streams[rid]
+            if self._book is None or self._advertised is None or self._split is None:
+                continue  # request_finished reports why nothing can be served
+            params = self._hold(request, blocks, streaming=True)
+            if params["remote_num_tokens"] > 0:
+                self._streamed[rid] = params
+                self._early[rid] = params
+
     def build_connector_meta(self, scheduler_output: Any) -> UcxConnectorMetadata:
+        self._grant_streams(scheduler_output)
         releases = tuple(self._leases.take())
         # What consumers said they read: blocks of this engine, counted once whatever the TP.
         consumed = sum(r.num_blocks for r in releases if not r.expired)

@@ -69,6 +69,8 @@ class UcxWorker:
         self._wake: Callable[[], None] | None = None
         self._released: list[str] = []
         self._grants = LeaseGrants()
+        # Leases granted this step while their KV is computed: served layer by layer.
+        self._streaming: list[str] = []
         self._load_errors: set[int] = set()
         self._failure_reasons: dict[str, str] = {}
         self._stats_lock = threading.Lock()
@@ -133,9 +135,17 @@ class UcxWorker:
     # ------------------------------------------------------------------ per step
 
     def start_load_kv(self, metadata: UcxConnectorMetadata) -> None:
+        # The previous step ran every layer: whatever it did not report saved is complete.
+        self._grants.layer_ready(self._streaming)
+        self._streaming = [g.req_id for g in metadata.grants if g.streaming]
+        layers = tuple(self._agent.kv_caches) if self._agent is not None else ()
         for grant in metadata.grants:
             self._grants.grant(
-                grant.req_id, grant.secret_digest, grant.block_ids, grant.prompt_digest
+                grant.req_id,
+                grant.secret_digest,
+                grant.block_ids,
+                grant.prompt_digest,
+                pending_layers=layers if grant.streaming else (),
             )
         if metadata.releases:
             # Returns once no pull reads these blocks: they are freed after this step.
@@ -230,6 +240,11 @@ class UcxWorker:
     def block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """This step's KV of ``layer_name`` is written: streaming leases serve it from now."""
+        if self._streaming:
+            self._grants.layer_ready(self._streaming, layer_name)
 
     def set_completion_callback(self, callback: Callable[[], None]) -> bool:
         self._wake = callback

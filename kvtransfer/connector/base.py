@@ -286,6 +286,18 @@ class KVConnectorBase_V1:
         """
         return False, None
 
+    def take_early_kv_transfer_params(self) -> dict[str, dict[str, Any]]:
+        """Params a consumer may use *before* their request finished, by request id.
+
+        Scheduler role; runs once per step right after `build_connector_meta`, before the step
+        runs on the workers. A producer that streams KV while computing it returns here the
+        params of requests whose blocks are all known and whose KV this step completes (they
+        are what `request_finished` will return too); the engine hands each to its request's
+        caller at once, so a consumer can start before the prefill ends. Drained by the call.
+        The default streams nothing.
+        """
+        return {}
+
     def take_events(self) -> Iterable[Any]:
         """Drain KV cache events (stored/removed blocks) the connector wants published."""
         return ()

@@ -72,6 +72,8 @@ class SchedulerHalf(Protocol):
 
     def set_completion_callback(self, callback: Callable[[], None]) -> bool: ...
 
+    def take_early_kv_transfer_params(self) -> dict[str, dict[str, Any]]: ...
+
 
 class WorkerHalf(Protocol):
     """What `RoleSplitConnector` calls on the worker-role half."""
@@ -226,6 +228,10 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler_half("update_connector_output").update_connector_output(connector_output)
+
+    def take_early_kv_transfer_params(self) -> dict[str, dict[str, Any]]:
+        half = self._scheduler_half("take_early_kv_transfer_params")
+        return half.take_early_kv_transfer_params()
 
     def request_finished(
         self, request: KVRequest, block_ids: Sequence[int]

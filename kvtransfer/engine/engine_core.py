@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvtransfer.aggregator import KVOutputAggregator
@@ -72,6 +72,9 @@ class EngineCore:
         # Every worker's connector wakes the engine: idle steps sleep until woken, not poll.
         self.wakes_on_kv_events = all(info.signals_kv_events for info in worker_infos)
         self._interrupts: list[Wakeup] = []
+        # Takes outputs due before a step runs (early KV params); without one they lead the
+        # step's own outputs.
+        self.early_output_sink: Callable[[list[EngineCoreOutput]], None] | None = None
         self.num_kv_blocks = worker_infos[0].num_kv_blocks
         layout = kv_cache_layout(config, self.model_config, self.num_kv_blocks)
         try:
@@ -106,9 +109,11 @@ class EngineCore:
         sampling_params: SamplingParams,
         kv_transfer_params: Mapping[str, Any] | None = None,
         generated_token_ids: Sequence[int] = (),
+        awaits_generated: bool = False,
     ) -> None:
         """Queue a request. ``generated_token_ids`` are outputs it already has (a prefill
-        engine's first token): it continues after them (see `Scheduler.add_request`)."""
+        engine's first token): it continues after them (see `Scheduler.add_request`).
+        ``awaits_generated``: they come later, through `continue_request`."""
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, Mapping):
             raise ValueError(
                 f"request {request_id!r}: kv_transfer_params must be an object (dict), "
@@ -131,8 +136,13 @@ class EngineCore:
                 kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
                 eos_token_id=self.model_config.eos_token_id,
                 output_token_ids=[int(t) for t in generated_token_ids],
+                awaits_generated=awaits_generated,
             )
         )
+
+    def continue_request(self, request_id: str, generated_token_ids: Sequence[int]) -> None:
+        """See `Scheduler.continue_request`."""
+        self.scheduler.continue_request(request_id, [int(t) for t in generated_token_ids])
 
     def abort_request(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(list(request_ids))
@@ -156,9 +166,13 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
+        early = self.scheduler.take_early_outputs()
+        if early and self.early_output_sink is not None:
+            self.early_output_sink(early)  # a consumer starts while this step computes
+            early = []
         worker_outputs = self.executor.execute_model(scheduler_output)
         output = self.aggregator.aggregate(worker_outputs, self.executor.output_rank)
-        outputs = self.scheduler.update_from_output(
+        outputs = early + self.scheduler.update_from_output(
             scheduler_output, output or EMPTY_MODEL_RUNNER_OUTPUT
         )
         if scheduler_output.total_num_scheduled_tokens == 0 and not _reports_transfers(output):

@@ -71,6 +71,7 @@ class KVTransferState:
         request.num_external_tokens = num_external
         request.load_failed = False
         request.load_started_at = time.monotonic()
+        request.load_overlaps_prefill = request.awaits_generated
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self._loading[request.request_id] = request
 
@@ -163,7 +164,12 @@ class KVTransferState:
             request.status = RequestStatus.WAITING
             stats = request.kv_stats
             if request.load_started_at is not None:
-                stats.load_wait_s += time.monotonic() - request.load_started_at
+                now = time.monotonic()
+                stats.load_wait_s += now - request.load_started_at
+                if request.load_overlaps_prefill:
+                    # Loading while the prefill computed: until its first token came.
+                    end = min(now, request.continued_at or now)
+                    stats.overlapped_s += max(0.0, end - request.load_started_at)
                 request.load_started_at = None
             if rid in failed or request.load_failed:
                 if self.load_failure_policy == "fail":
@@ -177,7 +183,10 @@ class KVTransferState:
                 stats.num_recomputed_tokens += request.num_external_tokens
             else:
                 loaded = request.num_cached_tokens + request.num_external_tokens
-                request.num_computed_tokens = min(loaded, request.num_tokens - 1)
+                # The last token is computed here for its logits, unless the next token comes
+                # from elsewhere (a prefill's first token, `Scheduler.continue_request`).
+                limit = request.num_tokens - (0 if request.awaits_generated else 1)
+                request.num_computed_tokens = min(loaded, limit)
                 bm.cache_full_blocks(request, request.num_computed_tokens)
                 stats.num_loaded_tokens += request.num_external_tokens
                 stats.num_loaded_blocks += -(-loaded // bm.block_size) - (

@@ -82,6 +82,9 @@ class Request:
     arrival_order: int = -1
     # Overrides the scheduler's model-wide EOS for this request when set.
     eos_token_id: int | None = None
+    # Its first output tokens come from elsewhere, later (`Scheduler.continue_request`): it may
+    # load KV meanwhile but is not computed until then.
+    awaits_generated: bool = False
 
     # ---- scheduler bookkeeping (never sent to workers) ----
     # How many of all_token_ids the workers already hold (the rest go in new_token_ids).
@@ -99,6 +102,10 @@ class Request:
     # What connector loads did for this request, reported with its final output.
     kv_stats: RequestKVStats = field(default_factory=lambda: RequestKVStats())
     load_started_at: float | None = None
+    # When `Scheduler.continue_request` gave it its first tokens (None: not yet, or never
+    # awaited), and whether its current load started before that.
+    continued_at: float | None = None
+    load_overlaps_prefill: bool = False
     # `time.monotonic` instants for `RequestTimings`: queued, first given tokens, first sampled.
     arrived_at: float | None = None
     first_scheduled_at: float | None = None
@@ -168,6 +175,9 @@ class RequestKVStats:
     num_loaded_blocks: int = 0
     num_recomputed_tokens: int = 0
     load_wait_s: float = 0.0
+    # Of load_wait_s, the part before the request's first token arrived from elsewhere: the
+    # load ran while its prefill still computed (`Request.awaits_generated`).
+    overlapped_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._finished_since_schedule: set[str] = set()
+        self._early_outputs: list[EngineCoreOutput] = []
         # Finished ids the workers still hold state for (cleared once a step told them).
         self._unsynced_finishes: set[str] = set()
         # Outputs of requests that ended inside schedule(); returned by the next update.
@@ -165,6 +166,8 @@ class Scheduler:
             raise ValueError(f"request {rid}: empty prompt")
         self._check_vocab(rid, "prompt", request.prompt_token_ids)
         self._check_generated(request)
+        if request.awaits_generated and request.output_token_ids:
+            raise ValueError(f"request {rid}: awaits generated tokens but already has some")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"request {rid}: prompt has {prompt_len} tokens but max_model_len is "
@@ -213,6 +216,26 @@ class Scheduler:
                 "the request has ended already"
             )
 
+    def continue_request(self, request_id: str, generated: Sequence[int]) -> None:
+        """Give a request that `awaits_generated` its first output tokens (a prefill engine's
+        first token); with none, it computes its first token itself (the prefill failed).
+
+        Raises `KeyError` for a request that is not waiting for them, `ValueError` for tokens
+        that would end it (they are checked as at `add_request`); nothing changes then."""
+        request = self._requests.get(request_id)
+        if request is None or not request.awaits_generated:
+            raise KeyError(f"request {request_id} is not waiting for generated tokens")
+        if generated:
+            probe = dataclasses.replace(request, output_token_ids=list(generated))
+            self._check_generated(probe)
+            request.extend_output_tokens(generated)
+        else:
+            # Its loaded KV may cover every prompt token: the last one is computed again for
+            # the logits of the first output token.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        request.awaits_generated = False
+        request.continued_at = time.monotonic()
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Abort unfinished requests; unknown or already finished ids are ignored."""
         outputs = []
@@ -244,7 +267,18 @@ class Scheduler:
             output = dataclasses.replace(
                 output, kv_connector_metadata=self.connector.build_connector_meta(output)
             )
+            for rid, params in self.connector.take_early_kv_transfer_params().items():
+                if rid in self._requests:
+                    self._early_outputs.append(
+                        EngineCoreOutput(req_id=rid, kv_transfer_params=dict(params))
+                    )
         return output
+
+    def take_early_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs to hand over before the scheduled step runs: params a consumer may start
+        with already (see `KVConnectorBase_V1.take_early_kv_transfer_params`)."""
+        early, self._early_outputs = self._early_outputs, []
+        return early
 
     def _schedule_running(self, step: _Step) -> None:
         """Give each running request its next tokens (and drafts) in order, while the budget
@@ -352,7 +386,9 @@ class Scheduler:
         pool_exhausted = False
         while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting.popleft()
-            if request.admitted:
+            if request.admitted and request.awaits_generated:
+                result, num_new = _Admit.SKIP, 0  # loaded; computed once continued
+            elif request.admitted:
                 result, num_new = self._resume_admitted(request, step.budget)
             elif pool_exhausted:
                 # FCFS: nothing admitted ahead of a request the pool could not take. Requests
@@ -413,6 +449,9 @@ class Scheduler:
             self._kv.start_load(request, num_external)
             return _Admit.PARKED, 0
 
+        if request.awaits_generated:
+            # Only a KV load may start before its first tokens arrive.
+            return _Admit.SKIP, 0
         # The last token is always computed here: its logits give the first output token.
         num_computed = min(num_local + num_external, request.num_tokens - 1)
         num_new = min(request.num_tokens - num_computed, budget)

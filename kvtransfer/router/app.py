@@ -55,7 +55,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +74,7 @@ from kvtransfer.router.openai_api import (
     parse_json_body,
 )
 from kvtransfer.router.upstream import (
+    CallStream,
     Daemon,
     DaemonPool,
     NoHealthyDaemon,
@@ -352,24 +353,45 @@ class RouterHandlers:
     async def _route(self, request: web.Request, exchange: _Exchange) -> web.StreamResponse:
         deadline = exchange.started + self.config.request_timeout_s
         upstream = self.upstream
+        decode: Daemon | None = None
         if exchange.request.max_tokens > 1:
             # KV prefilled for no decode daemon would only wait out its lease.
             upstream.decode.require_healthy()
-        prefill = await self._prefill(upstream, exchange, deadline)
+            decode = upstream.pick_decode()
+        early = _EarlyDecode(upstream, decode, exchange, deadline)
+        try:
+            prefill = await self._prefill(
+                upstream, exchange, deadline, early.start if decode is not None else None
+            )
+        except UpstreamError as exc:
+            if decode is None or early.replies is None:
+                raise
+            # The prefill failed after announcing its KV: the decode, already loading it, goes
+            # on under its kv_load_failure_policy and computes the first token itself.
+            exchange.log.warning("prefill failed mid-stream (%s); decode goes on alone", exc)
+            self.metrics.upstream_error(exc.role, exc.reason)
+            exchange.route = {"prefill": exc.address, "decode": decode.address}
+            replies = await early.continue_with(None)
+            async with aclosing(replies):
+                return await self._respond(request, exchange, _Decoded(), replies)
+        except BaseException:
+            await early.close()
+            raise
         exchange.route = {"prefill": prefill.daemon.address}
         decoded = _Decoded()
         decoded.seed(prefill.final)
         if decoded.first_token_at is not None:
             self.metrics.first_token(decoded.first_token_at - exchange.started)
-        if not prefill.continues:
+        if not prefill.continues or decode is None:
             # The first token ended the request (max_tokens 1, a stop, the end of sequence).
+            await early.close()
             decoded.final = prefill.final
             exchange.decoded = True
             if prefill.kv_transfer_params_json:
                 self._release_soon(exchange, prefill, "ended_at_first_token")
             return await self._respond(request, exchange, decoded, None)
         try:
-            response = await self._decode(request, exchange, prefill, decoded, deadline)
+            response = await self._decode(request, exchange, prefill, decoded, decode, early)
         except BaseException as exc:
             self._release_unless_decoded(exchange, prefill, _release_trigger(exc))
             raise
@@ -383,20 +405,18 @@ class RouterHandlers:
         exchange: _Exchange,
         prefill: PrefillResult,
         decoded: _Decoded,
-        deadline: float,
+        decode: Daemon,
+        early: _EarlyDecode,
     ) -> web.StreamResponse:
-        upstream = self.upstream
-        decode = upstream.pick_decode()
         exchange.route["decode"] = decode.address
         exchange.log.info(
-            "prefilled on %s (%.1f ms); decoding on %s",
+            "prefilled on %s (%.1f ms); decoding on %s%s",
             prefill.daemon.address,
             (time.monotonic() - exchange.started) * 1e3,
             decode.address,
+            " (called while the prefill computed)" if early.replies is not None else "",
         )
-        replies = upstream.run_decode(
-            decode, exchange.request_id, exchange.request, prefill, deadline
-        )
+        replies = await early.continue_with(prefill)
         # aclosing: leaving early (error, client gone) closes the stream, cancelling the call.
         async with aclosing(replies):
             return await self._respond(request, exchange, decoded, replies)
@@ -504,7 +524,11 @@ class RouterHandlers:
     # ------------------------------------------------------------------ releasing KV
 
     async def _prefill(
-        self, upstream: Upstream, exchange: _Exchange, deadline: float
+        self,
+        upstream: Upstream,
+        exchange: _Exchange,
+        deadline: float,
+        on_params: Callable[[str], None] | None = None,
     ) -> PrefillResult:
         """The prefill call, shielded from the client leaving at the very moment it ends.
 
@@ -514,7 +538,7 @@ class RouterHandlers:
         cancelled, and the daemon then gives its KV back itself.
         """
         call = asyncio.ensure_future(
-            upstream.run_prefill(exchange.request_id, exchange.request, deadline)
+            upstream.run_prefill(exchange.request_id, exchange.request, deadline, on_params)
         )
         try:
             return await asyncio.shield(call)
@@ -652,6 +676,70 @@ def _error(
 ) -> web.Response:
     body = error_body(message, kind, param, code)
     return web.json_response(body, status=status, headers={"x-request-id": request_id})
+
+
+class _EarlyDecode:
+    """The decode call of one request, started as soon as the prefill announces its params
+    (its KV is being computed and streamed), before the first token is known; or, if the
+    prefill announced none, started once the prefill returned."""
+
+    def __init__(
+        self, upstream: Upstream, decode: Daemon | None, exchange: _Exchange, deadline: float
+    ) -> None:
+        self._upstream = upstream
+        self._decode = decode
+        self._exchange = exchange
+        self._deadline = deadline
+        self.replies: CallStream | None = None
+
+    def start(self, kv_transfer_params_json: str) -> None:
+        if self._decode is None or self.replies is not None:
+            return
+        exchange = self._exchange
+        try:
+            self.replies = self._upstream.run_decode(
+                self._decode,
+                exchange.request_id,
+                exchange.request,
+                kv_transfer_params_json,
+                self._deadline,
+                None,
+            )
+        except UpstreamError as exc:  # the deadline ran out: the sequential path reports it
+            exchange.log.info("decode not started early: %s", exc)
+
+    async def continue_with(self, prefill: PrefillResult | None) -> CallStream:
+        """The decode stream, continuing after the prefill's first token (``None``: the
+        prefill failed after the decode was called; it computes its first token itself)."""
+        if self._decode is None:
+            raise RuntimeError("no decode daemon was picked")
+        exchange = self._exchange
+        if self.replies is None:
+            if prefill is None:
+                raise RuntimeError("no decode call was started early")
+            return self._upstream.run_decode(
+                self._decode,
+                exchange.request_id,
+                exchange.request,
+                prefill.kv_transfer_params_json,
+                self._deadline,
+                prefill.final.token_ids,
+            )
+        tokens = () if prefill is None else prefill.final.token_ids
+        problem = await self._upstream.continue_decode(
+            self._decode, exchange.request_id, tokens, self._deadline
+        )
+        if problem is not None:
+            # The decode stream says what became of the request (e.g. its load failed).
+            exchange.log.info("Continue on %s: %s", self._decode.address, problem)
+        return self.replies
+
+    async def close(self) -> None:
+        """Cancel a decode started early that will not be continued (its daemon aborts it and
+        lets go of the producer's KV)."""
+        replies, self.replies = self.replies, None
+        if replies is not None:
+            await replies.aclose()
 
 
 class _SseWriter:

@@ -43,6 +43,7 @@ pull it; it answers an outcome label and never raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -58,7 +59,9 @@ from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger("kvtransfer.router.upstream")
 
-PREFILL_PARAMS_JSON = json.dumps({"do_remote_decode": True})
+# kv_stream: announce the params as soon as the blocks are known and serve each layer once
+# computed, so the decode daemon is called while the prefill still computes.
+PREFILL_PARAMS_JSON = json.dumps({"do_remote_decode": True, "kv_stream": True})
 SERVING = "SERVING"
 NOT_CHECKED = "NOT_CHECKED"
 
@@ -285,13 +288,19 @@ class Upstream:
         self.decode.start_checking(interval_s, timeout_s)
 
     async def run_prefill(
-        self, request_id: str, request: CompletionRequest, deadline: float
+        self,
+        request_id: str,
+        request: CompletionRequest,
+        deadline: float,
+        on_params: Callable[[str], None] | None = None,
     ) -> PrefillResult:
         """The prompt and the request's first token on the next prefill daemon.
 
         ``deadline`` is a `time.monotonic` instant. The prefill samples with every option of
         the request (stop strings included: a stop in the first token ends the request, as it
         would colocated). Its KV is held for a decode daemon unless ``max_tokens`` is 1.
+        ``on_params`` gets the params the daemon announces before its final message (its KV
+        is being computed), once.
         """
         daemon = self.prefill.pick()
         message = generate_request(request_id, request, max_tokens=1)
@@ -299,15 +308,19 @@ class Upstream:
             message.kv_transfer_params_json = PREFILL_PARAMS_JSON
         final: generation_pb2.GenerateResponse | None = None
         first = generation_pb2.GenerateResponse()
-        async for reply in _call(self.prefill, daemon, message, deadline):
-            if final is not None:
-                continue
-            # One message of the whole stream: the header and any tokens sent before the end.
-            first.token_ids.extend(reply.token_ids)
-            first.text += reply.text
-            first.num_prompt_tokens = reply.num_prompt_tokens or first.num_prompt_tokens
-            if reply.finished:
-                final = reply
+        async with contextlib.aclosing(_call(self.prefill, daemon, message, deadline)) as replies:
+            async for reply in replies:
+                if final is not None:
+                    continue
+                if not reply.finished and reply.kv_transfer_params_json and on_params:
+                    on_params(reply.kv_transfer_params_json)
+                    on_params = None
+                # One message of the whole stream: the header and any tokens before the end.
+                first.token_ids.extend(reply.token_ids)
+                first.text += reply.text
+                first.num_prompt_tokens = reply.num_prompt_tokens or first.num_prompt_tokens
+                if reply.finished:
+                    final = reply
         if final is None:
             raise _fault(daemon, "the stream ended without a final message", "incomplete_stream")
         if final.finish_reason == "error":
@@ -328,16 +341,36 @@ class Upstream:
         daemon: Daemon,
         request_id: str,
         request: CompletionRequest,
-        prefill: PrefillResult,
+        kv_transfer_params_json: str,
         deadline: float,
-    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        generated_token_ids: Sequence[int] | None,
+    ) -> CallStream:
         """Decode messages as they arrive; close the iterator to cancel the call.
 
-        The decode daemon continues after the prefill's first token, with its KV params."""
+        The decode daemon continues after the prefill's first token, with its KV params;
+        ``generated_token_ids`` None: the token is not known yet (the prefill still runs), it
+        comes through `continue_decode`."""
         message = generate_request(request_id, request, max_tokens=request.max_tokens)
-        message.kv_transfer_params_json = prefill.kv_transfer_params_json
-        message.generated_token_ids.extend(prefill.final.token_ids)
+        message.kv_transfer_params_json = kv_transfer_params_json
+        if generated_token_ids is None:
+            message.await_generated_tokens = True
+        else:
+            message.generated_token_ids.extend(generated_token_ids)
         return _call(self.decode, daemon, message, deadline)
+
+    async def continue_decode(
+        self, daemon: Daemon, request_id: str, token_ids: Sequence[int], deadline: float
+    ) -> str | None:
+        """Give a decode started early its first token(s); None on success, else why not
+        (the decode stream then says what happened to the request)."""
+        message = generation_pb2.ContinueRequest(
+            request_id=request_id, generated_token_ids=list(token_ids)
+        )
+        try:
+            await daemon.stub.Continue(message, timeout=max(0.001, deadline - time.monotonic()))
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        return None
 
     async def release_kv(self, prefill: PrefillResult, request_id: str, timeout_s: float) -> str:
         """``ReleaseKV`` on the prefill daemon that returned ``prefill``'s params, verbatim.
@@ -363,15 +396,41 @@ class Upstream:
         await asyncio.gather(self.prefill.close(), self.decode.close())
 
 
-async def _call(
+def _call(
     pool: DaemonPool, daemon: Daemon, message: generation_pb2.GenerateRequest, deadline: float
-) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+) -> CallStream:
+    """Start the call now (it is sent as soon as the event loop runs, even before the first
+    message is awaited) and stream its answer."""
     timeout_s = deadline - time.monotonic()
     if timeout_s <= 0:
         reason = grpc.StatusCode.DEADLINE_EXCEEDED.name
-        message = f"{reason}: the request timeout ran out before this call"
-        raise UpstreamError(503, message, daemon.role, daemon.address, reason)
-    call = daemon.stub.Generate(message, timeout=timeout_s)
+        text = f"{reason}: the request timeout ran out before this call"
+        raise UpstreamError(503, text, daemon.role, daemon.address, reason)
+    return CallStream(pool, daemon, daemon.stub.Generate(message, timeout=timeout_s))
+
+
+class CallStream:
+    """A started Generate call's messages; `aclose` (e.g. through ``contextlib.aclosing``)
+    cancels the call, also when it was never iterated."""
+
+    def __init__(self, pool: DaemonPool, daemon: Daemon, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+        self._messages = _stream(pool, daemon, call)
+
+    def __aiter__(self) -> CallStream:
+        return self
+
+    async def __anext__(self) -> generation_pb2.GenerateResponse:
+        return await self._messages.__anext__()
+
+    async def aclose(self) -> None:
+        await self._messages.aclose()
+        self._call.cancel()
+
+
+async def _stream(
+    pool: DaemonPool, daemon: Daemon, call: grpc.aio.UnaryStreamCall
+) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
     answered = False
     try:
         async for reply in call:

@@ -59,6 +59,7 @@ class EngineThread:
         # Set with every queued call: ends an idle step's wait for transfers at once.
         self._wake = Wakeup()
         core.add_interrupt(self._wake)
+        core.early_output_sink = self._route
         self._thread = threading.Thread(target=self._run, name="kvtransfer-engine", daemon=True)
         self.broken: str | None = None
 
@@ -110,6 +111,7 @@ class EngineThread:
         kv_transfer_params: Mapping[str, Any] | None,
         sink: OutputSink,
         generated_token_ids: Sequence[int] = (),
+        awaits_generated: bool = False,
     ) -> None:
         """Queue a request; raises `ValueError` (bad input, duplicate id) from the engine."""
 
@@ -122,6 +124,7 @@ class EngineThread:
                 sampling_params,
                 kv_transfer_params,
                 generated_token_ids,
+                awaits_generated,
             )
             self._sinks[request_id] = sink
 

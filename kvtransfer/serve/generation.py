@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from kvtransfer.serve.metrics import DaemonMetrics
 from kvtransfer.serve.requests import (
     ParsedRequest,
     RequestError,
+    parse_continue_tokens,
     parse_generate_request,
     parse_transfer_params,
 )
@@ -42,6 +44,8 @@ logger = logging.getLogger("kvtransfer.serve.requests")
 
 # A release is one connector call between two steps; a busy engine answers well within this.
 _RELEASE_TIMEOUT_S = 10.0
+# Continue calls kept for Generate calls that have not arrived yet.
+_EARLY_CONTINUES = 1024
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,10 @@ class ServiceContext:
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, ctx: ServiceContext) -> None:
         self._ctx = ctx
+        # Requests started with await_generated_tokens, until continued: their text streams.
+        self._awaiting: dict[str, TextStream] = {}
+        # Continue calls that came before their Generate call (calls are not ordered).
+        self._early: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -72,6 +80,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         try:
             parsed = parse_generate_request(request, ctx.tokenizer, ctx.vocab_size)
+            early = self._early.pop(parsed.request_id, None)
+            if early is not None and parsed.awaits_generated:
+                # Continued already: an ordinary request with (or without) its first tokens.
+                parsed = dataclasses.replace(
+                    parsed, generated_token_ids=early, awaits_generated=False
+                )
             text = _text_stream(parsed, ctx.tokenizer)
         except RequestError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), request)
@@ -91,6 +105,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 parsed.kv_transfer_params,
                 sink,
                 parsed.generated_token_ids,
+                parsed.awaits_generated,
             )
         except DuplicateRequestError as exc:
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(exc), request)
@@ -109,8 +124,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             extra={"request_id": parsed.request_id},
         )
         rid = parsed.request_id
+        if parsed.awaits_generated:
+            self._awaiting[rid] = text
 
         def call_done(_: object) -> None:
+            self._awaiting.pop(rid, None)
             # A final message written but the call cancelled all the same: the client may
             # never have read the params in it, so their KV is given back, not left to a lease.
             if context.cancelled():
@@ -132,6 +150,41 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 ctx.ledger.count("requests_aborted")
                 ctx.metrics.request_finished("abort")
                 logger.info("call cancelled: aborted", extra={"request_id": parsed.request_id})
+
+    async def Continue(
+        self, request: generation_pb2.ContinueRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ContinueResponse:
+        ctx = self._ctx
+        rid = request.request_id or "-"
+        try:
+            tokens = parse_continue_tokens(request, ctx.vocab_size)
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        text = self._awaiting.pop(rid, None)
+        if text is None:
+            # Its Generate call has not arrived yet (or it is gone: then this entry ages out).
+            self._early[rid] = tokens
+            while len(self._early) > _EARLY_CONTINUES:
+                self._early.popitem(last=False)
+            return generation_pb2.ContinueResponse()
+        if tokens and text.feed(tokens).stopped:
+            ctx.engine.abandon(rid)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "generated_token_ids complete a stop string: the request has ended",
+            )
+        try:
+            await asyncio.to_thread(
+                ctx.engine.call, lambda core: core.continue_request(rid, tokens), _RELEASE_TIMEOUT_S
+            )
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (EngineUnavailable, TimeoutError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        logger.info("continued with %d generated tokens", len(tokens), extra={"request_id": rid})
+        return generation_pb2.ContinueResponse()
 
     async def ReleaseKV(
         self, request: generation_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext
@@ -203,7 +256,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 # A stop string in the last token allowed: a stop, as a colocated run says.
                 output = dataclasses.replace(output, finish_reason="stop")
             if not output.finished:
-                if delta.token_ids or delta.text:
+                if output.kv_transfer_params is not None:
+                    # Announced before the prefill computed it: a decode may start now.
+                    message.kv_transfer_params_json = json.dumps(output.kv_transfer_params)
+                if delta.token_ids or delta.text or output.kv_transfer_params is not None:
                     yield message
                 continue
             self._finish(message, parsed, output, admitted, first_token_at, len(text.token_ids))
@@ -240,6 +296,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 ctx.metrics.compute_seconds.observe(metrics.compute_s)
         if stats is not None:
             metrics.kv_transfer_s = stats.load_wait_s
+            metrics.kv_overlapped_s = stats.overlapped_s
             metrics.kv_blocks_received = stats.num_loaded_blocks
             metrics.kv_bytes_received = stats.num_loaded_blocks * ctx.bytes_per_block
             metrics.num_cached_tokens += stats.num_loaded_tokens

@@ -26,6 +26,8 @@ class ParsedRequest:
     kv_transfer_params: dict[str, Any] | None
     # Outputs produced elsewhere (a prefill daemon's first token); the engine continues after.
     generated_token_ids: tuple[int, ...] = ()
+    # They come later, through Continue.
+    awaits_generated: bool = False
 
 
 def parse_generate_request(
@@ -44,7 +46,31 @@ def parse_generate_request(
         stop=_stop_strings(sampling),
         kv_transfer_params=parse_transfer_params(request.kv_transfer_params_json),
         generated_token_ids=_generated_ids(request, vocab_size),
+        awaits_generated=_awaits_generated(request),
     )
+
+
+def _awaits_generated(request: generation_pb2.GenerateRequest) -> bool:
+    if request.await_generated_tokens and request.generated_token_ids:
+        raise RequestError(
+            "await_generated_tokens: the request already has generated_token_ids; set one"
+        )
+    return request.await_generated_tokens
+
+
+def parse_continue_tokens(
+    request: generation_pb2.ContinueRequest, vocab_size: int
+) -> tuple[int, ...]:
+    if not request.request_id:
+        raise RequestError("request_id must not be empty")
+    ids = tuple(request.generated_token_ids)
+    for index, token in enumerate(ids):
+        if token >= vocab_size:
+            raise RequestError(
+                f"generated_token_ids[{index}] = {token} is outside the vocabulary "
+                f"(size {vocab_size})"
+            )
+    return ids
 
 
 def _generated_ids(request: generation_pb2.GenerateRequest, vocab_size: int) -> tuple[int, ...]:

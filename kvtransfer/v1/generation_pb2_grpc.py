@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.Continue = channel.unary_unary(
+                '/kvtransfer.v1.Generation/Continue',
+                request_serializer=kvtransfer_dot_v1_dot_generation__pb2.ContinueRequest.SerializeToString,
+                response_deserializer=kvtransfer_dot_v1_dot_generation__pb2.ContinueResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -76,6 +81,18 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Continue(self, request, context):
+        """Gives a request started with await_generated_tokens its first output tokens (the token its
+        prefill sampled; the router calls it as soon as the prefill returns it). With none, the
+        request computes its first token itself (its prefill failed). A Continue that arrives before
+        its Generate call is kept briefly and applied when the request arrives. INVALID_ARGUMENT:
+        tokens outside the vocabulary, or that end the request (max_tokens, end of sequence, a stop
+        string). NOT_FOUND: the request is not waiting for tokens (already continued or finished).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -88,6 +105,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVRequest.FromString,
                     response_serializer=kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'Continue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Continue,
+                    request_deserializer=kvtransfer_dot_v1_dot_generation__pb2.ContinueRequest.FromString,
+                    response_serializer=kvtransfer_dot_v1_dot_generation__pb2.ContinueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -144,6 +166,33 @@ class Generation:
             '/kvtransfer.v1.Generation/ReleaseKV',
             kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVRequest.SerializeToString,
             kvtransfer_dot_v1_dot_generation__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Continue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtransfer.v1.Generation/Continue',
+            kvtransfer_dot_v1_dot_generation__pb2.ContinueRequest.SerializeToString,
+            kvtransfer_dot_v1_dot_generation__pb2.ContinueResponse.FromString,
             options,
             channel_credentials,
             insecure,

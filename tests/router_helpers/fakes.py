@@ -82,6 +82,27 @@ def prefill_ok(address: str, *, with_params: bool = True) -> Behaviour:
     return behaviour
 
 
+def prefill_streaming(address: str, finish_reason: str = "length") -> Behaviour:
+    """A prefill that announces its params before its first token (its KV is being computed
+    and served layer by layer), then finishes with ``finish_reason``."""
+
+    async def behaviour(request, context):
+        params = params_for(address, request.request_id)
+        yield Reply(request_id=request.request_id, num_prompt_tokens=5)
+        yield Reply(request_id=request.request_id, kv_transfer_params_json=params)
+        ids, text = FIRST_PIECE if finish_reason == "length" else ([], "")
+        yield Reply(
+            request_id=request.request_id,
+            token_ids=ids,
+            text=text,
+            finished=True,
+            finish_reason=finish_reason,
+            kv_transfer_params_json=params,
+        )
+
+    return behaviour
+
+
 def decode_ok(
     pieces: Sequence[tuple[list[int], str]] = DECODE_PIECES,
     finish_reason: str = "length",
@@ -178,6 +199,7 @@ class FakeDaemon:
     requests: list[generation_pb2.GenerateRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     releases: list[generation_pb2.ReleaseKVRequest] = field(default_factory=list)
+    continues: list[generation_pb2.ContinueRequest] = field(default_factory=list)
     release_behaviour: ReleaseBehaviour = field(default_factory=release_answer)
     address: str = ""
 
@@ -225,6 +247,10 @@ class FakeDaemon:
 class _Servicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, daemon: FakeDaemon) -> None:
         self._daemon = daemon
+
+    async def Continue(self, request, context):
+        self._daemon.continues.append(request)
+        return generation_pb2.ContinueResponse()
 
     async def ReleaseKV(self, request, context):
         self._daemon.releases.append(request)
