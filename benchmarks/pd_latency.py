@@ -225,18 +225,19 @@ def pd_request(router_url: str, prompt: list[int]) -> Sample | None:
     if len(chunks) < 2:
         return None
     gaps = [b - a for a, b in itertools.pairwise(chunks[1:])]
-    overlap_key = next((k for k in ("kv_overlapped_s", "overlapped_s") if k in info), None)
-    overlapped = info.get(overlap_key, 0.0) if overlap_key else 0.0
+    # The router joins both daemons' measurements under "phases".
+    phases = info.get("phases") or {}
+    overlap_reported = "kv_overlapped_s" in phases
     return Sample(
         ttft_ms=(chunks[0] - start) * 1e3,
         server_ttft_ms=float(info.get("ttft_s") or 0.0) * 1e3,
         next_ms=(chunks[1] - chunks[0]) * 1e3,
         itl_ms=_median_ms(gaps) if gaps else None,
         transfer_ms=float(info.get("kv_transfer_s") or 0.0) * 1e3,
-        overlapped_ms=float(overlapped or 0.0) * 1e3,
-        first_step_ms=float(info.get("first_step_s") or 0.0) * 1e3,
+        overlapped_ms=float(phases.get("kv_overlapped_s") or 0.0) * 1e3,
+        first_step_ms=float(phases.get("decode_first_step_s") or 0.0) * 1e3,
         kv_bytes=int(info.get("kv_bytes_received") or 0),
-        overlap_reported=overlap_key is not None,
+        overlap_reported=overlap_reported,
     )
 
 

@@ -160,6 +160,7 @@ def test_base_defaults():
     assert list(connector.take_events()) == []
     # It will not wake the engine: an idle engine polls it instead.
     assert connector.set_completion_callback(lambda: None) is False
+    assert connector.take_early_kv_transfer_params() == {}  # streams nothing
     assert connector.request_finished(object(), [1]) == (False, None)  # type: ignore[arg-type]
     assert connector.get_num_new_matched_tokens(object(), 0) == (0, False)  # type: ignore[arg-type]
     connector.shutdown()
@@ -197,6 +198,7 @@ HOOKS = {
     "validate_kv_transfer_params",
     "get_load_failure_reasons",
     "set_completion_callback",
+    "take_early_kv_transfer_params",
     "release_kv",
     "build_connector_meta",
     "update_connector_output",
