@@ -134,7 +134,7 @@ def daemon(
 
 @contextlib.contextmanager
 def setups(
-    model: str, num_kv_blocks: int, log_dir: Path
+    model: str, num_kv_blocks: int, log_dir: Path, router_flags: Sequence[str] = ()
 ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """(the colocated daemon, the router in front of a prefill and a decode daemon); every
     process started is stopped on the way out, whatever happened."""
@@ -148,7 +148,7 @@ def setups(
     try:
         start("decode", "colocated", NOOP_CONNECTOR)
         flags = ["--port", "0", "--prefill", start("prefill", "prefill", {"kv_port": 0})]
-        flags += ["--decode", start("decode", "decode", {"kv_port": 0})]
+        flags += ["--decode", start("decode", "decode", {"kv_port": 0}), *router_flags]
         name = f"router-{tag}"
         started.append(ServiceProcess.start(name, router_command(*flags), log_dir / f"{name}.log"))
         yield started[0], started[-1]
@@ -265,7 +265,12 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 
 def run_model(
-    model: str, lengths: Sequence[int], n: int, rng: random.Random, log_dir: Path
+    model: str,
+    lengths: Sequence[int],
+    n: int,
+    rng: random.Random,
+    log_dir: Path,
+    router_flags: Sequence[str] = (),
 ) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """Every length on one set of processes; colocated and P/D requests alternate, so that
     both see the same background load."""
@@ -284,7 +289,7 @@ def run_model(
         return rows, skipped
     print(f"{model}: starting the daemons and the router ...", file=sys.stderr, flush=True)
     with (
-        setups(model, num_kv_blocks, log_dir) as (colocated, router),
+        setups(model, num_kv_blocks, log_dir, router_flags) as (colocated, router),
         GenerationClient(colocated.address) as client,
     ):
         senders = (
@@ -376,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=None, help="requests per case (default 7)")
     parser.add_argument("--seed", type=int, default=0, help="of the random prompts")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--no-kv-stream",
+        action="store_true",
+        help="the router calls decode only once the prefill returned (no layer-wise streaming)",
+    )
     args = parser.parse_args(argv)
     n = args.n or (3 if args.quick else 7)
     lengths = args.lengths or list(QUICK_LENGTHS if args.quick else LENGTHS)
@@ -385,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     try:
         for model in args.models:
-            model_rows, model_skipped = run_model(model, lengths, n, rng, log_dir)
+            router_flags = ["--no-kv-stream"] if args.no_kv_stream else []
+            model_rows, model_skipped = run_model(model, lengths, n, rng, log_dir, router_flags)
             rows += model_rows
             skipped += [
                 f"{model} {length} tokens: {why}" for length, why in sorted(model_skipped.items())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -85,6 +86,7 @@ def test_config_defaults_and_overrides():
         ({"transfer_timeout_s": True}, r"transfer_timeout_s must be a number of seconds > 0"),
         ({"max_concurrent_loads": 0}, r"max_concurrent_loads must be an int >= 1, got 0"),
         ({"kv_payload_checksum": "yes"}, r"kv_payload_checksum must be true or false, got 'yes'"),
+        ({"kv_stream_min_tokens": -1}, r"kv_stream_min_tokens must be an int >= 0, got -1"),
     ],
 )
 def test_config_rejects_bad_extra_keys(extra, message):
@@ -311,6 +313,37 @@ def test_unusable_worker_payloads_fail_only_transfer_requests():
     assert scheduler.request_finished(make_request("plain"), [0]) == (False, None)
     with pytest.raises(RuntimeError, match="cannot serve KV: unusable handshake metadata"):
         scheduler.request_finished(make_request("p", 4, {"do_remote_decode": True}), [0])
+    scheduler.shutdown()
+
+
+def test_a_producer_streams_long_prompts_only_announcing_them_before_their_last_step():
+    extra = {"kv_stream_min_tokens": 32}
+    scheduler = UcxConnector(
+        _config(engine_id="e", kv_connector_extra_config=extra), KVConnectorRole.SCHEDULER
+    )
+    scheduler.set_xfer_handshake_metadata_pp_aware({(0, 0): _payload(0, 0), (0, 1): _payload(0, 1)})
+    stream = {"do_remote_decode": True, "kv_stream": True}
+    long, short = make_request("long", 40, stream), make_request("short", 20, stream)
+    scheduler.update_state_after_alloc(long, [1, 2, 3], 0)
+    scheduler.update_state_after_alloc(short, [4, 5], 0)
+    # The step that computes both prompts (their last part): only the long one streams.
+    step = SimpleNamespace(scheduled_cached_reqs=(), num_scheduled_tokens={"long": 40, "short": 20})
+    metadata = scheduler.build_connector_meta(step)
+    early = scheduler.take_early_kv_transfer_params()
+    assert list(early) == ["long"]
+    assert early["long"]["remote_streaming"] is True
+    assert early["long"]["remote_block_ids"] == [1, 2, 3]
+    assert [(g.req_id, g.block_ids, g.streaming) for g in metadata.grants] == [
+        ("long", (1, 2, 3), True)
+    ]
+    assert scheduler.take_early_kv_transfer_params() == {}  # drained
+    # Finished, the streamed one returns the params it announced; the other is handed over
+    # as usual, granted by the next step.
+    assert scheduler.request_finished(long, [1, 2, 3]) == (True, early["long"])
+    held, params = scheduler.request_finished(short, [4, 5])
+    assert held and "remote_streaming" not in params
+    grants = scheduler.build_connector_meta(SimpleNamespace()).grants
+    assert [(g.req_id, g.streaming) for g in grants] == [("short", False)]
     scheduler.shutdown()
 
 

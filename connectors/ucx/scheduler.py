@@ -289,7 +289,11 @@ class UcxScheduler:
         self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        if self._config.is_kv_producer and wants_kv_stream(request.kv_transfer_params):
+        if (
+            self._config.is_kv_producer
+            and wants_kv_stream(request.kv_transfer_params)
+            and len(request.prompt_token_ids) >= self._ucx.stream_min_tokens
+        ):
             self._streams[rid] = (request, list(block_ids))
         matched = self._matched.pop(rid, None)
         if matched is None or num_external_tokens == 0:

@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
         default=60.0,
         help="on SIGTERM, how long in-flight requests may still run (default 60)",
     )
+    parser.add_argument(
+        "--kv-stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="call the decode daemon while the prefill computes, its KV streamed layer by "
+        "layer (default on; --no-kv-stream: only once the prefill returned)",
+    )
     parser.add_argument("--tls-ca", metavar="FILE", help="CA that verifies the daemons (TLS)")
     parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (mTLS daemons)")
     parser.add_argument("--tls-key", metavar="FILE", help="its private key")
@@ -108,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        kv_stream=args.kv_stream,
     )
 
 

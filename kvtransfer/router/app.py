@@ -360,8 +360,9 @@ class RouterHandlers:
             decode = upstream.pick_decode()
         early = _EarlyDecode(upstream, decode, exchange, deadline)
         try:
+            streams = decode is not None and self.config.kv_stream
             prefill = await self._prefill(
-                upstream, exchange, deadline, early.start if decode is not None else None
+                upstream, exchange, deadline, early.start if streams else None
             )
         except UpstreamError as exc:
             if decode is None or early.replies is None:

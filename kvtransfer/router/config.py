@@ -39,7 +39,8 @@ class RouterConfig:
     is the largest HTTP body accepted (413 above it); give the daemons the same value
     (`kvtransfer.serve.limits`). ``shutdown_timeout_s`` is how long in-flight requests may run
     on after a stop. ``tls_ca``/``tls_cert``/``tls_key`` are PEM files; none of them means
-    plaintext gRPC.
+    plaintext gRPC. ``kv_stream``: ask prefills to announce their KV while computing it and
+    call the decode daemon then (off: the decode is called once the prefill returned).
     """
 
     prefill: tuple[str, ...]
@@ -56,6 +57,7 @@ class RouterConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    kv_stream: bool = True
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples so the config stays hashable and immutable.

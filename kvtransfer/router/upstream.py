@@ -62,6 +62,7 @@ logger = logging.getLogger("kvtransfer.router.upstream")
 # kv_stream: announce the params as soon as the blocks are known and serve each layer once
 # computed, so the decode daemon is called while the prefill still computes.
 PREFILL_PARAMS_JSON = json.dumps({"do_remote_decode": True, "kv_stream": True})
+PREFILL_PARAMS_NO_STREAM_JSON = json.dumps({"do_remote_decode": True})
 SERVING = "SERVING"
 NOT_CHECKED = "NOT_CHECKED"
 
@@ -305,7 +306,9 @@ class Upstream:
         daemon = self.prefill.pick()
         message = generate_request(request_id, request, max_tokens=1)
         if request.max_tokens > 1:
-            message.kv_transfer_params_json = PREFILL_PARAMS_JSON
+            message.kv_transfer_params_json = (
+                PREFILL_PARAMS_JSON if on_params is not None else PREFILL_PARAMS_NO_STREAM_JSON
+            )
         final: generation_pb2.GenerateResponse | None = None
         first = generation_pb2.GenerateResponse()
         async with contextlib.aclosing(_call(self.prefill, daemon, message, deadline)) as replies:
