@@ -18,15 +18,21 @@ Life cycle of a request:
    has succeeded (two separate round-robin counters).
 4. Prefill: ``Generate`` with the prompt, ``max_tokens=1``, every sampling option (stop strings
    included) and, unless the client asked for one token, ``kv_transfer_params=
-   {"do_remote_decode": true}``. Its final message holds the request's first token.
+   {"do_remote_decode": true, "kv_stream": true}``. A prefill that streams announces its params
+   in a message before it computes the prompt's last part: the decode daemon (picked before
+   the prefill) is called at once with them and ``await_generated_tokens``, and pulls each
+   layer as it is computed (`_EarlyDecode`). Its final message holds the request's first token.
 5. First token: it is the client's first token (SSE: sent at once, before any decode call).
    When it ended the request (``max_tokens`` 1, a stop string, the end of sequence) the answer
    ends here; KV held anyway is released (step 9). A final ``finish_reason`` "error", or a
    "length" finish without ``kv_transfer_params_json``, is a 502.
-6. Decode: ``Generate`` on the decode daemon with the same id, the original prompt, every
-   sampling option, the prefill's params verbatim and its first token as
-   ``generated_token_ids``. It pulls the KV of every prompt token and continues after that
-   token (no prompt token is computed again); its stream holds the tokens after the first.
+6. Decode: called early, it gets the first token through ``Continue``; otherwise ``Generate`` on
+   the decode daemon now, with the same id, the original prompt, every sampling option, the
+   prefill's params verbatim and its first token as ``generated_token_ids``. It holds the KV
+   of every prompt token and continues after that token (no prompt token is computed again);
+   its stream holds the tokens after the first. A prefill that fails after announcing its
+   params leaves the decode to its load-failure policy (``Continue`` without a token: it
+   computes the first token itself if it recomputes).
 7. Stream out: one JSON body (plus a ``kvtransfer`` object: route, token ids, ttft, KV transfer
    metrics), or server-sent events, one ``data:`` chunk for the first token and one per decode
    message with text, the last with the finish reason and the ``kvtransfer`` object, then
