@@ -181,7 +181,10 @@ class EngineCore:
 
     def _idle(self) -> None:
         """Nothing was computed and no transfer finished: wait for one to finish (or for an
-        interrupt) instead of spinning; the connectors' threads get the GIL meanwhile."""
+        interrupt) instead of spinning; the connectors' threads get the GIL meanwhile.
+        With nothing in flight there is nothing to wait for."""
+        if not self.scheduler.has_pending_work():
+            return
         if self.wakes_on_kv_events:
             self.executor.kv_events.wait(IDLE_WAIT_CAP_S, self._interrupts)
         else:
