@@ -71,6 +71,9 @@ class UcxWorker:
         self._grants = LeaseGrants()
         # Leases granted this step while their KV is computed: served layer by layer.
         self._streaming: list[str] = []
+        # On a GPU a layer's kernels may still run when save_kv_layer is called: its KV is
+        # served once the step ended (the runner synchronized to sample) instead.
+        self._per_layer_ready = True
         self._load_errors: set[int] = set()
         self._failure_reasons: dict[str, str] = {}
         self._stats_lock = threading.Lock()
@@ -119,6 +122,7 @@ class UcxWorker:
             agent.close()
             raise
         self._identity, self._agent = identity, agent
+        self._per_layer_ready = all(t.device.type == "cpu" for t in kv_caches.values())
         self._engines = RemoteEngines(
             identity,
             agent,
@@ -243,7 +247,7 @@ class UcxWorker:
 
     def save_kv_layer(self, layer_name: str) -> None:
         """This step's KV of ``layer_name`` is written: streaming leases serve it from now."""
-        if self._streaming:
+        if self._streaming and self._per_layer_ready:
             self._grants.layer_ready(self._streaming, layer_name)
 
     def set_completion_callback(self, callback: Callable[[], None]) -> bool:
