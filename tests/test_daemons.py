@@ -25,7 +25,7 @@ from serve_helpers.daemons import (
 )
 
 from kvtransfer.control import check_health
-from kvtransfer.serve.client import GenerationClient, generate_request
+from kvtransfer.serve.client import GenerateResult, GenerationClient, generate_request
 from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES, grpc_message_limit
 
 MAX_TOKENS = 12
@@ -299,3 +299,35 @@ def test_drain_stops_admitting_and_sigterm_finishes_in_flight_requests(tmp_path)
         assert "draining" in refused.value.details()
         assert prefill.terminate() == 0
     assert exit_used_blocks(prefill) == 0
+
+
+@pytest.mark.parametrize("order", ["generate-first", "continue-first"])
+def test_a_request_awaiting_its_first_token_continues_after_it(pair, expected, order):
+    """Without KV to load, a request started with await_generated_tokens computes nothing until
+    Continue gives it the first token (a Continue may also come first: calls are unordered);
+    it then equals a colocated run, the first token not streamed again."""
+    _, decode = pair
+    rid = f"await-{order}"
+    request = generate_request(rid, PROMPTS[1], MAX_TOKENS)
+    request.await_generated_tokens = True
+    with GenerationClient(decode.address) as client:
+        if order == "continue-first":
+            client.continue_request(rid, expected[1][:1])
+            result = client.generate(request)
+        else:
+            before = admin(decode.address, "status").counters["requests_started"]
+            answer: list[GenerateResult] = []
+            thread = threading.Thread(target=lambda: answer.append(client.generate(request)))
+            thread.start()
+            deadline = time.monotonic() + 30
+            while admin(decode.address, "status").counters["requests_started"] == before:
+                assert time.monotonic() < deadline, "the request was not admitted"
+                time.sleep(0.05)
+            time.sleep(0.2)  # admitted, and computing nothing while it waits
+            assert thread.is_alive()
+            client.continue_request(rid, expected[1][:1])
+            thread.join(60)
+            (result,) = answer
+        assert result.finish_reason == "length"
+        assert result.token_ids == expected[1][1:]
+    wait_for_free_blocks(decode.address)

@@ -108,6 +108,16 @@ class GenerationClient:
         )
         return self._stub.ReleaseKV(request, timeout=timeout_s).released
 
+    def continue_request(
+        self, request_id: str, generated_token_ids: Sequence[int], timeout_s: float = 10.0
+    ) -> None:
+        """``Generation.Continue``: the first tokens of a request started with
+        ``await_generated_tokens`` (none: it computes its first token itself)."""
+        request = generation_pb2.ContinueRequest(
+            request_id=request_id, generated_token_ids=list(generated_token_ids)
+        )
+        self._stub.Continue(request, timeout=timeout_s)
+
     def close(self) -> None:
         self._channel.close()
 

@@ -84,10 +84,11 @@ class GenerationServicer:
     def Continue(self, request, context):
         """Gives a request started with await_generated_tokens its first output tokens (the token its
         prefill sampled; the router calls it as soon as the prefill returns it). With none, the
-        request computes its first token itself (its prefill failed). A Continue that arrives before
-        its Generate call is kept briefly and applied when the request arrives. INVALID_ARGUMENT:
-        tokens outside the vocabulary, or that end the request (max_tokens, end of sequence, a stop
-        string). NOT_FOUND: the request is not waiting for tokens (already continued or finished).
+        request computes its first token itself (its prefill failed). A Continue for a request this
+        daemon is not waiting on (its Generate call has not arrived yet: calls are not ordered) is
+        kept (the latest 1024) and applied if that call comes. INVALID_ARGUMENT: tokens outside the
+        vocabulary, or that end the request (max_tokens, end of sequence, a stop string).
+        NOT_FOUND: the request finished while waiting (e.g. its KV load failed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
