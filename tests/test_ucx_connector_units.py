@@ -344,6 +344,17 @@ def test_a_producer_streams_long_prompts_only_announcing_them_before_their_last_
     assert held and "remote_streaming" not in params
     grants = scheduler.build_connector_meta(SimpleNamespace()).grants
     assert [(g.req_id, g.streaming) for g in grants] == [("short", False)]
+    # Preempted after its grant (it went on generating there): its blocks are freed, so the
+    # lease ends in the same step's metadata, before anything else is written into them.
+    again = make_request("again", 40, stream)
+    scheduler.update_state_after_alloc(again, [6, 7, 8], 0)
+    scheduler.build_connector_meta(
+        SimpleNamespace(scheduled_cached_reqs=(), num_scheduled_tokens={"again": 40})
+    )
+    assert list(scheduler.take_early_kv_transfer_params()) == ["again"]
+    preempted = SimpleNamespace(preempted_req_ids=frozenset({"again"}))
+    releases = scheduler.build_connector_meta(preempted).releases
+    assert [(r.req_id, r.num_blocks) for r in releases] == [("again", 0)]
     scheduler.shutdown()
 
 

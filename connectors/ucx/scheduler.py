@@ -369,8 +369,6 @@ class UcxScheduler:
                 self._leases.finish([(rid, 0, streamed["remote_kv_secret"])])
                 return True, None
             return True, streamed
-        if self._book is None or self._advertised is None or self._split is None:
-            raise RuntimeError(f"UcxConnector cannot serve KV: {self._serve_error}")
         params = self._hold(request, block_ids, streaming=False)
         return params["remote_num_tokens"] > 0, params
 
@@ -434,6 +432,12 @@ class UcxScheduler:
     def _grant_streams(self, scheduler_output: Any) -> None:
         """Grant the streaming requests whose last prompt token this step computes, before
         it runs: each layer is served as soon as the workers computed it."""
+        for rid in getattr(scheduler_output, "preempted_req_ids", ()):
+            streamed = self._streamed.pop(rid, None)
+            if streamed is not None:
+                # Its blocks were just freed: the lease ends in this step's metadata, so the
+                # workers stop serving them before the step writes anyone else's KV there.
+                self._leases.finish([(rid, 0, streamed["remote_kv_secret"])])
         if not self._streams:
             return
         for cached in getattr(scheduler_output, "scheduled_cached_reqs", ()):
