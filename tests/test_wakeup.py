@@ -72,3 +72,21 @@ def test_engines_sleep_until_woken_only_when_every_connector_wakes_them(tmp_path
     ]:
         with EngineCore(engine_config(kv)) as core:
             assert core.wakes_on_kv_events is wakes, kv
+
+
+def test_a_completion_queue_wakes_the_engine_on_every_result_and_drains_in_order():
+    from kvtransfer.connector.completions import CompletionQueue
+
+    woken: list[int] = []
+    results: CompletionQueue[str] = CompletionQueue()
+    results.put("before any callback")  # queued, nobody to wake yet
+    assert results.set_callback(lambda: woken.append(1)) is True
+    threads = [threading.Thread(target=results.put, args=(f"load-{i}",)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    drained = results.drain()
+    assert drained[0] == "before any callback"
+    assert sorted(drained[1:]) == ["load-0", "load-1", "load-2"]
+    assert len(woken) == 3 and results.drain() == []

@@ -15,7 +15,6 @@ step's metadata.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from connectors.shared_storage.storage import (
 )
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import TransferResults
+from kvtransfer.connector.completions import CompletionQueue
 from kvtransfer.connector.metadata import KVConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,8 @@ class SharedStorageWorker:
         self._storage = storage
         self._global_rank = global_rank
         self._caches: dict[str, torch.Tensor] = {}
-        self._results: queue.SimpleQueue[_Result] = queue.SimpleQueue()
-        # Wakes the engine when a result is queued (`set_completion_callback`).
-        self._wake: Callable[[], None] | None = None
+        # Queueing a result wakes the engine (`set_completion_callback`).
+        self._results: CompletionQueue[_Result] = CompletionQueue()
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._threads: list[threading.Thread] = []
         self._load_errors: set[int] = set()
@@ -184,13 +183,13 @@ class SharedStorageWorker:
             rank, rank_error = None, str(exc)
         for save in metadata.saves:
             if rank is None:
-                self._report(_Result(_SEND, save.req_id, error=rank_error))
+                self._results.put(_Result(_SEND, save.req_id, error=rank_error))
             else:
                 self._start_save(save, rank)
         for load in metadata.loads:
             if rank is None:
                 blocks = self._load_blocks(load)
-                self._report(_Result(_RECV, load.req_id, error=rank_error, blocks=blocks))
+                self._results.put(_Result(_RECV, load.req_id, error=rank_error, blocks=blocks))
             else:
                 self._start_load(load, rank)
 
@@ -198,11 +197,7 @@ class SharedStorageWorker:
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
-        while True:
-            try:
-                result = self._results.get_nowait()
-            except queue.Empty:
-                break
+        for result in self._results.drain():
             self._jobs.pop((result.kind, result.req_id), None)
             if result.kind == _SEND:
                 # Even a failed save ends the borrow: the consumer's load fails on its own.
@@ -235,14 +230,7 @@ class SharedStorageWorker:
         return errors
 
     def set_completion_callback(self, callback: Callable[[], None]) -> bool:
-        self._wake = callback
-        return True
-
-    def _report(self, result: _Result) -> None:
-        """Queue a finished transfer for `transfer_results`, and wake the engine for it."""
-        self._results.put(result)
-        if self._wake is not None:
-            self._wake()
+        return self._results.set_callback(callback)
 
     def load_failure_reasons(self) -> dict[str, str]:
         reasons, self._failure_reasons = self._failure_reasons, {}
@@ -286,7 +274,7 @@ class SharedStorageWorker:
                 result = _Result(kind, req_id, cancelled=True, blocks=blocks)
             except Exception as exc:
                 result = _Result(kind, req_id, error=f"{type(exc).__name__}: {exc}", blocks=blocks)
-            self._report(result)
+            self._results.put(result)
 
         thread = threading.Thread(
             target=run, name=f"kvtransfer-shared-storage-{kind}-{req_id}", daemon=True
@@ -302,7 +290,7 @@ class SharedStorageWorker:
             path, header, tensors, token_ids = self._gather(spec, rank)
         except (IndexError, RuntimeError, ValueError) as exc:
             # A save that cannot start must not fail the step; it ends the borrow like any save.
-            self._report(_Result(_SEND, spec.req_id, error=f"{type(exc).__name__}: {exc}"))
+            self._results.put(_Result(_SEND, spec.req_id, error=f"{type(exc).__name__}: {exc}"))
             return
 
         def work(cancel: threading.Event) -> int:

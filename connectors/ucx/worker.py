@@ -15,7 +15,6 @@ reported as ``finished_sending`` in the step that carries them.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +35,7 @@ from connectors.ucx.notify import Notifier
 from connectors.ucx.remote import RemoteEngine, RemoteEngines, encode_agent_address
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import TransferResults
+from kvtransfer.connector.completions import CompletionQueue
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorStats
 from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig
 
@@ -64,9 +64,8 @@ class UcxWorker:
         self._notifier = Notifier(timeout_s=ucx.handshake_timeout_s, tls=ucx.tls)
         # Loads not reported yet, by request id; the job is None for one that could not start.
         self._loads: dict[str, tuple[LoadSpec, LoadJob | None]] = {}
-        self._results: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
-        # Wakes the engine when a result is queued (`set_completion_callback`).
-        self._wake: Callable[[], None] | None = None
+        # Queueing a result wakes the engine (`set_completion_callback`).
+        self._results: CompletionQueue[_Finished] = CompletionQueue()
         self._released: list[str] = []
         self._grants = LeaseGrants()
         # Leases granted this step while their KV is computed: served layer by layer.
@@ -164,7 +163,7 @@ class UcxWorker:
         if self._closed or self._agent is None or self._engines is None:
             self._loads[spec.req_id] = (spec, None)
             error = RuntimeError("UcxConnector worker has no registered KV caches or is shut down")
-            self._report(_Finished(spec, error=error))
+            self._results.put(_Finished(spec, error=error))
             return
         job = LoadJob(
             spec, self._engines, self._agent, self._ucx.transfer_timeout_s, self._notifier.ask_held
@@ -183,7 +182,7 @@ class UcxWorker:
             finished = _Finished(job.spec, cancelled=True)
         except BaseException as exc:
             finished = _Finished(job.spec, error=exc)
-        self._report(finished)
+        self._results.put(finished)
 
     def transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
         if self._loads or (self._agent is not None and self._agent.server is not None):
@@ -194,11 +193,7 @@ class UcxWorker:
         self._released = []
         recving: set[str] = set()
         failed: set[str] = set()
-        while True:
-            try:
-                finished = self._results.get_nowait()
-            except queue.Empty:
-                break
+        for finished in self._results.drain():
             spec = finished.spec
             entry = self._loads.get(spec.req_id)
             if entry is None or entry[0] is not spec:
@@ -251,14 +246,7 @@ class UcxWorker:
             self._grants.layer_ready(self._streaming, layer_name)
 
     def set_completion_callback(self, callback: Callable[[], None]) -> bool:
-        self._wake = callback
-        return True
-
-    def _report(self, result: _Finished) -> None:
-        """Queue a finished transfer for `transfer_results`, and wake the engine for it."""
-        self._results.put(result)
-        if self._wake is not None:
-            self._wake()
+        return self._results.set_callback(callback)
 
     def load_failure_reasons(self) -> dict[str, str]:
         reasons, self._failure_reasons = self._failure_reasons, {}
