@@ -331,3 +331,41 @@ def test_a_request_awaiting_its_first_token_continues_after_it(pair, expected, o
         assert result.finish_reason == "length"
         assert result.token_ids == expected[1][1:]
     wait_for_free_blocks(decode.address)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda r: r.generated_token_ids.extend([65, 70000]),
+            "generated_token_ids[1] = 70000 is outside the vocabulary",
+        ),
+        (
+            lambda r: r.generated_token_ids.extend([65] * MAX_TOKENS),
+            f"generated_token_ids holds {MAX_TOKENS} tokens, max_tokens {MAX_TOKENS} leaves "
+            "nothing to generate",
+        ),
+        (
+            lambda r: (
+                r.generated_token_ids.append(65),
+                setattr(r, "await_generated_tokens", True),
+            ),
+            "await_generated_tokens: the request already has generated_token_ids",
+        ),
+    ],
+    ids=["outside-vocab", "nothing-left", "both"],
+)
+def test_bad_generated_tokens_are_refused_naming_the_field(pair, change, message):
+    _, decode = pair
+    request = generate_request("bad-generated", PROMPTS[0], MAX_TOKENS)
+    change(request)
+    with GenerationClient(decode.address) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            client.continue_request("bad-generated", [70000])
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "generated_token_ids[0] = 70000 is outside the vocabulary" in info.value.details()
+    assert admin(decode.address, "status").num_used_blocks == 0
