@@ -171,7 +171,7 @@ def test_cancelled_call_aborts_the_request_and_frees_its_blocks(pair):
     assert admin(decode.address, "status").counters["requests_aborted"] >= 1
 
 
-def test_admin_transfers_show_kv_held_for_a_consumer(pair):
+def test_admin_transfers_show_kv_held_for_a_consumer_and_abort_gives_it_back(pair):
     prefill, _ = pair
     with GenerationClient(prefill.address) as client:
         first = client.generate(
@@ -182,8 +182,12 @@ def test_admin_transfers_show_kv_held_for_a_consumer(pair):
     assert held.num_blocks == len(first.kv_transfer_params["remote_block_ids"])
     assert held.num_bytes > 0
     assert admin(prefill.address, "abort", "no-such-request") is False
-    with GenerationClient(prefill.address) as client:  # nobody will pull it: give it back
-        assert client.release_kv("held", first.kv_transfer_params) is True
+    # An operator's abort of a finished request gives back the KV it holds for a consumer.
+    assert admin(prefill.address, "abort", "held") is True
+    assert admin(prefill.address, "transfers") == []
+    assert admin(prefill.address, "abort", "held") is False
+    with GenerationClient(prefill.address) as client:
+        assert client.release_kv("held", first.kv_transfer_params) is False
 
 
 def test_release_kv_frees_held_kv_at_once_and_only_with_its_secret(pair):

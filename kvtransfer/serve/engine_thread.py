@@ -52,9 +52,10 @@ class EngineThread:
             queue.Queue()
         )
         self._sinks: dict[str, OutputSink] = {}
-        # KV handed over in finished outputs lately (request id -> params), in case the call
-        # that should carry them to the client is abandoned before it does.
-        self._handed_over: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
+        # KV handed over in finished outputs lately (request id -> params, delivered): for a
+        # call abandoned before it carried them to its client, and for an operator's abort
+        # (a client can vanish after the server sent the params but before it read them).
+        self._handed_over: OrderedDict[str, tuple[Mapping[str, Any], bool]] = OrderedDict()
         self._stopping = threading.Event()
         # Set with every queued call: ends an idle step's wait for transfers at once.
         self._wake = Wakeup()
@@ -131,13 +132,15 @@ class EngineThread:
         self.call(add)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a running request (its final output reaches its sink); ``False`` if unknown."""
+        """Abort a running request (its final output reaches its sink), or give back the KV it
+        finished holding for a consumer; ``False`` if neither."""
 
         def abort(core: EngineCore) -> bool:
-            if request_id not in self._sinks:
-                return False
-            self._route(core.abort_request([request_id]))
-            return True
+            if request_id in self._sinks:
+                self._route(core.abort_request([request_id]))
+                return True
+            handed = self._handed_over.pop(request_id, None)
+            return handed is not None and self._release(request_id, handed[0])
 
         return self.call(abort)
 
@@ -164,9 +167,12 @@ class EngineThread:
             if self._sinks.pop(request_id, None) is not None:
                 outputs = self.core.abort_request([request_id])
             handed = [o.kv_transfer_params for o in outputs if o.kv_transfer_params]
-            earlier = self._handed_over.pop(request_id, None)
-            for params in [*handed, *([earlier] if earlier is not None else [])]:
-                self._release_unheard(request_id, params)
+            earlier = self._handed_over.get(request_id)
+            if earlier is not None and not earlier[1]:
+                del self._handed_over[request_id]
+                handed.append(earlier[0])
+            for params in handed:
+                self._release(request_id, params)
 
         if self.is_running:
             self._queue((abandon, None))
@@ -174,19 +180,23 @@ class EngineThread:
     def delivered(self, request_id: str) -> None:
         """The client has the final output (and any params in it): nothing to give back."""
 
-        def forget() -> None:
-            self._handed_over.pop(request_id, None)
+        def mark() -> None:
+            if (handed := self._handed_over.get(request_id)) is not None:
+                self._handed_over[request_id] = (handed[0], True)
 
         if self.is_running:
-            self._queue((forget, None))
+            self._queue((mark, None))
 
-    def _release_unheard(self, request_id: str, params: Mapping[str, Any]) -> None:
+    def _release(self, request_id: str, params: Mapping[str, Any]) -> bool:
         try:
-            if self.core.release_kv(params):
-                logger.info("released KV nobody received", extra={"request_id": request_id})
+            released = self.core.release_kv(params)
         except (ValueError, PermissionError) as exc:
             # Params this engine made itself; failing here is a bug, not an attack.
-            logger.warning("could not release KV of an abandoned request: %s", exc)
+            logger.warning("could not release KV handed over: %s", exc)
+            return False
+        if released:
+            logger.info("released KV no consumer will pull", extra={"request_id": request_id})
+        return released
 
     # ------------------------------------------------------------------ the engine thread
 
@@ -225,7 +235,7 @@ class EngineThread:
             if output.finished:
                 del self._sinks[output.req_id]
                 if output.kv_transfer_params:
-                    self._handed_over[output.req_id] = output.kv_transfer_params
+                    self._handed_over[output.req_id] = (output.kv_transfer_params, False)
                     while len(self._handed_over) > _HANDED_OVER_MEMORY:
                         self._handed_over.popitem(last=False)
             sink(output)

@@ -96,8 +96,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         def sink(output: EngineCoreOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, output)
 
-        try:
-            await asyncio.to_thread(
+        adding = asyncio.ensure_future(
+            asyncio.to_thread(
                 ctx.engine.add_request,
                 parsed.request_id,
                 parsed.prompt_token_ids,
@@ -107,6 +107,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 parsed.generated_token_ids,
                 parsed.awaits_generated,
             )
+        )
+        try:
+            await asyncio.shield(adding)
+        except asyncio.CancelledError:
+            # Cancelled while the engine thread admits it: the request may run all the same,
+            # with nobody to read it or the KV it would hold, so it is aborted once admitted.
+            adding.add_done_callback(
+                lambda done: done.exception() is None and ctx.engine.abandon(parsed.request_id)
+            )
+            raise
         except DuplicateRequestError as exc:
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(exc), request)
         except PromptTooLargeError as exc:
