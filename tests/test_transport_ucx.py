@@ -36,6 +36,9 @@ DRAFT_A = LayerGroup("draft.layers", 0, 1, "bfloat16")
 MODEL_B = LayerGroup("model.layers", 3, 3)
 # Generous: a pull that should succeed must never flake on a loaded machine.
 WAIT_S = 30.0
+# Small pulls run on the UCX threads (the default), or with inline_bytes=0 through the pull
+# and handler threads, the path every pull larger than inline_bytes takes.
+PATHS = [pytest.param({}, id="inline"), pytest.param({"inline_bytes": 0}, id="threaded")]
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +49,9 @@ def servers() -> list[KVServerProcess]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def agent() -> KVTransferAgent:
-    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as client:
+@pytest.fixture(scope="module", params=PATHS)
+def agent(request) -> KVTransferAgent:
+    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S, **request.param)) as client:
         yield client
 
 
@@ -319,13 +322,13 @@ def test_pull_from_killed_server_times_out_and_leaves_the_cache_untouched():
 # -- in-process peers: a server that answers late, or never ----------------------------------
 
 
-@pytest.fixture
-def silent_pair():
+@pytest.fixture(params=PATHS)
+def silent_pair(request):
     """A client and a peer agent that holds caches but is not serving (yet)."""
     group = LayerGroup("model.layers", 0, 2)
     with (
-        KVTransferAgent(TransportConfig(send_timeout_s=1.0)) as quiet,
-        KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as client,
+        KVTransferAgent(TransportConfig(send_timeout_s=1.0, **request.param)) as quiet,
+        KVTransferAgent(TransportConfig(timeout_s=WAIT_S, **request.param)) as client,
     ):
         from transport_helpers.kv import make_caches
 
@@ -398,7 +401,8 @@ def test_close_aborts_in_flight_pulls_and_stops_every_thread(silent_pair):
         client.pull(peer, PullSpec("x", group.names(), [1], [1]))
     quiet.close()
     threads = [client._loop._thread, quiet._loop._thread, *client._client._workers]
-    assert len(threads) == 3
+    # An inline pull starts no pull thread.
+    assert len(threads) == (3 if client.config.inline_bytes == 0 else 2)
     assert [t.name for t in threads if t.is_alive()] == []
 
 

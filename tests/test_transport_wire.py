@@ -412,6 +412,8 @@ def test_buffer_pool_reuses_by_size_class_and_respects_its_cap():
         ({"chunk_bytes": 1.5}, r"chunk_bytes must be an int, got 1.5"),
         ({"pull_threads": True}, r"pull_threads must be an int, got True"),
         ({"buffer_pool_bytes": -1}, r"buffer_pool_bytes must be >= 0, got -1"),
+        ({"inline_bytes": -1}, r"inline_bytes must be >= 0, got -1"),
+        ({"inline_bytes": 2.0}, r"inline_bytes must be an int, got 2.0"),
     ],
 )
 def test_config_validation(kwargs, match):

@@ -124,6 +124,8 @@ class _PullState:
         self.sent = 0
         self.received = 0
         self.write_lock = threading.Lock()
+        # Set by an inline pull, which no job waits for: completes its future at the cancel.
+        self.on_cancel: Callable[[], None] | None = None
 
 
 class PullHandle:
@@ -184,6 +186,8 @@ class PullHandle:
             with state.cond:
                 state.cancelled = True
                 state.cond.notify_all()
+            if state.on_cancel is not None:
+                state.on_cancel()
         return True
 
 
@@ -198,10 +202,21 @@ class _Exchange:
     payload_buffer: torch.Tensor
     pending: int = 2
     error: BaseException | None = None
+    # An inline pull's completion, run once on the loop thread when the exchange finishes.
+    on_finished: Callable[[], None] | None = None
 
     @property
     def finished(self) -> bool:
         return self.pending == 0 or self.error is not None
+
+    def take_completion(self) -> Callable[[], None] | None:
+        """``on_finished`` once the exchange is finished, exactly once (call under cond, run
+        the result outside it: it takes the write lock, which `PullHandle.cancel` holds while
+        taking cond)."""
+        if not self.finished:
+            return None
+        callback, self.on_finished = self.on_finished, None
+        return callback
 
 
 class PullClient:
@@ -216,8 +231,10 @@ class PullClient:
         max_inflight_chunks: int,
         max_blocks_per_message: int,
         threads: int,
+        inline_bytes: int = 0,
     ) -> None:
         self._loop = loop
+        self._inline_bytes = inline_bytes
         self._pool = pool
         self._chunk_bytes = chunk_bytes
         self._window = max_inflight_chunks
@@ -243,6 +260,16 @@ class PullClient:
         handle = PullHandle(spec.request_id, peer, future)
         deadline = time.monotonic() + timeout_s
         started = time.perf_counter()
+        if 0 < spec.num_blocks <= self._max_blocks and (
+            spec.num_blocks * sum(_segment_sizes(plans, 1))
+            <= min(self._inline_bytes, self._chunk_bytes)
+        ):
+            with self._jobs_cond:
+                if self._closed:
+                    raise TransportClosed("the transfer agent is closed")
+                self._active.add(handle)
+            self._start_inline(handle, spec, plans, caches, timeout_s, started)
+            return handle
 
         def job() -> None:
             if not future.set_running_or_notify_cancel():
@@ -302,6 +329,73 @@ class PullClient:
             worker.join(timeout_s)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _start_inline(
+        self,
+        handle: PullHandle,
+        spec: PullSpec,
+        plans: list[LayerPlan],
+        caches: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        started: float,
+    ) -> None:
+        """A one-message pull without a job: posted from here, received, checked and scattered
+        on the loop thread, which completes the future (two thread hand-offs fewer)."""
+        state = handle._state
+        future = handle._future
+        future.set_running_or_notify_cancel()
+        peer = handle.peer
+
+        def settle(error: BaseException | None, result: PullResult | None = None) -> None:
+            with state.write_lock:
+                if not future.done():
+                    if error is not None:
+                        future.set_exception(error)
+                    else:
+                        future.set_result(result)
+            with self._jobs_cond:
+                self._active.discard(handle)
+
+        def cancelled() -> None:  # under the write lock, from `PullHandle.cancel`
+            future.set_exception(
+                TransportClosed(f"pull {spec.request_id!r} aborted: the transfer agent was closed")
+                if state.closed
+                else _cancelled(spec)
+            )
+            with self._jobs_cond:
+                self._active.discard(handle)
+
+        state.on_cancel = cancelled
+        try:
+            device = caches[plans[0].name].device
+            local_ids = torch.tensor(spec.local_block_ids, dtype=torch.int64, device=device)
+            exchange = self._start(
+                state, peer, spec, plans, device, 0, spec.num_blocks, timeout_s=timeout_s
+            )
+        except BaseException as exc:
+            settle(exc)
+            return
+
+        def finished() -> None:
+            try:
+                nbytes = self._finish(state, spec, peer, plans, caches, local_ids, exchange)
+            except BaseException as exc:
+                if isinstance(exc, TransferTimeoutError | _BrokenPeer):
+                    self._loop.reset_endpoint(peer.ucx_address)
+                settle(exc)
+                return
+            state.received = 1
+            elapsed = time.perf_counter() - started
+            settle(
+                None, PullResult(spec.request_id, spec.num_blocks, len(plans), 1, nbytes, elapsed)
+            )
+
+        with state.cond:
+            exchange.on_finished = finished
+            # Finished already if posting failed, or (the loop is fast) if the answer came.
+            completion = exchange.take_completion()
+        if completion is not None:
+            completion()
 
     def _work(self) -> None:
         while True:
@@ -390,7 +484,11 @@ class PullClient:
         device: torch.device,
         first: int,
         last: int,
+        *,
+        timeout_s: float | None = None,
     ) -> _Exchange:
+        """Post one exchange. With ``timeout_s`` (inline pulls, which no job waits for) its
+        payload receive fails with `TransferTimeoutError` after that long."""
         _, total = segment_offsets(_segment_sizes(plans, last - first))
         header_tag, data_tag = reply_tags(self._next_sequence())
         message = PullRequestMessage(
@@ -414,40 +512,60 @@ class PullClient:
             first, last, self._loop.new_host_buffer(RESPONSE_HEADER_BYTES), buffer[:total], buffer
         )
 
+        def fail(error: BaseException) -> None:
+            with state.cond:
+                if exchange.error is None:
+                    exchange.error = error
+                state.cond.notify_all()
+                completion = exchange.take_completion()
+            if completion is not None:
+                completion()
+
         def received(error: BaseException | None) -> None:
             with state.cond:
                 if error is not None and exchange.error is None:
                     exchange.error = error
                 exchange.pending -= 1
                 state.cond.notify_all()
+                completion = exchange.take_completion()
+            if completion is not None:
+                completion()
 
         def sent(error: BaseException | None) -> None:
-            if error is None:
-                return
-            with state.cond:
-                if exchange.error is None:
-                    exchange.error = error
-                state.cond.notify_all()
+            if error is not None:
+                fail(error)
+
+        def timed_out() -> None:
+            fail(self._timed_out(spec, peer, timeout_s or 0.0, 0, 1))
 
         def post() -> None:
             # Receives first, so the answer never arrives as an unexpected message.
             try:
                 self._loop.recv(peer.ucx_address, exchange.header, header_tag, received)
-                self._loop.recv(peer.ucx_address, exchange.payload, data_tag, received)
+                self._loop.recv(
+                    peer.ucx_address,
+                    exchange.payload,
+                    data_tag,
+                    received,
+                    timeout_s=timeout_s,
+                    on_timeout=None if timeout_s is None else timed_out,
+                )
                 self._loop.send(peer.ucx_address, message, REQUEST_TAG, sent)
             except Exception as exc:
-                failure = _BrokenPeer(
-                    f"pull {spec.request_id!r}: cannot reach {peer.name}: "
-                    f"{type(exc).__name__}: {exc}"
+                fail(
+                    _BrokenPeer(
+                        f"pull {spec.request_id!r}: cannot reach {peer.name}: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
                 )
-                with state.cond:
-                    exchange.error = failure
-                    state.cond.notify_all()
             else:
                 state.sent += 1
 
         # Not waited for: a failure to post lands in the exchange like any transfer failure.
-        self._loop.call(post)
+        if self._loop.in_loop_thread():
+            post()
+        else:
+            self._loop.call(post)
         return exchange
 
     def _finish(

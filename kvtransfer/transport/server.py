@@ -1,11 +1,13 @@
 """The serving side: answer pull requests from the registered KV caches.
 
-The loop thread receives each request (any size, probed) and queues it; a handler thread
-decodes and validates it, gathers the requested blocks and heads of every layer into one pooled
-buffer with one `index_select` per layer, and hands the header and payload sends back to the
-loop thread. It does not wait for the sends, so the next request's gather overlaps this one's
-transfer. A request that fails validation is answered with an error header (and an empty
-payload, so the client's posted payload receive completes too); the server keeps serving.
+The loop thread receives each request (any size, probed). One whose payload is at most
+``inline_bytes`` is served right there: decoded, validated, gathered into one pooled buffer with
+one `index_select` per layer and sent, with no thread hand-off (what a small pull's latency is
+made of). A larger one is queued to a handler thread, which does the same and hands the sends
+back to the loop thread without waiting for them, so the next request's gather overlaps this
+one's transfer and the loop thread keeps progressing other peers meanwhile. A request that
+fails validation is answered with an error header (and an empty payload, so the client's posted
+payload receive completes too); the server keeps serving.
 
 A send that does not complete within ``send_timeout_s`` means the client died or stopped
 reading: its endpoint is reset. Such a send cannot be cancelled, so its buffer is never reused.
@@ -39,7 +41,7 @@ from kvtransfer.transport.buffers import (
     row_view,
     synchronize,
 )
-from kvtransfer.transport.errors import ErrorCode
+from kvtransfer.transport.errors import ErrorCode, TransportClosed
 from kvtransfer.transport.messages import (
     REQUEST_TAG,
     PullRequestMessage,
@@ -87,8 +89,10 @@ class KVServer:
         threads: int = 1,
         grants: LeaseGrants | None = None,
         checksum: bool = True,
+        inline_bytes: int = 0,
     ) -> None:
         self._loop = loop
+        self._inline_bytes = inline_bytes
         self._pool = pool
         self._caches = caches
         self._send_timeout_s = send_timeout_s
@@ -143,7 +147,10 @@ class KVServer:
         if error is not None:
             logger.warning("failed to receive a pull request: %s", error)
             return
-        self._queue.put(data)
+        try:
+            self._handle(data, inline=True)
+        except Exception:
+            logger.exception("pull request handling failed")
 
     # -- handler threads ----------------------------------------------------------------------
 
@@ -152,7 +159,7 @@ class KVServer:
             item = self._queue.get()
             if item is None:
                 return
-            data, may_park = item if isinstance(item, tuple) else (item, True)
+            data, may_park = item
             try:
                 self._handle(data, may_park)
             except Exception:
@@ -179,7 +186,16 @@ class KVServer:
                     (ready if go else waiting).append(entry)
                 self._parked = waiting
             for _, (_, _, data) in ready:
-                self._queue.put((data, False))
+                try:
+                    self._loop.call(lambda data=data: self._on_unparked(data))
+                except TransportClosed:
+                    return
+
+    def _on_unparked(self, data: Any) -> None:
+        try:
+            self._handle(data, may_park=False, inline=True)
+        except Exception:
+            logger.exception("pull request handling failed")
 
     def _park(self, lease_id: str, layer_names: tuple[str, ...], data: Any) -> bool:
         if self._grants is None:
@@ -192,7 +208,7 @@ class KVServer:
             self._parked.append((deadline, (lease_id, layer_names, data)))
         return True
 
-    def _handle(self, data: Any, may_park: bool = True) -> None:
+    def _handle(self, data: Any, may_park: bool = True, *, inline: bool = False) -> None:
         try:
             envelope = peek_request(data)
         except WireFormatError as exc:
@@ -203,6 +219,9 @@ class KVServer:
         buffer: torch.Tensor | None = None
         try:
             request = PullRequestMessage.decode(data)
+            if inline and request.payload_bytes > self._inline_bytes:
+                self._queue.put((data, may_park))
+                return
             access = None if request.lease is None else LeaseAccess(*request.lease)
             names = tuple(layer.name for layer in request.layers)
             if (
@@ -369,6 +388,9 @@ class KVServer:
                 logger.warning("cannot answer pull request from %s: %s", peer_name(address), error)
 
         try:
-            loop.call(send).add_done_callback(posted)
+            if loop.in_loop_thread():
+                send()
+            else:
+                loop.call(send).add_done_callback(posted)
         except Exception as exc:
             logger.warning("cannot answer pull request from %s: %s", peer_name(address), exc)

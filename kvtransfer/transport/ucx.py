@@ -265,16 +265,20 @@ class UcxLoop:
         on_done: Completion | None = None,
         *,
         keepalive: tuple[Any, ...] = (),
+        timeout_s: float | None = None,
+        on_timeout: Callable[[], None] | None = None,
     ) -> None:
         """Post a receive of ``tag`` into ``data`` on the endpoint to ``address`` (loop thread).
 
         Tag matching is worker-wide; posting it on the endpoint lets `reset_endpoint` cancel it.
+        ``on_timeout`` runs (loop thread) if it has not completed within ``timeout_s``; it stays
+        posted (`reset_endpoint` cancels it).
         """
         buffer = self.as_buffer(data)
         request = self.endpoint(address).tag_recv(
             buffer, self._ucx.UCXXTag(tag), self._ucx.UCXXTagMaskFull
         )
-        self._track(request, (data, buffer, *keepalive), on_done, None, None)
+        self._track(request, (data, buffer, *keepalive), on_done, timeout_s, on_timeout)
 
     def listen(self, tag: int, handler: MessageHandler) -> None:
         """Deliver every message sent to ``tag`` from any peer to ``handler`` (loop thread).
