@@ -326,7 +326,9 @@ def test_shutdown_stops_waiting_loads_and_is_idempotent(tmp_path):
 
 
 def test_register_refuses_caches_of_another_layout(tmp_path):
-    with pytest.raises(ValueError, match="expected \\[num_blocks, 2, num_kv_heads"):
+    with pytest.raises(
+        ValueError, match=r"KV cache 'a': a KV cache in order 'B2HND' must have 5 axes with 2 at"
+    ):
         make_worker(tmp_path, {"a": torch.zeros(4, 3, 2, 4, 2)})
     with pytest.raises(ValueError, match="'b' differs from the others"):
         make_worker(tmp_path, {"a": torch.zeros(4, 2, 2, 4, 2), "b": torch.zeros(5, 2, 2, 4, 2)})

@@ -420,7 +420,7 @@ def test_registration_is_validated():
         with pytest.raises(ValueError, match=r"kv_caches must be a non-empty mapping"):
             agent.register_kv_caches({})
         with pytest.raises(ValueError, match=r"KV cache 'x' must be contiguous"):
-            agent.register_kv_caches({"x": torch.zeros(2, 4, 2, 16, 8).transpose(0, 1)})
+            agent.register_kv_caches({"x": torch.zeros(4, 2, 2, 16, 16)[..., :8]})
         agent.register_kv_caches({"x": torch.zeros(4, 2, 2, 16, 8)})
         meta = torch.zeros(4, 2, 2, 16, 8, device="meta")
         with pytest.raises(ValueError, match=r"KV caches must share one device, got \['cpu', 'me"):

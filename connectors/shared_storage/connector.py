@@ -37,7 +37,7 @@ from connectors.shared_storage.scheduler import SharedStorageScheduler
 from connectors.shared_storage.storage import SharedStorageConfig
 from connectors.shared_storage.worker import SharedStorageWorker
 from kvtransfer.config import KVTransferConfig
-from kvtransfer.connector.metadata import KVConnectorRole
+from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole
 from kvtransfer.connector.split import RoleSplitConnector
 
 
@@ -60,5 +60,9 @@ class SharedStorageConnector(RoleSplitConnector[SharedStorageScheduler, SharedSt
         storage = SharedStorageConfig.from_transfer_config(config)
         self._build_half(
             lambda: SharedStorageScheduler(config, storage),
-            lambda: SharedStorageWorker(config, storage),
+            lambda: SharedStorageWorker(
+                config,
+                storage,
+                layout=kv_cache_config if isinstance(kv_cache_config, KVCacheLayout) else None,
+            ),
         )

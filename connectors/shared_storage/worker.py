@@ -40,7 +40,7 @@ from connectors.shared_storage.storage import (
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import TransferResults
 from kvtransfer.connector.completions import CompletionQueue
-from kvtransfer.connector.metadata import KVConnectorStats
+from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorStats, canonical_kv_caches
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,10 @@ class SharedStorageWorker:
         config: KVTransferConfig,
         storage: SharedStorageConfig,
         global_rank: int | None = None,
+        layout: KVCacheLayout | None = None,
     ) -> None:
         self._engine_id = config.engine_id
+        self._layout = layout
         self._storage = storage
         self._global_rank = global_rank
         self._caches: dict[str, torch.Tensor] = {}
@@ -105,6 +107,7 @@ class SharedStorageWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not kv_caches:
             raise ValueError("SharedStorageConnector: register_kv_caches got no layers")
+        kv_caches = canonical_kv_caches(kv_caches, self._layout)
         first = next(iter(kv_caches.values()))
         for name, cache in kv_caches.items():
             if cache.dim() != 5 or cache.shape[1] != 2:

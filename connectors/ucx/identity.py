@@ -20,7 +20,10 @@ from kvtransfer.control import CompatibilityInfo
 from kvtransfer.topology import kv_head_range
 
 WIRE_VERSION = 1
-KV_LAYOUT = "HND"  # [blocks, 2, heads, block_size, head_dim]: heads outside tokens
+# The order of the payloads on the wire ([blocks, 2, heads, block_size, head_dim]: heads outside
+# tokens), which peers must agree on. How each stores its cache (`KVCacheLayout.kv_order`) need
+# not match: gather and scatter convert (`kvtransfer.transport.spec`).
+KV_LAYOUT = "HND"
 UNSPECIFIED_MODEL = "unspecified"
 
 _LAYER_NAME = re.compile(r"^(model|draft)\.layers\.(\d+)\.")

@@ -36,7 +36,7 @@ from connectors.ucx.remote import RemoteEngine, RemoteEngines, encode_agent_addr
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import TransferResults
 from kvtransfer.connector.completions import CompletionQueue
-from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorStats
+from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorStats, canonical_kv_caches
 from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class UcxWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._agent is not None:
             raise RuntimeError("UcxConnector: register_kv_caches was already called")
+        kv_caches = canonical_kv_caches(kv_caches, self._layout)
         identity = WorkerIdentity.from_caches(self._config.engine_id, self._layout, kv_caches)
         agent = KVTransferAgent(
             TransportConfig(

@@ -73,6 +73,10 @@ class KVCacheLayout:
     pp_size: int = 1
     tp_rank: int | None = None
     pp_rank: int | None = None
+    # The axis order of the tensors `register_kv_caches` receives, outermost first (see
+    # `kvtransfer.transport.spec`): ours is "B2HND", vLLM's CPU backend "BHN2D". Connectors
+    # index them through `canonical_kv_caches`.
+    kv_order: str = "B2HND"
 
     @property
     def rank(self) -> PpTpRank | None:
@@ -84,6 +88,24 @@ class KVCacheLayout:
 
 PpTpRank = tuple[int, int]
 """A worker's place in an engine: ``(pp_rank, tp_rank)``."""
+
+
+def canonical_kv_caches(
+    kv_caches: Mapping[str, Any], layout: KVCacheLayout | None
+) -> dict[str, Any]:
+    """``kv_caches`` as ``[num_blocks, 2, heads, block_size, head_dim]`` views of the engine's
+    own tensors (no copy), whatever ``layout.kv_order`` they are stored in; `ValueError` for a
+    tensor that does not fit that order."""
+    from kvtransfer.transport.spec import canonical_kv_view
+
+    order = "B2HND" if layout is None else layout.kv_order
+    views = {}
+    for name, tensor in kv_caches.items():
+        try:
+            views[name] = canonical_kv_view(tensor, order)
+        except ValueError as exc:
+            raise ValueError(f"KV cache {name!r}: {exc}") from exc
+    return views
 
 
 def merge_handshake_metadata(

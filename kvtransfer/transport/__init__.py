@@ -25,9 +25,10 @@ from kvtransfer.transport.errors import (
     TransportClosed,
     TransportError,
 )
-from kvtransfer.transport.spec import KVLayout, PullSpec
+from kvtransfer.transport.spec import KV_AXES, KVLayout, PullSpec, canonical_kv_view
 
 __all__ = [
+    "KV_AXES",
     "AccessDenied",
     "CorruptPayloadError",
     "ErrorCode",
@@ -47,6 +48,7 @@ __all__ = [
     "TransportClosed",
     "TransportConfig",
     "TransportError",
+    "canonical_kv_view",
     "new_secret",
     "secret_digest",
 ]

@@ -8,7 +8,10 @@ row. Row-wise `index_select` / `index_copy_` on a contiguous 2-D view copy whole
 memcpy, which is several times faster than indexing a strided head-sliced view.
 
 The payload format is ``[blocks, 2, heads, block_size, head_dim]`` per layer whatever ``g`` each
-side picks, so server and client choose their row size independently.
+side picks, so server and client choose their row size independently. A cache stored in another
+axis order (a non-contiguous ``B2HND`` view, see `spec.canonical_kv_view`) has no such rows: it
+is gathered and scattered through its strided view, one index op per layer all the same, which
+converts between its order and the payload's (slower: element-wise, not whole runs).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xxhash
@@ -27,17 +31,25 @@ _MIN_POOLED = 64 << 10
 
 @dataclass(frozen=True)
 class RowView:
-    """How to index one layer's cache as rows: the row width and the row indices to copy."""
+    """How to index one layer's cache as rows: the row width and the row indices to copy.
+
+    ``row_elems`` 0 means a strided cache: ``rows`` are block ids and ``heads`` the slice."""
 
     row_elems: int
     rows: torch.Tensor
+    heads: range | None = None
 
 
-def row_view(block_ids: torch.Tensor, num_heads: int, heads: range, head_elems: int) -> RowView:
+def row_view(
+    block_ids: torch.Tensor, num_heads: int, heads: range, head_elems: int, contiguous: bool = True
+) -> RowView:
     """Rows of ``cache.view(-1, row_elems)`` holding ``heads`` of ``block_ids``, payload order.
 
-    ``head_elems`` is ``block_size * head_dim``.
+    ``head_elems`` is ``block_size * head_dim``; ``contiguous`` whether the cache is
+    ``B2HND``-contiguous (else the view indexes blocks of the strided cache).
     """
+    if not contiguous:
+        return RowView(0, block_ids, heads)
     if heads.start == 0 and len(heads) == num_heads:
         # Whole blocks: one row per block.
         return RowView(2 * num_heads * head_elems, block_ids)
@@ -53,8 +65,19 @@ def payload_bytes(num_blocks: int, num_heads: int, head_elems: int, element_size
     return num_blocks * 2 * num_heads * head_elems * element_size
 
 
+def _strided(segment: torch.Tensor, cache: torch.Tensor, view: RowView) -> tuple[Any, Any]:
+    _, _, num_heads, block_size, head_dim = cache.shape
+    heads = view.heads if view.heads is not None else range(num_heads)
+    payload = segment.view(cache.dtype).view(len(view.rows), 2, len(heads), block_size, head_dim)
+    return payload, cache[:, :, heads.start : heads.stop]
+
+
 def gather_into(segment: torch.Tensor, cache: torch.Tensor, view: RowView) -> None:
     """Copy the rows of ``cache`` into the byte tensor ``segment`` (exactly their size)."""
+    if view.row_elems == 0:
+        payload, source = _strided(segment, cache, view)
+        torch.index_select(source, 0, view.rows, out=payload)
+        return
     source = cache.view(-1, view.row_elems)
     target = segment.view(cache.dtype).view(-1, view.row_elems)
     torch.index_select(source, 0, view.rows, out=target)
@@ -62,6 +85,10 @@ def gather_into(segment: torch.Tensor, cache: torch.Tensor, view: RowView) -> No
 
 def scatter_from(segment: torch.Tensor, cache: torch.Tensor, view: RowView) -> None:
     """Write the byte tensor ``segment`` into the rows of ``cache``."""
+    if view.row_elems == 0:
+        payload, target = _strided(segment, cache, view)
+        target.index_copy_(0, view.rows, payload)
+        return
     source = segment.view(cache.dtype).view(-1, view.row_elems)
     cache.view(-1, view.row_elems).index_copy_(0, view.rows, source)
 

@@ -612,23 +612,25 @@ class PullClient:
         ids = local_ids[exchange.first : exchange.last]
         sizes = _segment_sizes(plans, exchange.last - exchange.first)
         offsets, _ = segment_offsets(sizes)
-        views: dict[tuple[int, int, int, int], RowView] = {}
+        views: dict[tuple[int, int, int, int, bool], RowView] = {}
         with state.write_lock:
             if state.cancelled:
                 raise _cancelled(spec)
             for plan, offset, size in zip(plans, offsets, sizes, strict=True):
                 cache = caches[plan.name]
                 head_elems = plan.layout.head_elems
+                dense = cache.is_contiguous()
                 key = (
                     plan.layout.num_kv_heads,
                     plan.local_heads.start,
                     len(plan.local_heads),
                     head_elems,
+                    dense,
                 )
                 view = views.get(key)
                 if view is None:
                     view = views[key] = row_view(
-                        ids, plan.layout.num_kv_heads, plan.local_heads, head_elems
+                        ids, plan.layout.num_kv_heads, plan.local_heads, head_elems, dense
                     )
                 scatter_from(exchange.payload[offset : offset + size], cache, view)
             synchronize(exchange.payload.device)

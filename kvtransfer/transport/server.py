@@ -290,15 +290,19 @@ class KVServer:
             )
         buffer = self._pool.acquire(total, first.device)
         payload = buffer[:total]
-        views: dict[tuple[int, int, int, int], RowView] = {}
+        views: dict[tuple[int, int, int, int, bool], RowView] = {}
         for layer, (layout, heads), offset, size in zip(
             request.layers, plans, offsets, sizes, strict=True
         ):
-            key = (layout.num_kv_heads, heads.start, len(heads), layout.head_elems)
+            cache = caches[layer.name]
+            dense = cache.is_contiguous()
+            key = (layout.num_kv_heads, heads.start, len(heads), layout.head_elems, dense)
             view = views.get(key)
             if view is None:
-                view = views[key] = row_view(ids, layout.num_kv_heads, heads, layout.head_elems)
-            gather_into(payload[offset : offset + size], caches[layer.name], view)
+                view = views[key] = row_view(
+                    ids, layout.num_kv_heads, heads, layout.head_elems, dense
+                )
+            gather_into(payload[offset : offset + size], cache, view)
         synchronize(payload.device)
         return buffer, payload
 

@@ -1,10 +1,18 @@
 """What a pull reads and writes: `PullSpec`, the `KVLayout` of one layer, and their checks.
 
-One attention layer's cache is ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``: heads
-sit outside tokens inside a block, so one rank's head slice of one block is a contiguous run per
-K/V plane. A pull copies, for every listed layer, the blocks ``remote_block_ids[i]`` of the
-remote tensor, heads ``remote_heads``, into blocks ``local_block_ids[i]``, heads
-``local_heads``, of the local tensor. The same head range applies to K and V.
+Everything here indexes one attention layer's cache as ``[num_blocks, 2, num_kv_heads,
+block_size, head_dim]`` (axes ``B2HND``: block, K/V, head, token, head dim). That is how our
+engine allocates it (heads outside tokens, so a head slice of a block is one run per K/V plane).
+Other engines order the axes differently in memory: vLLM's CPU backend allocates
+``[blocks, heads, block_size, 2 * head_dim]`` (``BHN2D``), its GPU backends put K and V first
+(``2BNHD``, ``2BHND``). Such a cache is registered as a *view* in ``B2HND`` order of its own
+memory (`canonical_kv_view`); its physical order (`kv_axis_order`) is part of its `KVLayout`.
+Payloads on the wire are always ``B2HND``, so the two ends of a pull may differ in physical
+order: gather and scatter convert, head slices included.
+
+A pull copies, for every listed layer, the blocks ``remote_block_ids[i]`` of the remote tensor,
+heads ``remote_heads``, into blocks ``local_block_ids[i]``, heads ``local_heads``, of the local
+tensor. The same head range applies to K and V.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from kvtransfer.topology import HeadSource
 from kvtransfer.transport.access import LeaseAccess
 
 KV_CACHE_NDIM = 5
+# Block, K/V, head, token, head dim: the order payloads use and caches are indexed in.
+KV_AXES = "B2HND"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -33,11 +43,17 @@ class KVLayout:
     block_size: int
     head_dim: int
     dtype: str
+    # The axes of ``KV_AXES`` from outermost to innermost in memory (informational: payloads
+    # are converted, so peers need not agree on it).
+    order: str = KV_AXES
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> KVLayout:
+        """The layout of a registered (``B2HND``-indexed) cache."""
         num_blocks, _, heads, block_size, head_dim = tensor.shape
-        return cls(num_blocks, heads, block_size, head_dim, dtype_name(tensor.dtype))
+        return cls(
+            num_blocks, heads, block_size, head_dim, dtype_name(tensor.dtype), kv_axis_order(tensor)
+        )
 
     @property
     def element_size(self) -> int:
@@ -55,6 +71,7 @@ class KVLayout:
             "block_size": self.block_size,
             "head_dim": self.head_dim,
             "dtype": self.dtype,
+            "order": self.order,
         }
 
     @classmethod
@@ -66,15 +83,60 @@ class KVLayout:
                 block_size=int(data["block_size"]),  # type: ignore[call-overload]
                 head_dim=int(data["head_dim"]),  # type: ignore[call-overload]
                 dtype=str(data["dtype"]),
+                order=_axis_order("order", data.get("order", KV_AXES)),
             )
         except KeyError as exc:
             raise ValueError(f"KV layout lacks field {exc.args[0]!r}: {dict(data)!r}") from exc
 
 
-def check_kv_cache(name: str, tensor: object) -> torch.Tensor:
-    """Refuse anything that is not a contiguous ``[blocks, 2, heads, block, head_dim]`` tensor.
+def _axis_order(name: str, order: object) -> str:
+    if not isinstance(order, str) or sorted(order) != sorted(KV_AXES):
+        raise ValueError(
+            f"{name} must name the axes {KV_AXES!r} (block, K/V, head, token, head dim) once "
+            f"each, outermost first, e.g. 'B2HND' or 'BHN2D'; got {order!r}"
+        )
+    return order
 
-    Contiguity is what lets a head slice of a block be read as one run of memory.
+
+def canonical_kv_view(tensor: torch.Tensor, order: str) -> torch.Tensor:
+    """View ``tensor``, whose axes are ``order`` (a permutation of ``KV_AXES``), in ``B2HND``
+    order; no copy. A 4-D tensor whose last axis merges ``2`` and ``D`` (vLLM's CPU cache,
+    ``BHN2D`` as ``[blocks, heads, block_size, 2 * head_dim]``) is split first."""
+    order = _axis_order("KV axis order", order)
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"a KV cache must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() == KV_CACHE_NDIM - 1 and order.endswith("2D") and tensor.shape[-1] % 2 == 0:
+        tensor = tensor.unflatten(-1, (2, tensor.shape[-1] // 2))
+    if tensor.dim() != KV_CACHE_NDIM or tensor.shape[order.index("2")] != 2:
+        raise ValueError(
+            f"a KV cache in order {order!r} must have 5 axes with 2 at position "
+            f"{order.index('2')}, got shape {tuple(tensor.shape)}"
+        )
+    return tensor.permute(*(order.index(axis) for axis in KV_AXES))
+
+
+def kv_axis_order(tensor: torch.Tensor) -> str:
+    """The physical order of a ``B2HND``-indexed cache's axes, outermost first."""
+    ranked = sorted(range(KV_CACHE_NDIM), key=lambda axis: -tensor.stride(axis))
+    return "".join(KV_AXES[axis] for axis in ranked)
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a permutation of a contiguous tensor (gap-free, no overlap)."""
+    order = sorted(range(tensor.dim()), key=lambda axis: -tensor.stride(axis))
+    expected = 1
+    for axis in reversed(order):
+        if tensor.shape[axis] != 1 and tensor.stride(axis) != expected:
+            return False
+        expected *= tensor.shape[axis]
+    return True
+
+
+def check_kv_cache(name: str, tensor: object) -> torch.Tensor:
+    """Refuse anything that is not a ``[blocks, 2, heads, block, head_dim]`` view of dense
+    memory (contiguous in ``B2HND`` order, or in another order: see `canonical_kv_view`).
+
+    ``B2HND``-contiguous caches are copied as whole runs of memory; others element-wise.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"KV cache layer name must be a non-empty str, got {name!r}")
@@ -85,8 +147,11 @@ def check_kv_cache(name: str, tensor: object) -> torch.Tensor:
             f"KV cache {name!r} has shape {tuple(tensor.shape)}; expected "
             "[num_blocks, 2, num_kv_heads, block_size, head_dim]"
         )
-    if not tensor.is_contiguous():
-        raise ValueError(f"KV cache {name!r} must be contiguous")
+    if not _is_dense(tensor):
+        raise ValueError(
+            f"KV cache {name!r} must be contiguous in some axis order (strides "
+            f"{tuple(tensor.stride())}); K and V in separate allocations are not supported"
+        )
     if tensor.numel() == 0:
         raise ValueError(f"KV cache {name!r} is empty (shape {tuple(tensor.shape)})")
     return tensor
