@@ -1,7 +1,8 @@
 """KV caches in other engines' axis orders: byte-exact conversion, head slices included.
 
-Our engine stores a layer as ``B2HND``; vLLM's CPU backend as ``BHN2D`` (``[blocks, heads,
-block_size, 2 * head_dim]``), its GPU backends as ``2BNHD`` / ``2BHND``. Payloads are always
+Our engine stores a layer as ``B2HND``; vLLM's CPU backend as ``BH2ND`` (declared ``[blocks,
+heads, block_size, 2 * head_dim]``, read as K's tokens then V's per head), its GPU backends as
+``2BNHD`` / ``2BHND``. Payloads are always
 ``B2HND``, so every pair of orders converts through gather (server) and scatter (client).
 """
 
@@ -25,7 +26,7 @@ from kvtransfer.transport.buffers import gather_into, payload_bytes, row_view, s
 from kvtransfer.transport.spec import check_kv_cache, kv_axis_order
 
 BLOCKS, HEADS, TOKENS, DIM = 6, 4, 4, 8
-ORDERS = ["B2HND", "BHN2D", "2BNHD", "2BHND", "BNH2D"]
+ORDERS = ["B2HND", "BH2ND", "BHN2D", "2BNHD", "2BHND", "BNH2D"]
 # (remote heads, local heads, local head count): whole blocks, a TP 2 -> 1 read of half the
 # heads, and a half written into the middle of a wider cache.
 HEAD_CASES = [
@@ -82,17 +83,19 @@ def test_every_order_pair_converts_head_slices_byte_exactly(
     assert torch.equal(client, _expected(local_heads, source, remote, local, rh, lh))
 
 
-def test_vllm_cpu_cache_is_split_and_its_order_detected():
-    # vLLM CPU: [num_blocks, kv_heads, block_size, 2 * head_size], K then V in the last axis.
+def test_vllm_cpu_cache_viewed_as_its_attention_reads_it():
+    # vLLM CPU declares [num_blocks, kv_heads, block_size, 2 * head_size] and its attention
+    # views it as [num_blocks, kv_heads, 2 * block_size, head_size]: K's tokens, then V's.
     memory = torch.arange(BLOCKS * HEADS * TOKENS * 2 * DIM, dtype=torch.float32)
     memory = memory.view(BLOCKS, HEADS, TOKENS, 2 * DIM)
-    view = canonical_kv_view(memory, "BHN2D")
+    keys, values = memory.view(BLOCKS, HEADS, 2 * TOKENS, DIM).chunk(2, dim=2)
+    view = canonical_kv_view(memory.view(BLOCKS, HEADS, 2, TOKENS, DIM), "BH2ND")
     assert view.shape == (BLOCKS, 2, HEADS, TOKENS, DIM)
     assert view.data_ptr() == memory.data_ptr()  # a view, not a copy
-    assert torch.equal(view[3, 0, 1, 2], memory[3, 1, 2, :DIM])  # K
-    assert torch.equal(view[3, 1, 1, 2], memory[3, 1, 2, DIM:])  # V
-    assert kv_axis_order(view) == "BHN2D"
-    assert KVLayout.of(view) == KVLayout(BLOCKS, HEADS, TOKENS, DIM, "float32", "BHN2D")
+    assert torch.equal(view[:, 0], keys)
+    assert torch.equal(view[:, 1], values)
+    assert kv_axis_order(view) == "BH2ND"
+    assert KVLayout.of(view) == KVLayout(BLOCKS, HEADS, TOKENS, DIM, "float32", "BH2ND")
     assert kv_axis_order(_allocate("B2HND", HEADS)) == KV_AXES
     assert check_kv_cache("x", view) is view
 
@@ -104,7 +107,7 @@ def test_vllm_cpu_cache_is_split_and_its_order_detected():
         ("BB2HN", (2, 2, 2, 2, 2), r"got 'BB2HN'"),
         (None, (2, 2, 2, 2, 2), r"got None"),
         ("B2HND", (2, 3, 2, 2, 2), r"must have 5 axes with 2 at position 1, got shape \(2, 3,"),
-        ("BHN2D", (2, 2, 2, 3), r"must have 5 axes with 2 at position 3, got shape \(2, 2, 2, 3\)"),
+        ("BH2ND", (2, 2, 2, 3), r"must have 5 axes with 2 at position 2, got shape \(2, 2, 2, 3\)"),
     ],
 )
 def test_bad_orders_and_shapes_are_refused(order, shape, match):
@@ -130,7 +133,7 @@ def test_layout_order_travels_and_defaults_for_older_peers():
 
 
 @pytest.mark.parametrize(
-    ("server_order", "client_order"), [("BHN2D", "B2HND"), ("B2HND", "2BNHD"), ("2BHND", "BHN2D")]
+    ("server_order", "client_order"), [("BH2ND", "B2HND"), ("B2HND", "2BNHD"), ("2BHND", "BH2ND")]
 )
 def test_a_real_pull_between_orders_over_ucx(server_order, client_order):
     source = _seeded(HEADS)
@@ -152,13 +155,13 @@ def test_a_real_pull_between_orders_over_ucx(server_order, client_order):
 def test_connectors_view_the_engines_caches_in_its_declared_order():
     layout = KVCacheLayout(
         model="m", dtype="float32", block_size=TOKENS, num_blocks=BLOCKS, num_layers=1,
-        num_kv_heads=HEADS, head_dim=DIM, kv_order="BHN2D",
+        num_kv_heads=HEADS, head_dim=DIM, kv_order="BH2ND",
     )  # fmt: skip
-    memory = torch.zeros(BLOCKS, HEADS, TOKENS, 2 * DIM)
+    memory = torch.zeros(BLOCKS, HEADS, 2, TOKENS, DIM)
     views = canonical_kv_caches({"a": memory}, layout)
     assert views["a"].shape == (BLOCKS, 2, HEADS, TOKENS, DIM)
     assert views["a"].data_ptr() == memory.data_ptr()
     ours = memory.view(BLOCKS, 2, HEADS, TOKENS, DIM)
     assert canonical_kv_caches({"a": ours}, None)["a"].stride() == ours.stride()
-    with pytest.raises(ValueError, match=r"KV cache 'b': a KV cache in order 'BHN2D' must have"):
-        canonical_kv_caches({"b": torch.zeros(BLOCKS, HEADS, TOKENS, 3)}, layout)
+    with pytest.raises(ValueError, match=r"KV cache 'b': a KV cache in order 'BH2ND' must have"):
+        canonical_kv_caches({"b": torch.zeros(BLOCKS, HEADS, TOKENS, 2 * DIM)}, layout)

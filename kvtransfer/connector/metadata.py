@@ -74,7 +74,7 @@ class KVCacheLayout:
     tp_rank: int | None = None
     pp_rank: int | None = None
     # The axis order of the tensors `register_kv_caches` receives, outermost first (see
-    # `kvtransfer.transport.spec`): ours is "B2HND", vLLM's CPU backend "BHN2D". Connectors
+    # `kvtransfer.transport.spec`): ours is "B2HND", vLLM's CPU backend "BH2ND". Connectors
     # index them through `canonical_kv_caches`.
     kv_order: str = "B2HND"
 

@@ -4,8 +4,9 @@ Everything here indexes one attention layer's cache as ``[num_blocks, 2, num_kv_
 block_size, head_dim]`` (axes ``B2HND``: block, K/V, head, token, head dim). That is how our
 engine allocates it (heads outside tokens, so a head slice of a block is one run per K/V plane).
 Other engines order the axes differently in memory: vLLM's CPU backend allocates
-``[blocks, heads, block_size, 2 * head_dim]`` (``BHN2D``), its GPU backends put K and V first
-(``2BNHD``, ``2BHND``). Such a cache is registered as a *view* in ``B2HND`` order of its own
+``[blocks, heads, block_size, 2 * head_dim]`` and reads it as ``[blocks, heads, 2 * block_size,
+head_dim]``, K's tokens then V's (``BH2ND``); its GPU backends put K and V first (``2BNHD``,
+``2BHND``). Such a cache is registered as a *view* in ``B2HND`` order of its own
 memory (`canonical_kv_view`); its physical order (`kv_axis_order`) is part of its `KVLayout`.
 Payloads on the wire are always ``B2HND``, so the two ends of a pull may differ in physical
 order: gather and scatter convert, head slices included.
@@ -93,20 +94,18 @@ def _axis_order(name: str, order: object) -> str:
     if not isinstance(order, str) or sorted(order) != sorted(KV_AXES):
         raise ValueError(
             f"{name} must name the axes {KV_AXES!r} (block, K/V, head, token, head dim) once "
-            f"each, outermost first, e.g. 'B2HND' or 'BHN2D'; got {order!r}"
+            f"each, outermost first, e.g. 'B2HND' or 'BH2ND'; got {order!r}"
         )
     return order
 
 
 def canonical_kv_view(tensor: torch.Tensor, order: str) -> torch.Tensor:
-    """View ``tensor``, whose axes are ``order`` (a permutation of ``KV_AXES``), in ``B2HND``
-    order; no copy. A 4-D tensor whose last axis merges ``2`` and ``D`` (vLLM's CPU cache,
-    ``BHN2D`` as ``[blocks, heads, block_size, 2 * head_dim]``) is split first."""
+    """View ``tensor``, whose 5 axes are ``order`` (a permutation of ``KV_AXES``), in
+    ``B2HND`` order; no copy. (An engine that declares fewer axes, like vLLM's CPU cache,
+    reshapes its tensor to its 5 physical axes first.)"""
     order = _axis_order("KV axis order", order)
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"a KV cache must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() == KV_CACHE_NDIM - 1 and order.endswith("2D") and tensor.shape[-1] % 2 == 0:
-        tensor = tensor.unflatten(-1, (2, tensor.shape[-1] // 2))
     if tensor.dim() != KV_CACHE_NDIM or tensor.shape[order.index("2")] != 2:
         raise ValueError(
             f"a KV cache in order {order!r} must have 5 axes with 2 at position "
