@@ -68,6 +68,32 @@ class KVTransferConfig(BaseModel):
         except ValidationError as exc:
             raise KVTransferConfigError(_describe(exc)) from exc
 
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, kv_connector: str) -> KVTransferConfig:
+        """Our config for the kvtransfer connector ``kv_connector`` hosted in vLLM, from vLLM's
+        ``KVTransferConfig`` (read by attribute; vLLM is not imported).
+
+        vLLM refuses a top-level ``kv_ip``, so the handshake host comes from
+        ``kv_connector_extra_config.kv_ip``; ``kvtransfer_connector`` there (the generic
+        adapter's choice of connector) is vLLM-side only and dropped.
+        """
+        extra = dict(getattr(vllm_config, "kv_connector_extra_config", None) or {})
+        kv_ip = extra.pop("kv_ip", None)
+        extra.pop("kvtransfer_connector", None)
+        device = getattr(vllm_config, "kv_buffer_device", None)
+        return cls.from_dict(
+            {
+                "kv_connector": kv_connector,
+                "engine_id": vllm_config.engine_id,
+                "kv_role": vllm_config.kv_role,
+                "kv_buffer_device": device if device in ("cpu", "cuda") else None,
+                "kv_connector_extra_config": extra,
+                "kv_load_failure_policy": getattr(vllm_config, "kv_load_failure_policy", "fail"),
+                "kv_ip": kv_ip,
+                "kv_port": getattr(vllm_config, "kv_port", None),
+            }
+        )
+
     @property
     def is_kv_transfer_instance(self) -> bool:
         return self.kv_connector is not None

@@ -1,0 +1,1 @@
+"""kvtransfer connectors hosted by other engines (`vllm`); each module imports its engine."""

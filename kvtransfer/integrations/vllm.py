@@ -1,0 +1,253 @@
+"""kvtransfer connectors inside vLLM (``kv_connector_module_path: kvtransfer.integrations.vllm``).
+
+    --kv-transfer-config '{"kv_connector": "UcxConnector",
+        "kv_connector_module_path": "kvtransfer.integrations.vllm",
+        "kv_role": "kv_producer", "kv_port": 17001,
+        "kv_connector_extra_config": {"kv_ip": "10.0.0.5"}}'
+
+`KVTransferConnector` is a vLLM ``KVConnectorBase_V1`` that hosts one kvtransfer connector
+(ours or a third party's, found through the ``kvtransfer.connectors`` entry points) and
+translates between the two APIs; `UcxConnector`, `SharedStorageConnector` and `MultiConnector`
+are it with the name filled in; any other kvtransfer connector is named in
+``kv_connector_extra_config.kvtransfer_connector`` with ``"kv_connector": "KVTransferConnector"``.
+
+Life cycle, as vLLM drives it:
+
+1. vLLM builds one instance per role: the scheduler's, and one per worker process. Each builds
+   our config (`KVTransferConfig.from_vllm`: the handshake host is ``extra.kv_ip``, since vLLM
+   refuses a top-level ``kv_ip``) and our `KVCacheLayout` (model, ranks, and vLLM's CPU cache
+   order ``BH2ND``), then the hosted connector for that role.
+2. Workers: `register_kv_caches` reshapes vLLM's CPU caches to their physical axes; the hosted
+   connector indexes them through its layout, so head slices between a vLLM engine and ours (or
+   between TP sizes) copy the right bytes. The handshake metadata goes up through vLLM, which
+   merges it by ``(pp_rank, tp_rank)`` and hands it to the scheduler.
+3. Scheduler, per step: the hooks are forwarded with vLLM's objects read by attribute. A request
+   whose ``kv_transfer_params`` the hosted connector refuses (`ValueError`) is never allowed to
+   raise into vLLM (that kills the engine): it is answered as a load, which its workers report
+   failed with its blocks invalid, so vLLM applies ``kv_load_failure_policy`` to that request.
+4. Workers, per step: the metadata travels wrapped in a vLLM ``KVConnectorMetadata``; results
+   come back as vLLM's ``KVConnectorTransferResults``.
+
+Stats and KV events are not carried into vLLM's (both roles answer ``None`` / nothing);
+layer-wise streaming is not offered inside vLLM. Supported: vLLM 0.32.x, CPU attention.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1 as VllmConnectorBase,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata as VllmConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole as VllmRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults,
+)
+
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.factory import KVConnectorFactory
+from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole, PpTpRank
+from kvtransfer.integrations.vllm_translate import (
+    RefusedLoad,
+    SchedulerStep,
+    connector_output,
+    physical_cpu_caches,
+    single_group_block_ids,
+    vllm_kv_cache_layout,
+)
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ("0.32.",)
+if not str(vllm.__version__).startswith(SUPPORTED_VLLM):
+    raise ImportError(
+        f"kvtransfer.integrations.vllm supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}"
+        f"; this is vLLM {vllm.__version__}"
+    )
+
+
+class _Metadata(VllmConnectorMetadata):
+    """One step's metadata for the workers: the hosted connector's, plus refused loads."""
+
+    def __init__(self, inner: KVConnectorMetadata, refused: tuple[RefusedLoad, ...]) -> None:
+        self.inner = inner
+        self.refused = refused
+
+
+class KVTransferConnector(VllmConnectorBase):
+    """A vLLM connector hosting the kvtransfer connector ``kvtransfer_name`` (None: the one
+    named in ``kv_connector_extra_config.kvtransfer_connector``)."""
+
+    kvtransfer_name: ClassVar[str | None] = None
+
+    def __init__(self, vllm_config: Any, role: VllmRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        vllm_kv = vllm_config.kv_transfer_config
+        name = self.kvtransfer_name or (vllm_kv.kv_connector_extra_config or {}).get(
+            "kvtransfer_connector"
+        )
+        if not name:
+            raise ValueError(
+                "KVTransferConnector needs kv_connector_extra_config.kvtransfer_connector: the "
+                "name of the kvtransfer connector to host"
+            )
+        self._config = KVTransferConfig.from_vllm(vllm_kv, name)
+        is_scheduler = role == VllmRole.SCHEDULER
+        self._layout = vllm_kv_cache_layout(
+            vllm_config, kv_cache_config, None if is_scheduler else _worker_rank()
+        )
+        self._inner: KVConnectorBase_V1 = KVConnectorFactory.create_connector(
+            self._config,
+            KVConnectorRole.SCHEDULER if is_scheduler else KVConnectorRole.WORKER,
+            self._layout,
+        )
+        # Scheduler: loads refused since the last step, and those waiting for their blocks.
+        self._refusing: dict[str, str] = {}
+        self._refused: list[RefusedLoad] = []
+        # Worker: refused loads to report failed at the next results, and their blocks at the
+        # next load-error query (each hook clears its own: vLLM calls results first).
+        self._failed_loads: list[RefusedLoad] = []
+        self._failed_blocks: list[RefusedLoad] = []
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._inner.register_kv_caches(physical_cpu_caches(kv_caches, self._layout))
+
+    def bind_connector_metadata(self, connector_metadata: VllmConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, _Metadata):
+            self._failed_loads.extend(connector_metadata.refused)
+            self._failed_blocks.extend(connector_metadata.refused)
+            self._inner.bind_connector_metadata(connector_metadata.inner)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._inner.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._inner.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._inner.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._inner.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._inner.get_transfer_results(finished_req_ids)
+        refused = {load.req_id for load in self._failed_loads}
+        self._failed_loads = []
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | refused,
+            failed_recving=set(failed or ()) | refused,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        blocks = set(self._inner.get_block_ids_with_load_errors())
+        for load in self._failed_blocks:
+            blocks.update(load.block_ids)
+        self._failed_blocks = []
+        return blocks
+
+    def get_handshake_metadata(self) -> Any:
+        return self._inner.get_handshake_metadata()
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def get_kv_connector_stats(self) -> None:
+        # Called on both roles every step; our stats are not vLLM's dataclasses.
+        return None
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        try:
+            return self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        except ValueError as exc:
+            # Raising here would kill vLLM's engine: fail this request's load instead.
+            claim = len(request.prompt_token_ids) - num_computed_tokens - 1
+            logger.warning("request %s: %s", request.request_id, exc)
+            if claim <= 0:
+                return 0, False
+            self._refusing[request.request_id] = str(exc)
+            return claim, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        reason = self._refusing.pop(request.request_id, None)
+        block_ids = single_group_block_ids(blocks)
+        if reason is not None:
+            if num_external_tokens > 0:
+                self._refused.append(RefusedLoad(request.request_id, tuple(block_ids), reason))
+            return
+        self._inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> _Metadata:
+        inner = self._inner.build_connector_meta(SchedulerStep.of(scheduler_output))
+        refused, self._refused = tuple(self._refused), []
+        return _Metadata(inner, refused)
+
+    def update_connector_output(self, connector_output_: Any) -> None:
+        self._inner.update_connector_output(connector_output(connector_output_))
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._refusing.pop(request.request_id, None)
+        try:
+            return self._inner.request_finished(request, block_ids)
+        except ValueError as exc:
+            logger.warning("request %s: not handed over: %s", request.request_id, exc)
+            return False, None
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def get_finished_count(self) -> int | None:
+        return self._inner.get_finished_count()
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: Mapping[PpTpRank, Any]) -> None:
+        self._inner.set_xfer_handshake_metadata_pp_aware(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._inner.set_xfer_handshake_metadata(metadata)
+
+
+class UcxConnector(KVTransferConnector):
+    kvtransfer_name = "UcxConnector"
+
+
+class SharedStorageConnector(KVTransferConnector):
+    kvtransfer_name = "SharedStorageConnector"
+
+
+class MultiConnector(KVTransferConnector):
+    kvtransfer_name = "MultiConnector"
+
+
+def _worker_rank() -> PpTpRank:
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    return get_pp_group().rank_in_group, get_tp_group().rank_in_group
