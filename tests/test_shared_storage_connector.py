@@ -143,6 +143,8 @@ def test_hooks_of_the_other_role_raise(tmp_path):
     worker = SharedStorageConnector(config(tmp_path), KVConnectorRole.WORKER)
     with pytest.raises(RuntimeError, match=r"request_finished is a scheduler hook.*WORKER"):
         worker.request_finished(make_request(), [0])
+    # Observing hooks answer on either role: vLLM asks the scheduler for stats every step.
+    assert sched.get_kv_connector_stats() is None
 
 
 def test_foreign_metadata_is_refused(tmp_path):

@@ -197,7 +197,8 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
         return self._worker_half("get_handshake_metadata").handshake_metadata()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._worker_half("get_kv_connector_stats").stats()
+        # An observing hook: hosts (vLLM) call it on the scheduler instance too, every step.
+        return None if self._worker is None else self._worker.stats()
 
     def shutdown(self) -> None:
         if self._worker is not None:
