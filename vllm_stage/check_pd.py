@@ -71,7 +71,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, model: str, logs: Path, kv: dict, *flags: str, core: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        logs: Path,
+        kv: dict,
+        *flags: str,
+        core: int | None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.port = free_port()
         self.log = logs / f"{name}.log"
@@ -82,11 +91,15 @@ class Server:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            # One core per server (None: OpenMP threads float over all cores).
+            "VLLM_CPU_OMP_THREADS_BIND": "0-1" if core is None else str(core),
             "UCX_WARN_UNUSED_ENV_VARS": "n",
+            **(env or {}),
         }
+        # Pinned: every thread of the server (UCX progress threads too) on its core.
+        pin = [] if core is None else ["taskset", "-c", str(core)]
         command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            *pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--dtype", "float32", "--enforce-eager",
             "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE),
             "--host", "127.0.0.1", "--port", str(self.port),
