@@ -1,0 +1,322 @@
+"""The vLLM adapter's translations, with look-alikes of vLLM 0.32's objects (vLLM not imported).
+
+Covers `KVTransferConfig.from_vllm` and, from `kvtransfer.integrations.vllm_translate`,
+`vllm_kv_cache_layout`, `physical_cpu_caches` (checked against how vLLM's CPU attention reads
+K and V), `single_group_block_ids`, `SchedulerStep.of` and `connector_output`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtransfer.config import KVTransferConfig, KVTransferConfigError
+from kvtransfer.connector.metadata import KVCacheLayout, canonical_kv_caches
+from kvtransfer.integrations.vllm_translate import (
+    VLLM_CPU_KV_ORDER,
+    SchedulerStep,
+    connector_output,
+    physical_cpu_caches,
+    single_group_block_ids,
+    vllm_kv_cache_layout,
+)
+from kvtransfer.outputs import KVConnectorOutput
+
+# ---------------------------------------------------------------------------------------------
+# Look-alikes of vLLM's objects (attributes only, as vLLM 0.32 spells them).
+
+
+def vllm_kv_transfer_config(**overrides):
+    """vLLM's ``KVTransferConfig`` with its defaults (kv_port 14579) unless overridden."""
+    values = {
+        "kv_connector": "KVTransferConnector",
+        "engine_id": "engine-a",
+        "kv_role": "kv_producer",
+        "kv_buffer_device": "cuda",
+        "kv_connector_extra_config": {},
+        "kv_port": 14579,
+        "kv_load_failure_policy": "fail",
+        "kv_connector_module_path": "kvtransfer.integrations.vllm",
+    }
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+@dataclass
+class FakeModelConfig:
+    model: str = "tiny-llama"
+    dtype: torch.dtype = torch.float32
+    num_layers: int = 3
+    num_kv_heads: int = 4
+    head_size: int = 8
+
+    def get_total_num_hidden_layers(self) -> int:
+        return self.num_layers
+
+    def get_total_num_kv_heads(self) -> int:
+        return self.num_kv_heads
+
+    def get_head_size(self) -> int:
+        return self.head_size
+
+
+def vllm_config(block_size: int = 16, tp: int = 2, pp: int = 3):
+    return SimpleNamespace(
+        model_config=FakeModelConfig(),
+        cache_config=SimpleNamespace(block_size=block_size),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+    )
+
+
+@dataclass
+class FakeKVCacheBlocks:
+    groups: tuple[list[int], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.groups
+
+
+@dataclass
+class FakeVllmKVConnectorOutput:
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    expected_finished_count: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# KVTransferConfig.from_vllm
+
+
+def test_from_vllm_carries_vllm_fields_and_moves_kv_ip_out_of_extra():
+    extra = {"kv_ip": "10.1.2.3", "kvtransfer_connector": "UcxConnector", "backends": ["UCX"]}
+    source = vllm_kv_transfer_config(
+        engine_id="engine-7",
+        kv_role="kv_consumer",
+        kv_port=14579,
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+    )
+    config = KVTransferConfig.from_vllm(source, "UcxConnector")
+
+    assert config.kv_connector == "UcxConnector"
+    assert config.engine_id == "engine-7"
+    assert config.kv_role == "kv_consumer"
+    assert config.kv_port == 14579
+    assert config.kv_load_failure_policy == "recompute"
+    assert config.kv_ip == "10.1.2.3"
+    assert config.kv_connector_extra_config == {"backends": ["UCX"]}
+    # vLLM's own dict is left as it was.
+    assert extra == {
+        "kv_ip": "10.1.2.3",
+        "kvtransfer_connector": "UcxConnector",
+        "backends": ["UCX"],
+    }
+
+
+def test_from_vllm_without_kv_ip_leaves_it_unset():
+    config = KVTransferConfig.from_vllm(
+        vllm_kv_transfer_config(kv_connector_extra_config={"shared_storage_path": "/tmp/kv"}),
+        "SharedStorageConnector",
+    )
+    assert config.kv_ip is None
+    assert config.kv_connector_extra_config == {"shared_storage_path": "/tmp/kv"}
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [("cpu", "cpu"), ("cuda", "cuda"), ("xpu", None), (None, None)],
+)
+def test_from_vllm_keeps_only_buffer_devices_we_know(device, expected):
+    config = KVTransferConfig.from_vllm(
+        vllm_kv_transfer_config(kv_buffer_device=device), "UcxConnector"
+    )
+    assert config.kv_buffer_device == expected
+
+
+def test_from_vllm_rejects_an_invalid_role_naming_the_key():
+    with pytest.raises(KVTransferConfigError, match=r"kv_role: .*'kv_sender'"):
+        KVTransferConfig.from_vllm(vllm_kv_transfer_config(kv_role="kv_sender"), "UcxConnector")
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm_kv_cache_layout
+
+
+@pytest.mark.parametrize(
+    ("rank", "pp_rank", "tp_rank"),
+    [(None, None, None), ((1, 0), 1, 0)],
+    ids=["scheduler", "worker"],
+)
+def test_vllm_kv_cache_layout(rank, pp_rank, tp_rank):
+    layout = vllm_kv_cache_layout(vllm_config(), SimpleNamespace(num_blocks=37), rank)
+    assert layout == KVCacheLayout(
+        model="tiny-llama",
+        dtype="float32",
+        block_size=16,
+        num_blocks=37,
+        num_layers=3,
+        num_kv_heads=4,
+        head_dim=8,
+        tp_size=2,
+        pp_size=3,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        kv_order="BH2ND",
+    )
+    assert layout.rank == rank
+
+
+def test_vllm_kv_cache_layout_without_kv_cache_config_has_one_block():
+    layout = vllm_kv_cache_layout(vllm_config(), None, None)
+    assert layout.num_blocks == 1
+    assert layout.kv_order == VLLM_CPU_KV_ORDER == "BH2ND"
+
+
+# ---------------------------------------------------------------------------------------------
+# physical_cpu_caches
+
+BLOCKS, HEADS, BLOCK_SIZE, HEAD_SIZE = 5, 4, 16, 8
+
+
+def cpu_layout(block_size: int = BLOCK_SIZE) -> KVCacheLayout:
+    return vllm_kv_cache_layout(
+        vllm_config(block_size=block_size), SimpleNamespace(num_blocks=BLOCKS), (0, 0)
+    )
+
+
+def vllm_cpu_cache() -> torch.Tensor:
+    numel = BLOCKS * HEADS * BLOCK_SIZE * 2 * HEAD_SIZE
+    return torch.arange(numel, dtype=torch.float32).view(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+
+
+def test_physical_cpu_caches_views_the_five_physical_axes():
+    cache = vllm_cpu_cache()
+    views = physical_cpu_caches({"layers.0.attn": cache}, cpu_layout())
+    assert list(views) == ["layers.0.attn"]
+    view = views["layers.0.attn"]
+    assert view.shape == (BLOCKS, HEADS, 2, BLOCK_SIZE, HEAD_SIZE)
+    assert view.data_ptr() == cache.data_ptr()
+    view[1, 2, 1, 3, 4] = -1.0  # writes land in vLLM's tensor (a view, not a copy)
+    assert (cache == -1.0).sum().item() == 1
+
+
+def test_canonical_view_of_a_physical_cpu_cache_splits_k_and_v_as_vllm_reads_them():
+    cache = vllm_cpu_cache()
+    layout = cpu_layout()
+    canonical = canonical_kv_caches(physical_cpu_caches({"layer": cache}, layout), layout)["layer"]
+
+    # How vLLM's CPU attention reads the cache: per head, all K tokens then all V tokens.
+    key, value = cache.view(BLOCKS, HEADS, 2 * BLOCK_SIZE, HEAD_SIZE).chunk(2, dim=2)
+    assert canonical.shape == (BLOCKS, 2, HEADS, BLOCK_SIZE, HEAD_SIZE)
+    assert torch.equal(canonical[:, 0], key)
+    assert torch.equal(canonical[:, 1], value)
+    assert not torch.equal(key, value)
+    assert canonical.data_ptr() == cache.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("cache", "block_size", "pattern"),
+    [
+        (
+            torch.zeros(BLOCKS, HEADS, 2, BLOCK_SIZE, HEAD_SIZE),
+            BLOCK_SIZE,
+            r"'layer' has shape \(5, 4, 2, 16, 8\); vLLM's CPU layout is a contiguous "
+            r"\[num_blocks, kv_heads, 16, 2 \* head_size\]",
+        ),
+        (
+            torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE),
+            32,
+            r"'layer' has shape \(5, 4, 16, 16\); .*\[num_blocks, kv_heads, 32, 2 \* head_size\]",
+        ),
+        (
+            torch.zeros(BLOCKS, HEADS, 2 * HEAD_SIZE, BLOCK_SIZE).transpose(2, 3),
+            BLOCK_SIZE,
+            r"'layer' has shape \(5, 4, 16, 16\); vLLM's CPU layout is a contiguous",
+        ),
+        (
+            torch.empty(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device="meta"),
+            BLOCK_SIZE,
+            r"'layer' is on meta: the vLLM adapter supports vLLM's CPU attention layout only",
+        ),
+    ],
+    ids=["5-d", "other-block-size", "non-contiguous", "meta-device"],
+)
+def test_physical_cpu_caches_refuses(cache, block_size, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        physical_cpu_caches({"layer": cache}, cpu_layout(block_size))
+
+
+# ---------------------------------------------------------------------------------------------
+# single_group_block_ids
+
+
+def test_single_group_block_ids_gives_the_group_as_a_list():
+    group = [3, 1, 4]
+    ids = single_group_block_ids(FakeKVCacheBlocks((group,)))
+    assert ids == [3, 1, 4]
+    assert type(ids) is list
+    assert ids is not group
+
+
+def test_single_group_block_ids_refuses_two_groups():
+    with pytest.raises(ValueError, match=r"the request has 2 KV cache groups"):
+        single_group_block_ids(FakeKVCacheBlocks(([0, 1], [2, 3])))
+
+
+# ---------------------------------------------------------------------------------------------
+# SchedulerStep.of
+
+
+@pytest.mark.parametrize(
+    ("preempted", "expected"),
+    [(None, frozenset()), (set(), frozenset()), ({"r2", "r3"}, frozenset({"r2", "r3"}))],
+)
+def test_scheduler_step_of(preempted, expected):
+    scheduled = {"r1": 7, "r4": 1}
+    step = SchedulerStep.of(
+        SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=preempted)
+    )
+    assert dict(step.num_scheduled_tokens) == {"r1": 7, "r4": 1}
+    assert step.preempted_req_ids == expected
+    assert isinstance(step.preempted_req_ids, frozenset)
+    assert step.scheduled_cached_reqs == ()
+    scheduled["r5"] = 2  # a copy: vLLM reusing its dict does not change the step
+    assert "r5" not in step.num_scheduled_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# connector_output
+
+
+def test_connector_output_of_an_empty_vllm_output_is_all_none():
+    output = connector_output(
+        FakeVllmKVConnectorOutput(finished_sending=set(), finished_recving=set())
+    )
+    assert output == KVConnectorOutput()
+
+
+def test_connector_output_copies_what_vllm_reports():
+    source = FakeVllmKVConnectorOutput(
+        finished_sending={"a"},
+        finished_recving={"b", "c"},
+        failed_recving={"c"},
+        invalid_block_ids={4, 9},
+        expected_finished_count=3,
+    )
+    output = connector_output(source)
+    assert output == KVConnectorOutput(
+        finished_sending={"a"},
+        finished_recving={"b", "c"},
+        failed_recving={"c"},
+        invalid_block_ids={4, 9},
+        expected_finished_count=3,
+    )
+    assert output.finished_sending is not source.finished_sending
+    assert output.finished_recving is not source.finished_recving
+    assert output.failed_recving is not source.failed_recving
+    assert output.invalid_block_ids is not source.invalid_block_ids
