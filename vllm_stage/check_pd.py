@@ -91,8 +91,10 @@ class Server:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            # One core per server (None: OpenMP threads float over all cores).
-            "VLLM_CPU_OMP_THREADS_BIND": "0-1" if core is None else str(core),
+            # One core per server; None: one OpenMP thread, unbound (the OS schedules it, and
+            # two engines do not oversubscribe two cores with spinning OpenMP teams).
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind" if core is None else str(core),
+            **({"OMP_NUM_THREADS": "1"} if core is None else {}),
             "UCX_WARN_UNUSED_ENV_VARS": "n",
             **(env or {}),
         }
