@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,11 @@ def parse_continue_tokens(
 ) -> tuple[int, ...]:
     if not request.request_id:
         raise RequestError("request_id must not be empty")
-    ids = tuple(request.generated_token_ids)
+    return _in_vocabulary(request.generated_token_ids, vocab_size)
+
+
+def _in_vocabulary(token_ids: Iterable[int], vocab_size: int) -> tuple[int, ...]:
+    ids = tuple(token_ids)
     for index, token in enumerate(ids):
         if token >= vocab_size:
             raise RequestError(
@@ -74,13 +79,7 @@ def parse_continue_tokens(
 
 
 def _generated_ids(request: generation_pb2.GenerateRequest, vocab_size: int) -> tuple[int, ...]:
-    ids = tuple(request.generated_token_ids)
-    for index, token in enumerate(ids):
-        if token >= vocab_size:
-            raise RequestError(
-                f"generated_token_ids[{index}] = {token} is outside the vocabulary "
-                f"(size {vocab_size})"
-            )
+    ids = _in_vocabulary(request.generated_token_ids, vocab_size)
     if len(ids) >= max(request.sampling.max_tokens, 1):
         raise RequestError(
             f"generated_token_ids holds {len(ids)} tokens, max_tokens "

@@ -512,24 +512,22 @@ class PullClient:
             first, last, self._loop.new_host_buffer(RESPONSE_HEADER_BYTES), buffer[:total], buffer
         )
 
-        def fail(error: BaseException) -> None:
+        def update(error: BaseException | None, *, arrived: bool) -> None:
             with state.cond:
-                if exchange.error is None:
+                if error is not None and exchange.error is None:
                     exchange.error = error
+                if arrived:
+                    exchange.pending -= 1
                 state.cond.notify_all()
                 completion = exchange.take_completion()
             if completion is not None:
                 completion()
 
+        def fail(error: BaseException) -> None:
+            update(error, arrived=False)
+
         def received(error: BaseException | None) -> None:
-            with state.cond:
-                if error is not None and exchange.error is None:
-                    exchange.error = error
-                exchange.pending -= 1
-                state.cond.notify_all()
-                completion = exchange.take_completion()
-            if completion is not None:
-                completion()
+            update(error, arrived=True)
 
         def sent(error: BaseException | None) -> None:
             if error is not None:
