@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvtransfer/v1/generation.proto\x12\rkvtransfer.v1\"B\n\x0f\x43ontinueRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x02 \x03(\r\"\x12\n\x10\x43ontinueResponse\"G\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x17kv_transfer_params_json\x18\x02 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc9\x01\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xfd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.kvtransfer.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.kvtransfer.v1.SamplingOptions\x12\x1f\n\x17kv_transfer_params_json\x18\x05 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x06 \x03(\r\x12\x1e\n\x16\x61wait_generated_tokens\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe5\x01\n\x0eRequestMetrics\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x02 \x01(\x01\x12\x1a\n\x12kv_blocks_received\x18\x03 \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x04 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x04\x12\x1d\n\x15num_recomputed_tokens\x18\x06 \x01(\x04\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tcompute_s\x18\x08 \x01(\x01\x12\x17\n\x0fkv_overlapped_s\x18\t \x01(\x01\"\xeb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x1f\n\x17kv_transfer_params_json\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12.\n\x07metrics\x18\t \x01(\x0b\x32\x1d.kvtransfer.v1.RequestMetrics2\xf8\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.kvtransfer.v1.GenerateRequest\x1a\x1f.kvtransfer.v1.GenerateResponse0\x01\x12N\n\tReleaseKV\x12\x1f.kvtransfer.v1.ReleaseKVRequest\x1a .kvtransfer.v1.ReleaseKVResponse\x12K\n\x08\x43ontinue\x12\x1e.kvtransfer.v1.ContinueRequest\x1a\x1f.kvtransfer.v1.ContinueResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvtransfer/v1/generation.proto\x12\rkvtransfer.v1\"B\n\x0f\x43ontinueRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x02 \x03(\r\"\x12\n\x10\x43ontinueResponse\"G\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x17kv_transfer_params_json\x18\x02 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xed\x01\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xa8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.kvtransfer.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x19.kvtransfer.v1.ChatPromptH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.kvtransfer.v1.SamplingOptions\x12\x1f\n\x17kv_transfer_params_json\x18\x05 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x06 \x03(\r\x12\x1e\n\x16\x61wait_generated_tokens\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"B\n\nChatPrompt\x12\x15\n\rmessages_json\x18\x01 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"h\n\x0eOutputLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.kvtransfer.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.kvtransfer.v1.TokenLogprob\"\xe5\x01\n\x0eRequestMetrics\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x02 \x01(\x01\x12\x1a\n\x12kv_blocks_received\x18\x03 \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x04 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x04\x12\x1d\n\x15num_recomputed_tokens\x18\x06 \x01(\x04\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tcompute_s\x18\x08 \x01(\x01\x12\x17\n\x0fkv_overlapped_s\x18\t \x01(\x01\"\xb6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x1f\n\x17kv_transfer_params_json\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12.\n\x07metrics\x18\t \x01(\x0b\x32\x1d.kvtransfer.v1.RequestMetrics\x12/\n\x08logprobs\x18\n \x03(\x0b\x32\x1d.kvtransfer.v1.OutputLogprobs\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\r2\xf8\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.kvtransfer.v1.GenerateRequest\x1a\x1f.kvtransfer.v1.GenerateResponse0\x01\x12N\n\tReleaseKV\x12\x1f.kvtransfer.v1.ReleaseKVRequest\x1a .kvtransfer.v1.ReleaseKVResponse\x12K\n\x08\x43ontinue\x12\x1e.kvtransfer.v1.ContinueRequest\x1a\x1f.kvtransfer.v1.ContinueResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,15 +40,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEKVRESPONSE']._serialized_start=210
   _globals['_RELEASEKVRESPONSE']._serialized_end=247
   _globals['_SAMPLINGOPTIONS']._serialized_start=250
-  _globals['_SAMPLINGOPTIONS']._serialized_end=451
-  _globals['_GENERATEREQUEST']._serialized_start=454
-  _globals['_GENERATEREQUEST']._serialized_end=707
-  _globals['_TOKENIDS']._serialized_start=709
-  _globals['_TOKENIDS']._serialized_end=732
-  _globals['_REQUESTMETRICS']._serialized_start=735
-  _globals['_REQUESTMETRICS']._serialized_end=964
-  _globals['_GENERATERESPONSE']._serialized_start=967
-  _globals['_GENERATERESPONSE']._serialized_end=1202
-  _globals['_GENERATION']._serialized_start=1205
-  _globals['_GENERATION']._serialized_end=1453
+  _globals['_SAMPLINGOPTIONS']._serialized_end=487
+  _globals['_GENERATEREQUEST']._serialized_start=490
+  _globals['_GENERATEREQUEST']._serialized_end=786
+  _globals['_TOKENIDS']._serialized_start=788
+  _globals['_TOKENIDS']._serialized_end=811
+  _globals['_CHATPROMPT']._serialized_start=813
+  _globals['_CHATPROMPT']._serialized_end=879
+  _globals['_TOKENLOGPROB']._serialized_start=881
+  _globals['_TOKENLOGPROB']._serialized_end=945
+  _globals['_OUTPUTLOGPROBS']._serialized_start=947
+  _globals['_OUTPUTLOGPROBS']._serialized_end=1051
+  _globals['_REQUESTMETRICS']._serialized_start=1054
+  _globals['_REQUESTMETRICS']._serialized_end=1283
+  _globals['_GENERATERESPONSE']._serialized_start=1286
+  _globals['_GENERATERESPONSE']._serialized_end=1596
+  _globals['_GENERATION']._serialized_start=1599
+  _globals['_GENERATION']._serialized_end=1847
 # @@protoc_insertion_point(module_scope)
