@@ -175,11 +175,11 @@ def test_the_first_token_comes_from_the_prefill_and_may_end_the_request(one_to_o
     [
         ({"max_tokens": 3}, "prompt", "prompt: Field required"),
         ({"prompt": "", "max_tokens": 3}, "prompt", "prompt: must not be empty"),
-        ({"prompt": [1, -2]}, "prompt", "prompt: must be a string, or a list"),
+        ({"prompt": [1, -2]}, "prompt", "prompt: token ids must be integers in [0, 2**32)"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater"),
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature: Input should be"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "stop: at most 4"),
-        ({"prompt": "x", "n": 2}, "n", "n: not supported by this router"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "presence_penalty: not"),
         ({"prompt": [1, 99999]}, None, "prompt.token_ids[1] = 99999 is outside the vocabulary"),
         ({"prompt": "x" * 1800}, None, "but the pool has only 96"),
     ],

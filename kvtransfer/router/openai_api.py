@@ -13,39 +13,102 @@ from __future__ import annotations
 
 import json
 import re
-import time
-from typing import Any
+import secrets
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP = 4
+# Choices one request may ask for (prompts x n): each is a prefill and a decode of its own.
+MAX_CHOICES = 128
+# The most alternatives per position a client may ask log-probabilities for (as vLLM).
+MAX_LOGPROBS = 20
 _UINT32_MAX = 2**32 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-# Objects and arrays inside each other, the body itself being level 1. A completion request
-# needs 3 (body, prompt batch, token ids); the bound keeps parsing and checking cheap.
+# Objects and arrays inside each other, the body itself being level 1. A chat request needs 4
+# (body, messages, a message, its content parts); the bound keeps parsing and checking cheap.
 MAX_JSON_DEPTH = 64
 # Only an escape can put a surrogate into a decoded string (strict UTF-8 decoding refuses the
 # raw bytes), so bodies without one skip the string walk.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-# Fields whose non-default values cannot be honoured: rejected rather than silently ignored.
-_UNSUPPORTED: dict[str, object] = {"n": 1, "best_of": 1, "echo": False, "logprobs": None}
+# Fields whose other values cannot be honoured: rejected rather than silently ignored. A value
+# equal to the default (type included: ``true`` is not 1) or ``null`` passes.
+_UNSUPPORTED_ANY: dict[str, object] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+    "suffix": None,
+}
+_UNSUPPORTED_CHAT: dict[str, object] = {
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "audio": None,
+    "prediction": None,
+    "continue_final_message": False,
+}
+_ROLES = frozenset({"system", "developer", "user", "assistant"})
 
 
 class InvalidRequest(ValueError):
-    """A malformed completions request; ``param`` names the field (``None``: the whole body)."""
+    """A malformed request; ``param`` names the field (``None``: the whole body)."""
 
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
         self.param = param
 
 
-class CompletionRequest(BaseModel):
-    """One validated ``/v1/completions`` body; ``prompt`` is normalised to one str or id list."""
+@dataclass(frozen=True)
+class ChatMessages:
+    """A conversation for the prefill daemon to render with its chat template."""
+
+    messages_json: str
+    add_generation_prompt: bool = True
+
+
+Prompt = str | tuple[int, ...] | ChatMessages
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One completion to produce: a prompt and how to sample it (its own seed), on one prefill
+    and one decode daemon. ``index`` is its place in the answer's ``choices``; ``sample`` its
+    place among the ``n`` samples of its prompt."""
+
+    index: int
+    sample: int
+    prompt: Prompt
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    logprobs: int | None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields completions and chat completions share."""
 
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
     model: str | None = None
-    prompt: str | list[int]
     # Bounds follow the proto fields (uint32 max_tokens, int64 seed) so nothing overflows there.
     max_tokens: int = Field(default=16, ge=1, le=_UINT32_MAX)
     temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False)
@@ -53,24 +116,11 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)
     stop: list[str] = Field(default_factory=list)
     stream: bool = False
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        # OpenAI allows a batch; a batch of one (text or ids) is the same request as its element.
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-            value = value[0]
-        if isinstance(value, str):
-            if not value:
-                raise ValueError("must not be empty")
-            return value
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("must not be empty")
-            if not all(_is_token_id(t) for t in value):
-                raise ValueError("must be a string, or a list of non-negative token ids")
-            return value
-        raise ValueError("must be a string, or a list of non-negative token ids")
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    user: str | None = None
+    # vLLM's extension, sent by load generators that want exact output lengths.
+    ignore_eos: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -83,6 +133,186 @@ class CompletionRequest(BaseModel):
             if any(isinstance(s, str) and not s for s in value):
                 raise ValueError("stop strings must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest(
+                "stream_options: only allowed when stream is true", "stream_options"
+            )
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _choices(self, prompts: list[Prompt], logprobs: int | None) -> tuple[Choice, ...]:
+        total = len(prompts) * self.n
+        if total > MAX_CHOICES:
+            raise InvalidRequest(
+                f"n: {len(prompts)} prompts x n={self.n} is {total} choices, at most "
+                f"{MAX_CHOICES} per request",
+                "n",
+            )
+        choices = []
+        for p, prompt in enumerate(prompts):
+            for j in range(self.n):
+                choices.append(
+                    Choice(
+                        index=p * self.n + j,
+                        sample=j,
+                        prompt=prompt,
+                        max_tokens=self.max_tokens,
+                        temperature=self.temperature,
+                        top_p=self.top_p,
+                        seed=self._seed(j),
+                        stop=tuple(self.stop),
+                        ignore_eos=self.ignore_eos,
+                        logprobs=logprobs,
+                    )
+                )
+        return tuple(choices)
+
+    def _seed(self, sample: int) -> int | None:
+        """Sample ``j`` of a prompt is seeded ``seed + j`` (wrapping within int64), so each
+        choice is what one request with that seed gives. Unseeded random sampling gets a seed
+        drawn here: the prefill (first token) and the decode (the rest) must share it."""
+        if self.seed is not None:
+            return (self.seed + sample - _INT64_MIN) % 2**64 + _INT64_MIN
+        if self.temperature == 0:
+            return None
+        return secrets.randbits(63)
+
+
+class CompletionRequest(SamplingRequest):
+    """One validated ``/v1/completions`` body; ``prompt`` is normalised to a list of prompts,
+    each one string or one list of token ids."""
+
+    prompt: list[str | list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_batch(cls, value: Any) -> Any:
+        if isinstance(value, str) or _is_int_list(value):
+            value = [value]
+        if value == [] or value == [""]:
+            raise ValueError("must not be empty")
+        if not isinstance(value, list):
+            raise ValueError(_PROMPT_SHAPE)
+        for index, prompt in enumerate(value):
+            where = f"[{index}]: " if len(value) > 1 else ""
+            if prompt == "" or prompt == []:
+                raise ValueError(f"{where}must not be empty")
+            if _is_int_list(prompt) and not all(_is_token_id(t) for t in prompt):
+                raise ValueError(f"{where}token ids must be integers in [0, 2**32)")
+            if not (isinstance(prompt, str) or _is_int_list(prompt)):
+                raise ValueError(f"{where}{_PROMPT_SHAPE}")
+        return value
+
+    @model_validator(mode="after")
+    def _checks(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest(
+                "best_of: not supported by this router (only best_of equal to n)", "best_of"
+            )
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest(
+                "echo: not supported with logprobs (prompt log-probabilities are not computed)",
+                "echo",
+            )
+        if self.echo and not all(isinstance(p, str) for p in self.prompt):
+            raise InvalidRequest("echo: only supported for text prompts", "echo")
+        return self
+
+    def choices(self) -> tuple[Choice, ...]:
+        prompts: list[Prompt] = [p if isinstance(p, str) else tuple(p) for p in self.prompt]
+        return self._choices(prompts, self.logprobs)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """One validated ``/v1/chat/completions`` body, its messages normalised (text content)."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _text_messages(cls, value: Any) -> Any:
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a non-empty list of messages")
+        return [_chat_message(message, index) for index, message in enumerate(value)]
+
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs: requires logprobs to be true", "top_logprobs")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise InvalidRequest(
+                f"response_format: type {kind!r} is not supported (only 'text')",
+                "response_format",
+            )
+        return self
+
+    def choices(self) -> tuple[Choice, ...]:
+        prompt = ChatMessages(
+            json.dumps(self.messages, ensure_ascii=False), self.add_generation_prompt
+        )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        limit = self.max_completion_tokens
+        request = self if limit is None else self.model_copy(update={"max_tokens": limit})
+        return request._choices([prompt], logprobs)
+
+
+_PROMPT_SHAPE = "must be a string, a list of non-negative token ids, or a list of such prompts"
+
+
+def _chat_message(message: Any, index: int) -> dict[str, Any]:
+    """A message with text content only: content parts of type "text" joined with newlines
+    (as vLLM does for string-content templates); images, audio and tool calls refused."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise ValueError(f"{where}: must be an object with a role and content")
+    role = message.get("role")
+    if role == "tool" or ("tool_calls" in message and message["tool_calls"] is not None):
+        raise ValueError(f"{where}: tool calls and tool messages are not supported")
+    if role not in _ROLES:
+        raise ValueError(f"{where}.role: must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"{where}.content[{k}]: only text parts are supported (text-only model), "
+                    f"got type {kind!r}"
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise ValueError(f"{where}.content: must be a string or a list of text parts")
+    normalised: dict[str, Any] = {"role": role, "content": content}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise ValueError(f"{where}.name: must be a string")
+        normalised["name"] = name
+    return normalised
+
+
+def _is_int_list(value: Any) -> bool:
+    """A list of integers (booleans too: a token id list with a mistake in it)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
 
 
 def _is_token_id(value: Any) -> bool:
@@ -165,21 +395,43 @@ def _json_path(path: tuple[str | int, ...]) -> str:
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a decoded JSON body; raises `InvalidRequest` naming the first bad field."""
+    """Validate a decoded ``/v1/completions`` body; raises `InvalidRequest` naming the first
+    bad field."""
+    return _parse(CompletionRequest, body, _UNSUPPORTED_ANY)
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """Validate a decoded ``/v1/chat/completions`` body (see `parse_completion_request`)."""
+    return _parse(ChatCompletionRequest, body, {**_UNSUPPORTED_ANY, **_UNSUPPORTED_CHAT})
+
+
+_Request = TypeVar("_Request", bound=SamplingRequest)
+
+
+def _parse(model: type[_Request], body: Any, unsupported: dict[str, object]) -> _Request:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", None)
-    for name, default in _UNSUPPORTED.items():
+    for name, default in unsupported.items():
         value = body.get(name)
         # type() too: ``true`` equals 1 and ``0`` equals False, but neither is the default.
         if value is not None and (value != default or type(value) is not type(default)):
             raise InvalidRequest(f"{name}: not supported by this router", name)
+    if body.get("logit_bias"):
+        raise InvalidRequest("logit_bias: not supported by this router", "logit_bias")
     fields = {k: v for k, v in body.items() if v is not None}
     try:
-        return CompletionRequest.model_validate(fields)
+        return model.model_validate(fields)
+    except InvalidRequest:
+        raise
     except ValidationError as exc:
         error = exc.errors()[0]
         field = str(error["loc"][0]) if error["loc"] else None
         message = error["msg"].removeprefix("Value error, ")
+        if isinstance(error.get("ctx", {}).get("error"), InvalidRequest):
+            invalid = error["ctx"]["error"]
+            raise InvalidRequest(str(invalid), invalid.param) from None
+        if message.startswith("messages["):  # already names the message and its field
+            raise InvalidRequest(message, field) from None
         raise InvalidRequest(f"{field}: {message}", field) from None
 
 
@@ -191,28 +443,3 @@ def error_body(
 ) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def completion_body(
-    completion_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    *,
-    created: int | None = None,
-    usage: dict[str, int] | None = None,
-    kvtransfer: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A whole completion, or one streamed chunk of it (``usage`` omitted)."""
-    body: dict[str, Any] = {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-    }
-    if usage is not None:
-        body["usage"] = usage
-    if kvtransfer is not None:
-        body["kvtransfer"] = kvtransfer
-    return body

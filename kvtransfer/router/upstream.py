@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtransfer.router.openai_api import CompletionRequest
+from kvtransfer.router.openai_api import ChatMessages, Choice
 from kvtransfer.serve.client import generate_request as build_generate_request
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
@@ -291,20 +291,21 @@ class Upstream:
     async def run_prefill(
         self,
         request_id: str,
-        request: CompletionRequest,
+        request: Choice,
         deadline: float,
-        on_params: Callable[[str], None] | None = None,
+        on_params: Callable[[generation_pb2.GenerateResponse], None] | None = None,
     ) -> PrefillResult:
         """The prompt and the request's first token on the next prefill daemon.
 
         ``deadline`` is a `time.monotonic` instant. The prefill samples with every option of
         the request (stop strings included: a stop in the first token ends the request, as it
         would colocated). Its KV is held for a decode daemon unless ``max_tokens`` is 1.
-        ``on_params`` gets the params the daemon announces before its final message (its KV
-        is being computed), once.
+        ``on_params`` gets, once, the stream so far (header included: the prompt's tokens of
+        a chat) when the daemon announces its params before its final message (its KV is
+        being computed).
         """
         daemon = self.prefill.pick()
-        message = generate_request(request_id, request, max_tokens=1)
+        message = generate_request(request_id, request, request.prompt, max_tokens=1)
         if request.max_tokens > 1:
             message.kv_transfer_params_json = (
                 PREFILL_PARAMS_JSON if on_params is not None else PREFILL_PARAMS_NO_STREAM_JSON
@@ -315,13 +316,16 @@ class Upstream:
             async for reply in replies:
                 if final is not None:
                     continue
-                if not reply.finished and reply.kv_transfer_params_json and on_params:
-                    on_params(reply.kv_transfer_params_json)
-                    on_params = None
                 # One message of the whole stream: the header and any tokens before the end.
                 first.token_ids.extend(reply.token_ids)
                 first.text += reply.text
+                first.logprobs.extend(reply.logprobs)
+                first.prompt_token_ids.extend(reply.prompt_token_ids)
                 first.num_prompt_tokens = reply.num_prompt_tokens or first.num_prompt_tokens
+                if not reply.finished and reply.kv_transfer_params_json and on_params:
+                    first.kv_transfer_params_json = reply.kv_transfer_params_json
+                    on_params(first)
+                    on_params = None
                 if reply.finished:
                     final = reply
         if final is None:
@@ -334,6 +338,9 @@ class Upstream:
         result = PrefillResult(daemon, first)
         if request.max_tokens > 1 and final.finish_reason == "length" and not result.continues:
             raise _fault(daemon, "no kv_transfer_params in its final message", "no_kv_params")
+        if isinstance(request.prompt, ChatMessages) and not first.prompt_token_ids:
+            message = "no prompt_token_ids for a chat prompt (a daemon older than the router?)"
+            raise _fault(daemon, message, "no_prompt_tokens")
         return result
 
     def pick_decode(self) -> Daemon:
@@ -343,17 +350,22 @@ class Upstream:
         self,
         daemon: Daemon,
         request_id: str,
-        request: CompletionRequest,
-        kv_transfer_params_json: str,
+        request: Choice,
+        prefill: generation_pb2.GenerateResponse,
         deadline: float,
         generated_token_ids: Sequence[int] | None,
     ) -> CallStream:
         """Decode messages as they arrive; close the iterator to cancel the call.
 
-        The decode daemon continues after the prefill's first token, with its KV params;
-        ``generated_token_ids`` None: the token is not known yet (the prefill still runs), it
-        comes through `continue_decode`."""
-        message = generate_request(request_id, request, max_tokens=request.max_tokens)
+        The decode daemon continues after the prefill's first token, with the KV params of
+        ``prefill`` (its stream so far); a chat prompt is given as the tokens the prefill
+        rendered, so both engines hold the same prompt. ``generated_token_ids`` None: the
+        token is not known yet (the prefill still runs), it comes through `continue_decode`."""
+        prompt: str | Sequence[int] | ChatMessages = request.prompt
+        if isinstance(prompt, ChatMessages):
+            prompt = tuple(prefill.prompt_token_ids)
+        kv_transfer_params_json = prefill.kv_transfer_params_json
+        message = generate_request(request_id, request, prompt, max_tokens=request.max_tokens)
         message.kv_transfer_params_json = kv_transfer_params_json
         if generated_token_ids is None:
             message.await_generated_tokens = True
@@ -471,15 +483,26 @@ def _fault(daemon: Daemon, message: str, reason: str) -> UpstreamError:
 
 
 def generate_request(
-    request_id: str, request: CompletionRequest, *, max_tokens: int
+    request_id: str,
+    request: Choice,
+    prompt: str | Sequence[int] | ChatMessages,
+    *,
+    max_tokens: int,
 ) -> generation_pb2.GenerateRequest:
-    """The Generate message for ``request``, capped at ``max_tokens``."""
+    """The Generate message for ``request`` with ``prompt``, capped at ``max_tokens``."""
+    if isinstance(prompt, ChatMessages):
+        prompt = generation_pb2.ChatPrompt(
+            messages_json=prompt.messages_json,
+            add_generation_prompt=prompt.add_generation_prompt,
+        )
     return build_generate_request(
         request_id,
-        request.prompt,
+        prompt,
         max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
         stop=request.stop,
+        ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs,
     )

@@ -27,7 +27,7 @@ class GenerateResult:
 
 def generate_request(
     request_id: str,
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | generation_pb2.ChatPrompt,
     max_tokens: int,
     *,
     temperature: float | None = None,
@@ -35,11 +35,14 @@ def generate_request(
     seed: int | None = None,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
+    logprobs: int | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> generation_pb2.GenerateRequest:
     sampling = generation_pb2.SamplingOptions(
         max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos
     )
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     if temperature is not None:
         sampling.temperature = temperature
     if top_p is not None:
@@ -49,6 +52,8 @@ def generate_request(
     message = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
     if isinstance(prompt, str):
         message.text = prompt
+    elif isinstance(prompt, generation_pb2.ChatPrompt):
+        message.chat.CopyFrom(prompt)
     else:
         message.token_ids.ids.extend(prompt)
     if kv_transfer_params is not None:
