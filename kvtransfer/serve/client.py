@@ -23,6 +23,8 @@ class GenerateResult:
     num_prompt_tokens: int = 0
     metrics: generation_pb2.RequestMetrics | None = None
     num_messages: int = 0
+    logprobs: list[generation_pb2.OutputLogprobs] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 def generate_request(
@@ -91,6 +93,8 @@ class GenerationClient:
             result.num_messages += 1
             result.token_ids.extend(message.token_ids)
             result.text += message.text
+            result.logprobs.extend(message.logprobs)
+            result.prompt_token_ids.extend(message.prompt_token_ids)
             if message.num_prompt_tokens:
                 result.num_prompt_tokens = message.num_prompt_tokens
             if message.finished:
