@@ -44,6 +44,16 @@ class KVConnectorOutput:
 _NO_INDEX: Mapping[str, int] = MappingProxyType({})
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled position: the output token's log-probability and the ``k`` most likely
+    tokens' (most likely first, ties by lower id), under the model's raw distribution."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class ModelRunnerOutput:
     """A worker's result for one step.
@@ -61,6 +71,10 @@ class ModelRunnerOutput:
     # Per request that asked for them (SamplingParams.return_logits), the float32 logits of
     # every position sampled this step, shape [num_sampled, vocab].
     sampled_logits: Mapping[str, torch.Tensor] = field(default_factory=lambda: _NO_INDEX)
+    # Per request that asked for them (SamplingParams.logprobs), one entry per accepted token.
+    sampled_logprobs: Mapping[str, Sequence[TokenLogprobs]] = field(
+        default_factory=lambda: _NO_INDEX
+    )
     kv_connector_output: KVConnectorOutput | None = None
 
     @staticmethod

@@ -14,6 +14,7 @@ from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.executor import DEFAULT_WORKER
 from kvtransfer.engine.model.loader import load_tokenizer
 from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.outputs import TokenLogprobs
 
 Prompt = str | Sequence[int]
 
@@ -28,6 +29,8 @@ class RequestOutput:
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     logits: torch.Tensor | None = None
+    # With SamplingParams.logprobs: one entry per token of token_ids.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
@@ -90,6 +93,7 @@ class LLM:
     @staticmethod
     def _merge(output: RequestOutput, step_output: Any) -> None:
         output.token_ids.extend(step_output.new_token_ids)
+        output.logprobs.extend(step_output.logprobs)
         output.num_draft_tokens += step_output.num_draft_tokens
         output.num_accepted_tokens += step_output.num_accepted_tokens
         if step_output.logits is not None:

@@ -30,10 +30,10 @@ from kvtransfer.engine.input_batch import ForwardBatch, SequenceChunk, build_for
 from kvtransfer.engine.kv_connector import KVConnector
 from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.request_states import RequestStates
-from kvtransfer.engine.sampler import sample
+from kvtransfer.engine.sampler import sample, token_logprobs
 from kvtransfer.engine.scheduler_output import SchedulerOutput
 from kvtransfer.engine.spec_decode import accept_draft_tokens
-from kvtransfer.outputs import IntermediateTensors, ModelRunnerOutput
+from kvtransfer.outputs import IntermediateTensors, ModelRunnerOutput, TokenLogprobs
 
 
 class Comm(Protocol):
@@ -184,7 +184,7 @@ class ModelRunner:
             raise RuntimeError("sample_tokens called without a preceding execute_model")
         self.execute_model_state = None
         try:
-            accepted, logits_by_req = self._sample(state)
+            accepted, logits_by_req, logprobs_by_req = self._sample(state)
             spec_token_ids: dict[str, list[int]] = {}
             if self.proposer is not None:
                 spec_token_ids = self.proposer.propose(StepResult(state.requests, accepted))
@@ -199,12 +199,13 @@ class ModelRunner:
             sampled_token_ids=tuple(tuple(accepted.get(r, ())) for r in req_ids),
             spec_token_ids=tuple(tuple(spec_token_ids.get(r, ())) for r in req_ids),
             sampled_logits=logits_by_req,
+            sampled_logprobs=logprobs_by_req,
             kv_connector_output=kv_connector_output,
         )
 
     def _sample(
         self, state: ExecuteModelState
-    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], dict[str, list[TokenLogprobs]]]:
         rows: list[int] = []
         params, seeds, out_positions, owners = [], [], [], []
         for i, request in enumerate(state.requests):
@@ -220,7 +221,7 @@ class ModelRunner:
                 out_positions.append(int(state.batch.positions[row]) + 1)
                 owners.append(request.req_id)
         if not rows:
-            return {}, {}
+            return {}, {}, {}
         logits = self.model.compute_logits(state.hidden_states[torch.tensor(rows)])
         tokens = sample(logits, params, seeds, out_positions)
         tokens = self.comm.tp_broadcast_tokens(tokens).tolist()
@@ -232,15 +233,21 @@ class ModelRunner:
             logit_rows.setdefault(owner, []).append(index)
         accepted = {}
         logits_by_req = {}
+        logprobs_by_req = {}
         by_id = {r.req_id: r for r in state.requests}
         for req_id, target_tokens in sampled.items():
             chunk_tokens = by_id[req_id].chunk.token_ids
             drafts = list(chunk_tokens[len(chunk_tokens) - by_id[req_id].num_drafts :])
             accepted[req_id] = accept_draft_tokens(drafts, target_tokens)
-            if self.requests[req_id].sampling_params.return_logits:
-                kept = logit_rows[req_id][: len(accepted[req_id])]
+            kept = logit_rows[req_id][: len(accepted[req_id])]
+            params = self.requests[req_id].sampling_params
+            if params.return_logits:
                 logits_by_req[req_id] = logits[kept].float().cpu()
-        return accepted, logits_by_req
+            if params.logprobs is not None:
+                logprobs_by_req[req_id] = token_logprobs(
+                    logits[kept], accepted[req_id], params.logprobs
+                )
+        return accepted, logits_by_req, logprobs_by_req
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -18,6 +18,8 @@ from kvtransfer.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from kvtransfer.outputs import TokenLogprobs
+
 
 class DuplicateRequestError(ValueError):
     """A request id that is still in use (running, or its blocks still lent)."""
@@ -209,6 +211,8 @@ class EngineCoreOutput:
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     logits: torch.Tensor | None = None
+    # With SamplingParams.logprobs: one entry per token of new_token_ids.
+    logprobs: tuple[TokenLogprobs, ...] = ()
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # On the final output: prompt tokens served from the local prefix cache, and loads.

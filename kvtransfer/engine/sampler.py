@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.outputs import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 # Smallest noise value: a uniform draw of exactly 0 would make the race divide by zero.
@@ -137,3 +138,29 @@ def sample(
         index = torch.tensor(random_rows, device=logits.device)
         tokens[index] = torch.argmax(probs.double() / noise, dim=-1)
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Per row of ``logits`` ``[n, vocab]``: the log-probability of ``token_ids[i]`` and the ``k``
+    most likely tokens', under the raw distribution (log-softmax in float32, before temperature
+    or truncation: what the model says, whatever the request sampled with). Ties go to the
+    lower id, as greedy sampling breaks them."""
+    if logits.dim() != 2 or logits.shape[0] != len(token_ids):
+        raise ValueError(
+            f"logits must be [{len(token_ids)}, vocab] for {len(token_ids)} tokens, "
+            f"got shape {tuple(logits.shape)}"
+        )
+    logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+    sampled = logprobs[torch.arange(len(token_ids)), torch.tensor(list(token_ids))].tolist()
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    top_values: list[list[float]] = [[] for _ in token_ids]
+    if k:
+        # A stable descending sort keeps equal values in id order; topk does not promise it.
+        values, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+        top_ids, top_values = order[:, :k].tolist(), values[:, :k].tolist()
+    return [
+        TokenLogprobs(int(token), float(value), tuple(zip(ids, values_row, strict=True)))
+        for token, value, ids, values_row in zip(
+            token_ids, sampled, top_ids, top_values, strict=True
+        )
+    ]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The most alternatives per position a request may ask log-probabilities for.
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # Return the logits of every sampled position (tests compare them with a dense forward).
     return_logits: bool = False
+    # Log-probabilities of each output token and of the `logprobs` most likely tokens at its
+    # position (raw model distribution: log-softmax of the logits, before temperature).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -30,6 +36,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

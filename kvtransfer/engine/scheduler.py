@@ -576,11 +576,14 @@ class Scheduler:
             rows = mro.sampled_logits.get(rid)
             if rows is not None:
                 logits = rows[: len(new_tokens)]
+        # Cut like the tokens: none past a stop.
+        logprobs = tuple(mro.sampled_logprobs.get(rid, ())[: len(new_tokens)])
         if stop_status is not None:
             return dataclasses.replace(
                 self._finish(request, stop_status),
                 new_token_ids=tuple(new_tokens),
                 logits=logits,
+                logprobs=logprobs,
                 num_draft_tokens=len(drafts),
                 num_accepted_tokens=num_accepted,
             )
@@ -590,6 +593,7 @@ class Scheduler:
             req_id=rid,
             new_token_ids=tuple(new_tokens),
             logits=logits,
+            logprobs=logprobs,
             num_draft_tokens=len(drafts),
             num_accepted_tokens=num_accepted,
         )

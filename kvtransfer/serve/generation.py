@@ -27,6 +27,7 @@ from kvtransfer.engine.request import (
     EngineCoreOutput,
     PromptTooLargeError,
 )
+from kvtransfer.outputs import TokenLogprobs
 from kvtransfer.serve.engine_thread import EngineThread, EngineUnavailable
 from kvtransfer.serve.ledger import ServingLedger
 from kvtransfer.serve.metrics import DaemonMetrics
@@ -238,6 +239,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         first_token_at: float | None = None
         last_token_at = admitted
         sent_header = False
+        # Log-probabilities of tokens the text stream has not let out yet (held-back text).
+        pending: list[TokenLogprobs] = []
         while True:
             output = await outputs.get()
             # A prefill handing its request over keeps its text open: the decode daemon goes
@@ -256,6 +259,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             message = generation_pb2.GenerateResponse(
                 request_id=rid, token_ids=delta.token_ids, text=delta.text
             )
+            if output.logprobs or pending:
+                pending.extend(output.logprobs)
+                sent, pending = pending[: len(delta.token_ids)], pending[len(delta.token_ids) :]
+                message.logprobs.extend(_logprobs_messages(sent, ctx.tokenizer))
             if not sent_header:
                 message.num_prompt_tokens = len(parsed.prompt_token_ids)
                 sent_header = True
@@ -352,6 +359,22 @@ def _text_stream(parsed: ParsedRequest, tokenizer: Any) -> TextStream:
     if parsed.generated_token_ids and text.feed(parsed.generated_token_ids).stopped:
         raise RequestError("generated_token_ids complete a stop string: the request has ended")
     return text
+
+
+def _logprobs_messages(
+    entries: list[TokenLogprobs], tokenizer: Any
+) -> list[generation_pb2.OutputLogprobs]:
+    def one(token_id: int, logprob: float) -> generation_pb2.TokenLogprob:
+        token = tokenizer.decode([token_id], skip_special_tokens=False)
+        return generation_pb2.TokenLogprob(token_id=token_id, token=token, logprob=logprob)
+
+    return [
+        generation_pb2.OutputLogprobs(
+            sampled=one(entry.token_id, entry.logprob),
+            top=[one(token_id, logprob) for token_id, logprob in entry.top],
+        )
+        for entry in entries
+    ]
 
 
 def _hands_over(output: EngineCoreOutput) -> bool:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvtransfer.v1 import generation_pb2
 
 MAX_STOP_STRINGS = 8
@@ -121,6 +121,9 @@ def _sampling_params(sampling: generation_pb2.SamplingOptions) -> SamplingParams
     top_k = sampling.top_k if sampling.HasField("top_k") else 0
     if top_k < 0:
         raise RequestError(f"sampling.top_k must be >= 0, got {top_k}")
+    logprobs = sampling.logprobs if sampling.HasField("logprobs") else None
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise RequestError(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     try:
         return SamplingParams(
             max_tokens=sampling.max_tokens,
@@ -129,6 +132,7 @@ def _sampling_params(sampling: generation_pb2.SamplingOptions) -> SamplingParams
             top_k=top_k,
             seed=sampling.seed if sampling.HasField("seed") else None,
             ignore_eos=sampling.ignore_eos,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         raise RequestError(f"sampling: {exc}") from None
