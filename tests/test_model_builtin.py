@@ -118,6 +118,7 @@ def test_written_directory_round_trips_config_weights_and_tokenizer(tmp_path):
         "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
+        "tokenizer_config.json",
     ]
     hf_config = json.loads((directory / "config.json").read_text())
     assert (hf_config["architectures"], hf_config["model_type"]) == (["LlamaForCausalLM"], "llama")

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvtransfer.engine.engine_core import EngineCore
+from kvtransfer.engine.model.chat_template import ChatTemplate
 from kvtransfer.serve.engine_thread import EngineUnavailable
 from kvtransfer.serve.generation import GenerationService, ServiceContext
 from kvtransfer.serve.ledger import ServingLedger
@@ -76,6 +77,7 @@ async def served(connector: SecretConnector | None) -> AsyncIterator[tuple[Any, 
     context = ServiceContext(
         engine=engine,  # type: ignore[arg-type]  # the one method the service calls
         tokenizer=None,
+        chat_template=ChatTemplate.for_model("builtin"),
         vocab_size=256,
         ledger=ledger,
         metrics=metrics,

@@ -37,6 +37,7 @@ from kvtransfer.control.server import ControlServer
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.kv_cache import kv_bytes_per_block, resolve_dtype
 from kvtransfer.engine.llm import LLM
+from kvtransfer.engine.model.chat_template import ChatTemplate
 from kvtransfer.serve.admin_backend import EngineAdminBackend, connector_totals, held_kv
 from kvtransfer.serve.engine_thread import EngineThread
 from kvtransfer.serve.generation import GenerationService, ServiceContext
@@ -74,6 +75,8 @@ class Daemon:
     async def start(self) -> None:
         settings = self.settings
         self._loop = asyncio.get_running_loop()
+        # Before the engine: a bad template file fails the start at once, naming it.
+        chat_template = ChatTemplate.for_model(settings.model, settings.chat_template)
         # Loading the model and spawning workers blocks for seconds: keep the loop free.
         self._llm = await asyncio.to_thread(LLM, settings.engine_config())
         core = self._llm.engine
@@ -85,6 +88,7 @@ class Daemon:
         context = ServiceContext(
             engine=self._engine,
             tokenizer=self._llm.tokenizer,
+            chat_template=chat_template,
             vocab_size=core.model_config.vocab_size,
             ledger=self.ledger,
             metrics=self.metrics,

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from kvtransfer.engine.model.chat_template import ChatTemplate
 from kvtransfer.engine.request import (
     DuplicateRequestError,
     EngineCoreOutput,
@@ -55,6 +56,7 @@ class ServiceContext:
 
     engine: EngineThread
     tokenizer: Any
+    chat_template: ChatTemplate
     vocab_size: int
     ledger: ServingLedger
     metrics: DaemonMetrics
@@ -80,7 +82,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.UNAVAILABLE, "the daemon is draining: not admitting new requests"
             )
         try:
-            parsed = parse_generate_request(request, ctx.tokenizer, ctx.vocab_size)
+            parsed = parse_generate_request(
+                request, ctx.tokenizer, ctx.vocab_size, ctx.chat_template
+            )
             early = self._early.pop(parsed.request_id, None)
             if early is not None and parsed.awaits_generated:
                 # Continued already: an ordinary request with (or without) its first tokens.
@@ -265,6 +269,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 message.logprobs.extend(_logprobs_messages(sent, ctx.tokenizer))
             if not sent_header:
                 message.num_prompt_tokens = len(parsed.prompt_token_ids)
+                if parsed.from_chat:
+                    # The decode daemon gets these, not the conversation: one rendering.
+                    message.prompt_token_ids.extend(parsed.prompt_token_ids)
                 sent_header = True
             if delta.stopped and not output.finished:
                 ctx.engine.abandon(rid)

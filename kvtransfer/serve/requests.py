@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtransfer.engine.model.chat_template import ChatTemplate, ChatTemplateError
 from kvtransfer.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvtransfer.v1 import generation_pb2
 
@@ -29,14 +30,19 @@ class ParsedRequest:
     generated_token_ids: tuple[int, ...] = ()
     # They come later, through Continue.
     awaits_generated: bool = False
+    # The prompt was a conversation rendered here (its tokens go back to the router).
+    from_chat: bool = False
 
 
 def parse_generate_request(
-    request: generation_pb2.GenerateRequest, tokenizer: Any, vocab_size: int
+    request: generation_pb2.GenerateRequest,
+    tokenizer: Any,
+    vocab_size: int,
+    chat_template: ChatTemplate | None = None,
 ) -> ParsedRequest:
     if not request.request_id:
         raise RequestError("request_id must not be empty")
-    prompt = _prompt_ids(request, tokenizer, vocab_size)
+    prompt = _prompt_ids(request, tokenizer, vocab_size, chat_template)
     if not request.HasField("sampling"):
         raise RequestError("sampling is required (at least sampling.max_tokens)")
     sampling = request.sampling
@@ -48,6 +54,7 @@ def parse_generate_request(
         kv_transfer_params=parse_transfer_params(request.kv_transfer_params_json),
         generated_token_ids=_generated_ids(request, vocab_size),
         awaits_generated=_awaits_generated(request),
+        from_chat=request.WhichOneof("prompt") == "chat",
     )
 
 
@@ -89,13 +96,21 @@ def _generated_ids(request: generation_pb2.GenerateRequest, vocab_size: int) -> 
 
 
 def _prompt_ids(
-    request: generation_pb2.GenerateRequest, tokenizer: Any, vocab_size: int
+    request: generation_pb2.GenerateRequest,
+    tokenizer: Any,
+    vocab_size: int,
+    chat_template: ChatTemplate | None,
 ) -> tuple[int, ...]:
     kind = request.WhichOneof("prompt")
     if kind is None:
-        raise RequestError("prompt: set text or token_ids")
+        raise RequestError("prompt: set text, token_ids or chat")
     if kind == "text":
         ids = tuple(tokenizer.encode(request.text))
+    elif kind == "chat":
+        text = _render_chat(request.chat, chat_template)
+        # The template wrote the special tokens (e.g. BOS): none are added, as Hugging Face's
+        # apply_chat_template tokenizes.
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
     else:
         ids = tuple(request.token_ids.ids)
         for index, token in enumerate(ids):
@@ -107,6 +122,25 @@ def _prompt_ids(
     if not ids:
         raise RequestError("prompt must not be empty")
     return ids
+
+
+def _render_chat(chat: generation_pb2.ChatPrompt, template: ChatTemplate | None) -> str:
+    field = "prompt.chat.messages_json"
+    try:
+        messages = json.loads(chat.messages_json)
+    except ValueError:
+        raise RequestError(f"{field}: not valid JSON") from None
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"{field}: must be a non-empty JSON array of messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"{field}[{index}]: must be an object with a string role")
+    if template is None:
+        raise RequestError("prompt.chat: this daemon renders no chat prompts")
+    try:
+        return template.render(messages, chat.add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise RequestError(f"prompt.chat: {exc}") from None
 
 
 def _sampling_params(sampling: generation_pb2.SamplingOptions) -> SamplingParams:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
+from kvtransfer.engine.model.chat_template import ChatTemplate
 from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 Role = Literal["prefill", "decode"]
@@ -39,6 +40,8 @@ class DaemonSettings(BaseModel):
 
     role: Role
     model: str = "builtin"
+    # A Jinja file rendering chat prompts (default: the model's own template).
+    chat_template: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(ge=0, le=65535)
     tp: int = Field(default=1, ge=1)
@@ -73,6 +76,14 @@ class DaemonSettings(BaseModel):
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"not valid JSON: {exc}") from None
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file(cls, value: str | None) -> str | None:
+        # Read and compiled now, so a bad file fails the start naming it, before any engine.
+        if value is not None:
+            ChatTemplate.for_model("builtin", value)
         return value
 
     @field_validator("log_level", mode="before")
@@ -152,6 +163,7 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--config", help="JSON or TOML file with the same keys as the flags")
     add("--model", help="builtin[:preset] or a Hugging Face model directory")
+    add("--chat-template", metavar="FILE", help="Jinja chat template (default: the model's)")
     add("--host", help="gRPC bind address (default 127.0.0.1)")
     add("--port", type=int, help=f"gRPC port (default {DEFAULT_PORTS[role]}; 0 = any free port)")
     add("--tp", type=int, help="tensor-parallel size")

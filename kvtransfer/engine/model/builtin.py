@@ -211,9 +211,16 @@ def write_builtin_model(directory: Path, preset: str = "tiny") -> Path:
     """Write ``preset`` as a Hugging Face model directory (created if missing); return it.
 
     Files: ``config.json``, ``model.safetensors``, ``tokenizer.json`` (loadable with
-    ``tokenizers.Tokenizer.from_file``) and ``generation_config.json``.
+    ``tokenizers.Tokenizer.from_file``), ``generation_config.json`` and ``tokenizer_config.json``
+    (special tokens and the built-in chat template, so Hugging Face's tokenizer renders chats
+    as the daemons do).
     """
     from safetensors.torch import save_file
+
+    from kvtransfer.engine.model.chat_template import (
+        BUILTIN_CHAT_TEMPLATE,
+        BUILTIN_SPECIAL_TOKENS,
+    )
 
     config = builtin_model_config(preset)
     directory = Path(directory)
@@ -227,6 +234,12 @@ def write_builtin_model(directory: Path, preset: str = "tiny") -> Path:
     }
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (directory / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **BUILTIN_SPECIAL_TOKENS,
+        "chat_template": BUILTIN_CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     tensors = {name: t.contiguous() for name, t in builtin_weights(preset).items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
