@@ -140,7 +140,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         )
         rid = parsed.request_id
         if parsed.awaits_generated:
-            self._awaiting[rid] = text
+            # A Continue that came while the engine admitted the request was kept: apply it
+            # now (no await between this check and registering, so none can slip between).
+            late = self._early.pop(rid, None)
+            if late is None:
+                self._awaiting[rid] = text
+            else:
+                problem = await self._continue(rid, text, late)
+                if problem is not None:
+                    logger.info("kept Continue failed: %s", problem[1], extra={"request_id": rid})
 
         def call_done(_: object) -> None:
             self._awaiting.pop(rid, None)
@@ -177,29 +185,39 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         text = self._awaiting.pop(rid, None)
         if text is None:
-            # Its Generate call has not arrived yet (or it is gone: then this entry ages out).
+            # Its Generate call has not arrived yet, or is being admitted (it applies this then);
+            # or it is gone: then this entry ages out.
             self._early[rid] = tokens
             while len(self._early) > _EARLY_CONTINUES:
                 self._early.popitem(last=False)
             return generation_pb2.ContinueResponse()
+        problem = await self._continue(rid, text, tokens)
+        if problem is not None:
+            await context.abort(*problem)
+        return generation_pb2.ContinueResponse()
+
+    async def _continue(
+        self, rid: str, text: TextStream, tokens: tuple[int, ...]
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """Give an admitted request awaiting its first tokens those tokens (none: it computes
+        its first token itself); the gRPC status and message of a refusal, else None."""
+        ctx = self._ctx
         if tokens and text.feed(tokens).stopped:
             ctx.engine.abandon(rid)
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "generated_token_ids complete a stop string: the request has ended",
-            )
+            message = "generated_token_ids complete a stop string: the request has ended"
+            return grpc.StatusCode.INVALID_ARGUMENT, message
         try:
             await asyncio.to_thread(
                 ctx.engine.call, lambda core: core.continue_request(rid, tokens), _RELEASE_TIMEOUT_S
             )
         except KeyError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+            return grpc.StatusCode.NOT_FOUND, str(exc.args[0])
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except (EngineUnavailable, TimeoutError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            return grpc.StatusCode.UNAVAILABLE, str(exc)
         logger.info("continued with %d generated tokens", len(tokens), extra={"request_id": rid})
-        return generation_pb2.ContinueResponse()
+        return None
 
     async def ReleaseKV(
         self, request: generation_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext
