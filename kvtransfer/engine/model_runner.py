@@ -101,6 +101,9 @@ class ModelRunner:
         self.pp_rank = pp_rank
         self.is_first_pp_rank = pp_rank == 0
         self.is_last_pp_rank = pp_rank == pp_size - 1
+        # Only tp_rank 0 of the last stage has its output read (`Executor.output_rank`); the
+        # other TP ranks sample the same tokens but skip the per-request extras nobody reads.
+        self.reports_samples = model.rank.tp_rank == 0
         self.proposer = proposer
         self.device = device
         self.requests = RequestStates()
@@ -239,13 +242,14 @@ class ModelRunner:
             chunk_tokens = by_id[req_id].chunk.token_ids
             drafts = list(chunk_tokens[len(chunk_tokens) - by_id[req_id].num_drafts :])
             accepted[req_id] = accept_draft_tokens(drafts, target_tokens)
+            # Rows of the accepted tokens only: a rejected draft's row was never an output.
             kept = logit_rows[req_id][: len(accepted[req_id])]
-            params = self.requests[req_id].sampling_params
-            if params.return_logits:
+            sampling = self.requests[req_id].sampling_params
+            if sampling.return_logits:
                 logits_by_req[req_id] = logits[kept].float().cpu()
-            if params.logprobs is not None:
+            if sampling.logprobs is not None and self.reports_samples:
                 logprobs_by_req[req_id] = token_logprobs(
-                    logits[kept], accepted[req_id], params.logprobs
+                    logits[kept], accepted[req_id], sampling.logprobs
                 )
         return accepted, logits_by_req, logprobs_by_req
 

@@ -150,8 +150,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> li
             f"logits must be [{len(token_ids)}, vocab] for {len(token_ids)} tokens, "
             f"got shape {tuple(logits.shape)}"
         )
-    logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-    sampled = logprobs[torch.arange(len(token_ids)), torch.tensor(list(token_ids))].tolist()
+    # Stay on the logits' device: only n sampled values and n * k top entries are copied back,
+    # not the [n, vocab] matrix.
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(list(token_ids), dtype=torch.long, device=logprobs.device)
+    sampled = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
     top_ids: list[list[int]] = [[] for _ in token_ids]
     top_values: list[list[float]] = [[] for _ in token_ids]
     if k:

@@ -537,6 +537,14 @@ class Scheduler:
                     f"a chunk that stops short of its last token ({request.num_computed_tokens} "
                     f"of {request.num_tokens} computed)"
                 )
+            # Entries are matched to tokens by position downstream (the daemon labels each
+            # streamed token with one): a short or missing list would mislabel them silently.
+            logprobs = mro.sampled_logprobs.get(rid, ())
+            if request.sampling_params.logprobs is not None and len(logprobs) != len(sampled):
+                raise ValueError(
+                    f"model runner output for request {rid}: {len(logprobs)} logprobs entries "
+                    f"for {len(sampled)} sampled tokens"
+                )
 
     def _update_request(
         self, request: Request, so: SchedulerOutput, mro: ModelRunnerOutput
