@@ -21,10 +21,12 @@ from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
 from kvtransfer.engine.executor_messages import dumps, loads
 from kvtransfer.engine.llm import LLM, RequestOutput
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
+from kvtransfer.engine.model.tokenizer import BYTE_VOCAB_SIZE, Tokenizer
 from kvtransfer.engine.sampler import token_logprobs
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.outputs import ModelRunnerOutput, TokenLogprobs
 from kvtransfer.serve.client import GenerationClient, generate_request
+from kvtransfer.serve.generation import _logprobs_messages
 from kvtransfer.v1 import generation_pb2
 
 # Token-id prompts, so the dense reference sees exactly what the engine saw; the first repeats
@@ -298,3 +300,17 @@ def test_disaggregated_logprobs_equal_colocated(pair, colocated_logprobs):
         assert_aligned(rest, 3)
     streamed = [e for m in first + rest for e in m.logprobs]
     assert_equal_to_colocated(streamed, colocated_logprobs)
+
+
+def test_an_id_past_the_tokenizers_vocabulary_has_no_text_and_does_not_fail_the_stream():
+    # A checkpoint whose embedding rows are padded past its tokenizer (e.g. 259 -> 264 here).
+    tokenizer = Tokenizer.byte_level()
+    entry = TokenLogprobs(65, -0.5, ((65, -0.5), (BYTE_VOCAB_SIZE + 4, -1.5), (257, -2.0)))
+    (message,) = _logprobs_messages([entry], tokenizer)
+    assert (message.sampled.token_id, message.sampled.token) == (65, "A")
+    assert [(t.token_id, t.token) for t in message.top] == [
+        (65, "A"),
+        (BYTE_VOCAB_SIZE + 4, ""),
+        (257, "<eos>"),
+    ]
+    assert [t.logprob for t in message.top] == [-0.5, -1.5, -2.0]

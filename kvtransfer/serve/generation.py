@@ -390,7 +390,11 @@ def _logprobs_messages(
     entries: list[TokenLogprobs], tokenizer: Any
 ) -> list[generation_pb2.OutputLogprobs]:
     def one(token_id: int, logprob: float) -> generation_pb2.TokenLogprob:
-        token = tokenizer.decode([token_id], skip_special_tokens=False)
+        # A checkpoint's vocabulary may be padded past its tokenizer's: such an id can be among
+        # the most likely alternatives, has no text, and must not fail the whole stream.
+        token = ""
+        if token_id < tokenizer.vocab_size:
+            token = tokenizer.decode([token_id], skip_special_tokens=False)
         return generation_pb2.TokenLogprob(token_id=token_id, token=token, logprob=logprob)
 
     return [
