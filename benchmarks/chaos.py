@@ -53,8 +53,8 @@ from typing import Any
 import aiohttp
 import grpc
 
-from kvtransfer.control import AdminClient, RetryPolicy
-from kvtransfer.serve.client import GenerationClient, generate_request
+from kvtransfer.clients.control import AdminClient, RetryPolicy
+from kvtransfer.clients.generation import GenerationClient, generate_request
 from kvtransfer.serve.launcher import (
     ServiceProcess,
     ServiceStartError,

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.sampling_params import SamplingParams

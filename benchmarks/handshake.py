@@ -17,8 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-from kvtransfer.control import HandshakeClient, close_all, get_handshake_client, wait_until_serving
-from kvtransfer.control.handshake_demo import (
+from kvtransfer.clients.control import (
+    HandshakeClient,
+    close_all,
+    get_handshake_client,
+    wait_until_serving,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from handshake_demo import (
     DEMO_COMPAT,
     DEMO_ENGINE_ID,
     PP_SIZE,

@@ -61,8 +61,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from kvtransfer.clients.generation import GenerationClient, generate_request
 from kvtransfer.engine.model.loader import load_model_config
-from kvtransfer.serve.client import GenerationClient, generate_request
 from kvtransfer.serve.launcher import (
     ServiceProcess,
     ServiceStartError,

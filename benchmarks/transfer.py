@@ -582,11 +582,11 @@ def run_handshake(iterations: int, warmup: int) -> dict[str, float]:
     """Median cold and warm handshake fetch (ms) against a live prefill engine process."""
     import asyncio
 
-    from connectors.ucx.identity import compat_from_layout
-    from connectors.ucx.metadata import UcxHandshakeMetadata
-    from kvtransfer.control import HandshakeClient, close_all, get_handshake_client
-    from kvtransfer.engine.kv_cache import kv_cache_layout
+    from kvtransfer.clients.control import HandshakeClient, close_all, get_handshake_client
+    from kvtransfer.connectors.ucx.identity import compat_from_layout
+    from kvtransfer.connectors.ucx.metadata import UcxHandshakeMetadata
     from kvtransfer.engine.model.loader import load_model_config
+    from kvtransfer.engine.runner.kv_cache import kv_cache_layout
     from kvtransfer.pd.engine_process import EngineProcess
     from kvtransfer.pd.harness import ucx_engine_config
 

@@ -24,15 +24,15 @@ _EXPORTS: dict[str, str] = {
     "KVConnectorFactory": "kvtransfer.connector.factory",
     "ConnectorLookupError": "kvtransfer.connector.factory",
     "ConnectorLoadError": "kvtransfer.connector.factory",
-    "KVTransferConfig": "kvtransfer.config",
-    "KVTransferConfigError": "kvtransfer.config",
-    "KVConnectorOutput": "kvtransfer.outputs",
-    "ModelRunnerOutput": "kvtransfer.outputs",
-    "EMPTY_MODEL_RUNNER_OUTPUT": "kvtransfer.outputs",
-    "IntermediateTensors": "kvtransfer.outputs",
-    "KVOutputAggregator": "kvtransfer.aggregator",
-    "EngineTransferInfo": "kvtransfer.topology",
-    "TransferTopology": "kvtransfer.topology",
+    "KVTransferConfig": "kvtransfer.connector.config",
+    "KVTransferConfigError": "kvtransfer.connector.config",
+    "KVConnectorOutput": "kvtransfer.connector.outputs",
+    "ModelRunnerOutput": "kvtransfer.engine.outputs",
+    "EMPTY_MODEL_RUNNER_OUTPUT": "kvtransfer.engine.outputs",
+    "IntermediateTensors": "kvtransfer.engine.outputs",
+    "KVOutputAggregator": "kvtransfer.connector.aggregator",
+    "EngineTransferInfo": "kvtransfer.connector.topology",
+    "TransferTopology": "kvtransfer.connector.topology",
 }
 
 __all__ = [
@@ -74,9 +74,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from kvtransfer.aggregator import KVOutputAggregator
-    from kvtransfer.config import KVTransferConfig, KVTransferConfigError
+    from kvtransfer.connector.aggregator import KVOutputAggregator
     from kvtransfer.connector.base import KVConnectorBase_V1
+    from kvtransfer.connector.config import KVTransferConfig, KVTransferConfigError
     from kvtransfer.connector.factory import (
         ConnectorLoadError,
         ConnectorLookupError,
@@ -91,10 +91,10 @@ if TYPE_CHECKING:
         KVRequest,
         merge_handshake_metadata,
     )
-    from kvtransfer.outputs import (
+    from kvtransfer.connector.outputs import KVConnectorOutput
+    from kvtransfer.connector.topology import EngineTransferInfo, TransferTopology
+    from kvtransfer.engine.outputs import (
         EMPTY_MODEL_RUNNER_OUTPUT,
         IntermediateTensors,
-        KVConnectorOutput,
         ModelRunnerOutput,
     )
-    from kvtransfer.topology import EngineTransferInfo, TransferTopology

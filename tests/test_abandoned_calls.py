@@ -15,7 +15,7 @@ import grpc
 import pytest
 from serve_helpers.daemons import admin, exit_used_blocks, running, start_daemon
 
-from kvtransfer.serve.client import GenerationClient, generate_request
+from kvtransfer.clients.generation import GenerationClient, generate_request
 
 REMOTE_DECODE = {"do_remote_decode": True}
 LEASE_S = 60.0

@@ -36,9 +36,10 @@ from serve_helpers.daemons import (
     start_daemon,
 )
 
-from connectors.ucx.metadata import UcxHandshakeMetadata, prompt_digest
-from kvtransfer.control import CompatibilityInfo, fetch_handshake_sync
-from kvtransfer.serve.client import GenerateResult, GenerationClient, generate_request
+from kvtransfer.clients.control import fetch_handshake_sync
+from kvtransfer.clients.generation import GenerateResult, GenerationClient, generate_request
+from kvtransfer.connectors.ucx.metadata import UcxHandshakeMetadata, prompt_digest
+from kvtransfer.control import CompatibilityInfo
 from kvtransfer.serve.launcher import ServiceProcess
 from kvtransfer.transport import (
     ErrorCode,

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from engine_helpers.scheduler_helpers import make_request
 
-from kvtransfer.engine.block_manager import BlockLeakError, BlockManager, hash_block_tokens
+from kvtransfer.engine.scheduler.block_manager import (
+    BlockLeakError,
+    BlockManager,
+    hash_block_tokens,
+)
 
 
 def _req(rid: str, tokens: list[int], computed: int = 0):

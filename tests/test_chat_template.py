@@ -12,10 +12,10 @@ import pytest
 from serve_helpers.daemons import running, start_daemon
 from transformers import AutoTokenizer
 
+from kvtransfer.clients.generation import GenerationClient, generate_request
 from kvtransfer.engine.model.builtin import init_model_dir
 from kvtransfer.engine.model.chat_template import ChatTemplate, ChatTemplateError
 from kvtransfer.engine.model.loader import load_tokenizer
-from kvtransfer.serve.client import GenerationClient, generate_request
 from kvtransfer.v1 import generation_pb2
 
 # Qwen2's template as its checkpoints ship it: ChatML with a default system message.

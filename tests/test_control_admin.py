@@ -9,12 +9,11 @@ import grpc
 import pytest
 from control_helpers.fake_engine import FakeWorkerMetadata, make_compat, start_engine
 
+from kvtransfer.clients.control import AdminClient, HandshakeClient
 from kvtransfer.control import (
-    AdminClient,
     BasicAdminBackend,
     ControlServerThread,
     HandshakeBook,
-    HandshakeClient,
     HandshakeState,
     InvalidArgumentError,
     PeerInfo,

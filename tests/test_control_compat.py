@@ -10,13 +10,13 @@ import sys
 import pytest
 from control_helpers.fake_engine import FakeWorkerMetadata, make_compat, start_engine
 
+from kvtransfer.clients.control import RetryPolicy
 from kvtransfer.control import (
     CompatibilityInfo,
     HandshakeBook,
     HandshakeCompatibilityError,
     HandshakeNotFoundError,
     PeerUnavailableError,
-    RetryPolicy,
 )
 from kvtransfer.control.compat import FieldDifference
 from kvtransfer.v1 import handshake_pb2

@@ -20,22 +20,24 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata
-from kvtransfer.control import (
-    API_VERSION,
+from kvtransfer.clients.control import (
     ClientCache,
-    EngineIdMismatchError,
-    HandshakeBook,
     HandshakeClient,
-    HandshakeCompatibilityError,
-    HandshakeNotFoundError,
-    HandshakePayloadError,
-    PeerUnavailableError,
     RetryPolicy,
     check_health,
     close_all,
     fetch_handshake_sync,
     get_handshake_client,
+)
+from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata
+from kvtransfer.control import (
+    API_VERSION,
+    EngineIdMismatchError,
+    HandshakeBook,
+    HandshakeCompatibilityError,
+    HandshakeNotFoundError,
+    HandshakePayloadError,
+    PeerUnavailableError,
     start_control_server,
 )
 from kvtransfer.control.server import ENGINE_ID_METADATA_KEY

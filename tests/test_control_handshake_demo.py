@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvtransfer.control import handshake_demo as demo
+from script_modules import load_script
+
+demo = load_script("handshake_demo")
 
 
 def test_demo_runs_end_to_end(capsys):

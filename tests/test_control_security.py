@@ -11,22 +11,24 @@ import pytest
 from control_helpers.certs import Certs, make_certs
 from control_helpers.fake_engine import FakeWorkerMetadata, make_compat, start_engine
 
-from kvtransfer.control import (
-    AdminAuthError,
+from kvtransfer.clients.control import (
     AdminClient,
-    BasicAdminBackend,
     ClientCache,
-    ControlServerThread,
-    HandshakeBook,
     HandshakeClient,
-    PeerUnavailableError,
-    RemoteCallError,
     RetryPolicy,
-    TLSFiles,
     check_health,
     fetch_handshake_sync,
-    start_control_server,
     wait_until_serving,
+)
+from kvtransfer.control import (
+    AdminAuthError,
+    BasicAdminBackend,
+    ControlServerThread,
+    HandshakeBook,
+    PeerUnavailableError,
+    RemoteCallError,
+    TLSFiles,
+    start_control_server,
 )
 from kvtransfer.control.security import (
     ADMIN_TOKEN_METADATA_KEY,

@@ -24,9 +24,9 @@ from serve_helpers.daemons import (
     start_daemon,
 )
 
-from kvtransfer.control import check_health
-from kvtransfer.serve.client import GenerateResult, GenerationClient, generate_request
-from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES, grpc_message_limit
+from kvtransfer.clients.control import check_health
+from kvtransfer.clients.generation import GenerateResult, GenerationClient, generate_request
+from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES, grpc_message_limit
 
 MAX_TOKENS = 12
 REMOTE_DECODE = {"do_remote_decode": True}

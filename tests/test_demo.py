@@ -3,7 +3,7 @@ checked against a colocated run, everything stopped cleanly."""
 
 from __future__ import annotations
 
-from kvtransfer import demo
+from kvtransfer.cli import demo
 
 
 def test_demo_runs_end_to_end(capsys, tmp_path):

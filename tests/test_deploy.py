@@ -816,7 +816,7 @@ def all_invocations(renders, compose, fake_bin, tmp_path) -> list[Invocation]:
 
 def test_real_parsers_accept_every_command_line(renders, compose, fake_bin, tmp_path):
     """The contract above, checked against the daemons' and router's own parsers."""
-    from connectors.ucx.config import UcxConfig
+    from kvtransfer.connectors.ucx.config import UcxConfig
     from kvtransfer.router.__main__ import _parser as router_parser
     from kvtransfer.serve.settings import load_settings
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
 from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.sampling_params import SamplingParams

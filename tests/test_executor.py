@@ -20,8 +20,7 @@ from engine_helpers.probe_worker import (
 )
 
 from kvtransfer.engine.config import EngineConfig
-from kvtransfer.engine.distributed import WorkerDistributed
-from kvtransfer.engine.executor import (
+from kvtransfer.engine.executor.executor import (
     DEFAULT_WORKER,
     Executor,
     ExecutorClosedError,
@@ -37,10 +36,11 @@ from kvtransfer.engine.executor import (
     parallel_ranks,
     parse_worker_cls,
 )
-from kvtransfer.engine.parallel import ParallelRank
+from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from kvtransfer.engine.runner.distributed import WorkerDistributed
+from kvtransfer.engine.runner.parallel import ParallelRank
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler_output import NewRequestData, SchedulerOutput
-from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 
 def config(tp: int = 1, pp: int = 1, **extra: str) -> EngineConfig:
@@ -114,7 +114,7 @@ def test_worker_cls_must_name_module_and_class(bad):
 
 
 def test_default_worker_path():
-    assert parse_worker_cls(DEFAULT_WORKER) == ("kvtransfer.engine.worker", "Worker")
+    assert parse_worker_cls(DEFAULT_WORKER) == ("kvtransfer.engine.runner.worker", "Worker")
 
 
 def test_messages_survive_the_pipe_encoding():

@@ -5,7 +5,6 @@ import textwrap
 
 import pytest
 
-from connectors.multi import MultiConnector
 from kvtransfer import (
     ConnectorLoadError,
     ConnectorLookupError,
@@ -14,6 +13,7 @@ from kvtransfer import (
     KVTransferConfig,
 )
 from kvtransfer.cli import main as cli_main
+from kvtransfer.connectors.multi import MultiConnector
 from kvtransfer.testing.recording import RecordingConnector
 
 CONNECTOR_SOURCE = """
@@ -47,7 +47,9 @@ def site(tmp_path, monkeypatch):
 
 def test_first_party_connector_is_registered_through_entry_points():
     found = KVConnectorFactory.discover()
-    assert [e.value for e in found["MultiConnector"]] == ["connectors.multi:MultiConnector"]
+    assert [e.value for e in found["MultiConnector"]] == [
+        "kvtransfer.connectors.multi:MultiConnector"
+    ]
     assert found["MultiConnector"][0].distribution.startswith("kvtransfer ")
     assert KVConnectorFactory.get_connector_class_by_name("MultiConnector") is MultiConnector
 
@@ -211,6 +213,7 @@ def test_cli_json(capsys):
 
     assert cli_main(["connectors", "list", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {"name": "MultiConnector", "class": "connectors.multi:MultiConnector"}.items() <= rows[
-        [r["name"] for r in rows].index("MultiConnector")
-    ].items()
+    assert {
+        "name": "MultiConnector",
+        "class": "kvtransfer.connectors.multi:MultiConnector",
+    }.items() <= rows[[r["name"] for r in rows].index("MultiConnector")].items()

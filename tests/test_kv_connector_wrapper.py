@@ -8,13 +8,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import TransferResults
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole, KVConnectorStats
-from kvtransfer.engine.forward_context import AttentionMetadata
-from kvtransfer.engine.kv_connector import ActiveKVConnector, KVConnector, make_kv_connector
+from kvtransfer.connector.outputs import KVConnectorOutput
+from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from kvtransfer.engine.runner.forward_context import AttentionMetadata
+from kvtransfer.engine.runner.kv_connector import ActiveKVConnector, KVConnector, make_kv_connector
 from kvtransfer.engine.scheduler_output import SchedulerOutput
-from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 from kvtransfer.testing.recording import RecordingConnector, RecordingHandshakeMetadata
 
 CONFIG = KVTransferConfig(

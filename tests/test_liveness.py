@@ -1,8 +1,9 @@
 """Dead producers fail a load in about a second; slow ones are waited for.
 
 Real processes (`PDPair`), real gRPC and UCX. The transfer timeout is a minute here, so a load
-that ends well before it was ended by the liveness probes (`connectors.ucx.liveness`), not by
-the timeout; the bounds below only tell those two apart.
+that ends well before it was ended by the liveness probes
+(`kvtransfer.connectors.ucx.liveness`), not by the timeout; the bounds below
+only tell those two apart.
 """
 
 from __future__ import annotations

@@ -17,15 +17,15 @@ from engine_helpers.dense_reference import dense_logits
 from engine_helpers.scheduler_helpers import make_request, make_scheduler
 from serve_helpers.daemons import BLOCK_SIZE, NUM_KV_BLOCKS, daemon_pair
 
+from kvtransfer.clients.generation import GenerationClient, generate_request
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
-from kvtransfer.engine.executor_messages import dumps, loads
+from kvtransfer.engine.executor.messages import dumps, loads
 from kvtransfer.engine.llm import LLM, RequestOutput
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
 from kvtransfer.engine.model.tokenizer import BYTE_VOCAB_SIZE, Tokenizer
-from kvtransfer.engine.sampler import token_logprobs
+from kvtransfer.engine.outputs import ModelRunnerOutput, TokenLogprobs
+from kvtransfer.engine.runner.sampler import token_logprobs
 from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.outputs import ModelRunnerOutput, TokenLogprobs
-from kvtransfer.serve.client import GenerationClient, generate_request
 from kvtransfer.serve.generation import _logprobs_messages
 from kvtransfer.v1 import generation_pb2
 

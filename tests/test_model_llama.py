@@ -8,11 +8,11 @@ import pytest
 import torch
 from engine_helpers.dense_reference import SeqChunk, dense_logits, paged_step
 
-from kvtransfer.engine.forward_context import AttentionMetadata
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
 from kvtransfer.engine.model.llama import LlamaForCausalLM
-from kvtransfer.engine.parallel import ParallelRank
-from kvtransfer.outputs import IntermediateTensors
+from kvtransfer.engine.outputs import IntermediateTensors
+from kvtransfer.engine.runner.forward_context import AttentionMetadata
+from kvtransfer.engine.runner.parallel import ParallelRank
 
 BLOCK = 4
 NUM_BLOCKS = 24

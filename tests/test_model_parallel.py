@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_helpers.dense_reference import SeqChunk, paged_step
 
+from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
 from kvtransfer.engine.model.llama import LlamaForCausalLM
-from kvtransfer.engine.parallel import ParallelRank
-from kvtransfer.outputs import IntermediateTensors
-from kvtransfer.topology import kv_head_range
+from kvtransfer.engine.outputs import IntermediateTensors
+from kvtransfer.engine.runner.parallel import ParallelRank
 
 BLOCK = 4
 NUM_BLOCKS = 16

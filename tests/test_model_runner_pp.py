@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import KVConnectorBase_V1
-from kvtransfer.engine.kv_connector import ActiveKVConnector, KVConnector
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
 from kvtransfer.engine.model.llama import LlamaForCausalLM
-from kvtransfer.engine.model_runner import ModelRunner
-from kvtransfer.engine.parallel import ParallelRank
+from kvtransfer.engine.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    IntermediateTensors,
+    ModelRunnerOutput,
+)
+from kvtransfer.engine.runner.kv_connector import ActiveKVConnector, KVConnector
+from kvtransfer.engine.runner.model_runner import ModelRunner
+from kvtransfer.engine.runner.parallel import ParallelRank
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler_output import NewRequestData, SchedulerOutput
-from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT, IntermediateTensors, ModelRunnerOutput
 
 
 class NextStage:

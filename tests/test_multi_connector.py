@@ -4,17 +4,17 @@ import inspect
 
 import pytest
 
-from connectors.multi import (
-    MultiConnector,
-    MultiKVConnectorHandshakeMetadata,
-    MultiKVConnectorMetadata,
-)
 from kvtransfer import (
     KVConnectorBase_V1,
     KVConnectorFactory,
     KVConnectorRole,
     KVTransferConfig,
     KVTransferConfigError,
+)
+from kvtransfer.connectors.multi import (
+    MultiConnector,
+    MultiKVConnectorHandshakeMetadata,
+    MultiKVConnectorMetadata,
 )
 from kvtransfer.testing import ContractSchedulerOutput, KVConnectorContract, make_request
 

@@ -16,8 +16,8 @@ import pytest
 from serve_helpers.daemons import colocated, exit_used_blocks, running, start_daemon, start_router
 from transformers import AutoTokenizer
 
+from kvtransfer.clients.generation import GenerationClient, generate_request
 from kvtransfer.engine.model.builtin import init_model_dir
-from kvtransfer.serve.client import GenerationClient, generate_request
 
 pytestmark = pytest.mark.client
 

@@ -10,8 +10,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
-from kvtransfer.control import codegen
+codegen = load_script("codegen")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STUB_DIR = REPO_ROOT / "kvtransfer" / "v1"

@@ -22,7 +22,7 @@ from serve_helpers.daemons import (
 )
 from serve_helpers.probes import get, post, started, used_blocks, wait_until
 
-from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 
 MAX_TOKENS = 10
 # The prefill's lease in the release test: KV freed well before it was freed by a release.

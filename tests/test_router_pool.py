@@ -39,11 +39,11 @@ from router_helpers.fakes import (
     release_gated,
 )
 
+from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES, GRPC_HEADROOM_BYTES
 from kvtransfer.router import RouterConfig
 from kvtransfer.router.__main__ import _parser, config_from_args
 from kvtransfer.router.choice import PREFILL_GRACE_S
 from kvtransfer.router.openai_api import MAX_JSON_DEPTH
-from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES, GRPC_HEADROOM_BYTES
 from kvtransfer.v1 import generation_pb2
 
 # No background check in the test's lifetime: only calls change a daemon's health.

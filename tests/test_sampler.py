@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvtransfer.engine.sampler import compute_probs, exponential_noise, noise_seed, sample
+from kvtransfer.engine.runner.sampler import compute_probs, exponential_noise, noise_seed, sample
 from kvtransfer.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams()

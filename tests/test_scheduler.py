@@ -20,9 +20,9 @@ from engine_helpers.scheduler_helpers import (
 )
 
 from kvtransfer.connector.metadata import KVRequest
-from kvtransfer.engine.request import EngineCoreOutput, RequestStatus
+from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from kvtransfer.engine.scheduler.request import EngineCoreOutput, RequestStatus
 from kvtransfer.engine.scheduler_output import CachedRequestData, NewRequestData
-from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 
 def test_chunked_prefill_splits_the_prompt_across_steps():

@@ -24,7 +24,7 @@ from engine_helpers.scheduler_helpers import (
     step,
 )
 
-from kvtransfer.engine.request import EngineCoreOutput, RequestStatus
+from kvtransfer.engine.scheduler.request import EngineCoreOutput, RequestStatus
 
 PROMPT = prompt_of(10)
 REF = reference_tokens(PROMPT, 4)

@@ -16,9 +16,9 @@ from engine_helpers.scheduler_helpers import (
 )
 
 from kvtransfer.engine.config import SpeculativeConfig
-from kvtransfer.engine.request import EngineCoreOutput
+from kvtransfer.engine.outputs import ModelRunnerOutput
+from kvtransfer.engine.scheduler.request import EngineCoreOutput
 from kvtransfer.engine.scheduler_output import CachedRequestData
-from kvtransfer.outputs import ModelRunnerOutput
 
 WRONG = 0
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import grpc
 
+from kvtransfer.clients.generation import generate_request
 from kvtransfer.engine.model.chat_template import ChatTemplate
 from kvtransfer.engine.model.tokenizer import Tokenizer
-from kvtransfer.engine.request import EngineCoreOutput
-from kvtransfer.serve.client import generate_request
+from kvtransfer.engine.scheduler.request import EngineCoreOutput
 from kvtransfer.serve.generation import GenerationService, ServiceContext
 from kvtransfer.serve.ledger import ServingLedger
 from kvtransfer.serve.metrics import DaemonMetrics

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvtransfer.serve.settings import SettingsError, load_settings
 from kvtransfer.serve.text_stream import TextStream
 
@@ -89,7 +89,7 @@ def test_tls_and_token_problems_fail_before_start(tmp_path):
 
 def test_daemon_command_exits_2_naming_the_flag():
     done = subprocess.run(
-        [sys.executable, "-m", "decode_node", "--port", "-1"],
+        [sys.executable, "-m", "kvtransfer.serve.decode_node", "--port", "-1"],
         capture_output=True,
         text=True,
         timeout=60,

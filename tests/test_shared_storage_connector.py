@@ -7,18 +7,18 @@ import pickle
 
 import pytest
 
-from connectors.shared_storage import (
+from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connector.factory import KVConnectorFactory
+from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole
+from kvtransfer.connector.outputs import KVConnectorOutput
+from kvtransfer.connectors.shared_storage import (
     LoadSpec,
     SaveSpec,
     SharedStorageConnector,
     SharedStorageConnectorMetadata,
     SharedStorageHandshakeMetadata,
 )
-from connectors.shared_storage.storage import path_component
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.connector.factory import KVConnectorFactory
-from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole
-from kvtransfer.outputs import KVConnectorOutput
+from kvtransfer.connectors.shared_storage.storage import path_component
 from kvtransfer.testing import KVConnectorContract, make_kv_caches, make_request
 
 VALID_PARAMS = {

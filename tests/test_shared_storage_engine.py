@@ -25,7 +25,7 @@ from shared_storage_helpers.engines import (
 
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM
-from kvtransfer.engine.request import RequestStatus
+from kvtransfer.engine.scheduler.request import RequestStatus
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,15 @@ import pytest
 import torch
 from shared_storage_helpers.engines import read_file
 
-from connectors.shared_storage.metadata import (
+from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connectors.shared_storage.metadata import (
     LoadSpec,
     SaveSpec,
     SharedStorageConnectorMetadata,
 )
-from connectors.shared_storage.storage import SharedStorageConfig
-from connectors.shared_storage.worker import SharedStorageWorker
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.engine.parallel import pp_layer_range
+from kvtransfer.connectors.shared_storage.storage import SharedStorageConfig
+from kvtransfer.connectors.shared_storage.worker import SharedStorageWorker
+from kvtransfer.engine.runner.parallel import pp_layer_range
 from kvtransfer.testing import make_kv_caches
 
 NUM_LAYERS = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.engine.sampler import sample
+from kvtransfer.engine.runner.sampler import sample
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.spec_decode import (
     NgramProposer,

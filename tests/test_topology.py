@@ -1,4 +1,4 @@
-"""Unit tests for `kvtransfer.topology`: registry, TP head math and PP layer matching."""
+"""Unit tests for `kvtransfer.connector.topology`: registry, TP head math and PP layer matching."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvtransfer.topology import (
+from kvtransfer.connector.topology import (
     EngineTransferInfo,
     HeadSource,
     LayerCoverageError,

@@ -22,7 +22,7 @@ from serve_helpers.daemons import (
     daemon_pair,
 )
 
-from kvtransfer.serve.client import GenerationClient, generate_request
+from kvtransfer.clients.generation import GenerationClient, generate_request
 
 REMOTE_DECODE = {"do_remote_decode": True}
 # float32 KV of the built-in tiny model: 4 layers x K/V x 2 heads x block x head_dim 16 x 4 B.

@@ -14,8 +14,8 @@ import torch
 from netns_helpers.sockets import ESTABLISHED, listening, tcp_sockets
 from transport_helpers.kv import LayerGroup, empty_caches, layer_tensor, make_caches
 
-from connectors.ucx.config import UcxConfig
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connectors.ucx.config import UcxConfig
 from kvtransfer.transport import (
     InvalidPeerAddress,
     KVTransferAgent,

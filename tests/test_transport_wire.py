@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from kvtransfer.topology import EngineTransferInfo, TransferTopology
+from kvtransfer.connector.topology import EngineTransferInfo, TransferTopology
 from kvtransfer.transport import (
     ErrorCode,
     InvalidPeerAddress,

@@ -31,11 +31,11 @@ from ucx_helpers.engines import (
     worker_half,
 )
 
-from connectors.ucx.metadata import prompt_digest
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connectors.ucx.metadata import prompt_digest
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM
-from kvtransfer.engine.request import RequestStatus
+from kvtransfer.engine.scheduler.request import RequestStatus
 
 WAIT_S = 30.0
 
@@ -234,7 +234,10 @@ def test_a_prompt_other_than_the_one_prefilled_fails_that_request_only(producer,
 def test_incompatible_block_size_follows_the_policy(producer, expected, policy, caplog):
     (output,) = prefill(producer, [PROMPTS[3]])
     config = engine_config(kv_config("kv_consumer", f"d16-{policy}", policy), block_size=16)
-    with LLM(config) as llm, caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+    with (
+        LLM(config) as llm,
+        caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"),
+    ):
         (result,) = pd_run(producer, llm, [PROMPTS[3]], [output.kv_transfer_params])
         failed = scheduler_half(llm.engine).stats_totals["num_loads_failed"]
     assert failed == 1
@@ -263,7 +266,10 @@ def test_unusable_producer_fails_the_load(short_lease_producer, expected, change
     if change.get("remote_port", 0) is None:
         change = {"remote_port": _closed_port()}
     params = {**output.kv_transfer_params, **change}
-    with consumer() as llm, caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+    with (
+        consumer() as llm,
+        caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"),
+    ):
         (result,) = pd_run(short_lease_producer, llm, [PROMPTS[1]], [params])
     assert result.error.startswith(
         "KV load failed for request gen-0 (kv_load_failure_policy=fail): " + logged
@@ -394,7 +400,7 @@ def test_producer_gone_after_the_handshake_times_the_pull_out(expected, caplog):
         finally:
             producer.shutdown()
         assert len(worker_half(llm.engine).remote_engines) == 1
-        with caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
             (result,) = llm.generate([PROMPTS[2]], DECODE, [output.kv_transfer_params])
         finish(llm.engine)
         assert worker_half(llm.engine).remote_engines == []
@@ -423,7 +429,7 @@ def test_restarted_producer_is_handshaken_again(expected, caplog):
         with start() as second:
             assert scheduler_half(second.engine).address == f"127.0.0.1:{port}"
             results = pd_run(second, llm, [PROMPTS[2]])
-            with caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+            with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
                 (refused,) = pd_run(second, llm, [PROMPTS[1]], [stale.kv_transfer_params])
         handshakes = scheduler_half(llm.engine).stats_totals["num_handshakes"]
     assert results[0].token_ids == expected[2]
@@ -505,7 +511,10 @@ def test_block_lists_that_do_not_fit_fail_that_request_only(
     (output,) = prefill(producer, [PROMPTS[3]])
     bad = {**output.kv_transfer_params, "remote_block_ids": blocks}
     (spare,) = prefill(producer, [PROMPTS[3]])
-    with consumer() as llm, caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+    with (
+        consumer() as llm,
+        caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"),
+    ):
         params = [bad, spare.kv_transfer_params]
         bad_result, good = pd_run(producer, llm, [PROMPTS[3], PROMPTS[3]], params)
     assert bad_result.finish_reason == "error"

@@ -21,7 +21,7 @@ from ucx_helpers.synthetic import (
     start_engine,
 )
 
-from connectors.ucx import LoadSpec, UcxConnectorMetadata
+from kvtransfer.connectors.ucx import LoadSpec, UcxConnectorMetadata
 
 SEED = 7
 REMOTE_IDS = (5, 17, 2, 9, 23)
@@ -229,7 +229,7 @@ def test_failed_load_reports_its_blocks(pool, caplog, case):
     c = pool.get("kv_consumer", 1, 1)
     local_ids = LOCAL_IDS[: len(remote_ids)]
     spec = LoadSpec("bad", p.remote("pre", remote_ids, **changes), remote_ids, local_ids)
-    with caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+    with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
         results = run_load(c, spec)
     assert results == {(0, 0): ({"bad"}, {"bad"}, set(local_ids))}
     assert all(torch.all(cache == SENTINEL) for cache in c.caches[(0, 0)].values())
@@ -246,7 +246,7 @@ def test_block_size_mismatch_is_refused_at_handshake(pool, caplog):
         {"engine_id": "bs16", "tp": 1, "pp": 1, "role": "kv_consumer", "block_size": 16}
     ) as (c,):
         spec = LoadSpec("bs", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
-        with caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
             assert run_load(c, spec)[(0, 0)] == ({"bs"}, {"bs"}, set(LOCAL_IDS))
     assert (
         "HandshakeCompatibilityError: engine 'kv_producer-1x1' at " in caplog.text
@@ -267,7 +267,7 @@ def test_a_producer_without_drafter_cannot_feed_a_drafter(pool, caplog):
     ) as (p,):
         c = pool.get("kv_consumer", 1, 1)
         spec = LoadSpec("d", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
-        with caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
             assert run_load(c, spec)[(0, 0)] == ({"d"}, {"d"}, set(LOCAL_IDS))
     assert "RemoteLayoutError: engine 'nodraft' holds no drafter layers; this worker does" in (
         caplog.text
@@ -303,7 +303,7 @@ def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
     # The producer let go of the blocks before the consumer read them: its workers' grant ends.
     p.step(releases=tuple(leases.take()))
     spec = LoadSpec("late", remote, REMOTE_IDS, LOCAL_IDS)
-    with caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"):
+    with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
         assert run_load(c, spec) == {(0, 0): ({"late"}, {"late"}, set(LOCAL_IDS))}
     assert "(ACCESS_DENIED): lease 'expired' has ended: its KV cannot be read" in caplog.text
     assert all(torch.all(cache == SENTINEL) for cache in c.caches[(0, 0)].values())

@@ -20,8 +20,8 @@ from ucx_helpers.engines import (
     scheduler_half,
 )
 
-from connectors.ucx import UcxConfig
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connectors.ucx import UcxConfig
 from kvtransfer.control import TLSFiles
 from kvtransfer.engine.llm import LLM
 
@@ -86,7 +86,7 @@ def test_plaintext_consumer_fails_the_load_per_policy(tls_producer, expected, po
     config = kv_config("kv_consumer", f"decode-plain-{policy}", policy, handshake_timeout_s=1.0)
     with (
         LLM(engine_config(config)) as consumer,
-        caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"),
+        caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"),
     ):
         (result,) = pd_run(tls_producer, consumer, [PROMPTS[1]])
         failed = scheduler_half(consumer.engine).stats_totals["num_loads_failed"]
@@ -104,7 +104,7 @@ def test_consumer_without_a_client_certificate_fails_the_load(tls_producer, cert
     config = kv_config("kv_consumer", "decode-no-cert", handshake_timeout_s=1.0, **keys)
     with (
         LLM(engine_config(config)) as consumer,
-        caplog.at_level(logging.WARNING, logger="connectors.ucx.worker"),
+        caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"),
     ):
         (result,) = pd_run(tls_producer, consumer, [PROMPTS[0]])
     assert result.error.startswith(LOAD_FAILED + ": ")

@@ -12,11 +12,18 @@ import grpc
 import pytest
 import torch
 
-from connectors.ucx import RemotePrefill, UcxConfig, UcxConnector, UcxHandshakeMetadata
-from connectors.ucx.identity import WorkerIdentity, parse_layer_name
-from connectors.ucx.leases import LeaseBook, LeaseSecretMismatch
-from connectors.ucx.metadata import Release, UcxLayer
-from connectors.ucx.notify import (
+from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connector.factory import KVConnectorFactory
+from kvtransfer.connector.metadata import (
+    KVCacheLayout,
+    KVConnectorHandshakeMetadata,
+    KVConnectorRole,
+)
+from kvtransfer.connectors.ucx import RemotePrefill, UcxConfig, UcxConnector, UcxHandshakeMetadata
+from kvtransfer.connectors.ucx.identity import WorkerIdentity, parse_layer_name
+from kvtransfer.connectors.ucx.leases import LeaseBook, LeaseSecretMismatch
+from kvtransfer.connectors.ucx.metadata import Release, UcxLayer
+from kvtransfer.connectors.ucx.notify import (
     KEEP_ALIVE,
     RELEASE,
     Done,
@@ -26,14 +33,7 @@ from connectors.ucx.notify import (
     ReleaseRequest,
     notify_handler,
 )
-from connectors.ucx.scheduler import engine_split
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.connector.factory import KVConnectorFactory
-from kvtransfer.connector.metadata import (
-    KVCacheLayout,
-    KVConnectorHandshakeMetadata,
-    KVConnectorRole,
-)
+from kvtransfer.connectors.ucx.scheduler import engine_split
 from kvtransfer.control import CompatibilityInfo, ControlServerThread, HandshakeBook
 from kvtransfer.testing import KVConnectorContract, make_kv_caches, make_request
 

@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtransfer.config import KVTransferConfig, KVTransferConfigError
+from kvtransfer.connector.config import KVTransferConfig, KVTransferConfigError
 from kvtransfer.connector.metadata import KVCacheLayout, canonical_kv_caches
+from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.integrations.vllm_translate import (
     VLLM_CPU_KV_ORDER,
     SchedulerStep,
@@ -23,7 +24,6 @@ from kvtransfer.integrations.vllm_translate import (
     single_group_block_ids,
     vllm_kv_cache_layout,
 )
-from kvtransfer.outputs import KVConnectorOutput
 
 # ---------------------------------------------------------------------------------------------
 # Look-alikes of vLLM's objects (attributes only, as vLLM 0.32 spells them).

@@ -57,7 +57,7 @@ def test_a_signal_after_the_reader_closed_is_ignored():
 def test_engines_sleep_until_woken_only_when_every_connector_wakes_them(tmp_path):
     from shared_storage_helpers.engines import engine_config, kv_config
 
-    from kvtransfer.config import KVTransferConfig
+    from kvtransfer.connector.config import KVTransferConfig
     from kvtransfer.engine.engine_core import EngineCore
 
     polled = KVTransferConfig(

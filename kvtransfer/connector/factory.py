@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVConnectorRole
 
 ENTRY_POINT_GROUP = "kvtransfer.connectors"

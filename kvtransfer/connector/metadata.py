@@ -74,7 +74,7 @@ class KVCacheLayout:
     tp_rank: int | None = None
     pp_rank: int | None = None
     # The axis order of the tensors `register_kv_caches` receives, outermost first (see
-    # `kvtransfer.transport.spec`): ours is "B2HND", vLLM's CPU backend "BH2ND". Connectors
+    # `kvtransfer.connector.kv_layout`): ours is "B2HND", vLLM's CPU backend "BH2ND". Connectors
     # index them through `canonical_kv_caches`.
     kv_order: str = "B2HND"
 
@@ -96,7 +96,7 @@ def canonical_kv_caches(
     """``kv_caches`` as ``[num_blocks, 2, heads, block_size, head_dim]`` views of the engine's
     own tensors (no copy), whatever ``layout.kv_order`` they are stored in; `ValueError` for a
     tensor that does not fit that order."""
-    from kvtransfer.transport.spec import canonical_kv_view
+    from kvtransfer.connector.kv_layout import canonical_kv_view
 
     order = "B2HND" if layout is None else layout.kv_order
     views = {}

@@ -41,8 +41,8 @@ from kvtransfer.connector.metadata import (
 if TYPE_CHECKING:
     import torch
 
-    from kvtransfer.config import KVTransferConfig
-    from kvtransfer.outputs import KVConnectorOutput
+    from kvtransfer.connector.config import KVTransferConfig
+    from kvtransfer.connector.outputs import KVConnectorOutput
 
 
 class SchedulerHalf(Protocol):

@@ -14,18 +14,6 @@ from kvtransfer.control.admin import (
     TransferInfo,
 )
 from kvtransfer.control.book import HandshakeBook
-from kvtransfer.control.client import (
-    AdminClient,
-    ClientCache,
-    FetchedHandshake,
-    HandshakeClient,
-    RetryPolicy,
-    check_health,
-    close_all,
-    fetch_handshake_sync,
-    get_handshake_client,
-    wait_until_serving,
-)
 from kvtransfer.control.compat import API_VERSION, CompatibilityInfo, FieldDifference
 from kvtransfer.control.errors import (
     AdminAuthError,
@@ -45,19 +33,15 @@ __all__ = [
     "API_VERSION",
     "AdminAuthError",
     "AdminBackend",
-    "AdminClient",
     "BasicAdminBackend",
-    "ClientCache",
     "CompatibilityInfo",
     "ControlPlaneError",
     "ControlServer",
     "ControlServerThread",
     "EngineIdMismatchError",
     "EngineStatus",
-    "FetchedHandshake",
     "FieldDifference",
     "HandshakeBook",
-    "HandshakeClient",
     "HandshakeCompatibilityError",
     "HandshakeNotFoundError",
     "HandshakePayloadError",
@@ -66,14 +50,8 @@ __all__ = [
     "PeerInfo",
     "PeerUnavailableError",
     "RemoteCallError",
-    "RetryPolicy",
     "TLSFiles",
     "TransferDirection",
     "TransferInfo",
-    "check_health",
-    "close_all",
-    "fetch_handshake_sync",
-    "get_handshake_client",
     "start_control_server",
-    "wait_until_serving",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 

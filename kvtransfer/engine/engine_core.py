@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvtransfer.aggregator import KVOutputAggregator
+from kvtransfer.connector.aggregator import KVOutputAggregator
 from kvtransfer.connector.base import KVConnectorBase_V1
 from kvtransfer.connector.factory import KVConnectorFactory
 from kvtransfer.connector.metadata import (
@@ -33,16 +33,16 @@ from kvtransfer.connector.metadata import (
     KVConnectorRole,
     merge_handshake_metadata,
 )
+from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.engine.config import EngineConfig, ModelConfig
-from kvtransfer.engine.executor import DEFAULT_WORKER, Executor
-from kvtransfer.engine.kv_cache import kv_cache_layout
+from kvtransfer.engine.executor.executor import DEFAULT_WORKER, Executor
 from kvtransfer.engine.model.loader import load_model_config
-from kvtransfer.engine.request import EngineCoreOutput, Request
+from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from kvtransfer.engine.runner.kv_cache import kv_cache_layout
 from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.engine.scheduler import Scheduler
+from kvtransfer.engine.scheduler.request import EngineCoreOutput, Request
+from kvtransfer.engine.scheduler.scheduler import Scheduler
 from kvtransfer.engine.wakeup import Wakeup
-from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from kvtransfer.topology import kv_head_range
 
 # An idle step (nothing to compute, transfers in flight) of an engine whose connectors cannot
 # wake it sleeps this long before polling them again.

@@ -11,10 +11,10 @@ import torch
 
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.engine_core import EngineCore
-from kvtransfer.engine.executor import DEFAULT_WORKER
+from kvtransfer.engine.executor.executor import DEFAULT_WORKER
 from kvtransfer.engine.model.loader import load_tokenizer
+from kvtransfer.engine.outputs import TokenLogprobs
 from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.outputs import TokenLogprobs
 
 Prompt = str | Sequence[int]
 

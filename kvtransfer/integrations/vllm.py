@@ -52,8 +52,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.factory import KVConnectorFactory
 from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole, PpTpRank
 from kvtransfer.integrations.vllm_translate import (

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvtransfer.connector.metadata import KVCacheLayout, PpTpRank
-from kvtransfer.outputs import KVConnectorOutput
+from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.transport.spec import dtype_name
 
 # vLLM's CPU attention declares [blocks, heads, block_size, 2 * head_size] and reads it as

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kvtransfer.engine.config import EngineConfig
-from kvtransfer.engine.executor import MultiprocExecutor, dumps, loads
+from kvtransfer.engine.executor.executor import MultiprocExecutor, dumps, loads
 from kvtransfer.engine.llm import LLM, RequestOutput
 from kvtransfer.pd.messages import (
     STARTUP_CALL_ID,

@@ -22,10 +22,10 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kvtransfer.engine.config import EngineConfig
-from kvtransfer.engine.executor import DEFAULT_WORKER, dumps, loads
+from kvtransfer.engine.executor.executor import DEFAULT_WORKER, dumps, loads
+from kvtransfer.engine.executor.worker_process import spawn_environment
 from kvtransfer.engine.llm import RequestOutput
 from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.engine.worker_process import spawn_environment
 from kvtransfer.pd.child import engine_main
 from kvtransfer.pd.errors import (
     EngineLeakError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvtransfer.engine.executor_errors import describe_death
+from kvtransfer.engine.executor.errors import describe_death
 
 if TYPE_CHECKING:
     from kvtransfer.engine.llm import RequestOutput

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
 from kvtransfer.engine.llm import RequestOutput
 from kvtransfer.engine.sampling_params import SamplingParams

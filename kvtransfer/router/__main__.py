@@ -15,10 +15,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvtransfer.logs import configure_logging
 from kvtransfer.router.config import RouterConfig, check_address
 from kvtransfer.router.server import RouterServer
-from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES
-from kvtransfer.serve.logs import configure_logging
 
 logger = logging.getLogger("kvtransfer.router")
 

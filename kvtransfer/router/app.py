@@ -98,7 +98,7 @@ def make_app(config: RouterConfig) -> web.Application:
     so that a client that disconnects cancels the upstream calls.
     """
     router = RouterHandlers(config)
-    # aiohttp's 1 MiB default is too small for long prompts; see kvtransfer.serve.limits.
+    # aiohttp's 1 MiB default is too small for long prompts; see kvtransfer.clients.limits.
     app = web.Application(client_max_size=config.max_request_bytes, middlewares=[_openai_errors])
     app[ROUTER] = router
     app.cleanup_ctx.append(router.channels)

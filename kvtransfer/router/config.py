@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from kvtransfer.serve.limits import (
+from kvtransfer.clients.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     check_max_request_bytes,
     grpc_message_options,
@@ -37,7 +37,7 @@ class RouterConfig:
     ``health_timeout_s``); an ejected daemon is re-admitted at the first check that finds it
     SERVING. ``release_timeout_s`` is the deadline of a ``ReleaseKV`` call. ``max_request_bytes``
     is the largest HTTP body accepted (413 above it); give the daemons the same value
-    (`kvtransfer.serve.limits`). ``shutdown_timeout_s`` is how long in-flight requests may run
+    (`kvtransfer.clients.limits`). ``shutdown_timeout_s`` is how long in-flight requests may run
     on after a stop. ``tls_ca``/``tls_cert``/``tls_key`` are PEM files; none of them means
     plaintext gRPC. ``kv_stream``: ask prefills to announce their KV while computing it and
     call the decode daemon then (off: the decode is called once the prefill returned).

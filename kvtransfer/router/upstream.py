@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvtransfer.clients.generation import generate_request as build_generate_request
 from kvtransfer.router.openai_api import ChatMessages, Choice
-from kvtransfer.serve.client import generate_request as build_generate_request
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger("kvtransfer.router.upstream")

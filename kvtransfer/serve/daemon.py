@@ -10,7 +10,7 @@ Life cycle of a daemon:
 3. One gRPC server on ``--port`` serves Generation, KVAdmin, grpc.health.v1 and reflection
    (and, on a prefill daemon, KVHandshake from the same book as ``kv_port``); metrics go to
    ``--metrics-port``. A ``ready`` line with the bound addresses goes to stdout. The server
-   takes messages of ``--max-request-bytes`` plus headroom (`kvtransfer.serve.limits`), the
+   takes messages of ``--max-request-bytes`` plus headroom (`kvtransfer.clients.limits`), the
    router's body limit when both keep the default.
 4. Requests flow through `GenerationService` and the engine thread (see its module).
 5. SIGTERM or KVAdmin ``Drain``: health turns NOT_SERVING and new Generate calls get
@@ -32,19 +32,19 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from kvtransfer.clients.limits import grpc_message_options
 from kvtransfer.control import HandshakeBook, start_control_server
 from kvtransfer.control.server import ControlServer
 from kvtransfer.engine.engine_core import EngineCore
-from kvtransfer.engine.kv_cache import kv_bytes_per_block, resolve_dtype
 from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.model.chat_template import ChatTemplate
+from kvtransfer.engine.runner.kv_cache import kv_bytes_per_block, resolve_dtype
+from kvtransfer.logs import configure_logging
 from kvtransfer.serve.admin_backend import EngineAdminBackend, connector_totals, held_kv
 from kvtransfer.serve.engine_thread import EngineThread
 from kvtransfer.serve.generation import GenerationService, ServiceContext
 from kvtransfer.serve.launcher import EXIT_BLOCKS_MARKER, EXIT_BLOCKS_PREFIX
 from kvtransfer.serve.ledger import ServingLedger
-from kvtransfer.serve.limits import grpc_message_options
-from kvtransfer.serve.logs import configure_logging
 from kvtransfer.serve.metrics import DaemonMetrics
 from kvtransfer.serve.settings import DaemonSettings, Role, SettingsError, load_settings
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc

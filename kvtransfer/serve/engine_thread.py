@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvtransfer.engine.engine_core import EngineCore
-from kvtransfer.engine.request import DuplicateRequestError, EngineCoreOutput
 from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.engine.scheduler.request import DuplicateRequestError, EngineCoreOutput
 from kvtransfer.engine.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)

@@ -23,12 +23,12 @@ from typing import Any
 import grpc
 
 from kvtransfer.engine.model.chat_template import ChatTemplate
-from kvtransfer.engine.request import (
+from kvtransfer.engine.outputs import TokenLogprobs
+from kvtransfer.engine.scheduler.request import (
     DuplicateRequestError,
     EngineCoreOutput,
     PromptTooLargeError,
 )
-from kvtransfer.outputs import TokenLogprobs
 from kvtransfer.serve.engine_thread import EngineThread, EngineUnavailable
 from kvtransfer.serve.ledger import ServingLedger
 from kvtransfer.serve.metrics import DaemonMetrics

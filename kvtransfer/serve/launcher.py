@@ -114,7 +114,9 @@ class ServiceProcess:
 
 
 def daemon_command(role: str, *flags: str) -> list[str]:
-    module = {"prefill": "prefill_node", "decode": "decode_node"}[role]
+    module = {"prefill": "kvtransfer.serve.prefill_node", "decode": "kvtransfer.serve.decode_node"}[
+        role
+    ]
     return [sys.executable, "-m", module, *flags]
 
 

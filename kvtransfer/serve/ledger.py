@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtransfer.control.admin import HandshakeState, PeerInfo
-from kvtransfer.engine.request import EngineCoreOutput
+from kvtransfer.engine.scheduler.request import EngineCoreOutput
 
 COUNTERS = (
     "requests_started",

@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
 from kvtransfer.engine.model.chat_template import ChatTemplate
-from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 Role = Literal["prefill", "decode"]
 
@@ -63,7 +63,7 @@ class DaemonSettings(BaseModel):
     admin_token: str | None = None
     drain_timeout_s: float = Field(default=60.0, gt=0)
     # The same setting as the router's: the gRPC server accepts messages of this size plus
-    # headroom (`kvtransfer.serve.limits`), so anything the router accepted fits.
+    # headroom (`kvtransfer.clients.limits`), so anything the router accepted fits.
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.factory import KVConnectorFactory
 from kvtransfer.connector.metadata import (
     KVConnectorHandshakeMetadata,

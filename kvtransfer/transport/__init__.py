@@ -5,6 +5,7 @@ Importing this package does not initialise UCX; creating a `KVTransferAgent` doe
 
 from __future__ import annotations
 
+from kvtransfer.connector.kv_layout import KV_AXES, canonical_kv_view
 from kvtransfer.transport.access import (
     AccessDenied,
     LeaseAccess,
@@ -25,7 +26,7 @@ from kvtransfer.transport.errors import (
     TransportClosed,
     TransportError,
 )
-from kvtransfer.transport.spec import KV_AXES, KVLayout, PullSpec, canonical_kv_view
+from kvtransfer.transport.spec import KVLayout, PullSpec
 
 __all__ = [
     "KV_AXES",

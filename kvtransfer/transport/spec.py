@@ -23,12 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.topology import HeadSource
+from kvtransfer.connector.kv_layout import (
+    KV_AXES,
+    KV_CACHE_NDIM,
+    axis_order,
+    kv_axis_order,
+)
+from kvtransfer.connector.topology import HeadSource
 from kvtransfer.transport.access import LeaseAccess
-
-KV_CACHE_NDIM = 5
-# Block, K/V, head, token, head dim: the order payloads use and caches are indexed in.
-KV_AXES = "B2HND"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -84,40 +86,10 @@ class KVLayout:
                 block_size=int(data["block_size"]),  # type: ignore[call-overload]
                 head_dim=int(data["head_dim"]),  # type: ignore[call-overload]
                 dtype=str(data["dtype"]),
-                order=_axis_order("order", data.get("order", KV_AXES)),
+                order=axis_order("order", data.get("order", KV_AXES)),
             )
         except KeyError as exc:
             raise ValueError(f"KV layout lacks field {exc.args[0]!r}: {dict(data)!r}") from exc
-
-
-def _axis_order(name: str, order: object) -> str:
-    if not isinstance(order, str) or sorted(order) != sorted(KV_AXES):
-        raise ValueError(
-            f"{name} must name the axes {KV_AXES!r} (block, K/V, head, token, head dim) once "
-            f"each, outermost first, e.g. 'B2HND' or 'BH2ND'; got {order!r}"
-        )
-    return order
-
-
-def canonical_kv_view(tensor: torch.Tensor, order: str) -> torch.Tensor:
-    """View ``tensor``, whose 5 axes are ``order`` (a permutation of ``KV_AXES``), in
-    ``B2HND`` order; no copy. (An engine that declares fewer axes, like vLLM's CPU cache,
-    reshapes its tensor to its 5 physical axes first.)"""
-    order = _axis_order("KV axis order", order)
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"a KV cache must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != KV_CACHE_NDIM or tensor.shape[order.index("2")] != 2:
-        raise ValueError(
-            f"a KV cache in order {order!r} must have 5 axes with 2 at position "
-            f"{order.index('2')}, got shape {tuple(tensor.shape)}"
-        )
-    return tensor.permute(*(order.index(axis) for axis in KV_AXES))
-
-
-def kv_axis_order(tensor: torch.Tensor) -> str:
-    """The physical order of a ``B2HND``-indexed cache's axes, outermost first."""
-    ranked = sorted(range(KV_CACHE_NDIM), key=lambda axis: -tensor.stride(axis))
-    return "".join(KV_AXES[axis] for axis in ranked)
 
 
 def _is_dense(tensor: torch.Tensor) -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import (
     KVConnectorHandshakeMetadata,
     KVConnectorRole,

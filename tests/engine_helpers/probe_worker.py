@@ -1,4 +1,4 @@
-"""`ProbeWorker`: a stand-in for `kvtransfer.engine.worker.Worker` that runs no model.
+"""`ProbeWorker`: a stand-in for `kvtransfer.engine.runner.worker.Worker` that runs no model.
 
 Each step it runs every collective of `WorkerDistributed` with rank-derived values and reports
 what it saw as ``"key=value"`` strings in ``ModelRunnerOutput.req_ids``, so executor tests can
@@ -25,11 +25,15 @@ import torch
 
 from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata
 from kvtransfer.engine.config import EngineConfig
-from kvtransfer.engine.distributed import WorkerDistributed
-from kvtransfer.engine.executor import WorkerInfo
-from kvtransfer.engine.parallel import ParallelRank, pp_layer_range
+from kvtransfer.engine.executor.executor import WorkerInfo
+from kvtransfer.engine.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    IntermediateTensors,
+    ModelRunnerOutput,
+)
+from kvtransfer.engine.runner.distributed import WorkerDistributed
+from kvtransfer.engine.runner.parallel import ParallelRank, pp_layer_range
 from kvtransfer.engine.scheduler_output import SchedulerOutput
-from kvtransfer.outputs import EMPTY_MODEL_RUNNER_OUTPUT, IntermediateTensors, ModelRunnerOutput
 
 PROBE_WORKER = "engine_helpers.probe_worker:ProbeWorker"
 NUM_LAYERS = 4

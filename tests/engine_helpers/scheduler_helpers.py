@@ -19,15 +19,16 @@ from typing import Any
 
 import torch
 
-from kvtransfer.config import KVTransferConfig
 from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole, KVRequest
+from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
-from kvtransfer.engine.request import EngineCoreOutput, Request
+from kvtransfer.engine.outputs import ModelRunnerOutput
 from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.engine.scheduler import Scheduler
+from kvtransfer.engine.scheduler.request import EngineCoreOutput, Request
+from kvtransfer.engine.scheduler.scheduler import Scheduler
 from kvtransfer.engine.scheduler_output import SchedulerOutput
-from kvtransfer.outputs import KVConnectorOutput, ModelRunnerOutput
 
 VOCAB = 64
 BLOCK = 4

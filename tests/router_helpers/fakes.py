@@ -6,7 +6,7 @@ daemon runs ``behaviour`` for every call (swap it between requests). Every call 
 and sets ``cancelled_event``. ``ReleaseKV`` calls are recorded in ``releases`` (and set
 ``released``), then answered by ``release_behaviour`` (default: released=true). Health is
 SERVING from the start (`set_health` changes it); `stop` then `restart` brings the daemon back
-on the same address. Message limits are the real daemons' (`kvtransfer.serve.limits`).
+on the same address. Message limits are the real daemons' (`kvtransfer.clients.limits`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvtransfer.serve.limits import DEFAULT_MAX_REQUEST_BYTES, grpc_message_options
+from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES, grpc_message_options
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
 Reply = generation_pb2.GenerateResponse

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtransfer.control import AdminClient
+from kvtransfer.clients.control import AdminClient
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.sampling_params import SamplingParams

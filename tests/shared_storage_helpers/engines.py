@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM, RequestOutput

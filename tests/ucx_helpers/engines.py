@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from connectors.ucx import UcxConnector
-from connectors.ucx.scheduler import UcxScheduler
-from connectors.ucx.worker import UcxWorker
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connectors.ucx import UcxConnector
+from kvtransfer.connectors.ucx.scheduler import UcxScheduler
+from kvtransfer.connectors.ucx.worker import UcxWorker
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM, RequestOutput

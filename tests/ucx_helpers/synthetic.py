@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connectors.ucx import LoadSpec, RemotePrefill, UcxConnector, UcxConnectorMetadata
-from connectors.ucx.metadata import Grant
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole, merge_handshake_metadata
-from kvtransfer.engine.parallel import pp_layer_range
-from kvtransfer.topology import kv_head_range
+from kvtransfer.connector.topology import kv_head_range
+from kvtransfer.connectors.ucx import LoadSpec, RemotePrefill, UcxConnector, UcxConnectorMetadata
+from kvtransfer.connectors.ucx.metadata import Grant
+from kvtransfer.engine.runner.parallel import pp_layer_range
 from kvtransfer.transport import new_secret, secret_digest
 
 MODEL = "synthetic"

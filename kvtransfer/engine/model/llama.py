@@ -6,7 +6,8 @@ final RMSNorm and ``lm_head``. Qwen2 adds q/k/v biases; a Llama config with ``at
 biases o_proj too (as HF does), Qwen2 never does.
 
 Sharding. Tensor parallel ranks split query heads evenly and KV heads by
-`kvtransfer.topology.kv_head_range` (one replicated head per rank once ranks outnumber heads);
+`kvtransfer.connector.topology.kv_head_range` (one replicated head per rank once ranks
+outnumber heads);
 q/k/v and gate/up are column-parallel, o_proj and down_proj row-parallel with their partial
 outputs summed by ``tp_all_reduce``. Embedding, final norm and ``lm_head`` are not split (every
 rank computes full logits). Pipeline ranks own the layers of `pp_layer_range`; the first embeds,
@@ -25,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.engine.config import ModelConfig
-from kvtransfer.engine.forward_context import AttentionMetadata, LayerHooks, NoLayerHooks
 from kvtransfer.engine.model.attention import PagedAttentionPlan, paged_attention
-from kvtransfer.engine.parallel import ParallelRank, pp_layer_range
-from kvtransfer.outputs import IntermediateTensors
-from kvtransfer.topology import kv_head_range
+from kvtransfer.engine.outputs import IntermediateTensors
+from kvtransfer.engine.runner.forward_context import AttentionMetadata, LayerHooks, NoLayerHooks
+from kvtransfer.engine.runner.parallel import ParallelRank, pp_layer_range
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 

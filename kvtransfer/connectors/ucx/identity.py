@@ -1,0 +1,251 @@
+"""Who a worker is, as far as KV transfer goes: its rank, layers, KV heads and cache shape.
+
+Built once from the engine's `KVCacheLayout` and the registered caches. Layer names carry their
+model position: ``model.layers.<i>.self_attn`` (target layer ``i``) and
+``draft.layers.<j>.self_attn`` (drafter layer ``j``, on the last PP stage only). Also builds the
+`CompatibilityInfo` both engines compare at handshake time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.connector.metadata import KVCacheLayout
+from kvtransfer.connector.topology import kv_head_range
+from kvtransfer.connectors.ucx.metadata import UcxHandshakeMetadata, UcxLayer
+from kvtransfer.control import CompatibilityInfo
+
+WIRE_VERSION = 1
+# The order of the payloads on the wire ([blocks, 2, heads, block_size, head_dim]: heads outside
+# tokens), which peers must agree on. How each stores its cache (`KVCacheLayout.kv_order`) need
+# not match: gather and scatter convert (`kvtransfer.transport.spec`).
+KV_LAYOUT = "HND"
+UNSPECIFIED_MODEL = "unspecified"
+
+_LAYER_NAME = re.compile(r"^(model|draft)\.layers\.(\d+)\.")
+
+
+def parse_layer_name(name: str) -> tuple[bool, int]:
+    """``(is_draft, index)`` of a KV layer name; `ValueError` for a name without a position."""
+    match = _LAYER_NAME.match(name)
+    if match is None:
+        raise ValueError(
+            f"KV layer {name!r} does not name its position; expected "
+            "'model.layers.<i>.<...>' or 'draft.layers.<j>.<...>'"
+        )
+    return match.group(1) == "draft", int(match.group(2))
+
+
+def compat_info(
+    *,
+    model: str,
+    dtype: str,
+    total_kv_heads: int,
+    head_dim: int,
+    num_layers: int,
+    block_size: int,
+) -> CompatibilityInfo:
+    return CompatibilityInfo(
+        model=model,
+        dtype=dtype,
+        total_num_kv_heads=total_kv_heads,
+        head_size=head_dim,
+        num_layers=num_layers,
+        kv_layout=KV_LAYOUT,
+        block_size=block_size,
+        wire_version=WIRE_VERSION,
+    )
+
+
+def compat_from_layout(layout: KVCacheLayout) -> CompatibilityInfo:
+    return compat_info(
+        model=layout.model,
+        dtype=layout.dtype,
+        total_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        num_layers=layout.num_layers,
+        block_size=layout.block_size,
+    )
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    engine_id: str
+    model: str
+    pp_rank: int
+    tp_rank: int
+    pp_size: int
+    tp_size: int
+    layers: tuple[UcxLayer, ...]
+    num_layers: int  # the whole target model's
+    total_kv_heads: int
+    draft_total_kv_heads: int | None
+    block_size: int
+    head_dim: int
+    dtype: str
+    num_blocks: int
+    bytes_per_block: int  # this worker's share of one block, all its layers
+
+    @property
+    def kv_heads(self) -> range:
+        return kv_head_range(self.tp_rank, self.tp_size, self.total_kv_heads)
+
+    @property
+    def draft_kv_heads(self) -> range | None:
+        if self.draft_total_kv_heads is None:
+            return None
+        return kv_head_range(self.tp_rank, self.tp_size, self.draft_total_kv_heads)
+
+    def target_layers(self) -> list[UcxLayer]:
+        return sorted((la for la in self.layers if not la.is_draft), key=lambda la: la.index)
+
+    def draft_layers(self) -> list[UcxLayer]:
+        return sorted((la for la in self.layers if la.is_draft), key=lambda la: la.index)
+
+    def compat(self) -> CompatibilityInfo:
+        return compat_info(
+            model=self.model,
+            dtype=self.dtype,
+            total_kv_heads=self.total_kv_heads,
+            head_dim=self.head_dim,
+            num_layers=self.num_layers,
+            block_size=self.block_size,
+        )
+
+    def handshake(self, agent_address: str) -> UcxHandshakeMetadata:
+        draft = self.draft_kv_heads
+        return UcxHandshakeMetadata(
+            engine_id=self.engine_id,
+            pp_rank=self.pp_rank,
+            tp_rank=self.tp_rank,
+            pp_size=self.pp_size,
+            tp_size=self.tp_size,
+            agent_address=agent_address,
+            layers=self.layers,
+            kv_heads=(self.kv_heads.start, self.kv_heads.stop),
+            total_kv_heads=self.total_kv_heads,
+            draft_kv_heads=None if draft is None else (draft.start, draft.stop),
+            draft_total_kv_heads=self.draft_total_kv_heads,
+            block_size=self.block_size,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            num_blocks=self.num_blocks,
+        )
+
+    @classmethod
+    def from_caches(
+        cls,
+        engine_id: str,
+        layout: KVCacheLayout | None,
+        caches: Mapping[str, torch.Tensor],
+    ) -> WorkerIdentity:
+        """Check the caches agree with each other and with ``layout`` (``None`` outside an
+        engine: a single 1x1 worker holding every head of its layers)."""
+        if not caches:
+            raise ValueError("UcxConnector: register_kv_caches got no layers")
+        first = next(iter(caches.values()))
+        for name, cache in caches.items():
+            if cache.dim() != 5 or cache.shape[1] != 2:
+                raise ValueError(
+                    f"KV cache {name!r} has shape {tuple(cache.shape)}, expected "
+                    "[num_blocks, 2, num_kv_heads, block_size, head_dim]"
+                )
+            if (cache.shape[0], cache.shape[3], cache.shape[4], cache.dtype, cache.device) != (
+                first.shape[0],
+                first.shape[3],
+                first.shape[4],
+                first.dtype,
+                first.device,
+            ):
+                raise ValueError(
+                    f"KV cache {name!r} differs from the others in num_blocks, block_size, "
+                    "head_dim, dtype or device"
+                )
+        layers = []
+        for name, cache in caches.items():
+            is_draft, index = parse_layer_name(name)
+            layers.append(
+                UcxLayer(
+                    name=name, index=index, is_draft=is_draft, num_kv_heads=int(cache.shape[2])
+                )
+            )
+        target = [la for la in layers if not la.is_draft]
+        draft = [la for la in layers if la.is_draft]
+        dtype = str(first.dtype).removeprefix("torch.")
+        block_size, head_dim = int(first.shape[3]), int(first.shape[4])
+        if layout is None:
+            layout = KVCacheLayout(
+                model=UNSPECIFIED_MODEL,
+                dtype=dtype,
+                block_size=block_size,
+                num_blocks=int(first.shape[0]),
+                num_layers=len(target),
+                num_kv_heads=target[0].num_kv_heads if target else layers[0].num_kv_heads,
+                head_dim=head_dim,
+                tp_rank=0,
+                pp_rank=0,
+            )
+        if layout.rank is None:
+            raise ValueError("UcxConnector worker got a KVCacheLayout without its (pp, tp) rank")
+        pp_rank, tp_rank = layout.rank
+        if (layout.block_size, layout.head_dim, layout.dtype) != (block_size, head_dim, dtype):
+            raise ValueError(
+                f"KV caches are block_size {block_size}, head_dim {head_dim}, {dtype}; the "
+                f"engine's layout says {layout.block_size}, {layout.head_dim}, {layout.dtype}"
+            )
+        heads = kv_head_range(tp_rank, layout.tp_size, layout.num_kv_heads)
+        wrong = [la.name for la in target if la.num_kv_heads != len(heads)]
+        if wrong:
+            raise ValueError(
+                f"target layers {wrong} do not hold {len(heads)} KV heads, the share of TP rank "
+                f"{tp_rank} of {layout.tp_size} over {layout.num_kv_heads} heads"
+            )
+        indices = sorted(la.index for la in target)
+        if indices and indices != list(range(indices[0], indices[0] + len(indices))):
+            raise ValueError(f"target layers {indices} are not a contiguous range")
+        return cls(
+            engine_id=engine_id,
+            model=layout.model,
+            pp_rank=pp_rank,
+            tp_rank=tp_rank,
+            pp_size=layout.pp_size,
+            tp_size=layout.tp_size,
+            layers=tuple(layers),
+            num_layers=layout.num_layers,
+            total_kv_heads=layout.num_kv_heads,
+            draft_total_kv_heads=_draft_total_heads(draft, len(heads), layout),
+            block_size=block_size,
+            head_dim=head_dim,
+            dtype=dtype,
+            num_blocks=int(first.shape[0]),
+            bytes_per_block=sum(c[0].numel() * c.element_size() for c in caches.values()),
+        )
+
+
+def _draft_total_heads(
+    draft: list[UcxLayer], target_local_heads: int, layout: KVCacheLayout
+) -> int | None:
+    """The drafter's global KV head count, which the layout does not carry.
+
+    A drafter split like the target (same local head count) has the target's total; otherwise
+    its heads are taken as split without replication. A drafter that replicates heads under TP
+    differently from the target cannot be told apart and is refused.
+    """
+    if not draft:
+        return None
+    local = {la.num_kv_heads for la in draft}
+    if len(local) > 1:
+        raise ValueError(f"drafter layers disagree on their KV head count: {sorted(local)}")
+    (num_local,) = local
+    if num_local == target_local_heads:
+        return layout.num_kv_heads
+    if num_local == 1 and layout.tp_size > 1:
+        raise ValueError(
+            "cannot tell how many KV heads the drafter has: it holds one per TP rank and the "
+            "target does not"
+        )
+    return num_local * layout.tp_size

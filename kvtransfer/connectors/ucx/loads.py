@@ -1,0 +1,162 @@
+"""`LoadJob`: one request's KV load on one consumer worker, run on a loader thread.
+
+1. get the producer from `RemoteEngines` (handshake and connect on the first request);
+2. start one `PullSpec` per planned pull (its layers, its head slice, the request's blocks);
+3. wait for all of them, each bounded by the transfer timeout, probing the producer meanwhile
+   (`liveness`): a dead or unreachable producer, or one that no longer holds the request,
+   fails the load in about a second instead of at the timeout.
+
+Every pull presents the lease's secret; the producer serves only that lease's blocks and only
+while it holds the lease (it stops before it frees them), so a load that succeeded read the
+request's own KV, never blocks reused by another request.
+
+`cancel` (from the step thread, for an aborted request) stops it: before the pulls start
+nothing is started, after that every pull is cancelled, and `PullHandle.cancel` guarantees
+nothing is written once it returns, so the request's blocks can be given back at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from kvtransfer.connectors.ucx.liveness import PROBE_INTERVAL_S, AskHeld, ProducerWatch
+from kvtransfer.connectors.ucx.metadata import LoadSpec
+from kvtransfer.connectors.ucx.plan import check_request_blocks
+from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines
+from kvtransfer.transport import (
+    ErrorCode,
+    KVTransferAgent,
+    PullHandle,
+    PullSpec,
+    RemoteTransferError,
+)
+
+# Extra wait beyond a pull's own timeout: the pull raises TransferTimeoutError itself first.
+_RESULT_GRACE_S = 5.0
+
+
+class LoadCancelled(Exception):
+    """The request was aborted; its pulls were stopped."""
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    num_blocks: int
+    num_bytes: int
+    elapsed_s: float
+
+
+class LoadJob:
+    def __init__(
+        self,
+        spec: LoadSpec,
+        engines: RemoteEngines,
+        agent: KVTransferAgent,
+        transfer_timeout_s: float,
+        ask_held: AskHeld | None = None,
+    ) -> None:
+        self.spec = spec
+        self._engines = engines
+        self._agent = agent
+        self._ask_held = ask_held
+        self._timeout_s = transfer_timeout_s
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._handles: list[PullHandle] = []
+
+    @property
+    def req_id(self) -> str:
+        return self.spec.req_id
+
+    @property
+    def num_pulls_started(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def cancel(self) -> None:
+        """Stop the load; once this returns, the load writes nothing more."""
+        with self._lock:
+            self._cancelled = True
+            handles = list(self._handles)
+        for handle in handles:
+            handle.cancel()
+
+    def run(self) -> LoadOutcome:
+        started = time.perf_counter()
+        spec = self.spec
+        if not spec.local_block_ids:
+            return LoadOutcome(0, 0, 0.0)
+        self._check_cancelled()
+        engine = self._engines.get(spec.remote)
+        check_request_blocks(spec.remote, next(iter(engine.metadata.values())).block_size)
+        try:
+            handles = self._start(engine)
+            total = self._wait_all(handles)
+        except LoadCancelled:
+            raise
+        except BaseException as exc:
+            # A pull stopped by cancel() fails too; that is the cancellation, not an error.
+            self._check_cancelled()
+            self.cancel()
+            if not _refused_access(exc):
+                # The producer may be gone or restarted: handshake again next time.
+                self._engines.invalidate(engine)
+            raise
+        return LoadOutcome(len(spec.local_block_ids), total, time.perf_counter() - started)
+
+    def _start(self, engine: RemoteEngine) -> list[PullHandle]:
+        spec = self.spec
+        with self._lock:
+            if self._cancelled:
+                raise LoadCancelled(f"load of request {spec.req_id!r} was cancelled")
+            for pull in engine.plan:
+                # KV still being computed is pulled layer by layer, each as soon as it is.
+                groups = (
+                    [(name,) for name in pull.layer_names]
+                    if spec.remote.streaming
+                    else [pull.layer_names]
+                )
+                for layer_names in groups:
+                    self._handles.append(
+                        self._agent.pull(
+                            engine.peers[pull.remote_rank],
+                            PullSpec(
+                                request_id=spec.req_id,
+                                layer_names=layer_names,
+                                remote_block_ids=spec.remote_block_ids,
+                                local_block_ids=spec.local_block_ids,
+                                remote_heads=pull.remote_heads,
+                                local_heads=pull.local_heads,
+                                lease=spec.lease,
+                            ),
+                            timeout_s=self._timeout_s,
+                        )
+                    )
+            return list(self._handles)
+
+    def _wait_all(self, handles: list[PullHandle]) -> int:
+        deadline = time.monotonic() + self._timeout_s + _RESULT_GRACE_S
+        watch = ProducerWatch(self.spec.remote, self._ask_held)
+        total = 0
+        for handle in handles:
+            while True:
+                try:
+                    total += handle.result(PROBE_INTERVAL_S).payload_bytes
+                    break
+                except TimeoutError:
+                    if handle.done() or time.monotonic() >= deadline:
+                        raise
+                watch.check()
+        return total
+
+    def _check_cancelled(self) -> None:
+        with self._lock:
+            if self._cancelled:
+                raise LoadCancelled(f"load of request {self.spec.req_id!r} was cancelled")
+
+
+def _refused_access(error: BaseException) -> bool:
+    """A pull refused for its lease says nothing about the producer's health."""
+    return isinstance(error, RemoteTransferError) and error.code == ErrorCode.ACCESS_DENIED

@@ -1,0 +1,219 @@
+"""Which remote workers a local worker pulls from, and which layers and heads from each.
+
+A remote engine's handshake metadata is registered in `TransferTopology` (one per model: the
+target, and the drafter when there is one, whose layers live on the last PP stage of both
+engines), per remote ``(engine_id, pp_rank)`` with the layer range it holds. The topology then
+answers, for this worker's own layers, which remote PP ranks hold them (`layer_sources`) and
+which remote TP ranks hold its KV heads, each replicated head read once (`head_sources`). Their
+product is one `PlannedPull` per (remote worker, head slice): a plan depends only on the two
+engines' layouts, so it is computed once per remote engine and reused for every request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.connector.metadata import PpTpRank
+from kvtransfer.connector.topology import EngineTransferInfo, TransferTopology, kv_head_range
+from kvtransfer.connectors.ucx.identity import WorkerIdentity
+from kvtransfer.connectors.ucx.metadata import RemotePrefill, UcxHandshakeMetadata, UcxLayer
+
+
+class RemoteLayoutError(ValueError):
+    """The remote engine's workers do not hold what this worker needs, or contradict each
+    other or the request's ``kv_transfer_params``."""
+
+
+@dataclass(frozen=True)
+class PlannedPull:
+    remote_rank: PpTpRank
+    layer_names: tuple[str, ...]
+    remote_heads: range  # indexes the remote worker's head axis
+    local_heads: range  # indexes this worker's head axis
+
+
+@dataclass
+class LocalTopologies:
+    """This worker's `TransferTopology` per model it holds layers of."""
+
+    target: TransferTopology
+    draft: TransferTopology | None
+
+    @classmethod
+    def of(cls, identity: WorkerIdentity) -> LocalTopologies:
+        return cls(
+            target=_topology(identity, identity.total_kv_heads, identity.target_layers()),
+            draft=None
+            if identity.draft_total_kv_heads is None
+            else _topology(identity, identity.draft_total_kv_heads, identity.draft_layers()),
+        )
+
+    def unregister(self, engine_id: str) -> None:
+        self.target.unregister_remote_engine(engine_id)
+        if self.draft is not None:
+            self.draft.unregister_remote_engine(engine_id)
+
+
+def _topology(
+    identity: WorkerIdentity, total_heads: int, layers: list[UcxLayer]
+) -> TransferTopology:
+    return TransferTopology(
+        tp_rank=identity.tp_rank,
+        tp_size=identity.tp_size,
+        block_size=identity.block_size,
+        engine_id=identity.engine_id,
+        is_mla=False,
+        total_num_kv_heads=total_heads,
+        pp_rank=identity.pp_rank,
+        pp_size=identity.pp_size,
+        start_layer=layers[0].index if layers else 0,
+        end_layer=layers[-1].index + 1 if layers else 0,
+    )
+
+
+def check_remote_engine(
+    remote: RemotePrefill, metadata: Mapping[PpTpRank, UcxHandshakeMetadata]
+) -> None:
+    """Every worker of the remote TP x PP grid published, consistently with the params."""
+    sizes = {(md.tp_size, md.pp_size) for md in metadata.values()}
+    if len(sizes) != 1:
+        raise RemoteLayoutError(
+            f"workers of engine {remote.engine_id!r} disagree on TP x PP: {sorted(sizes)}"
+        )
+    ((tp_size, pp_size),) = sizes
+    if (tp_size, pp_size) != (remote.tp_size, remote.pp_size):
+        raise RemoteLayoutError(
+            f"engine {remote.engine_id!r} runs TP {tp_size} x PP {pp_size} but the request's "
+            f"kv_transfer_params say TP {remote.tp_size} x PP {remote.pp_size}"
+        )
+    grid = {(p, t) for p in range(pp_size) for t in range(tp_size)}
+    if set(metadata) != grid:
+        raise RemoteLayoutError(
+            f"engine {remote.engine_id!r} published workers {sorted(metadata)}, expected "
+            f"{sorted(grid)}"
+        )
+    for rank, md in metadata.items():
+        if (md.pp_rank, md.tp_rank) != rank or md.engine_id != remote.engine_id:
+            raise RemoteLayoutError(
+                f"the payload served for {rank} of engine {remote.engine_id!r} describes "
+                f"worker ({md.pp_rank}, {md.tp_rank}) of engine {md.engine_id!r}"
+            )
+
+
+def check_request_blocks(remote: RemotePrefill, block_size: int) -> None:
+    """A producer lists exactly the blocks of ``remote_num_tokens`` at its block size: any
+    other list was not returned by it, and must not pick (or skip) blocks silently."""
+    needed = -(-remote.num_tokens // block_size)
+    if len(remote.block_ids) != needed:
+        raise RemoteLayoutError(
+            f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} blocks, "
+            f"remote_num_tokens {remote.num_tokens} needs exactly {needed} of engine "
+            f"{remote.engine_id!r}'s {block_size}-token blocks"
+        )
+
+
+def plan_pulls(
+    identity: WorkerIdentity,
+    topologies: LocalTopologies,
+    engine_id: str,
+    metadata: Mapping[PpTpRank, UcxHandshakeMetadata],
+) -> list[PlannedPull]:
+    """Register ``engine_id``'s workers and plan this worker's pulls from them.
+
+    Raises `RemoteLayoutError` (or the topology's `ValueError`s) when the remote engine cannot
+    provide every layer and head this worker holds.
+    """
+    merged: dict[tuple[PpTpRank, range, range], list[str]] = {}
+    models = [(False, topologies.target, identity.target_layers())]
+    if topologies.draft is not None:
+        models.append((True, topologies.draft, identity.draft_layers()))
+    for is_draft, topology, layers in models:
+        if not layers:
+            continue
+        _register(topology, engine_id, metadata, is_draft)
+        names = {layer.index: layer.name for layer in layers}
+        for source in topology.layer_sources(engine_id):
+            layer_names = [names[i] for i in source.layers]
+            for head in topology.head_sources(engine_id, source.remote_pp_rank):
+                rank = (source.remote_pp_rank, head.remote_tp_rank)
+                _check_serves(engine_id, metadata[rank], layer_names)
+                key = (
+                    rank,
+                    range(head.remote_offset, head.remote_offset + head.num_heads),
+                    range(head.local_offset, head.local_offset + head.num_heads),
+                )
+                merged.setdefault(key, []).extend(layer_names)
+    return [
+        PlannedPull(rank, tuple(names), remote_heads, local_heads)
+        for (rank, remote_heads, local_heads), names in sorted(
+            merged.items(), key=lambda item: (item[0][0], item[0][2].start)
+        )
+    ]
+
+
+def _register(
+    topology: TransferTopology,
+    engine_id: str,
+    metadata: Mapping[PpTpRank, UcxHandshakeMetadata],
+    is_draft: bool,
+) -> None:
+    kind = "drafter" if is_draft else "target"
+    registered = 0
+    for (pp, tp), md in sorted(metadata.items()):
+        layers = md.draft_layers() if is_draft else md.target_layers()
+        if not layers:
+            continue
+        total = md.draft_total_kv_heads if is_draft else md.total_kv_heads
+        held = md.draft_kv_heads if is_draft else md.kv_heads
+        if total != topology.total_num_kv_heads:
+            raise RemoteLayoutError(
+                f"engine {engine_id!r} has {total} {kind} KV heads, this engine "
+                f"{topology.total_num_kv_heads}"
+            )
+        expected = kv_head_range(tp, md.tp_size, topology.total_num_kv_heads)
+        if held is None or range(*held) != expected:
+            raise RemoteLayoutError(
+                f"worker ({pp}, {tp}) of engine {engine_id!r} holds {kind} KV heads {held}, "
+                f"expected [{expected.start},{expected.stop})"
+            )
+        if tp != 0:
+            continue  # one registration per PP rank; its TP ranks hold the same layers
+        indices = [layer.index for layer in layers]
+        if indices != list(range(indices[0], indices[-1] + 1)):
+            raise RemoteLayoutError(
+                f"worker ({pp}, {tp}) of engine {engine_id!r} holds non-contiguous {kind} "
+                f"layers {indices}"
+            )
+        element_size = getattr(torch, md.dtype).itemsize
+        topology.register_remote_engine(
+            engine_id,
+            EngineTransferInfo(
+                remote_tp_size=md.tp_size,
+                remote_block_len=2
+                * layers[0].num_kv_heads
+                * md.block_size
+                * md.head_dim
+                * element_size,
+                remote_block_size=md.block_size,
+                remote_physical_blocks_per_logical=1,
+                remote_pp_rank=pp,
+                start_layer=indices[0],
+                end_layer=indices[-1] + 1,
+            ),
+        )
+        registered += 1
+    if not registered:
+        raise RemoteLayoutError(f"engine {engine_id!r} holds no {kind} layers; this worker does")
+
+
+def _check_serves(engine_id: str, md: UcxHandshakeMetadata, names: list[str]) -> None:
+    held = {layer.name for layer in md.layers}
+    missing = [name for name in names if name not in held]
+    if missing:
+        raise RemoteLayoutError(
+            f"worker ({md.pp_rank}, {md.tp_rank}) of engine {engine_id!r} does not hold layers "
+            f"{missing}"
+        )

@@ -1,0 +1,494 @@
+"""The scheduler half of `UcxConnector`.
+
+Producer:
+
+1. at start-up (`set_handshake`) it checks the workers' payloads and serves them over
+   `KVHandshake` on ``kv_ip:kv_port``, with the `notify` service on the same port;
+2. a request finished with ``do_remote_decode`` keeps its blocks (``delay_free``) under a lease
+   and returns the params a consumer pulls with (host and port of that server, block ids, TP x
+   PP, handshake generation), a fresh secret (``remote_kv_secret``) without which nothing of
+   that lease can be read, released or extended, and the digest of the prompt tokens computed
+   (``remote_prompt_digest``); the next step grants the workers that lease (`Grant`);
+3. each step hands the workers the requests whose consumer reported done (or whose KV was
+   given back through `release_kv`), or whose lease ran out; the workers end their grants,
+   report them in ``finished_sending``, and the engine frees the blocks.
+
+Consumer:
+
+1. a request with ``do_remote_prefill`` is offered the producer's prompt tokens beyond its local
+   prefix hit, loaded asynchronously (malformed params, too few blocks for
+   ``remote_num_tokens``, or a prompt whose digest differs from the one the producer computed
+   raise `ValueError`: that request fails and its producer is told to free the KV);
+2. the next step's metadata tells every worker which remote blocks go into which local blocks;
+3. while the load is in flight a background notifier keeps the producer's lease alive; once
+   the engine saw it received (or failed, or cancelled) it tells the producer to free it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connector.metadata import (
+    KVCacheLayout,
+    KVConnectorHandshakeMetadata,
+    KVRequest,
+    PpTpRank,
+)
+from kvtransfer.connector.outputs import KVConnectorOutput
+from kvtransfer.connectors.ucx.config import UcxConfig
+from kvtransfer.connectors.ucx.identity import UNSPECIFIED_MODEL, compat_from_layout, compat_info
+from kvtransfer.connectors.ucx.leases import LeaseBook
+from kvtransfer.connectors.ucx.metadata import (
+    Grant,
+    LoadSpec,
+    RemotePrefill,
+    UcxConnectorMetadata,
+    UcxHandshakeMetadata,
+    prompt_digest,
+    wants_kv_stream,
+    wants_remote_decode,
+)
+from kvtransfer.connectors.ucx.notify import Notifier, notify_handler
+from kvtransfer.control import CompatibilityInfo, ControlServerThread, HandshakeBook
+from kvtransfer.transport import new_secret, secret_digest
+
+logger = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+@dataclass(frozen=True)
+class EngineSplit:
+    """This engine's TP x PP split and block size, from its workers' payloads."""
+
+    tp_size: int
+    pp_size: int
+    block_size: int
+
+
+def engine_split(
+    engine_id: str, metadata: Mapping[PpTpRank, KVConnectorHandshakeMetadata]
+) -> EngineSplit:
+    """Raises `ValueError` unless every worker of a full TP x PP grid published consistent
+    `UcxHandshakeMetadata` of this engine, each under its own rank."""
+    if not metadata:
+        raise ValueError("no worker published handshake metadata")
+    payloads: dict[PpTpRank, UcxHandshakeMetadata] = {}
+    for rank, md in sorted(metadata.items()):
+        if not isinstance(md, UcxHandshakeMetadata):
+            raise ValueError(
+                f"worker {rank} published {type(md).__name__}, not UcxHandshakeMetadata"
+            )
+        if (md.pp_rank, md.tp_rank) != rank:
+            raise ValueError(
+                f"the payload filed under (pp_rank, tp_rank)={rank} is worker "
+                f"({md.pp_rank}, {md.tp_rank})'s"
+            )
+        if md.engine_id != engine_id:
+            raise ValueError(f"worker {rank} belongs to engine {md.engine_id!r}, not {engine_id!r}")
+        payloads[rank] = md
+    first = next(iter(payloads.values()))
+    grid = {(p, t) for p in range(first.pp_size) for t in range(first.tp_size)}
+    if set(payloads) != grid:
+        raise ValueError(
+            f"workers {sorted(payloads)} published, TP {first.tp_size} x PP {first.pp_size} "
+            f"needs {sorted(grid)}"
+        )
+    shapes = {(md.tp_size, md.pp_size, md.block_size, md.dtype) for md in payloads.values()}
+    if len(shapes) > 1:
+        raise ValueError(f"workers disagree on (tp, pp, block_size, dtype): {sorted(shapes)}")
+    return EngineSplit(first.tp_size, first.pp_size, first.block_size)
+
+
+def _compat_from_payloads(metadata: Mapping[PpTpRank, UcxHandshakeMetadata]) -> CompatibilityInfo:
+    """Compatibility facts of an engine that was not told its layout (tests, tools)."""
+    first = next(iter(metadata.values()))
+    layers = {la.index for md in metadata.values() for la in md.target_layers()}
+    return compat_info(
+        model=UNSPECIFIED_MODEL,
+        dtype=first.dtype,
+        total_kv_heads=first.total_kv_heads,
+        head_dim=first.head_dim,
+        num_layers=len(layers),
+        block_size=first.block_size,
+    )
+
+
+class UcxScheduler:
+    def __init__(
+        self, config: KVTransferConfig, ucx: UcxConfig, layout: KVCacheLayout | None
+    ) -> None:
+        self._config = config
+        self._ucx = ucx
+        self._layout = layout
+        self._leases = LeaseBook(ucx.lease_s)
+        self._split: EngineSplit | None = None
+        self._book: HandshakeBook | None = None
+        self._server: ControlServerThread | None = None
+        self._advertised: tuple[str, int] | None = None
+        self._serve_error = "no handshake metadata received from the workers yet"
+        self._notifier: Notifier | None = None
+        # Answer of the latest get_num_new_matched_tokens, until update_state_after_alloc.
+        self._matched: dict[str, tuple[RemotePrefill, int]] = {}
+        # Requests whose remote prefill was used (or found useless) once: never again.
+        self._consumed: set[str] = set()
+        # Loads not yet reported by every worker: our request id -> (producer, blocks).
+        self._loading: dict[str, tuple[RemotePrefill, int]] = {}
+        self._loads: list[LoadSpec] = []
+        self._grants: list[Grant] = []
+        self._stats_totals: dict[str, float] = {}
+        # Producer requests streaming their KV: their block table as known so far, until
+        # the step that computes their last prompt token grants them (then their params).
+        self._streams: dict[str, tuple[KVRequest, list[int]]] = {}
+        self._streamed: dict[str, dict[str, Any]] = {}
+        self._early: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ start-up
+
+    @property
+    def address(self) -> str | None:
+        """Where this engine serves its handshake (producers, once started)."""
+        return self._server.address if self._server is not None else None
+
+    @property
+    def book(self) -> HandshakeBook | None:
+        return self._book
+
+    @property
+    def leases(self) -> LeaseBook:
+        return self._leases
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        # What arrives between steps on this side: consumers done with held KV.
+        self._leases.on_finish = callback
+        return True
+
+    def set_handshake(self, metadata: Mapping[PpTpRank, KVConnectorHandshakeMetadata]) -> None:
+        # A second call (re-published workers) starts over with a new book and generation.
+        self._stop_server()
+        try:
+            self._split = engine_split(self._config.engine_id, metadata)
+        except ValueError as exc:
+            # Not raising keeps an engine without transfers usable; request_finished raises
+            # this message instead, failing just the requests that ask for a transfer.
+            self._split = None
+            self._serve_error = f"unusable handshake metadata: {exc}"
+            logger.warning("UcxConnector: %s", self._serve_error)
+            return
+        if not self._config.is_kv_producer:
+            return
+        payloads = {
+            rank: md for rank, md in metadata.items() if isinstance(md, UcxHandshakeMetadata)
+        }
+        compat = (
+            compat_from_layout(self._layout)
+            if self._layout is not None
+            else _compat_from_payloads(payloads)
+        )
+        book = HandshakeBook(self._config.engine_id, compat)
+        book.publish(payloads)
+        server = ControlServerThread(
+            self._ucx.host,
+            self._ucx.port,
+            book=book,
+            handlers=[notify_handler(self._config.engine_id, book.generation, self._leases)],
+            tls=self._ucx.server_tls,
+        )
+        server.start()
+        self._book, self._server = book, server
+        host = self._ucx.host
+        if host in _WILDCARD_HOSTS:
+            host = socket.getfqdn()
+        self._advertised = (host, server.server.port)
+        logger.info(
+            "UcxConnector engine %s serves its handshake on %s (generation %d)",
+            self._config.engine_id,
+            server.address,
+            book.generation,
+        )
+
+    def _block_size(self) -> int:
+        if self._layout is not None:
+            return self._layout.block_size
+        if self._split is not None:
+            return self._split.block_size
+        raise RuntimeError(f"UcxConnector: block size unknown: {self._serve_error}")
+
+    # ------------------------------------------------------------------ consumer
+
+    def validate_kv_transfer_params(self, params: Mapping[str, Any] | None) -> None:
+        if self._config.is_kv_consumer:
+            RemotePrefill.parse(params)
+        if self._config.is_kv_producer:
+            wants_kv_stream(params)
+
+    def release_kv(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        """Free a held request's blocks now; the params must carry its secret."""
+        if not self._config.is_kv_producer:
+            return False
+        remote = RemotePrefill.parse(kv_transfer_params)
+        if remote is None:
+            raise ValueError("kv_transfer_params.do_remote_prefill must be true")
+        if remote.engine_id != self._config.engine_id:
+            raise ValueError(
+                f"kv_transfer_params.remote_engine_id {remote.engine_id!r} is not this engine "
+                f"({self._config.engine_id!r})"
+            )
+        if self._book is None or remote.generation not in (None, self._book.generation):
+            return False  # another generation's request: its blocks are gone already
+        return bool(self._leases.finish([(remote.request_id, 0, remote.secret)]))
+
+    def get_num_new_matched_tokens(
+        self, request: KVRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        self._matched.pop(rid, None)
+        if not self._config.is_kv_consumer:
+            return 0, False
+        remote = RemotePrefill.parse(request.kv_transfer_params)
+        if remote is None or rid in self._consumed:
+            return 0, False
+        if remote.engine_id == self._config.engine_id:
+            raise ValueError(
+                f"kv_transfer_params.remote_engine_id {remote.engine_id!r} is this engine; "
+                "an engine does not pull KV from itself"
+            )
+        block_size = self._block_size()
+        needed = -(-remote.num_tokens // block_size)
+        if len(remote.block_ids) < needed:
+            # The exact count is checked against the producer's block size once its
+            # handshake is known (`plan.check_request_blocks`).
+            raise ValueError(
+                f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} blocks, "
+                f"remote_num_tokens {remote.num_tokens} needs {needed} of {block_size} tokens"
+            )
+        prompt = request.prompt_token_ids
+        if len(prompt) < remote.num_tokens or (
+            prompt_digest(prompt[: remote.num_tokens]) != remote.prompt_digest
+        ):
+            raise ValueError(
+                f"the prompt differs from the {remote.num_tokens} prompt tokens engine "
+                f"{remote.engine_id!r} computed (kv_transfer_params.remote_prompt_digest "
+                "mismatch): its KV would not be this prompt's"
+            )
+        count = remote.num_tokens - num_computed_tokens
+        if count <= 0:
+            # Everything is cached here already: the producer can free its blocks now.
+            self._consumed.add(rid)
+            self._notifier_for().release(remote, 0)
+            return 0, False
+        self._matched[rid] = (remote, num_computed_tokens)
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        if (
+            self._config.is_kv_producer
+            and wants_kv_stream(request.kv_transfer_params)
+            and len(request.prompt_token_ids) >= self._ucx.stream_min_tokens
+        ):
+            self._streams[rid] = (request, list(block_ids))
+        matched = self._matched.pop(rid, None)
+        if matched is None or num_external_tokens == 0:
+            return
+        remote, start = matched
+        block_size = self._block_size()
+        first, end = start // block_size, -(-(start + num_external_tokens) // block_size)
+        local = tuple(block_ids[first:end])
+        if len(local) != end - first:
+            raise ValueError(
+                f"request {rid}: {start + num_external_tokens} tokens need {end} blocks, "
+                f"{len(block_ids)} were allocated"
+            )
+        self._loads.append(LoadSpec(rid, remote, remote.block_ids[first:end], local, first))
+        self._consumed.add(rid)
+        self._loading[rid] = (remote, len(local))
+        self._notifier_for().watch(rid, remote)
+
+    @property
+    def stats_totals(self) -> dict[str, float]:
+        """The workers' `KVConnectorStats`, reduced and summed since start-up."""
+        return dict(self._stats_totals)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        stats = output.kv_connector_stats
+        if stats is not None:
+            for key, value in stats.reduce().items():
+                self._add_total(key, value)
+        failed = output.failed_recving or set()
+        for rid in output.finished_recving or ():
+            entry = self._loading.pop(rid, None)
+            if entry is None:
+                continue
+            remote, num_blocks = entry
+            # A load that finished on every worker read the blocks even if its request was
+            # aborted meanwhile; cancelled loads are reported failed.
+            read_nothing = rid in failed
+            if not read_nothing:
+                # Counted once per request whatever the TP x PP: the blocks the producer is
+                # told were read (its blocks_consumed).
+                self._add_total("blocks_loaded", num_blocks)
+            notifier = self._notifier_for()
+            notifier.unwatch(rid)
+            notifier.release(remote, 0 if read_nothing else num_blocks)
+
+    def _add_total(self, key: str, value: float) -> None:
+        self._stats_totals[key] = self._stats_totals.get(key, 0.0) + value
+
+    def _notifier_for(self) -> Notifier:
+        if self._notifier is None:
+            self._notifier = Notifier(timeout_s=self._ucx.handshake_timeout_s, tls=self._ucx.tls)
+        return self._notifier
+
+    # ------------------------------------------------------------------ both
+
+    def request_finished(
+        self, request: KVRequest, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._matched.pop(rid, None)
+        self._release_unused(request)
+        self._consumed.discard(rid)
+        if not self._config.is_kv_producer or not wants_remote_decode(request.kv_transfer_params):
+            return False, None
+        self._streams.pop(rid, None)
+        self._early.pop(rid, None)
+        streamed = self._streamed.pop(rid, None)
+        if streamed is not None:
+            # Granted and announced while computing: the blocks stay until the consumer (or
+            # the lease) lets go. A request that did not complete its prompt holds nothing
+            # worth reading: its lease ends now, and its blocks once no pull reads them.
+            if _num_computed_prompt_tokens(request) < streamed["remote_num_tokens"]:
+                self._leases.finish([(rid, 0, streamed["remote_kv_secret"])])
+                return True, None
+            return True, streamed
+        params = self._hold(request, block_ids, streaming=False)
+        return params["remote_num_tokens"] > 0, params
+
+    def _hold(
+        self, request: KVRequest, block_ids: Sequence[int], *, streaming: bool
+    ) -> dict[str, Any]:
+        """The params a consumer pulls ``request``'s computed prompt KV with; unless there is
+        none, its blocks are held under a new lease and the next step grants them."""
+        if self._book is None or self._advertised is None or self._split is None:
+            raise RuntimeError(f"UcxConnector cannot serve KV: {self._serve_error}")
+        rid = request.request_id
+        num_tokens = _num_computed_prompt_tokens(request)
+        num_blocks = -(-num_tokens // self._split.block_size)
+        host, port = self._advertised
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "remote_engine_id": self._config.engine_id,
+            "remote_request_id": rid,
+            "remote_block_ids": list(block_ids[:num_blocks]),
+            "remote_host": host,
+            "remote_port": port,
+            "remote_generation": self._book.generation,
+            "tp_size": self._split.tp_size,
+            "pp_size": self._split.pp_size,
+            "remote_num_tokens": num_tokens,
+        }
+        if num_tokens == 0 or len(block_ids) < num_blocks:
+            # Nothing is held: the consumer computes the prompt itself.
+            num_tokens = 0
+            params.update(remote_num_tokens=0, remote_block_ids=[])
+        params["remote_kv_secret"] = secret = new_secret()
+        params["remote_prompt_digest"] = digest = prompt_digest(
+            request.prompt_token_ids[:num_tokens]
+        )
+        if num_tokens == 0:
+            return params
+        if streaming:
+            params["remote_streaming"] = True
+        self._leases.hold(rid, secret)
+        blocks = tuple(params["remote_block_ids"])
+        self._grants.append(Grant(rid, secret_digest(secret), blocks, digest, streaming))
+        return params
+
+    def _release_unused(self, request: KVRequest) -> None:
+        """A consumer request that finished without loading (aborted while it waited):
+        the producer need not keep its blocks for us."""
+        rid = request.request_id
+        if not self._config.is_kv_consumer or rid in self._consumed or rid in self._loading:
+            return
+        try:
+            remote = RemotePrefill.parse(request.kv_transfer_params)
+        except ValueError:
+            return  # malformed params name no producer to tell
+        if remote is not None and remote.engine_id != self._config.engine_id:
+            self._notifier_for().release(remote, 0)
+
+    def take_early_kv_transfer_params(self) -> dict[str, dict[str, Any]]:
+        early, self._early = self._early, {}
+        return early
+
+    def _grant_streams(self, scheduler_output: Any) -> None:
+        """Grant the streaming requests whose last prompt token this step computes, before
+        it runs: each layer is served as soon as the workers computed it."""
+        for rid in getattr(scheduler_output, "preempted_req_ids", ()):
+            streamed = self._streamed.pop(rid, None)
+            if streamed is not None:
+                # Its blocks were just freed: the lease ends in this step's metadata, so the
+                # workers stop serving them before the step writes anyone else's KV there.
+                self._leases.finish([(rid, 0, streamed["remote_kv_secret"])])
+        if not self._streams:
+            return
+        for cached in getattr(scheduler_output, "scheduled_cached_reqs", ()):
+            entry = self._streams.get(cached.req_id)
+            if entry is not None:
+                entry[1].extend(cached.new_block_ids)
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", {})
+        for rid in [r for r in self._streams if r in scheduled]:
+            request, blocks = self._streams[rid]
+            if _num_computed_prompt_tokens(request) < len(request.prompt_token_ids):
+                continue  # an earlier chunk: its blocks are not all known yet
+            del self._streams[rid]
+            if self._book is None or self._advertised is None or self._split is None:
+                continue  # request_finished reports why nothing can be served
+            params = self._hold(request, blocks, streaming=True)
+            if params["remote_num_tokens"] > 0:
+                self._streamed[rid] = params
+                self._early[rid] = params
+
+    def build_connector_meta(self, scheduler_output: Any) -> UcxConnectorMetadata:
+        self._grant_streams(scheduler_output)
+        releases = tuple(self._leases.take())
+        # What consumers said they read: blocks of this engine, counted once whatever the TP.
+        consumed = sum(r.num_blocks for r in releases if not r.expired)
+        if consumed:
+            self._add_total("blocks_consumed", consumed)
+        metadata = UcxConnectorMetadata(
+            loads=tuple(self._loads), grants=tuple(self._grants), releases=releases
+        )
+        self._loads = []
+        self._grants = []
+        return metadata
+
+    def shutdown(self) -> None:
+        self._stop_server()
+        if self._notifier is not None:
+            self._notifier.close()
+
+    def _stop_server(self) -> None:
+        server, self._server = self._server, None
+        self._book = None
+        self._advertised = None
+        if server is not None:
+            server.stop()
+
+
+def _num_computed_prompt_tokens(request: KVRequest) -> int:
+    """Prompt tokens whose KV is in the request's blocks (an aborted request may have computed
+    only part of its prompt); requests without the counter count as prefilled."""
+    prompt_len = len(request.prompt_token_ids)
+    computed = getattr(request, "num_computed_tokens", None)
+    if computed is None:
+        return prompt_len
+    return max(0, min(prompt_len, int(computed)))

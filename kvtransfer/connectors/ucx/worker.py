@@ -1,0 +1,307 @@
+"""The worker half of `UcxConnector`: this worker's transfer agent, its loads and releases.
+
+Every worker owns one `KVTransferAgent` over its registered caches (drafter layers included); a
+producer's agent serves pulls from a background thread, so blocks are read while the engine keeps
+stepping, and only for leases the scheduler half granted (`LeaseGrants`): a release or expiry in
+the step's metadata ends the grant before the request is reported ``finished_sending``, so no pull
+reads blocks the engine is about to reuse. A consumer runs each `LoadSpec` as a `LoadJob` on a
+small thread pool: the handshake, UCX connects, pulls and the producer's liveness probes never
+run on the step thread, and finished or failed loads are reported exactly once
+through `transfer_results`. A load of an aborted request is cancelled and reported at once
+(cancelling guarantees no later write). Producer releases decided by the scheduler half are
+reported as ``finished_sending`` in the step that carries them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.connector.base import TransferResults
+from kvtransfer.connector.completions import CompletionQueue
+from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorStats, canonical_kv_caches
+from kvtransfer.connectors.ucx.config import UcxConfig
+from kvtransfer.connectors.ucx.identity import WorkerIdentity
+from kvtransfer.connectors.ucx.loads import LoadCancelled, LoadJob, LoadOutcome
+from kvtransfer.connectors.ucx.metadata import (
+    LoadSpec,
+    UcxConnectorMetadata,
+    UcxHandshakeMetadata,
+)
+from kvtransfer.connectors.ucx.notify import Notifier
+from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines, encode_agent_address
+from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Finished:
+    spec: LoadSpec
+    outcome: LoadOutcome | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+
+
+class UcxWorker:
+    def __init__(
+        self, config: KVTransferConfig, ucx: UcxConfig, layout: KVCacheLayout | None
+    ) -> None:
+        self._config = config
+        self._ucx = ucx
+        self._layout = layout
+        self._identity: WorkerIdentity | None = None
+        self._agent: KVTransferAgent | None = None
+        self._engines: RemoteEngines | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._notifier = Notifier(timeout_s=ucx.handshake_timeout_s, tls=ucx.tls)
+        # Loads not reported yet, by request id; the job is None for one that could not start.
+        self._loads: dict[str, tuple[LoadSpec, LoadJob | None]] = {}
+        # Queueing a result wakes the engine (`set_completion_callback`).
+        self._results: CompletionQueue[_Finished] = CompletionQueue()
+        self._released: list[str] = []
+        self._grants = LeaseGrants()
+        # Leases granted this step while their KV is computed: served layer by layer.
+        self._streaming: list[str] = []
+        # On a GPU a layer's kernels may still run when save_kv_layer is called: its KV is
+        # served once the step ended (the runner synchronized to sample) instead.
+        self._per_layer_ready = True
+        self._load_errors: set[int] = set()
+        self._failure_reasons: dict[str, str] = {}
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, float | list[float]] = {}
+        self._pulls_served = 0
+        self._bytes_served = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def agent(self) -> KVTransferAgent | None:
+        return self._agent
+
+    @property
+    def identity(self) -> WorkerIdentity | None:
+        return self._identity
+
+    @property
+    def remote_engines(self) -> list[RemoteEngine]:
+        """Producers this worker has handshaken with (cached)."""
+        return [] if self._engines is None else self._engines.cached()
+
+    def load_job(self, req_id: str) -> LoadJob | None:
+        """The load of ``req_id`` not reported yet, if it is running."""
+        entry = self._loads.get(req_id)
+        return None if entry is None else entry[1]
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._agent is not None:
+            raise RuntimeError("UcxConnector: register_kv_caches was already called")
+        kv_caches = canonical_kv_caches(kv_caches, self._layout)
+        identity = WorkerIdentity.from_caches(self._config.engine_id, self._layout, kv_caches)
+        agent = KVTransferAgent(
+            TransportConfig(
+                timeout_s=self._ucx.transfer_timeout_s,
+                connect_timeout_s=self._ucx.handshake_timeout_s,
+                net_devices=self._ucx.ucx_net_devices(),
+                checksum=self._ucx.payload_checksum,
+            )
+        )
+        try:
+            agent.register_kv_caches(kv_caches)
+            if self._config.is_kv_producer:
+                agent.start_server(self._grants)
+        except BaseException:
+            agent.close()
+            raise
+        self._identity, self._agent = identity, agent
+        self._per_layer_ready = all(t.device.type == "cpu" for t in kv_caches.values())
+        self._engines = RemoteEngines(
+            identity,
+            agent,
+            self._ucx.handshake_timeout_s,
+            self._record_handshake,
+            tls=self._ucx.tls,
+        )
+
+    def handshake_metadata(self) -> UcxHandshakeMetadata | None:
+        if self._identity is None or self._agent is None:
+            return None
+        return self._identity.handshake(encode_agent_address(self._agent.address))
+
+    # ------------------------------------------------------------------ per step
+
+    def start_load_kv(self, metadata: UcxConnectorMetadata) -> None:
+        # The previous step ran every layer: whatever it did not report saved is complete.
+        self._grants.layer_ready(self._streaming)
+        self._streaming = [g.req_id for g in metadata.grants if g.streaming]
+        layers = tuple(self._agent.kv_caches) if self._agent is not None else ()
+        for grant in metadata.grants:
+            self._grants.grant(
+                grant.req_id,
+                grant.secret_digest,
+                grant.block_ids,
+                grant.prompt_digest,
+                pending_layers=layers if grant.streaming else (),
+            )
+        if metadata.releases:
+            # Returns once no pull reads these blocks: they are freed after this step.
+            self._grants.revoke(release.req_id for release in metadata.releases)
+        for release in metadata.releases:
+            self._released.append(release.req_id)
+            self._add("num_leases_expired" if release.expired else "num_sends", 1)
+        for spec in metadata.loads:
+            self._start_load(spec)
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        if self._closed or self._agent is None or self._engines is None:
+            self._loads[spec.req_id] = (spec, None)
+            error = RuntimeError("UcxConnector worker has no registered KV caches or is shut down")
+            self._results.put(_Finished(spec, error=error))
+            return
+        job = LoadJob(
+            spec, self._engines, self._agent, self._ucx.transfer_timeout_s, self._notifier.ask_held
+        )
+        self._loads[spec.req_id] = (spec, job)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                self._ucx.max_concurrent_loads, thread_name_prefix="kvtransfer-ucx-load"
+            )
+        self._pool.submit(self._run, job)
+
+    def _run(self, job: LoadJob) -> None:
+        try:
+            finished = _Finished(job.spec, outcome=job.run())
+        except LoadCancelled:
+            finished = _Finished(job.spec, cancelled=True)
+        except BaseException as exc:
+            finished = _Finished(job.spec, error=exc)
+        self._results.put(finished)
+
+    def transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
+        if self._loads or (self._agent is not None and self._agent.server is not None):
+            # An idle engine steps in a tight loop; without a yield per step the loader, pull,
+            # serving and UCX progress threads wait for the GIL for hundreds of milliseconds.
+            time.sleep(0)
+        sending = set(self._released)
+        self._released = []
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for finished in self._results.drain():
+            spec = finished.spec
+            entry = self._loads.get(spec.req_id)
+            if entry is None or entry[0] is not spec:
+                continue  # cancelled and reported already
+            del self._loads[spec.req_id]
+            recving.add(spec.req_id)
+            if finished.cancelled:
+                # Reported failed (it delivered nothing) but without load errors: its request
+                # is gone and its blocks may already hold another request's KV.
+                failed.add(spec.req_id)
+                self._add("num_loads_cancelled", 1)
+            elif finished.error is not None:
+                failed.add(spec.req_id)
+                self._failure_reasons[spec.req_id] = (
+                    f"{_public_name(finished.error)}: {finished.error}"
+                )
+                self._load_errors.update(spec.local_block_ids)
+                self._add("num_loads_failed", 1)
+                logger.warning(
+                    "loading KV of request %s from engine %s failed: %s: %s",
+                    spec.req_id,
+                    spec.remote.engine_id,
+                    type(finished.error).__name__,
+                    finished.error,
+                )
+            elif finished.outcome is not None:
+                self._add("num_loads", 1)
+                self._add("blocks_received", finished.outcome.num_blocks)
+                self._add("bytes_received", finished.outcome.num_bytes)
+                self._append("transfer_s", finished.outcome.elapsed_s)
+        for req_id in finished_req_ids:
+            entry = self._loads.pop(req_id, None)
+            if entry is None:
+                continue
+            # Aborted while loading: once cancel() returns nothing writes its blocks.
+            if entry[1] is not None:
+                entry[1].cancel()
+            recving.add(req_id)
+            failed.add(req_id)
+            self._add("num_loads_cancelled", 1)
+        return sending or None, recving or None, failed or None
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """This step's KV of ``layer_name`` is written: streaming leases serve it from now."""
+        if self._streaming and self._per_layer_ready:
+            self._grants.layer_ready(self._streaming, layer_name)
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> bool:
+        return self._results.set_callback(callback)
+
+    def load_failure_reasons(self) -> dict[str, str]:
+        reasons, self._failure_reasons = self._failure_reasons, {}
+        return reasons
+
+    # ------------------------------------------------------------------ stats
+
+    def _record_handshake(self, elapsed_s: float) -> None:
+        self._add("num_handshakes", 1)
+        self._append("handshake_ms", elapsed_s * 1e3)
+
+    def _add(self, key: str, value: float) -> None:
+        with self._stats_lock:
+            self._stats[key] = self._stats.get(key, 0) + value  # type: ignore[operator]
+
+    def _append(self, key: str, value: float) -> None:
+        with self._stats_lock:
+            values = self._stats.setdefault(key, [])
+            values.append(value)  # type: ignore[union-attr]
+
+    def stats(self) -> KVConnectorStats | None:
+        server = self._agent.server if self._agent is not None else None
+        if server is not None:
+            # What crossed the wire, whoever asked and whatever became of the pull after: a
+            # consumer's bytes_received is never more than this, and equal when nothing was
+            # cancelled or refused on its side.
+            served, served_bytes = server.requests_served, server.bytes_served
+            if served > self._pulls_served:
+                self._add("pull_messages_served", served - self._pulls_served)
+                self._add("bytes_sent", served_bytes - self._bytes_served)
+                self._pulls_served, self._bytes_served = served, served_bytes
+        with self._stats_lock:
+            if not self._stats:
+                return None
+            stats, self._stats = self._stats, {}
+        return KVConnectorStats(data=stats)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _, job in list(self._loads.values()):
+            if job is not None:
+                job.cancel()
+        if self._agent is not None:
+            # Closing the agent fails pulls still in flight, so loader threads end promptly.
+            self._agent.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._notifier.close()
+
+
+def _public_name(error: BaseException) -> str:
+    """The error's type as a client may look it up (private subclasses named by their base)."""
+    return next(t.__name__ for t in type(error).__mro__ if not t.__name__.startswith("_"))

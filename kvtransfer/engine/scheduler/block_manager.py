@@ -1,0 +1,251 @@
+"""`BlockManager`: the paged KV block pool, per-request block tables and the prefix cache.
+
+Every block has a reference count. A block whose count drops to 0 goes to the end of the free
+list but keeps its content hash, so a later request with the same prefix can take it back
+(a prefix-cache hit); allocation takes blocks from the front of the free list and only then
+drops their hash (LRU eviction).
+
+A block's hash covers its parent's hash and its own token ids (SHA-256, chained), so two
+blocks with equal hashes hold the KV of equal prefixes, never merely equal block contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtransfer.engine.scheduler.request import Request
+
+BlockHash = bytes
+
+_ROOT_HASH: BlockHash = b""
+
+
+class BlockLeakError(RuntimeError):
+    """Blocks are still referenced when the pool should be empty."""
+
+
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """The chained hash of one full block (``parent_hash`` is ``b""`` for a first block)."""
+    digest = hashlib.sha256(parent_hash)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_cnt = [0] * num_blocks
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        # Insertion order is eviction order: front = least recently freed.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self._tables: dict[str, list[int]] = {}
+        # Leading blocks of each table already published (or taken from) the prefix cache.
+        self._num_published: dict[str, int] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference (cached-but-free blocks included)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_cnt[block_id]
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return list(self._tables.get(request_id, ()))
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return bool(self._tables.get(request_id))
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.block_size)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of leading full blocks already in the prefix cache, and their tokens.
+
+        Never covers the whole request: the last token must be computed to get logits.
+        Reference counts are untouched until `allocate_slots` takes the blocks.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in self._block_hashes(request, max_blocks):
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's blocks that are full and hold computed (valid) KV."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request.request_id)
+        if not table:
+            return
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_full, len(table))
+        start = self._num_published.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(start, num_full):
+            block_id = table[i]
+            block_hash = hashes[i]
+            # A block already hashed or a prefix another block already serves stays as is; the
+            # duplicate simply returns to the pool unhashed when freed.
+            if self._block_hash[block_id] is None and block_hash not in self._cached:
+                self._block_hash[block_id] = block_hash
+                self._cached[block_hash] = block_id
+        self._num_published[request.request_id] = num_full
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop these blocks from the prefix cache (their content is not trustworthy)."""
+        for block_id in block_ids:
+            self._check_block_id(block_id)
+            self._drop_hash(block_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash; tables keep their blocks and may republish them later."""
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
+        self._num_published = dict.fromkeys(self._num_published, 0)
+
+    def _drop_hash(self, block_id: int) -> None:
+        block_hash = self._block_hash[block_id]
+        if block_hash is None:
+            return
+        self._block_hash[block_id] = None
+        if self._cached.get(block_hash) == block_id:
+            del self._cached[block_hash]
+
+    def _check_block_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> list[int] | None:
+        """Grow the request's table to cover ``num_computed_tokens`` + prefix hits +
+        ``num_new_tokens`` + ``num_lookahead_tokens`` slots.
+
+        ``new_computed_blocks`` (prefix hits from `get_computed_blocks`) may only be given while
+        the request holds no blocks. Returns every block id appended to the table (hits first),
+        or ``None`` with nothing changed when the free pool cannot supply them.
+        """
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(
+                f"request {request.request_id}: num_new_tokens ({num_new_tokens}) and "
+                f"num_lookahead_tokens ({num_lookahead_tokens}) must be >= 0"
+            )
+        table = self._tables.get(request.request_id, [])
+        if new_computed_blocks and table:
+            raise ValueError(
+                f"request {request.request_id}: prefix-cache hits can only be added to an empty "
+                f"block table, it already holds {len(table)} blocks"
+            )
+        num_slots = (
+            request.num_computed_tokens
+            + len(new_computed_blocks) * self.block_size
+            + num_new_tokens
+            + num_lookahead_tokens
+        )
+        num_fresh = max(0, self.blocks_needed(num_slots) - len(table) - len(new_computed_blocks))
+        # Hits on free blocks leave the free list too, so they compete with fresh blocks.
+        num_revived = sum(1 for b in new_computed_blocks if self._ref_cnt[b] == 0)
+        if num_fresh + num_revived > len(self._free):
+            return None
+        added: list[int] = []
+        for block_id in new_computed_blocks:
+            if self._ref_cnt[block_id] == 0:
+                del self._free[block_id]
+            self._ref_cnt[block_id] += 1
+            added.append(block_id)
+        for _ in range(num_fresh):
+            block_id, _ = self._free.popitem(last=False)
+            self._drop_hash(block_id)
+            self._ref_cnt[block_id] = 1
+            added.append(block_id)
+        if added:
+            if request.request_id not in self._tables:
+                self._tables[request.request_id] = table
+                self._num_published[request.request_id] = len(new_computed_blocks)
+            table.extend(added)
+        return added
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first, so its tail is evicted before its head."""
+        table = self._tables.pop(request_id, [])
+        self._num_published.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        for block_id in reversed(table):
+            self._ref_cnt[block_id] -= 1
+            if self._ref_cnt[block_id] == 0:
+                self._free[block_id] = None
+
+    def check_no_leaks(self) -> None:
+        """Raise `BlockLeakError` unless every block is free and no request holds one."""
+        problems = [
+            f"request {req_id!r} holds blocks {table}"
+            for req_id, table in self._tables.items()
+            if table
+        ]
+        referenced = [
+            f"{b} (ref {self._ref_cnt[b]})" for b in range(self.num_blocks) if self._ref_cnt[b]
+        ]
+        if referenced:
+            problems.append("blocks with ref count > 0: " + ", ".join(referenced))
+        if len(self._free) != self.num_blocks and not referenced:
+            problems.append(f"free list holds {len(self._free)} of {self.num_blocks} blocks")
+        if problems:
+            raise BlockLeakError("KV block leak: " + "; ".join(problems))

@@ -1,0 +1,222 @@
+"""A request as the scheduler sees it, and what the scheduler reports back per request per step.
+
+`Request` lives only in the scheduler process; workers keep a mirror built from
+`SchedulerOutput` (see `scheduler_output.py`). It satisfies the connector's `KVRequest`
+protocol, so scheduler-role connector hooks receive it directly.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtransfer.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtransfer.engine.outputs import TokenLogprobs
+
+
+class DuplicateRequestError(ValueError):
+    """A request id that is still in use (running, or its blocks still lent)."""
+
+
+class PromptTooLargeError(ValueError):
+    """A prompt that can never fit this engine's block pool."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    # Admitted with blocks while a connector loads its KV asynchronously; scheduled 0 tokens.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` for finished states, else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request: its tokens, progress and scheduling state.
+
+    ``num_computed_tokens`` counts positions whose KV is in the request's blocks (the scheduler
+    advances it when it schedules a step and rolls back rejected draft tokens afterwards).
+    ``spec_token_ids`` are the drafts to verify in the next step; they are not part of
+    ``all_token_ids`` until accepted.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    seed: int
+    kv_transfer_params: dict[str, Any] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Tokens served from the local prefix cache at the latest admission.
+    num_cached_tokens: int = 0
+    error: str | None = None
+    # FCFS position, assigned by the scheduler when the request is added.
+    arrival_order: int = -1
+    # Overrides the scheduler's model-wide EOS for this request when set.
+    eos_token_id: int | None = None
+    # Its first output tokens come from elsewhere, later (`Scheduler.continue_request`): it may
+    # load KV meanwhile but is not computed until then.
+    awaits_generated: bool = False
+
+    # ---- scheduler bookkeeping (never sent to workers) ----
+    # How many of all_token_ids the workers already hold (the rest go in new_token_ids).
+    num_synced_tokens: int = 0
+    # False until the workers got a NewRequestData (again false after preemption).
+    known_to_workers: bool = False
+    # Holds blocks while WAITING (its KV was loaded, or it was reset to a local prefix).
+    admitted: bool = False
+    # Set by the "recompute" load-failure policy: never ask the connector about it again.
+    skip_connector: bool = False
+    # Tokens an asynchronous connector load is bringing in (past num_cached_tokens).
+    num_external_tokens: int = 0
+    # A block of an in-flight load was reported invalid; acted on when the load finishes.
+    load_failed: bool = False
+    # What connector loads did for this request, reported with its final output.
+    kv_stats: RequestKVStats = field(default_factory=lambda: RequestKVStats())
+    load_started_at: float | None = None
+    # When `Scheduler.continue_request` gave it its first tokens (None: not yet, or never
+    # awaited), and whether its current load started before that.
+    continued_at: float | None = None
+    load_overlaps_prefill: bool = False
+    # `time.monotonic` instants for `RequestTimings`: queued, first given tokens, first sampled.
+    arrived_at: float | None = None
+    first_scheduled_at: float | None = None
+    first_sampled_at: float | None = None
+
+    def timings(self) -> RequestTimings:
+        """The phases so far (``queue_s`` excludes time parked for a KV load)."""
+        now = time.monotonic()
+        arrived = self.arrived_at if self.arrived_at is not None else now
+        scheduled = self.first_scheduled_at if self.first_scheduled_at is not None else now
+        compute = 0.0
+        if self.first_scheduled_at is not None and self.first_sampled_at is not None:
+            compute = self.first_sampled_at - self.first_scheduled_at
+        queue = max(0.0, scheduled - arrived - self.kv_stats.load_wait_s)
+        return RequestTimings(queue_s=queue, compute_s=compute)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
+        self.prompt_token_ids = tuple(int(t) for t in self.prompt_token_ids)
+        self._all_token_ids: list[int] = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs; treat as read-only (use `append_output_token`)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def extend_output_tokens(self, token_ids: Iterable[int]) -> None:
+        for token_id in token_ids:
+            self.append_output_token(token_id)
+
+
+@dataclass
+class RequestKVStats:
+    """Per-request KV transfer accounting (cumulative over the request's loads).
+
+    ``num_loaded_tokens``/``num_loaded_blocks``: prompt KV a connector brought in (not
+    computed here); ``num_recomputed_tokens``: tokens whose load failed and that were computed
+    locally instead; ``load_wait_s``: time spent parked in ``WAITING_FOR_REMOTE_KVS``.
+    """
+
+    num_loaded_tokens: int = 0
+    num_loaded_blocks: int = 0
+    num_recomputed_tokens: int = 0
+    load_wait_s: float = 0.0
+    # Of load_wait_s, the part before the request's first token arrived from elsewhere: the
+    # load ran while its prefill still computed (`Request.awaits_generated`).
+    overlapped_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """Where a request's time to its first token went on this engine.
+
+    ``queue_s``: queued until first given tokens to compute, time parked for a KV load
+    excluded (`RequestKVStats.load_wait_s` holds that); ``compute_s``: from then until its
+    first token was sampled (a prefill's compute; a decode's first step).
+    """
+
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one request produced in one step (or how it ended).
+
+    ``logits`` holds the ``sampled_logits`` rows of ``new_token_ids`` (only when the request
+    asked for them). ``num_draft_tokens``/``num_accepted_tokens`` describe this step's
+    speculative verification (0/0 without drafts).
+    """
+
+    req_id: str
+    new_token_ids: tuple[int, ...] = ()
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    logits: torch.Tensor | None = None
+    # With SamplingParams.logprobs: one entry per token of new_token_ids.
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # On the final output: prompt tokens served from the local prefix cache, and loads.
+    # Measurements, so equality of outputs ignores them.
+    num_cached_tokens: int = field(default=0, compare=False)
+    kv_stats: RequestKVStats | None = field(default=None, compare=False)
+    timings: RequestTimings | None = field(default=None, compare=False)
