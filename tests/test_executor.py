@@ -37,8 +37,8 @@ from kvtransfer.engine.executor.executor import (
     parse_worker_cls,
 )
 from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from kvtransfer.engine.parallel import ParallelRank
 from kvtransfer.engine.runner.distributed import WorkerDistributed
-from kvtransfer.engine.runner.parallel import ParallelRank
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler_output import NewRequestData, SchedulerOutput
 

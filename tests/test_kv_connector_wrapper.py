@@ -12,8 +12,8 @@ from kvtransfer.connector.base import TransferResults
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole, KVConnectorStats
 from kvtransfer.connector.outputs import KVConnectorOutput
+from kvtransfer.engine.model.forward_context import AttentionMetadata
 from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from kvtransfer.engine.runner.forward_context import AttentionMetadata
 from kvtransfer.engine.runner.kv_connector import ActiveKVConnector, KVConnector, make_kv_connector
 from kvtransfer.engine.scheduler_output import SchedulerOutput
 from kvtransfer.testing.recording import RecordingConnector, RecordingHandshakeMetadata

@@ -9,7 +9,7 @@ import torch
 from engine_helpers.dense_reference import SeqChunk, paged_step
 
 from kvtransfer.engine.model.attention import PagedAttentionPlan, paged_attention, write_kv
-from kvtransfer.engine.runner.forward_context import AttentionMetadata
+from kvtransfer.engine.model.forward_context import AttentionMetadata
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 6, 2, 8

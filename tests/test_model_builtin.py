@@ -26,7 +26,7 @@ from kvtransfer.engine.model.loader import (
     load_tokenizer,
 )
 from kvtransfer.engine.model.tokenizer import Tokenizer
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 
 TEXTS = ["Hello, world!", "naïve café — 日本語 🙂", "<bos>tagged<eos> <pad>", "", "\x00\x7f\n\t"]
 

@@ -9,10 +9,10 @@ import torch
 from engine_helpers.dense_reference import SeqChunk, dense_logits, paged_step
 
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
+from kvtransfer.engine.model.forward_context import AttentionMetadata
 from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.outputs import IntermediateTensors
-from kvtransfer.engine.runner.forward_context import AttentionMetadata
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 
 BLOCK = 4
 NUM_BLOCKS = 24

@@ -24,7 +24,7 @@ from kvtransfer.engine.model.loader import (
     model_config_from_hf,
 )
 from kvtransfer.engine.model.tokenizer import byte_level_tokenizer_json
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 
 LLAMA_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],

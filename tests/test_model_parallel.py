@@ -20,7 +20,7 @@ from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
 from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.outputs import IntermediateTensors
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 
 BLOCK = 4
 NUM_BLOCKS = 16

@@ -14,9 +14,9 @@ from kvtransfer.engine.outputs import (
     IntermediateTensors,
     ModelRunnerOutput,
 )
+from kvtransfer.engine.parallel import ParallelRank
 from kvtransfer.engine.runner.kv_connector import ActiveKVConnector, KVConnector
 from kvtransfer.engine.runner.model_runner import ModelRunner
-from kvtransfer.engine.runner.parallel import ParallelRank
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler_output import NewRequestData, SchedulerOutput
 

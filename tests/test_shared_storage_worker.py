@@ -20,7 +20,7 @@ from kvtransfer.connectors.shared_storage.metadata import (
 )
 from kvtransfer.connectors.shared_storage.storage import SharedStorageConfig
 from kvtransfer.connectors.shared_storage.worker import SharedStorageWorker
-from kvtransfer.engine.runner.parallel import pp_layer_range
+from kvtransfer.engine.parallel import pp_layer_range
 from kvtransfer.testing import make_kv_caches
 
 NUM_LAYERS = 4

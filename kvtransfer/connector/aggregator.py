@@ -7,14 +7,12 @@ direction, the set of workers that reported so far.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtransfer.connector.base import KVConnectorBase_V1
 from kvtransfer.connector.metadata import KVConnectorStats
 from kvtransfer.connector.outputs import KVConnectorOutput
-from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 
 @dataclass
@@ -48,25 +46,18 @@ class KVOutputAggregator:
         """Requests some but not all workers reported (a leak check for tests)."""
         return len(self._sending) + len(self._recving)
 
-    def aggregate(
-        self, outputs: Sequence[ModelRunnerOutput | None], output_rank: int = 0
-    ) -> ModelRunnerOutput | None:
-        """Merge one step's outputs (one per worker, in worker order).
-
-        Returns the output of worker ``output_rank`` (the one that sampled) carrying the merged
-        connector output; ``None`` when no worker returned anything. Inputs are never mutated,
-        so the shared `EMPTY_MODEL_RUNNER_OUTPUT` stays empty.
-        """
-        if not 0 <= output_rank < len(outputs):
-            raise ValueError(f"output_rank {output_rank} out of range for {len(outputs)} outputs")
+    def aggregate(self, outputs: Sequence[KVConnectorOutput | None]) -> KVConnectorOutput | None:
+        """Merge one step's connector outputs (one per worker, in worker order, ``None`` for a
+        worker that reported nothing) into what the engine acts on: the transfers every
+        worker has now reported, or ``None`` when there is nothing to act on. Inputs are
+        never mutated."""
         finished_sending: set[str] = set()
         finished_recving: set[str] = set()
         failed_recving: set[str] = set()
         invalid_block_ids: set[int] = set()
         stats: KVConnectorStats | None = None
 
-        for worker, output in enumerate(outputs):
-            kv_out = output.kv_connector_output if output is not None else None
+        for worker, kv_out in enumerate(outputs):
             if kv_out is None:
                 continue
             if kv_out.expected_finished_count > 0:
@@ -104,16 +95,7 @@ class KVOutputAggregator:
             kv_connector_stats=stats,
             load_failure_reasons={r: reasons[r] for r in failed_recving if r in reasons} or None,
         )
-        base = outputs[output_rank]
-        if base is None:
-            if merged.is_empty():
-                return None if all(o is None for o in outputs) else EMPTY_MODEL_RUNNER_OUTPUT
-            base = EMPTY_MODEL_RUNNER_OUTPUT
-        if merged.is_empty() and base.kv_connector_output is None:
-            return base
-        result = copy.copy(base)
-        result.kv_connector_output = None if merged.is_empty() else merged
-        return result
+        return None if merged.is_empty() else merged
 
     def _count(
         self,

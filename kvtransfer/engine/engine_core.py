@@ -37,7 +37,7 @@ from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.engine.config import EngineConfig, ModelConfig
 from kvtransfer.engine.executor.executor import DEFAULT_WORKER, Executor
 from kvtransfer.engine.model.loader import load_model_config
-from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, step_output
 from kvtransfer.engine.runner.kv_cache import kv_cache_layout
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler.request import EngineCoreOutput, Request
@@ -171,7 +171,10 @@ class EngineCore:
             self.early_output_sink(early)  # a consumer starts while this step computes
             early = []
         worker_outputs = self.executor.execute_model(scheduler_output)
-        output = self.aggregator.aggregate(worker_outputs, self.executor.output_rank)
+        merged_kv = self.aggregator.aggregate(
+            [o.kv_connector_output if o is not None else None for o in worker_outputs]
+        )
+        output = step_output(worker_outputs, self.executor.output_rank, merged_kv)
         outputs = early + self.scheduler.update_from_output(
             scheduler_output, output or EMPTY_MODEL_RUNNER_OUTPUT
         )

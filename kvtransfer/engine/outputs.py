@@ -67,6 +67,33 @@ class ModelRunnerOutput:
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()
 
 
+def step_output(
+    worker_outputs: Sequence[ModelRunnerOutput | None],
+    output_rank: int,
+    merged_kv: KVConnectorOutput | None,
+) -> ModelRunnerOutput | None:
+    """The engine's output for one step: worker ``output_rank``'s (the one that sampled),
+    carrying the connector output merged over every worker (`KVOutputAggregator`).
+
+    ``None`` when no worker returned anything and nothing finished. Inputs are never mutated,
+    so the shared `EMPTY_MODEL_RUNNER_OUTPUT` stays empty.
+    """
+    if not 0 <= output_rank < len(worker_outputs):
+        raise ValueError(
+            f"output_rank {output_rank} out of range for {len(worker_outputs)} outputs"
+        )
+    base = worker_outputs[output_rank]
+    if base is None:
+        if merged_kv is None:
+            return None if all(o is None for o in worker_outputs) else EMPTY_MODEL_RUNNER_OUTPUT
+        base = EMPTY_MODEL_RUNNER_OUTPUT
+    if merged_kv is None and base.kv_connector_output is None:
+        return base
+    result = copy.copy(base)
+    result.kv_connector_output = merged_kv
+    return result
+
+
 class IntermediateTensors:
     """Activations one pipeline stage sends to the next: named tensors and nothing else.
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.engine.config import ModelConfig
-from kvtransfer.engine.runner.forward_context import AttentionMetadata
+from kvtransfer.engine.model.forward_context import AttentionMetadata
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

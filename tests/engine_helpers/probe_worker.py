@@ -25,14 +25,14 @@ import torch
 
 from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata
 from kvtransfer.engine.config import EngineConfig
-from kvtransfer.engine.executor.executor import WorkerInfo
 from kvtransfer.engine.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     IntermediateTensors,
     ModelRunnerOutput,
 )
+from kvtransfer.engine.parallel import ParallelRank, pp_layer_range
 from kvtransfer.engine.runner.distributed import WorkerDistributed
-from kvtransfer.engine.runner.parallel import ParallelRank, pp_layer_range
+from kvtransfer.engine.runner.worker import WorkerInfo
 from kvtransfer.engine.scheduler_output import SchedulerOutput
 
 PROBE_WORKER = "engine_helpers.probe_worker:ProbeWorker"

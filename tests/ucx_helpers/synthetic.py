@@ -22,7 +22,7 @@ from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole, merge_
 from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.connectors.ucx import LoadSpec, RemotePrefill, UcxConnector, UcxConnectorMetadata
 from kvtransfer.connectors.ucx.metadata import Grant
-from kvtransfer.engine.runner.parallel import pp_layer_range
+from kvtransfer.engine.parallel import pp_layer_range
 from kvtransfer.transport import new_secret, secret_digest
 
 MODEL = "synthetic"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 
 
 def describe_rank(rank: ParallelRank) -> str:

@@ -25,12 +25,10 @@ import tempfile
 import time
 import weakref
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.executor.errors import (
     ExecutorClosedError,
@@ -61,7 +59,8 @@ from kvtransfer.engine.executor.worker_process import (
     worker_main,
 )
 from kvtransfer.engine.outputs import ModelRunnerOutput
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
+from kvtransfer.engine.runner.worker import WorkerInfo
 from kvtransfer.engine.scheduler_output import SchedulerOutput
 from kvtransfer.engine.wakeup import Wakeup
 
@@ -94,18 +93,6 @@ SHUTDOWN_TIMEOUT_S = 10.0
 _POLL_S = 1.0
 # A failed executor's surviving workers are usually stuck in a collective: do not wait long.
 _FAILED_SHUTDOWN_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What a worker reports once `Worker.initialize` loaded its model and KV cache."""
-
-    rank: ParallelRank
-    num_kv_blocks: int
-    handshake_metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata] | None
-    layer_names: tuple[str, ...]
-    # The worker's connector wakes `Executor.kv_events` when a transfer finishes.
-    signals_kv_events: bool = False
 
 
 def parallel_ranks(config: EngineConfig) -> list[ParallelRank]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtransfer.engine.executor.errors import WorkerError
 from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 from kvtransfer.engine.scheduler_output import SchedulerOutput
 
 # ---------------------------------------------------------------------------------- requests

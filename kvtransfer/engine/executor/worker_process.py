@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.executor.messages import Failed, Ok, Shutdown, dispatch, dumps, loads
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 
 # ----------------------------------------------------------------------------- worker classes
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtransfer.engine.runner.forward_context import AttentionMetadata
+from kvtransfer.engine.model.forward_context import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from torch import nn
 from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.engine.config import ModelConfig
 from kvtransfer.engine.model.attention import PagedAttentionPlan, paged_attention
+from kvtransfer.engine.model.forward_context import AttentionMetadata, LayerHooks, NoLayerHooks
 from kvtransfer.engine.outputs import IntermediateTensors
-from kvtransfer.engine.runner.forward_context import AttentionMetadata, LayerHooks, NoLayerHooks
-from kvtransfer.engine.runner.parallel import ParallelRank, pp_layer_range
+from kvtransfer.engine.parallel import ParallelRank, pp_layer_range
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 

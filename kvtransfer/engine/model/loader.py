@@ -19,7 +19,7 @@ from kvtransfer.engine.config import ModelConfig
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
 from kvtransfer.engine.model.llama import AllReduce, LlamaForCausalLM
 from kvtransfer.engine.model.tokenizer import Tokenizer
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 
 BUILTIN = "builtin"
 DEFAULT_PRESET = "tiny"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.engine.outputs import IntermediateTensors
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 
 _BACKENDS = ("gloo", "nccl")
 

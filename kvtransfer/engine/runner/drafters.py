@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvtransfer.engine.model.forward_context import LayerHooks
 from kvtransfer.engine.model.llama import LlamaForCausalLM
-from kvtransfer.engine.runner.forward_context import LayerHooks
 from kvtransfer.engine.runner.input_batch import SequenceChunk, build_forward_batch
 from kvtransfer.engine.runner.model_runner import Comm, StepResult
 from kvtransfer.engine.runner.request_states import RequestStates

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.engine.runner.forward_context import AttentionMetadata
+from kvtransfer.engine.model.forward_context import AttentionMetadata
 
 
 @dataclass(frozen=True)

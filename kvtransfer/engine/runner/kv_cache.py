@@ -10,7 +10,7 @@ import torch
 
 from kvtransfer.connector.metadata import KVCacheLayout
 from kvtransfer.engine.config import EngineConfig, ModelConfig
-from kvtransfer.engine.runner.parallel import ParallelRank
+from kvtransfer.engine.parallel import ParallelRank
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

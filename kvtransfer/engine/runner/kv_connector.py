@@ -21,15 +21,15 @@ from kvtransfer.connector.metadata import (
     KVConnectorRole,
 )
 from kvtransfer.connector.outputs import KVConnectorOutput
+from kvtransfer.engine.model.forward_context import NoLayerHooks
 from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from kvtransfer.engine.runner.forward_context import NoLayerHooks
 
 if TYPE_CHECKING:
     import torch
 
     from kvtransfer.connector.base import KVConnectorBase_V1
     from kvtransfer.connector.config import KVTransferConfig
-    from kvtransfer.engine.runner.forward_context import AttentionMetadata
+    from kvtransfer.engine.model.forward_context import AttentionMetadata
     from kvtransfer.engine.scheduler_output import SchedulerOutput
 
 

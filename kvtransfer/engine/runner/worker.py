@@ -7,24 +7,37 @@ and drives it with `initialize` once, then `execute_model` every step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata
 from kvtransfer.engine.config import EngineConfig
-from kvtransfer.engine.executor.executor import WorkerInfo
 from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.model.loader import iter_weights, load_model_config
 from kvtransfer.engine.outputs import IntermediateTensors, ModelRunnerOutput
+from kvtransfer.engine.parallel import ParallelRank
 from kvtransfer.engine.runner.distributed import WorkerDistributed
 from kvtransfer.engine.runner.drafters import DraftModelProposer, NgramDraftProposer
 from kvtransfer.engine.runner.kv_cache import kv_cache_layout, num_kv_blocks, resolve_dtype
 from kvtransfer.engine.runner.kv_connector import KVConnector, make_kv_connector
 from kvtransfer.engine.runner.model_runner import ModelRunner, Proposer
-from kvtransfer.engine.runner.parallel import ParallelRank
 from kvtransfer.engine.scheduler_output import SchedulerOutput
 from kvtransfer.engine.spec_decode import NgramProposer
 
 DRAFT_LAYER_PREFIX = "draft.layers"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker reports once `Worker.initialize` loaded its model and KV cache."""
+
+    rank: ParallelRank
+    num_kv_blocks: int
+    handshake_metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata] | None
+    layer_names: tuple[str, ...]
+    # The worker's connector wakes `Executor.kv_events` when a transfer finishes.
+    signals_kv_events: bool = False
 
 
 class SingleProcessComm:
