@@ -71,9 +71,9 @@ def place(module: str, layers: list[tuple[str, ...]]) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for index, names in enumerate(layers):
         for name in names:
-            if (module == name or module.startswith(name + ".")) and (
-                best is None or len(name) > len(best[1])
-            ):
+            # The root package is a layer of its own, not a prefix of every other one.
+            inside = module == name or (name != "kvtransfer" and module.startswith(name + "."))
+            if inside and (best is None or len(name) > len(best[1])):
                 best = (index, name)
     return best
 
