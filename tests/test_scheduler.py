@@ -439,6 +439,7 @@ def test_request_satisfies_the_connector_protocol_and_status_reasons():
     reasons = {s: (s.is_finished, s.finish_reason) for s in RequestStatus}
     assert reasons == {
         RequestStatus.WAITING: (False, None),
+        RequestStatus.WAITING_WITH_KV: (False, None),
         RequestStatus.WAITING_FOR_REMOTE_KVS: (False, None),
         RequestStatus.RUNNING: (False, None),
         RequestStatus.PREEMPTED: (False, None),

@@ -87,7 +87,7 @@ def test_async_load_of_the_whole_prompt_parks_then_recomputes_the_last_token():
     runner.finish_load("a")
     so, outs = step(sched, runner)
     assert (so.total_num_scheduled_tokens, outs) == (0, [])
-    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING, 9)
+    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING_WITH_KV, 9)
     assert sched.block_manager.num_cached_blocks == 2  # loaded full blocks are published
 
     so, outs = step(sched, runner)
@@ -114,7 +114,7 @@ def test_a_request_continuing_a_prefill_loads_every_prompt_token_and_computes_no
     assert conn.hook_calls("alloc") == [("alloc", "a", (0, 1, 2), 10)]
     runner.finish_load("a")
     step(sched, runner)
-    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING, 10)
+    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING_WITH_KV, 10)
     so, outs = step(sched, runner)
     (new,) = so.scheduled_new_reqs
     assert (new.num_computed_tokens, new.token_ids) == (10, (*PROMPT, REF[0]))
@@ -139,7 +139,7 @@ def test_a_request_awaiting_its_first_token_loads_then_waits_for_it(first_token_
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
     runner.finish_load("a")
     step(sched, runner)
-    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING, 10)
+    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING_WITH_KV, 10)
     # The whole load happened before the first token came: all of it overlapped the prefill.
     assert request.kv_stats.overlapped_s == request.kv_stats.load_wait_s
     for _ in range(3):  # loaded, but nothing to compute until continued
@@ -262,7 +262,7 @@ def test_failed_async_load_with_recompute_prefills_locally_from_the_local_prefix
         runner.finish_load("a")
     _, outs = step(sched, runner)
     assert outs == []
-    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING, 4)
+    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING_WITH_KV, 4)
     assert request.skip_connector
     assert sched.block_manager.num_cached_blocks == 1  # only the local prefix
     so, outs = step(sched, runner)

@@ -129,7 +129,7 @@ def test_loaded_blocks_equal_the_producers_bytes(tmp_path):
     while request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
         decoder.step()
     # Loaded, not yet run: only a load gets there, and the next step recomputes the last token.
-    assert (request.status, request.admitted) == (RequestStatus.WAITING, True)
+    assert request.status is RequestStatus.WAITING_WITH_KV
     assert request.num_computed_tokens == len(prompt) - 1
     consumer_blocks = decoder.scheduler.block_manager.get_block_ids("d")[:num_blocks]
     for name, cache in worker_caches(decoder).items():
@@ -158,7 +158,7 @@ def test_draft_model_layers_travel_and_decode_like_colocated(tmp_path):
     decoder = EngineCore(engine_config(kv_config(tmp_path, "kv_consumer", "d"), speculative=DRAFT))
     decoder.add_request("d", prompts[1], DECODE, outputs[1].kv_transfer_params)
     request = decoder.scheduler.get_request("d")
-    while request.status is not RequestStatus.WAITING or not request.admitted:
+    while request.status is not RequestStatus.WAITING_WITH_KV:
         decoder.step()
     blocks = decoder.scheduler.block_manager.get_block_ids("d")[: -(-len(prompts[1]) // BLOCK_SIZE)]
     caches = worker_caches(decoder)

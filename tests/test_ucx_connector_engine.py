@@ -159,7 +159,7 @@ def test_pulled_blocks_equal_the_producers_bytes_drafter_included():
         decoder.add_request("d", prompt, DECODE, params)
         request = decoder.scheduler.get_request("d")
         deadline = time.monotonic() + WAIT_S
-        while request.status is not RequestStatus.WAITING or not request.admitted:
+        while request.status is not RequestStatus.WAITING_WITH_KV:
             assert time.monotonic() < deadline, "the load never finished"
             decoder.step()
         # Loaded, not yet run: the next step recomputes only the last prompt token.

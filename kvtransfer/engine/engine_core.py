@@ -72,6 +72,8 @@ class EngineCore:
         # Every worker's connector wakes the engine: idle steps sleep until woken, not poll.
         self.wakes_on_kv_events = all(info.signals_kv_events for info in worker_infos)
         self._interrupts: list[Wakeup] = []
+        # Whether the latest step computed nothing and saw no transfer finish (`wait_if_idle`).
+        self.last_step_idle = False
         # Takes outputs due before a step runs (early KV params); without one they lead the
         # step's own outputs.
         self.early_output_sink: Callable[[list[EngineCoreOutput]], None] | None = None
@@ -178,15 +180,20 @@ class EngineCore:
         outputs = early + self.scheduler.update_from_output(
             scheduler_output, output or EMPTY_MODEL_RUNNER_OUTPUT
         )
-        if scheduler_output.total_num_scheduled_tokens == 0 and not _reports_transfers(output):
-            self._idle()
+        self.last_step_idle = (
+            scheduler_output.total_num_scheduled_tokens == 0 and not _reports_transfers(output)
+        )
         return outputs
 
-    def _idle(self) -> None:
-        """Nothing was computed and no transfer finished: wait for one to finish (or for an
-        interrupt) instead of spinning; the connectors' threads get the GIL meanwhile.
-        With nothing in flight there is nothing to wait for."""
-        if not self.scheduler.has_pending_work():
+    def wait_if_idle(self) -> None:
+        """What a loop that steps this engine calls after each step. When that step computed
+        nothing and no transfer finished (only an in-flight load or save can move things on),
+        wait for a transfer to finish or an interrupt (at most `IDLE_WAIT_CAP_S`) instead of
+        spinning, so the connectors' threads get the GIL; otherwise return at once.
+
+        `step` itself never waits: the loop's owner knows whether it has other work (a
+        daemon's queued calls) that must not wait behind an idle engine."""
+        if not self.last_step_idle or not self.scheduler.has_pending_work():
             return
         if self.wakes_on_kv_events:
             self.executor.kv_events.wait(IDLE_WAIT_CAP_S, self._interrupts)
@@ -214,6 +221,7 @@ class EngineCore:
             self.step()
             if not pending:
                 return
+            self.wait_if_idle()
 
     def check_no_leaks(self) -> None:
         """Raise unless every block is free, no completion is half-aggregated and no worker

@@ -83,6 +83,7 @@ class LLM:
                     self._merge(output, step_output)
                     if step_output.finished:
                         unfinished.discard(step_output.req_id)
+                self.engine.wait_if_idle()
         except BaseException:
             self.engine.abort_request([r for r, o in outputs.items() if o.finish_reason is None])
             raise

@@ -100,7 +100,7 @@ class EngineAdminBackend:
         held = held_kv(self._engine, self._ledger)
         loading = self._engine.call(
             lambda core: [
-                (r.request_id, dict(r.kv_transfer_params or {}), r.load_started_at)
+                (r.request_id, dict(r.kv_transfer_params or {}), r.kv_load and r.kv_load.started_at)
                 for r in core.scheduler.requests_loading_remote_kvs()
             ]
         )

@@ -225,6 +225,8 @@ class EngineThread:
             self._route(outputs)
             if self._after_step is not None:
                 self._after_step(self.core, outputs)
+            # A call queued meanwhile interrupts the wait (`add_interrupt`).
+            self.core.wait_if_idle()
         self._fail_calls("the engine stopped")
 
     def _route(self, outputs: list[EngineCoreOutput]) -> None:

@@ -9,11 +9,13 @@ the request, and the scheduler finishes that request with the message as its err
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from kvtransfer.connector.base import KVConnectorBase_V1
 from kvtransfer.engine.scheduler.request import Request
+
+T = TypeVar("T")
 
 
 class KVConnectorHookError(RuntimeError):
@@ -32,7 +34,7 @@ class ConnectorHooks:
         self, request: Request, num_local: int
     ) -> tuple[int | None, bool]:
         """``(num_external_tokens, load_kv_async)``; ``None`` tokens mean "ask again later"."""
-        answer = self._call(request, "get_num_new_matched_tokens", request, num_local)
+        answer = self._guard(request, self.connector.get_num_new_matched_tokens, request, num_local)
         if not (isinstance(answer, tuple) and len(answer) == 2):
             raise KVConnectorHookError(
                 f"KV connector {self._name}.get_num_new_matched_tokens returned {answer!r} for "
@@ -58,11 +60,13 @@ class ConnectorHooks:
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_external: int
     ) -> None:
-        self._call(request, "update_state_after_alloc", request, block_ids, num_external)
+        self._guard(
+            request, self.connector.update_state_after_alloc, request, block_ids, num_external
+        )
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, Any]:
         """``(delay_free, kv_transfer_params)``."""
-        answer = self._call(request, "request_finished", request, block_ids)
+        answer = self._guard(request, self.connector.request_finished, request, block_ids)
         if not (isinstance(answer, tuple) and len(answer) == 2):
             raise KVConnectorHookError(
                 f"KV connector {self._name}.request_finished returned {answer!r} for request "
@@ -70,12 +74,12 @@ class ConnectorHooks:
             )
         return bool(answer[0]), answer[1]
 
-    def _call(self, request: Request, hook: str, *args: Any) -> Any:
-        method = getattr(self.connector, hook)
+    def _guard(self, request: Request, hook: Callable[..., T], *args: Any) -> T:
+        """Call ``hook`` (a bound method of the connector) for ``request``."""
         try:
-            return method(*args)
+            return hook(*args)
         except Exception as exc:
             raise KVConnectorHookError(
-                f"KV connector {self._name}.{hook} raised for request "
+                f"KV connector {self._name}.{hook.__name__} raised for request "
                 f"{request.request_id}: {type(exc).__name__}: {exc}"
             ) from exc

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from kvtransfer.connector.config import KVLoadFailurePolicy
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.engine.scheduler.block_manager import BlockManager
-from kvtransfer.engine.scheduler.request import EngineCoreOutput, Request, RequestStatus
+from kvtransfer.engine.scheduler.request import EngineCoreOutput, KVLoad, Request, RequestStatus
 
 _RECV = "recv"
 _SEND = "send"
@@ -68,10 +68,7 @@ class KVTransferState:
 
     def start_load(self, request: Request, num_external: int) -> None:
         """Park ``request``, which holds its blocks, while ``num_external`` tokens load."""
-        request.num_external_tokens = num_external
-        request.load_failed = False
-        request.load_started_at = time.monotonic()
-        request.load_overlaps_prefill = request.awaits_generated
+        request.kv_load = KVLoad(num_external, time.monotonic(), request.awaits_generated)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self._loading[request.request_id] = request
 
@@ -125,8 +122,10 @@ class KVTransferState:
         bm = self.block_manager
         bm.evict_blocks(sorted(invalid))
         for request in self._loading.values():
-            if invalid.intersection(bm.get_block_ids(request.request_id)):
-                request.load_failed = True
+            if request.kv_load is not None and invalid.intersection(
+                bm.get_block_ids(request.request_id)
+            ):
+                request.kv_load.failed = True
         # A copy: failing a request removes it from the scheduler's running list.
         for request in list(running):
             table = bm.get_block_ids(request.request_id)
@@ -161,17 +160,16 @@ class KVTransferState:
             if request is None:
                 continue  # a report about a request this scheduler is not loading
             # The load borrow ends here, whatever happens to the request next.
-            request.status = RequestStatus.WAITING
+            load, request.kv_load = request.kv_load, None
+            request.status = RequestStatus.WAITING_WITH_KV
             stats = request.kv_stats
-            if request.load_started_at is not None:
-                now = time.monotonic()
-                stats.load_wait_s += now - request.load_started_at
-                if request.load_overlaps_prefill:
-                    # Loading while the prefill computed: until its first token came.
-                    end = min(now, request.continued_at or now)
-                    stats.overlapped_s += max(0.0, end - request.load_started_at)
-                request.load_started_at = None
-            if rid in failed or request.load_failed:
+            now = time.monotonic()
+            stats.load_wait_s += now - load.started_at
+            if load.overlaps_prefill:
+                # Loading while the prefill computed: until its first token came.
+                end = min(now, request.continued_at or now)
+                stats.overlapped_s += max(0.0, end - load.started_at)
+            if rid in failed or load.failed:
                 if self.load_failure_policy == "fail":
                     results.outputs.append(self._fail_load(request, fail, reasons.get(rid)))
                     continue
@@ -180,21 +178,18 @@ class KVTransferState:
                 bm.evict_blocks(table[local_blocks:])
                 request.num_computed_tokens = request.num_cached_tokens
                 request.skip_connector = True
-                stats.num_recomputed_tokens += request.num_external_tokens
+                stats.num_recomputed_tokens += load.num_external_tokens
             else:
-                loaded = request.num_cached_tokens + request.num_external_tokens
+                loaded = request.num_cached_tokens + load.num_external_tokens
                 # The last token is computed here for its logits, unless the next token comes
                 # from elsewhere (a prefill's first token, `Scheduler.continue_request`).
                 limit = request.num_tokens - (0 if request.awaits_generated else 1)
                 request.num_computed_tokens = min(loaded, limit)
                 bm.cache_full_blocks(request, request.num_computed_tokens)
-                stats.num_loaded_tokens += request.num_external_tokens
+                stats.num_loaded_tokens += load.num_external_tokens
                 stats.num_loaded_blocks += -(-loaded // bm.block_size) - (
                     request.num_cached_tokens // bm.block_size
                 )
-            request.num_external_tokens = 0
-            request.load_failed = False
-            request.admitted = True
             resumed.append(request)
         resumed.sort(key=lambda r: r.arrival_order)
         results.resumed.extend(resumed)

@@ -30,9 +30,22 @@ class PromptTooLargeError(ValueError):
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is. Only ``WAITING_FOR_REMOTE_KVS``, ``WAITING_WITH_KV`` and
+    ``RUNNING`` hold blocks; a finished request's blocks may stay lent to the connector
+    (`KVTransferState`), but the request itself is gone from the scheduler.
+
+    WAITING --admit--> RUNNING, or --async load--> WAITING_FOR_REMOTE_KVS --load ends-->
+    WAITING_WITH_KV --admit--> RUNNING --preempt--> PREEMPTED --admit--> RUNNING ...;
+    any of them --> FINISHED_*.
+    """
+
     WAITING = "waiting"
-    # Admitted with blocks while a connector loads its KV asynchronously; scheduled 0 tokens.
+    # Holds blocks while a connector loads its KV asynchronously (`Request.kv_load`); scheduled
+    # 0 tokens.
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    # Holds blocks with its KV in place (loaded, or reset to its local prefix after a failed
+    # load under "recompute"); admitted without asking the connector again.
+    WAITING_WITH_KV = "waiting_with_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -56,6 +69,19 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+@dataclass
+class KVLoad:
+    """A connector's asynchronous load into a parked request's blocks."""
+
+    # Tokens it brings in, past the request's locally cached ones.
+    num_external_tokens: int
+    started_at: float
+    # Started before the request's first tokens arrived (it overlaps its remote prefill).
+    overlaps_prefill: bool
+    # A block it writes was reported invalid; acted on when the load ends.
+    failed: bool = False
 
 
 @dataclass(eq=False)
@@ -91,23 +117,18 @@ class Request:
     # ---- scheduler bookkeeping (never sent to workers) ----
     # How many of all_token_ids the workers already hold (the rest go in new_token_ids).
     num_synced_tokens: int = 0
-    # False until the workers got a NewRequestData (again false after preemption).
+    # Not states but facts the scheduler keeps: whether the workers hold a mirror of it (from
+    # a NewRequestData; lost on preemption), and whether the "recompute" load-failure policy
+    # took it away from the connector for good.
     known_to_workers: bool = False
-    # Holds blocks while WAITING (its KV was loaded, or it was reset to a local prefix).
-    admitted: bool = False
-    # Set by the "recompute" load-failure policy: never ask the connector about it again.
     skip_connector: bool = False
-    # Tokens an asynchronous connector load is bringing in (past num_cached_tokens).
-    num_external_tokens: int = 0
-    # A block of an in-flight load was reported invalid; acted on when the load finishes.
-    load_failed: bool = False
+    # The asynchronous load in flight: set exactly while WAITING_FOR_REMOTE_KVS.
+    kv_load: KVLoad | None = None
     # What connector loads did for this request, reported with its final output.
     kv_stats: RequestKVStats = field(default_factory=lambda: RequestKVStats())
-    load_started_at: float | None = None
     # When `Scheduler.continue_request` gave it its first tokens (None: not yet, or never
-    # awaited), and whether its current load started before that.
+    # awaited).
     continued_at: float | None = None
-    load_overlaps_prefill: bool = False
     # `time.monotonic` instants for `RequestTimings`: queued, first given tokens, first sampled.
     arrived_at: float | None = None
     first_scheduled_at: float | None = None

@@ -378,7 +378,6 @@ class Scheduler:
         request.spec_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         request.known_to_workers = False
-        request.admitted = False
         self._waiting.appendleft(request)
         self._stats.num_preemptions += 1
 
@@ -387,9 +386,10 @@ class Scheduler:
         pool_exhausted = False
         while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting.popleft()
-            if request.admitted and request.awaits_generated:
+            with_kv = request.status is RequestStatus.WAITING_WITH_KV
+            if with_kv and request.awaits_generated:
                 result, num_new = _Admit.SKIP, 0  # loaded; computed once continued
-            elif request.admitted:
+            elif with_kv:
                 result, num_new = self._resume_admitted(request, step.budget)
             elif pool_exhausted:
                 # FCFS: nothing admitted ahead of a request the pool could not take. Requests
@@ -405,7 +405,6 @@ class Scheduler:
                 continue
             if result is _Admit.SCHEDULED:
                 request.status = RequestStatus.RUNNING
-                request.admitted = False
                 self._running.append(request)
                 step.add(request, num_new, [])
         self._waiting.extendleft(reversed(skipped))
