@@ -44,7 +44,7 @@ threads of two processes preempt each other.
 
 Handshake (``handshake_cold_ms``/``handshake_warm_ms``, medians, the same in every case's row):
 a live ``UcxConnector`` prefill engine (built-in model, PP=2) runs in its own process
-(`kvtransfer.pd.EngineProcess`); the decode side's gRPC fetch of all its worker payloads
+(`pd_harness.EngineProcess`); the decode side's gRPC fetch of all its worker payloads
 (engine id and compatibility checked), cold with a new `HandshakeClient` per fetch (channel
 connect + RPC), warm with the cached client. The UCX endpoint connect is not included.
 ``--no-handshake`` skips it.
@@ -587,8 +587,11 @@ def run_handshake(iterations: int, warmup: int) -> dict[str, float]:
     from kvtransfer.connectors.ucx.metadata import UcxHandshakeMetadata
     from kvtransfer.engine.model.loader import load_model_config
     from kvtransfer.engine.runner.kv_cache import kv_cache_layout
-    from kvtransfer.pd.engine_process import EngineProcess
-    from kvtransfer.pd.harness import ucx_engine_config
+
+    # The engine-in-a-process pair the engine-level tests use (tests/pd_harness).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from pd_harness.engine_process import EngineProcess
+    from pd_harness.harness import ucx_engine_config
 
     config = ucx_engine_config("kv_producer", "bench-prefill", pp=2)
     with EngineProcess(config, name="bench-prefill") as engine:

@@ -14,10 +14,9 @@ import signal
 import time
 
 import pytest
+from pd_harness import PDPair
 from ucx_helpers.engines import BLOCK_SIZE, DECODE, PROMPTS, colocated
 from ucx_helpers.pd import decode_while_loading
-
-from kvtransfer.pd import PDPair
 
 OVERRIDES = {"block_size": BLOCK_SIZE, "num_kv_blocks": 64}
 TRANSFER_TIMEOUT_S = 60.0

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pd_harness import PDPair
 from ucx_helpers.engines import BLOCK_SIZE, DECODE, PROMPTS, colocated
-
-from kvtransfer.pd import PDPair
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,12 +11,7 @@ import signal
 import time
 
 import pytest
-from ucx_helpers.engines import BLOCK_SIZE, DECODE, PROMPTS, colocated
-from ucx_helpers.pd import decode_while_loading
-
-from kvtransfer.engine.config import EngineConfig
-from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.pd import (
+from pd_harness import (
     EngineLeakError,
     EngineProcess,
     EngineProcessClosed,
@@ -26,6 +21,11 @@ from kvtransfer.pd import (
     PDPair,
     RemoteEngineError,
 )
+from ucx_helpers.engines import BLOCK_SIZE, DECODE, PROMPTS, colocated
+from ucx_helpers.pd import decode_while_loading
+
+from kvtransfer.engine.config import EngineConfig
+from kvtransfer.engine.sampling_params import SamplingParams
 
 OVERRIDES = {"block_size": BLOCK_SIZE, "num_kv_blocks": 64}
 

@@ -7,8 +7,8 @@ and consumer and runs prefill-then-decode generation across them.
 
 from __future__ import annotations
 
-from kvtransfer.pd.engine_process import EngineProcess
-from kvtransfer.pd.errors import (
+from pd_harness.engine_process import EngineProcess
+from pd_harness.errors import (
     EngineLeakError,
     EngineProcessClosed,
     EngineProcessDied,
@@ -17,7 +17,7 @@ from kvtransfer.pd.errors import (
     KVTransferFailed,
     RemoteEngineError,
 )
-from kvtransfer.pd.harness import PDPair
+from pd_harness.harness import PDPair
 
 __all__ = [
     "EngineLeakError",

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
-import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.executor.executor import MultiprocExecutor, dumps, loads
+from kvtransfer.engine.executor.worker_process import exit_with_parent
 from kvtransfer.engine.llm import LLM, RequestOutput
-from kvtransfer.pd.messages import (
+from pd_harness.messages import (
     STARTUP_CALL_ID,
     Abort,
     Call,
@@ -41,7 +40,7 @@ IDLE_WAIT_S = 0.005
 
 def engine_main(conn: Connection, config: EngineConfig, worker_cls: str) -> None:
     """Entry point of the engine process."""
-    _exit_with_parent()
+    exit_with_parent()
     import torch
 
     # Two cores are shared by both engines of a pair and their workers.
@@ -58,20 +57,6 @@ def engine_main(conn: Connection, config: EngineConfig, worker_cls: str) -> None
     finally:
         llm.shutdown()
         conn.close()
-
-
-def _exit_with_parent() -> None:
-    parent = mp.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        # The parent is gone (even killed -9): nobody will ever send Shutdown. Exiting here
-        # also ends the workers, which watch this process the same way.
-        os._exit(1)
-
-    threading.Thread(target=watch, name="kvtransfer-engine-parent-watch", daemon=True).start()
 
 
 @dataclass
@@ -188,6 +173,7 @@ class _EngineLoop:
             self.call_of_request.clear()
             return
         self._route(outputs)
+        self.core.wait_if_idle()
 
     def _route(self, step_outputs: list[Any]) -> None:
         for step_output in step_outputs:

@@ -26,15 +26,15 @@ from kvtransfer.engine.executor.executor import DEFAULT_WORKER, dumps, loads
 from kvtransfer.engine.executor.worker_process import spawn_environment
 from kvtransfer.engine.llm import RequestOutput
 from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.pd.child import engine_main
-from kvtransfer.pd.errors import (
+from pd_harness.child import engine_main
+from pd_harness.errors import (
     EngineLeakError,
     EngineProcessClosed,
     EngineProcessDied,
     EngineProcessTimeout,
     RemoteEngineError,
 )
-from kvtransfer.pd.messages import (
+from pd_harness.messages import (
     STARTUP_CALL_ID,
     Abort,
     Call,

@@ -19,8 +19,8 @@ from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
 from kvtransfer.engine.llm import RequestOutput
 from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.pd.engine_process import STARTUP_TIMEOUT_S, EngineProcess, PromptInput
-from kvtransfer.pd.errors import KVTransferFailed
+from pd_harness.engine_process import STARTUP_TIMEOUT_S, EngineProcess, PromptInput
+from pd_harness.errors import KVTransferFailed
 
 PREFILL_PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)
 REMOTE_DECODE: Mapping[str, Any] = {"do_remote_decode": True}

@@ -6,7 +6,8 @@ import threading
 import time
 from typing import Any
 
-from kvtransfer.pd import PDPair
+from pd_harness import PDPair
+
 from ucx_helpers.engines import DECODE, PROMPTS
 
 

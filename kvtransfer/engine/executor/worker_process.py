@@ -74,7 +74,7 @@ def spawn_environment(backend: str) -> Iterator[None]:
 # ----------------------------------------------------------------------------- child process
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     parent = mp.parent_process()
     if parent is None:
         return
@@ -98,7 +98,7 @@ def worker_main(
 ) -> None:
     """Entry point of a worker process: build the worker, then serve requests until told to
     stop. A start-up failure is kept and becomes the reply to every request."""
-    _exit_with_parent()
+    exit_with_parent()
     import torch
 
     torch.set_num_threads(1)
