@@ -15,3 +15,21 @@ def _isolated_connector_policy(monkeypatch):
     yield
     KVConnectorFactory.reset_policy()
     KVConnectorFactory.clear_cache()
+
+
+# Every test belongs to exactly one tier (`-m unit`, `-m integration`, `-m deploy`); see README.
+TIERS = ("unit", "integration", "deploy")
+
+
+def pytest_collection_modifyitems(config, items):
+    wrong = {}
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong.setdefault(item.module.__name__, tiers)
+    if wrong:
+        listed = "; ".join(f"{mod}: {tiers or 'none'}" for mod, tiers in sorted(wrong.items()))
+        raise pytest.UsageError(
+            f"every test needs exactly one tier marker of {TIERS} (module-level "
+            f"`pytestmark = pytest.mark.<tier>`); found {listed}"
+        )

@@ -17,6 +17,8 @@ from serve_helpers.daemons import admin, exit_used_blocks, running, start_daemon
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
 
+pytestmark = pytest.mark.integration
+
 REMOTE_DECODE = {"do_remote_decode": True}
 LEASE_S = 60.0
 # Far below the lease: what "at once" means on a loaded 2-core machine.

@@ -25,6 +25,8 @@ from kvtransfer.control import (
     TransferDirection,
 )
 
+pytestmark = pytest.mark.integration
+
 TOKEN = "s3cret-token"
 TEST_LOGGER = "kvtransfer.tests.admin_cli"
 REPO_ROOT = Path(__file__).resolve().parents[1]

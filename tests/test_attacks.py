@@ -52,6 +52,8 @@ from kvtransfer.transport import (
 )
 from kvtransfer.v1 import handshake_pb2, handshake_pb2_grpc
 
+pytestmark = pytest.mark.integration
+
 MAX_TOKENS = 8
 LEASE_S = 30.0  # the shared prefill's lease: far beyond every wait below
 SHORT_LEASE_S = 2.0

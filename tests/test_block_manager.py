@@ -11,6 +11,8 @@ from kvtransfer.engine.scheduler.block_manager import (
     hash_block_tokens,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _req(rid: str, tokens: list[int], computed: int = 0):
     request = make_request(rid, tokens)

@@ -18,6 +18,8 @@ from kvtransfer.engine.model.chat_template import ChatTemplate, ChatTemplateErro
 from kvtransfer.engine.model.loader import load_tokenizer
 from kvtransfer.v1 import generation_pb2
 
+pytestmark = pytest.mark.integration
+
 # Qwen2's template as its checkpoints ship it: ChatML with a default system message.
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -4,6 +4,8 @@ import pytest
 
 from kvtransfer.cli import main
 
+pytestmark = pytest.mark.unit
+
 
 def test_demo_flags_reach_the_demo(capsys):
     with pytest.raises(SystemExit) as info:

@@ -12,6 +12,8 @@ from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 PROMPT_IDS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from kvtransfer import KVTransferConfig, KVTransferConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def test_parses_a_vllm_nixl_config_unchanged():
     vllm_json = json.dumps(

@@ -13,6 +13,8 @@ from kvtransfer import (
     merge_handshake_metadata,
 )
 
+pytestmark = pytest.mark.unit
+
 PP_REJECTION = "does not support PP-disaggregated KV transfer"
 
 

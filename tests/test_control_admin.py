@@ -23,6 +23,8 @@ from kvtransfer.control import (
 )
 from kvtransfer.v1 import admin_pb2, admin_pb2_grpc
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def backend():

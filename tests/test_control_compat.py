@@ -21,6 +21,8 @@ from kvtransfer.control import (
 from kvtransfer.control.compat import FieldDifference
 from kvtransfer.v1 import handshake_pb2
 
+pytestmark = pytest.mark.integration
+
 # Pinned: peers running other kvtransfer versions compare this hash, so the canonical form must
 # not drift (sorted keys, no whitespace).
 CANONICAL = (

@@ -43,6 +43,8 @@ from kvtransfer.control import (
 from kvtransfer.control.server import ENGINE_ID_METADATA_KEY
 from kvtransfer.v1 import handshake_pb2, handshake_pb2_grpc
 
+pytestmark = pytest.mark.integration
+
 ENGINE_ID = "prefill-A"
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
 

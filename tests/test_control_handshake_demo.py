@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from script_modules import load_script
+
+pytestmark = pytest.mark.integration
 
 demo = load_script("handshake_demo")
 

@@ -38,6 +38,8 @@ from kvtransfer.control.security import (
     server_credentials,
 )
 
+pytestmark = pytest.mark.integration
+
 ENGINE_ID = "prefill-tls"
 TOKEN = "s3cret-token"
 NO_RETRY = RetryPolicy(max_attempts=1)

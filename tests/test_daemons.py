@@ -28,6 +28,8 @@ from kvtransfer.clients.control import check_health
 from kvtransfer.clients.generation import GenerateResult, GenerationClient, generate_request
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES, grpc_message_limit
 
+pytestmark = pytest.mark.integration
+
 MAX_TOKENS = 12
 REMOTE_DECODE = {"do_remote_decode": True}
 

@@ -3,7 +3,11 @@ checked against a colocated run, everything stopped cleanly."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvtransfer.cli import demo
+
+pytestmark = pytest.mark.unit
 
 
 def test_demo_runs_end_to_end(capsys, tmp_path):

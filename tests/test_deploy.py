@@ -28,6 +28,8 @@ import pytest
 import yaml
 from deploy_helpers.kustomize import pod_containers, pod_spec, render, resource_id, split_image
 
+pytestmark = pytest.mark.deploy
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"

@@ -12,6 +12,8 @@ from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
 from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 # Repetitive prompts give the n-gram proposer something to find.
 PROMPTS = [
     [10, 11, 12, 13] * 6,

@@ -15,6 +15,8 @@ from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
 from kvtransfer.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = [
     list(range(40, 45)),  # shorter than a block
     [(7 * i) % 200 + 3 for i in range(17)],

@@ -42,6 +42,8 @@ from kvtransfer.engine.runner.distributed import WorkerDistributed
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler_output import NewRequestData, SchedulerOutput
 
+pytestmark = pytest.mark.integration
+
 
 def config(tp: int = 1, pp: int = 1, **extra: str) -> EngineConfig:
     return EngineConfig(

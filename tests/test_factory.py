@@ -16,6 +16,8 @@ from kvtransfer.cli import main as cli_main
 from kvtransfer.connectors.multi import MultiConnector
 from kvtransfer.testing.recording import RecordingConnector
 
+pytestmark = pytest.mark.unit
+
 CONNECTOR_SOURCE = """
 from kvtransfer import KVConnectorBase_V1
 

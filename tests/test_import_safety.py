@@ -7,6 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 HEAVY = ("torch", "grpc", "ucxx", "numpy")
 
 PROBE = """

@@ -18,6 +18,8 @@ from kvtransfer.engine.runner.kv_connector import ActiveKVConnector, KVConnector
 from kvtransfer.engine.scheduler_output import SchedulerOutput
 from kvtransfer.testing.recording import RecordingConnector, RecordingHandshakeMetadata
 
+pytestmark = pytest.mark.unit
+
 CONFIG = KVTransferConfig(
     kv_connector="RecordingConnector",
     kv_connector_module_path="kvtransfer.testing.recording",

@@ -25,6 +25,8 @@ from kvtransfer.transport import (
 from kvtransfer.transport.buffers import gather_into, payload_bytes, row_view, scatter_from
 from kvtransfer.transport.spec import check_kv_cache, kv_axis_order
 
+pytestmark = pytest.mark.integration
+
 BLOCKS, HEADS, TOKENS, DIM = 6, 4, 4, 8
 ORDERS = ["B2HND", "BH2ND", "BHN2D", "2BNHD", "2BHND", "BNH2D"]
 # (remote heads, local heads, local head count): whole blocks, a TP 2 -> 1 read of half the

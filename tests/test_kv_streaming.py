@@ -16,6 +16,8 @@ import pytest
 from serve_helpers.daemons import admin, colocated, running, start_daemon, start_router
 from serve_helpers.probes import post, started, used_blocks, wait_until
 
+pytestmark = pytest.mark.integration
+
 MODEL = ("--model", "builtin:small")
 MAX_TOKENS = 6
 # Long enough that the prefill computes for a good fraction of a second on 2 vCPUs.

@@ -18,6 +18,8 @@ from pd_harness import PDPair
 from ucx_helpers.engines import BLOCK_SIZE, DECODE, PROMPTS, colocated
 from ucx_helpers.pd import decode_while_loading
 
+pytestmark = pytest.mark.integration
+
 OVERRIDES = {"block_size": BLOCK_SIZE, "num_kv_blocks": 64}
 TRANSFER_TIMEOUT_S = 60.0
 # Far below the transfer timeout, far above what the probes need (~0.25-1.5 s).

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.client
+pytestmark = [pytest.mark.integration, pytest.mark.client]
 
 ROOT = Path(__file__).resolve().parent.parent
 AIPERF = ROOT / ".aiperf-venv" / "bin" / "aiperf"

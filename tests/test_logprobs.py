@@ -29,6 +29,8 @@ from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.serve.generation import _logprobs_messages
 from kvtransfer.v1 import generation_pb2
 
+pytestmark = pytest.mark.integration
+
 # Token-id prompts, so the dense reference sees exactly what the engine saw; the first repeats
 # itself, which gives the n-gram drafter something to propose.
 PROMPTS = [[10, 11, 12, 13] * 6, [(3 * i) % 97 + 5 for i in range(30)]]

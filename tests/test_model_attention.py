@@ -11,6 +11,8 @@ from engine_helpers.dense_reference import SeqChunk, paged_step
 from kvtransfer.engine.model.attention import PagedAttentionPlan, paged_attention, write_kv
 from kvtransfer.engine.model.forward_context import AttentionMetadata
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 6, 2, 8
 

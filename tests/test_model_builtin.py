@@ -28,6 +28,8 @@ from kvtransfer.engine.model.loader import (
 from kvtransfer.engine.model.tokenizer import Tokenizer
 from kvtransfer.engine.parallel import ParallelRank
 
+pytestmark = pytest.mark.unit
+
 TEXTS = ["Hello, world!", "naïve café — 日本語 🙂", "<bos>tagged<eos> <pad>", "", "\x00\x7f\n\t"]
 
 

@@ -14,6 +14,8 @@ from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.outputs import IntermediateTensors
 from kvtransfer.engine.parallel import ParallelRank
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 4
 NUM_BLOCKS = 24
 CONFIG = builtin_model_config("tiny")

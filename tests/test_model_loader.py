@@ -26,6 +26,8 @@ from kvtransfer.engine.model.loader import (
 from kvtransfer.engine.model.tokenizer import byte_level_tokenizer_json
 from kvtransfer.engine.parallel import ParallelRank
 
+pytestmark = pytest.mark.unit
+
 LLAMA_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

@@ -11,6 +11,7 @@ import random
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,6 +22,8 @@ from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weight
 from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.outputs import IntermediateTensors
 from kvtransfer.engine.parallel import ParallelRank
+
+pytestmark = pytest.mark.integration
 
 BLOCK = 4
 NUM_BLOCKS = 16

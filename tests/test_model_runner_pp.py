@@ -3,6 +3,7 @@ output (vLLM PR #43732). Tested on one layer in isolation: the next stage is a r
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtransfer.connector.base import KVConnectorBase_V1
@@ -19,6 +20,8 @@ from kvtransfer.engine.runner.kv_connector import ActiveKVConnector, KVConnector
 from kvtransfer.engine.runner.model_runner import ModelRunner
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler_output import NewRequestData, SchedulerOutput
+
+pytestmark = pytest.mark.unit
 
 
 class NextStage:

@@ -6,6 +6,8 @@ import pytest
 
 from kvtransfer.engine.model.tokenizer import Tokenizer, byte_level_tokenizer_json
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Tokenizer, Tokenizer]:

@@ -18,6 +18,8 @@ from kvtransfer.connectors.multi import (
 )
 from kvtransfer.testing import ContractSchedulerOutput, KVConnectorContract, make_request
 
+pytestmark = pytest.mark.unit
+
 PP_REJECTION = "does not support PP-disaggregated KV transfer"
 
 

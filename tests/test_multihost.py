@@ -41,7 +41,7 @@ from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks
 
 from kvtransfer.serve.launcher import ServiceProcess
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.deploy, pytest.mark.netns]
 
 MAX_TOKENS = 8
 # Small, so that a partition is felt (and healed from) within seconds; a partition outlasts

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from kvtransfer.clients.generation import GenerationClient, generate_request
 from kvtransfer.engine.model.builtin import init_model_dir
 
-pytestmark = pytest.mark.client
+pytestmark = [pytest.mark.integration, pytest.mark.client]
 
 MODEL_NAME = "tiny-chat"
 MAX_TOKENS = 8

@@ -13,6 +13,8 @@ from kvtransfer import (
     ModelRunnerOutput,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _snapshot(output: ModelRunnerOutput) -> dict:
     return {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}

@@ -9,6 +9,7 @@ from pd_harness import PDPair
 from ucx_helpers.engines import BLOCK_SIZE, DECODE, PROMPTS, colocated
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from script_modules import load_script
 
+pytestmark = pytest.mark.integration
+
 codegen = load_script("codegen")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -49,6 +49,8 @@ from router_helpers.fakes import (
 from kvtransfer.router import RouterConfig, RouterServer
 from kvtransfer.router.__main__ import main as router_main
 
+pytestmark = pytest.mark.integration
+
 # What the client gets: the prefill's first token, then the decode stream.
 DECODE_TEXT = FIRST_PIECE[1] + "".join(text for _, text in DECODE_PIECES)
 DECODE_IDS = FIRST_PIECE[0] + [t for ids, _ in DECODE_PIECES for t in ids]

@@ -24,6 +24,8 @@ from serve_helpers.probes import get, post, started, used_blocks, wait_until
 
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 
+pytestmark = pytest.mark.integration
+
 MAX_TOKENS = 10
 # The prefill's lease in the release test: KV freed well before it was freed by a release.
 LEASE_S = 60

@@ -46,6 +46,8 @@ from kvtransfer.router.choice import PREFILL_GRACE_S
 from kvtransfer.router.openai_api import MAX_JSON_DEPTH
 from kvtransfer.v1 import generation_pb2
 
+pytestmark = pytest.mark.integration
+
 # No background check in the test's lifetime: only calls change a daemon's health.
 NO_CHECKS = 600.0
 FAST_CHECKS = 0.02

@@ -11,6 +11,8 @@ import torch
 from kvtransfer.engine.runner.sampler import compute_probs, exponential_noise, noise_seed, sample
 from kvtransfer.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams()
 T1 = SamplingParams(temperature=1.0)
 # Chi-square critical value for 7 degrees of freedom at p = 0.001 (8-token vocabulary).

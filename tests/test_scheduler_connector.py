@@ -26,6 +26,8 @@ from engine_helpers.scheduler_helpers import (
 
 from kvtransfer.engine.scheduler.request import EngineCoreOutput, RequestStatus
 
+pytestmark = pytest.mark.integration
+
 PROMPT = prompt_of(10)
 REF = reference_tokens(PROMPT, 4)
 LOAD_FAILED = "KV load failed for request a (kv_load_failure_policy=fail)"

@@ -20,6 +20,8 @@ from kvtransfer.engine.outputs import ModelRunnerOutput
 from kvtransfer.engine.scheduler.request import EngineCoreOutput
 from kvtransfer.engine.scheduler_output import CachedRequestData
 
+pytestmark = pytest.mark.integration
+
 WRONG = 0
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import pytest
 
 from kvtransfer.clients.generation import generate_request
 from kvtransfer.engine.model.chat_template import ChatTemplate
@@ -19,6 +20,8 @@ from kvtransfer.serve.generation import GenerationService, ServiceContext
 from kvtransfer.serve.ledger import ServingLedger
 from kvtransfer.serve.metrics import DaemonMetrics
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
+
+pytestmark = pytest.mark.integration
 
 
 class GatedEngine:

@@ -23,6 +23,8 @@ from kvtransfer.serve.ledger import ServingLedger
 from kvtransfer.serve.metrics import DaemonMetrics
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
+pytestmark = pytest.mark.integration
+
 T = TypeVar("T")
 SECRET = "s3cret"
 HELD = {"remote_engine_id": "p0", "remote_request_id": "r1", "remote_kv_secret": SECRET}

@@ -13,6 +13,8 @@ from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvtransfer.serve.settings import SettingsError, load_settings
 from kvtransfer.serve.text_stream import TextStream
 
+pytestmark = pytest.mark.integration
+
 
 def test_defaults_per_role():
     prefill = load_settings("prefill", [], environ={})

@@ -21,6 +21,8 @@ from kvtransfer.connectors.shared_storage import (
 from kvtransfer.connectors.shared_storage.storage import path_component
 from kvtransfer.testing import KVConnectorContract, make_kv_caches, make_request
 
+pytestmark = pytest.mark.unit
+
 VALID_PARAMS = {
     "do_remote_prefill": True,
     "remote_engine_id": "prefill",

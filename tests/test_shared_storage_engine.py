@@ -27,6 +27,8 @@ from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.scheduler.request import RequestStatus
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def expected():

@@ -20,6 +20,8 @@ from shared_storage_helpers.engines import (
 
 from kvtransfer.engine.llm import LLM
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def expected():

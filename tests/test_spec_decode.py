@@ -15,6 +15,8 @@ from kvtransfer.engine.spec_decode import (
     acceptance_rate,
 )
 
+pytestmark = pytest.mark.unit
+
 # ----------------------------------------------------------------------------- verification
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 DIST = "kvt-sample-connector"
 
 PYPROJECT = f"""

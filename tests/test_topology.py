@@ -16,6 +16,8 @@ from kvtransfer.connector.topology import (
     kv_head_range,
 )
 
+pytestmark = pytest.mark.unit
+
 BLOCK_SIZE = 16
 LOCAL = "decode-0"
 REMOTE = "prefill-0"

@@ -24,6 +24,8 @@ from serve_helpers.daemons import (
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
 
+pytestmark = pytest.mark.integration
+
 REMOTE_DECODE = {"do_remote_decode": True}
 # float32 KV of the built-in tiny model: 4 layers x K/V x 2 heads x block x head_dim 16 x 4 B.
 BYTES_PER_BLOCK = 4 * 2 * 2 * BLOCK_SIZE * 16 * 4

@@ -35,6 +35,8 @@ from kvtransfer.transport.messages import (
 )
 from kvtransfer.transport.ucx import UcxLoop
 
+pytestmark = pytest.mark.integration
+
 GROUP = LayerGroup("model.layers", 0, 2)
 SEED = 5
 WAIT_S = 30.0

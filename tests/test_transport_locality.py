@@ -25,6 +25,8 @@ from kvtransfer.transport import (
 )
 from kvtransfer.transport.locality import Locality, WorkerAddresses
 
+pytestmark = pytest.mark.integration
+
 GROUP = LayerGroup("model.layers", 0, 2)
 
 

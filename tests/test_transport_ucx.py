@@ -30,6 +30,8 @@ from kvtransfer.transport import (
     TransportConfig,
 )
 
+pytestmark = pytest.mark.integration
+
 SEED_A, SEED_B = 11, 22
 MODEL_A = LayerGroup("model.layers", 0, 3)
 DRAFT_A = LayerGroup("draft.layers", 0, 1, "bfloat16")

@@ -38,6 +38,8 @@ from kvtransfer.transport.messages import (
 )
 from kvtransfer.transport.spec import check_kv_cache, plan_pull
 
+pytestmark = pytest.mark.integration
+
 UCX_ADDRESS = bytes(range(200)) + b"\xff" * 17
 
 

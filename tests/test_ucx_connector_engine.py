@@ -37,6 +37,8 @@ from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.scheduler.request import RequestStatus
 
+pytestmark = pytest.mark.integration
+
 WAIT_S = 30.0
 
 

@@ -19,6 +19,8 @@ from ucx_helpers.engines import (
 
 from kvtransfer.engine.llm import LLM
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def expected() -> list[list[int]]:

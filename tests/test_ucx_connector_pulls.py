@@ -23,6 +23,8 @@ from ucx_helpers.synthetic import (
 
 from kvtransfer.connectors.ucx import LoadSpec, UcxConnectorMetadata
 
+pytestmark = pytest.mark.integration
+
 SEED = 7
 REMOTE_IDS = (5, 17, 2, 9, 23)
 LOCAL_IDS = (0, 11, 3, 20, 4)

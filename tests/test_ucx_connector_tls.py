@@ -25,6 +25,8 @@ from kvtransfer.connectors.ucx import UcxConfig
 from kvtransfer.control import TLSFiles
 from kvtransfer.engine.llm import LLM
 
+pytestmark = pytest.mark.integration
+
 LOAD_FAILED = "KV load failed for request gen-0 (kv_load_failure_policy=fail)"
 
 

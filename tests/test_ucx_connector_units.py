@@ -37,6 +37,8 @@ from kvtransfer.connectors.ucx.scheduler import engine_split
 from kvtransfer.control import CompatibilityInfo, ControlServerThread, HandshakeBook
 from kvtransfer.testing import KVConnectorContract, make_kv_caches, make_request
 
+pytestmark = pytest.mark.integration
+
 
 class TestUcxConnectorContract(KVConnectorContract):
     @pytest.fixture

@@ -25,6 +25,8 @@ from kvtransfer.integrations.vllm_translate import (
     vllm_kv_cache_layout,
 )
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------------------------------------
 # Look-alikes of vLLM's objects (attributes only, as vLLM 0.32 spells them).
 

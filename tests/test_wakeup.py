@@ -7,7 +7,11 @@ import multiprocessing as mp
 import threading
 import time
 
+import pytest
+
 from kvtransfer.engine.wakeup import WakeSignal, Wakeup
+
+pytestmark = pytest.mark.integration
 
 # Far above any wake-up latency: a wait that ends sooner was woken, not timed out.
 LONG_S = 30.0
