@@ -43,10 +43,11 @@ Every process uses one torch intra-op thread (``--torch-threads``): on a small s
 threads of two processes preempt each other.
 
 Handshake (``handshake_cold_ms``/``handshake_warm_ms``, medians, the same in every case's row):
-a live ``UcxConnector`` prefill engine (built-in model, PP=2) runs in its own process
-(`pd_harness.EngineProcess`); the decode side's gRPC fetch of all its worker payloads
-(engine id and compatibility checked), cold with a new `HandshakeClient` per fetch (channel
-connect + RPC), warm with the cached client. The UCX endpoint connect is not included.
+a live ``UcxConnector`` prefill daemon (``kvtransfer-prefill``, built-in model, PP=2) runs as a
+child process (`kvtransfer.serve.launcher.ServiceProcess`); the decode side's gRPC fetch of all
+its worker payloads from the connector's handshake server (engine id and compatibility checked),
+cold with a new `HandshakeClient` per fetch (channel connect + RPC), warm with the cached
+client. The UCX endpoint connect is not included.
 ``--no-handshake`` skips it.
 
     python benchmarks/transfer.py [--iterations 10] [--json results.json] [--no-nixl] [--quick]
@@ -575,42 +576,58 @@ def run_ours_and_tcp(
 # -- report -----------------------------------------------------------------------------------
 
 
-HANDSHAKE_WHAT = "gRPC fetch of all payloads of a live PP=2 UcxConnector prefill engine"
+HANDSHAKE_WHAT = "gRPC fetch of all payloads of a live PP=2 UcxConnector prefill daemon"
 
 
 def run_handshake(iterations: int, warmup: int) -> dict[str, float]:
-    """Median cold and warm handshake fetch (ms) against a live prefill engine process."""
+    """Median cold and warm handshake fetch (ms) against a live prefill daemon."""
     import asyncio
+    import shutil
+    import tempfile
 
-    from kvtransfer.clients.control import HandshakeClient, close_all, get_handshake_client
+    from kvtransfer.clients.control import (
+        AdminClient,
+        HandshakeClient,
+        close_all,
+        get_handshake_client,
+    )
     from kvtransfer.connectors.ucx.identity import compat_from_layout
     from kvtransfer.connectors.ucx.metadata import UcxHandshakeMetadata
     from kvtransfer.engine.model.loader import load_model_config
     from kvtransfer.engine.runner.kv_cache import kv_cache_layout
+    from kvtransfer.serve.launcher import ServiceProcess, daemon_command
+    from kvtransfer.serve.settings import load_settings
 
-    # The engine-in-a-process pair the engine-level tests use (tests/pd_harness).
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from pd_harness.engine_process import EngineProcess
-    from pd_harness.harness import ucx_engine_config
-
-    config = ucx_engine_config("kv_producer", "bench-prefill", pp=2)
-    with EngineProcess(config, name="bench-prefill") as engine:
-        ready = engine.ready_info
-        layout = kv_cache_layout(config, load_model_config(config.model), ready.num_kv_blocks)
-        compat = compat_from_layout(layout)
-        address = ready.handshake_address
-        if address is None:
-            raise RuntimeError("the prefill engine serves no handshake address")
-
-        async def fetch_ms(client: HandshakeClient) -> float:
-            start = time.perf_counter()
-            fetched = await client.fetch(ready.engine_id, compat, UcxHandshakeMetadata)
-            elapsed = (time.perf_counter() - start) * 1e3
-            if len(fetched.metadata) != config.world_size:
-                raise RuntimeError(f"expected {config.world_size} payloads, got {fetched!r}")
-            return elapsed
+    engine_id = "bench-prefill"
+    flags = ["--port", "0", "--pp", "2", "--engine-id", engine_id]
+    flags += ["--kv-transfer-config", json.dumps({"kv_ip": "127.0.0.1", "kv_port": 0})]
+    # The daemon's own flags give its engine config here too (for the compatibility hash),
+    # without building an engine in this process.
+    config = load_settings("prefill", flags, environ={}).engine_config()
+    log_dir = Path(tempfile.mkdtemp(prefix="kvtransfer-bench-transfer-"))
+    daemon = ServiceProcess.start(engine_id, daemon_command("prefill", *flags), log_dir / "p.log")
+    try:
+        # The connector's handshake server (the daemon serves KVHandshake on its port too).
+        address = str(daemon.ready.get("kv_handshake") or daemon.address)
 
         async def measure() -> dict[str, float]:
+            admin = AdminClient(daemon.address)
+            try:
+                status = await admin.status()
+            finally:
+                await admin.close()
+            num_blocks = status.num_free_blocks + status.num_used_blocks
+            layout = kv_cache_layout(config, load_model_config(config.model), num_blocks)
+            compat = compat_from_layout(layout)
+
+            async def fetch_ms(client: HandshakeClient) -> float:
+                start = time.perf_counter()
+                fetched = await client.fetch(engine_id, compat, UcxHandshakeMetadata)
+                elapsed = (time.perf_counter() - start) * 1e3
+                if len(fetched.metadata) != config.world_size:
+                    raise RuntimeError(f"expected {config.world_size} payloads, got {fetched!r}")
+                return elapsed
+
             cold = []
             for _ in range(warmup + iterations):
                 client = HandshakeClient(address)
@@ -626,7 +643,12 @@ def run_handshake(iterations: int, warmup: int) -> dict[str, float]:
                 "handshake_warm_ms": statistics.median(warm[warmup:]),
             }
 
-        return asyncio.run(measure())
+        measured = asyncio.run(measure())
+    finally:
+        daemon.terminate()
+    # Kept when something failed: the daemon's log is the place to look.
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return measured
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -660,7 +682,7 @@ def main() -> None:
         parser.error("--iterations and --torch-threads must be >= 1, --warmup >= 0")
     torch.set_num_threads(args.torch_threads)
 
-    # Before UCX is imported here: the engine process must not inherit its UCX variables.
+    # Before UCX is imported here: the daemon must not inherit its UCX variables.
     handshake: dict[str, float | None] = {"handshake_cold_ms": None, "handshake_warm_ms": None}
     if not args.no_handshake:
         handshake.update(run_handshake(max(args.iterations, 20), max(args.warmup, 2)))

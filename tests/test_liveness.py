@@ -1,93 +1,113 @@
 """Dead producers fail a load in about a second; slow ones are waited for.
 
-Real processes (`PDPair`), real gRPC and UCX. The transfer timeout is a minute here, so a load
-that ends well before it was ended by the liveness probes
-(`kvtransfer.connectors.ucx.liveness`), not by the timeout; the bounds below
-only tell those two apart.
+Real daemons (`serve_helpers.pair.DaemonPair`), real gRPC and UCX. The transfer timeout is a
+minute here, so a load that ends well before it was ended by the liveness probes
+(`kvtransfer.connectors.ucx.liveness`), not by the timeout; the bounds below only tell those
+two apart.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import signal
 import time
 
 import pytest
-from pd_harness import PDPair
-from ucx_helpers.engines import BLOCK_SIZE, DECODE, PROMPTS, colocated
-from ucx_helpers.pd import decode_while_loading
+from serve_helpers.daemons import PROMPTS, admin, colocated
+from serve_helpers.pair import DaemonPair, Stopped
+
+from kvtransfer.clients.generation import GenerateResult
 
 pytestmark = pytest.mark.integration
 
-OVERRIDES = {"block_size": BLOCK_SIZE, "num_kv_blocks": 64}
+MAX_TOKENS = 6
 TRANSFER_TIMEOUT_S = 60.0
 # Far below the transfer timeout, far above what the probes need (~0.25-1.5 s).
 DEAD_WITHIN_S = 15.0
-
-
-@pytest.fixture(autouse=True)
-def _no_child_left():
-    yield
-    assert mp.active_children() == []
+# Several probe rounds (one every 0.25 s).
+STOPPED_FOR_S = 3.0
+# The decode worker posts its pull on the step that starts the load, well within this.
+PULL_POSTED_AFTER_S = 0.3
+PROMPT = PROMPTS[2]
 
 
 @pytest.fixture(scope="module")
 def expected() -> list[list[int]]:
-    return [o.token_ids for o in colocated(PROMPTS)]
+    return colocated(PROMPTS, MAX_TOKENS)
 
 
-def _pair(policy: str = "fail") -> PDPair:
-    return PDPair(
-        engine_overrides=OVERRIDES,
+def _pair(log_dir, policy: str = "fail") -> DaemonPair:
+    return DaemonPair.start(
+        log_dir,
         kv_load_failure_policy=policy,
         extra_config={"transfer_timeout_s": TRANSFER_TIMEOUT_S, "kv_lease_s": 60.0},
     )
 
 
-def test_a_stopped_producer_that_resumes_within_the_lease_still_serves(expected):
-    with _pair() as pair:
-        # Handshake and endpoints cached: the next load goes straight to the pull.
-        assert pair.generate([PROMPTS[0]], DECODE)[0].token_ids == expected[0]
-        (prefilled,) = pair.run_prefill([PROMPTS[3]])
-        os.kill(pair.prefill.pid, signal.SIGSTOP)
+def _warm_and_prefill(pair: DaemonPair, expected: list[list[int]]) -> GenerateResult:
+    # Handshake and UCX endpoints cached by a first request: the next load goes straight to
+    # the pull.
+    assert pair.generate([PROMPTS[0]], MAX_TOKENS)[0].token_ids == expected[0]
+    (prefilled,) = pair.run_prefill([PROMPT])
+    assert prefilled.kv_transfer_params is not None
+    return prefilled
+
+
+def test_a_stopped_producer_that_resumes_within_the_lease_still_serves(tmp_path, expected):
+    with _pair(tmp_path) as pair:
+        prefilled = _warm_and_prefill(pair, expected)
+        rid = prefilled.request_id
+        pair.pause("prefill")
         try:
-            thread, outcome = decode_while_loading(pair, prefilled.kv_transfer_params)
-            # Several probe rounds: a stopped process still accepts connections (the kernel
-            # does), so it is slow, not dead.
-            time.sleep(3.0)
+            decode = pair.decode_in_background(
+                PROMPT, prefilled.kv_transfer_params, rid, MAX_TOKENS
+            )
+            # A stopped process still accepts connections (the kernel does), so it is slow,
+            # not dead: after several probe rounds the load is still waiting.
+            pair.wait_loading(rid, for_at_least_s=STOPPED_FOR_S)
         finally:
-            os.kill(pair.prefill.pid, signal.SIGCONT)
-        thread.join(timeout=TRANSFER_TIMEOUT_S + 30)
-        assert not thread.is_alive()
-        (result,) = outcome
+            pair.resume("prefill")
+        result = decode.result(TRANSFER_TIMEOUT_S + 30)
+        assert isinstance(result, GenerateResult), result
         assert result.finish_reason == "length", result.error
-        assert result.token_ids == expected[3]
-        pair.check_no_leaks()
-        stats = pair.decode.stats()
-    assert stats["connector"].get("num_loads_failed", 0) == 0
+        assert result.token_ids == expected[2]
+        assert result.metrics.num_recomputed_tokens == 0
+        pair.wait_no_blocks_in_use()
+        failures = pair.failures("decode")
+        stopped = pair.stop()
+    assert failures == {}
+    assert stopped == {"decode": Stopped(0, 0), "prefill": Stopped(0, 0)}
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_a_producer_killed_during_the_pull_fails_the_load_in_about_a_second(expected, policy):
-    with _pair(policy) as pair:
-        assert pair.generate([PROMPTS[0]], DECODE)[0].token_ids == expected[0]
-        (prefilled,) = pair.run_prefill([PROMPTS[3]])
-        os.kill(pair.prefill.pid, signal.SIGSTOP)
-        thread, outcome = decode_while_loading(pair, prefilled.kv_transfer_params)
+def test_a_producer_killed_during_the_pull_fails_the_load_in_about_a_second(
+    tmp_path, expected, policy
+):
+    with _pair(tmp_path, policy) as pair:
+        prefilled = _warm_and_prefill(pair, expected)
+        rid = prefilled.request_id
+        # Frozen, the prefill still holds the pull's endpoint open but answers nothing: the
+        # decode worker's pull is posted and waiting when the process dies.
+        pair.pause("prefill")
+        decode = pair.decode_in_background(PROMPT, prefilled.kv_transfer_params, rid, MAX_TOKENS)
+        pair.wait_loading(rid, for_at_least_s=PULL_POSTED_AFTER_S)
         killed = time.monotonic()
-        pair.prefill.kill()
-        thread.join(timeout=TRANSFER_TIMEOUT_S + 30)
+        pair.kill("prefill")
+        result = decode.result(TRANSFER_TIMEOUT_S + 30)
         elapsed = time.monotonic() - killed
-        assert not thread.is_alive()
-        (result,) = outcome
+        assert isinstance(result, GenerateResult), result
         if policy == "fail":
             assert result.finish_reason == "error"
+            assert result.error.startswith(f"KV load failed for request {rid} ")
+            assert "ProducerUnreachable" in result.error  # the probes, not the timeout
             assert result.token_ids == []
         else:
-            assert result.token_ids == expected[3]
+            assert result.finish_reason == "length", result.error
+            assert result.token_ids == expected[2]
+            assert result.metrics.num_recomputed_tokens > 0
         assert elapsed < DEAD_WITHIN_S, f"the dead producer was noticed after {elapsed:.1f} s"
-        pair.decode.check_no_leaks()
-        stats = pair.decode.stats()
-    assert stats["num_used_blocks"] == 0
-    assert stats["connector"]["num_loads_failed"] == 1
+        pair.wait_no_blocks_in_use()
+        loading = admin(pair.decode.address, "transfers")
+        failures = pair.failures("decode")
+        stopped = pair.stop()
+    assert loading == []
+    assert failures == {{"fail": "kv_load_failed", "recompute": "kv_load_recomputed"}[policy]: 1.0}
+    assert stopped["decode"] == Stopped(0, 0)
