@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import multiprocessing.process
+import subprocess
+
+import grpc
 import pytest
 
 from kvtransfer.connector.factory import KVConnectorFactory
@@ -33,3 +37,23 @@ def pytest_collection_modifyitems(config, items):
             f"every test needs exactly one tier marker of {TIERS} (module-level "
             f"`pytestmark = pytest.mark.<tier>`); found {listed}"
         )
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"a unit test may not start {what}: mark the module integration instead (README, Tests)"
+        )
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_in_process(request, monkeypatch):
+    """A `unit` test runs in this process only: no child process, no gRPC server."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("a child process"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a child process"))
+    monkeypatch.setattr(grpc, "server", _refuse("a gRPC server"))
+    monkeypatch.setattr(grpc.aio, "server", _refuse("a gRPC server"))

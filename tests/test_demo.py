@@ -7,7 +7,7 @@ import pytest
 
 from kvtransfer.cli import demo
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 
 def test_demo_runs_end_to_end(capsys, tmp_path):

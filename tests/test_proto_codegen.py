@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from script_modules import load_script
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit
 
 codegen = load_script("codegen")
 

@@ -24,7 +24,7 @@ from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutp
 from kvtransfer.engine.scheduler.request import EngineCoreOutput, RequestStatus
 from kvtransfer.engine.scheduler_output import CachedRequestData, NewRequestData
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit
 
 
 def test_chunked_prefill_splits_the_prompt_across_steps():

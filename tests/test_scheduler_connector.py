@@ -26,7 +26,7 @@ from engine_helpers.scheduler_helpers import (
 
 from kvtransfer.engine.scheduler.request import EngineCoreOutput, RequestStatus
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit
 
 PROMPT = prompt_of(10)
 REF = reference_tokens(PROMPT, 4)

@@ -20,7 +20,7 @@ from kvtransfer.engine.outputs import ModelRunnerOutput
 from kvtransfer.engine.scheduler.request import EngineCoreOutput
 from kvtransfer.engine.scheduler_output import CachedRequestData
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit
 
 WRONG = 0
 

@@ -27,7 +27,7 @@ from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM
 from kvtransfer.engine.scheduler.request import RequestStatus
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")

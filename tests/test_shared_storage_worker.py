@@ -23,7 +23,7 @@ from kvtransfer.connectors.shared_storage.worker import SharedStorageWorker
 from kvtransfer.engine.parallel import pp_layer_range
 from kvtransfer.testing import make_kv_caches
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit
 
 NUM_LAYERS = 4
 NUM_HEADS = 4
