@@ -209,6 +209,9 @@ HOOKS = {
     "get_finished_count",
     "set_xfer_handshake_metadata",
     "set_xfer_handshake_metadata_pp_aware",
+    # what a host reads
+    "get_control_endpoint",
+    "get_transfer_totals",
 }
 
 

@@ -163,14 +163,23 @@ def test_transfer_results_union_failures_and_load_errors():
     assert worker.get_block_ids_with_load_errors() == set()
 
 
-def test_params_are_merged_and_a_clash_is_an_error():
-    m = multi(child(name="a", params={"x": 1}), child(name="b", params={"y": 2}))
-    assert m.request_finished(make_request(), []) == (False, {"x": 1, "y": 2})
-    clash = multi(child(name="a", params={"x": 1}), child("PpAwareConnector", params={"x": 2}))
-    with pytest.raises(
-        ValueError, match="key 'x' returned by both ScriptedConnector and PpAwareConnector"
-    ):
-        clash.request_finished(make_request(), [])
+def test_params_are_namespaced_so_children_never_clash():
+    m = multi(child(name="a", params={"x": 1}), child("PpAwareConnector", params={"x": 2}))
+    assert m.request_finished(make_request(), []) == (
+        False,
+        {"x": 1, "multi_connector": {"1:PpAwareConnector": {"x": 2}}},
+    )
+    only_later = multi(child(name="a"), child(name="b", params={"y": 2}))
+    assert only_later.request_finished(make_request(), [])[1] == {
+        "multi_connector": {"1:ScriptedConnector": {"y": 2}}
+    }
+    assert multi(child(), child()).request_finished(make_request(), []) == (False, None)
+
+
+def test_the_reserved_key_from_the_first_child_is_an_error():
+    m = multi(child(name="a", params={"multi_connector": {}}), child(name="b"))
+    with pytest.raises(ValueError, match="reserves for its other children's params"):
+        m.request_finished(make_request(), [])
 
 
 def test_pp_aware_handshake_goes_to_every_child_with_the_full_dict():

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
     from kvtransfer.connector.config import KVTransferConfig
     from kvtransfer.connector.outputs import KVConnectorOutput
+    from kvtransfer.connector.serving import KVControlEndpoint, KVTransferTotals
 
 FinishedIds = tuple[set[str] | None, set[str] | None]
 TransferResults = tuple[set[str] | None, set[str] | None, set[str] | None]
@@ -270,8 +271,13 @@ class KVConnectorBase_V1:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """See the aggregated output of a step before the scheduler acts on it.
 
-        Runs once per step. May remove ids from ``finished_sending`` when the connector knows
-        the request is still being saved elsewhere (see `MultiConnector`); must not add ids.
+        Runs once per step, before the engine acts on the output (it may be edited in place).
+        May remove ids from ``finished_sending`` when the connector knows the request is still
+        being saved elsewhere, and a failed load's id (from ``finished_recving``,
+        ``failed_recving`` and ``load_failure_reasons``, with its blocks from
+        ``invalid_block_ids``) when it loads the request again into the same blocks, which
+        keeps the load borrow running until that load is reported (see `MultiConnector`).
+        Must not add ids other than invalid blocks it removed from an earlier step's output.
         """
 
     def request_finished(
@@ -297,6 +303,30 @@ class KVConnectorBase_V1:
         The default streams nothing.
         """
         return {}
+
+    # ------------------------------------------------------------ what a host reads
+
+    def get_control_endpoint(self) -> KVControlEndpoint | None:
+        """The handshake payloads this connector publishes and where it serves them, for a
+        host (a daemon) to serve as ``KVHandshake`` on its own port as well; ``None`` when the
+        connector serves no handshake (a consumer, or a connector that needs none).
+
+        Scheduler role (a worker-role instance returns ``None``); read-only, never raises. A
+        host calls it after `set_xfer_handshake_metadata_pp_aware` ran (start-up) and may call
+        it again at any time; it returns the same endpoint until the handshake is published
+        anew. The default serves nothing.
+        """
+        return None
+
+    def get_transfer_totals(self) -> KVTransferTotals | None:
+        """Cumulative transfer counters since start-up (`KVTransferTotals`); ``None`` when the
+        connector keeps none, and the host counts what it can see itself.
+
+        Scheduler role (a worker-role instance returns ``None``); read-only, never raises, and
+        cheap: a host calls it after every step and for every status query, from the thread
+        that steps the engine. Counters only grow. The default keeps none.
+        """
+        return None
 
     def take_events(self) -> Iterable[Any]:
         """Drain KV cache events (stored/removed blocks) the connector wants published."""

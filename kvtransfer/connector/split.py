@@ -13,7 +13,9 @@ such connector (`SharedStorageConnector`, `UcxConnector`), so it lives here once
   then sees as an empty `metadata_cls()`);
 * `get_finished` is `get_transfer_results` without the failures (a failed receive is a finished
   one; its blocks still go to the load-error list);
-* the handshake is PP-aware: every ``(pp_rank, tp_rank)`` payload goes to the scheduler half.
+* the handshake is PP-aware: every ``(pp_rank, tp_rank)`` payload goes to the scheduler half;
+* what a host reads (`get_control_endpoint`, `get_transfer_totals`) comes from the scheduler
+  half, and is ``None`` on a worker-role instance.
 
 Whole requests are loaded before they are scheduled and saved (or served) after they finished,
 so nothing happens per layer: `wait_for_layer_load`, `save_kv_layer` and `wait_for_save` keep the
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
     from kvtransfer.connector.config import KVTransferConfig
     from kvtransfer.connector.outputs import KVConnectorOutput
+    from kvtransfer.connector.serving import KVControlEndpoint, KVTransferTotals
 
 
 class SchedulerHalf(Protocol):
@@ -73,6 +76,10 @@ class SchedulerHalf(Protocol):
     def set_completion_callback(self, callback: Callable[[], None]) -> bool: ...
 
     def take_early_kv_transfer_params(self) -> dict[str, dict[str, Any]]: ...
+
+    def control_endpoint(self) -> KVControlEndpoint | None: ...
+
+    def transfer_totals(self) -> KVTransferTotals | None: ...
 
 
 class WorkerHalf(Protocol):
@@ -238,6 +245,14 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
         self, request: KVRequest, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_half("request_finished").request_finished(request, block_ids)
+
+    # Observing hooks: a host may ask either role; only the scheduler half has answers.
+
+    def get_control_endpoint(self) -> KVControlEndpoint | None:
+        return None if self._scheduler is None else self._scheduler.control_endpoint()
+
+    def get_transfer_totals(self) -> KVTransferTotals | None:
+        return None if self._scheduler is None else self._scheduler.transfer_totals()
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]

@@ -17,13 +17,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvtransfer.connector.serving import HandshakeSource
 from kvtransfer.control.admin import (
     AdminBackend,
     peer_to_proto,
     status_to_proto,
     transfer_to_proto,
 )
-from kvtransfer.control.book import HandshakeBook
 from kvtransfer.control.compat import API_VERSION
 from kvtransfer.control.errors import HandshakeNotFoundError
 from kvtransfer.control.security import AdminTokenInterceptor, TLSFiles, server_credentials
@@ -41,7 +41,7 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["KVAdmin"].full_name
 
 
 class _HandshakeServicer(handshake_pb2_grpc.KVHandshakeServicer):
-    def __init__(self, book: HandshakeBook) -> None:
+    def __init__(self, book: HandshakeSource) -> None:
         self._book = book
 
     async def GetHandshake(
@@ -187,7 +187,7 @@ async def start_control_server(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
-    book: HandshakeBook | None = None,
+    book: HandshakeSource | None = None,
     admin: AdminBackend | None = None,
     log_level_logger: str = DEFAULT_LOG_LEVEL_LOGGER,
     options: Sequence[tuple[str, Any]] = (),
@@ -276,7 +276,7 @@ class ControlServerThread:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        book: HandshakeBook | None = None,
+        book: HandshakeSource | None = None,
         admin: AdminBackend | None = None,
         log_level_logger: str = DEFAULT_LOG_LEVEL_LOGGER,
         options: Sequence[tuple[str, Any]] = (),

@@ -9,31 +9,39 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvtransfer.connector.serving import KVTransferTotals
 from kvtransfer.control.admin import EngineStatus, PeerInfo, TransferDirection, TransferInfo
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.serve.engine_thread import EngineThread
 from kvtransfer.serve.ledger import HeldKV, ServingLedger
 
-# The connector's cumulative stats that become status counters (connector key -> counter).
-# Blocks are counted once per request on the scheduler side (what the consumer read, as it
-# reported to the producer); bytes are what crossed the wire, summed over workers (every layer,
-# drafter included). So after transfers prefill's kv_blocks_sent equals decode's
-# kv_blocks_received, and kv_bytes_sent >= kv_bytes_received (equal unless pulls were
-# cancelled or refused after the producer sent them).
-_CONNECTOR_COUNTERS = {
-    "blocks_consumed": "kv_blocks_sent",
-    "bytes_sent": "kv_bytes_sent",
-    "blocks_loaded": "kv_blocks_received",
-    "bytes_received": "kv_bytes_received",
-    "num_leases_expired": "kv_leases_expired",
-    "num_handshakes": "handshakes",
-}
+
+def connector_totals(core: EngineCore) -> KVTransferTotals | None:
+    """The connector's cumulative transfer counters (``None`` when it keeps none)."""
+    return None if core.connector is None else core.connector.get_transfer_totals()
 
 
-def connector_totals(core: EngineCore) -> dict[str, float]:
-    """The scheduler connector's cumulative stats (empty for connectors that keep none)."""
-    half = getattr(core.connector, "scheduler_half", None)
-    return dict(getattr(half, "stats_totals", None) or {})
+def transfer_counters(totals: KVTransferTotals) -> dict[str, int]:
+    """The status counters a connector's totals replace.
+
+    Blocks are counted once per request on the scheduler side (what the consumer read, as it
+    reported to the producer); bytes are what crossed the wire, summed over workers (every
+    layer, drafter included). So after transfers prefill's kv_blocks_sent equals decode's
+    kv_blocks_received, and kv_bytes_sent >= kv_bytes_received (equal unless pulls were
+    cancelled or refused after the producer sent them). A storage tier's writes are
+    kv_blocks_saved, its loads count as received.
+    """
+    return {
+        "kv_blocks_sent": totals.blocks_sent,
+        "kv_bytes_sent": totals.bytes_sent,
+        "kv_blocks_received": totals.blocks_received,
+        "kv_bytes_received": totals.bytes_received,
+        "kv_blocks_saved": totals.blocks_saved,
+        "kv_bytes_saved": totals.bytes_saved,
+        "kv_loads_failed": totals.loads_failed,
+        "kv_leases_expired": totals.leases_expired,
+        "handshakes": totals.handshakes,
+    }
 
 
 def held_kv(engine: EngineThread, ledger: ServingLedger) -> list[HeldKV]:
@@ -70,7 +78,7 @@ class EngineAdminBackend:
     def status(self) -> EngineStatus:
         role, engine_id, model = self._identity
 
-        def read(core: EngineCore) -> tuple[int, int, dict[str, float], tuple[int, int]]:
+        def read(core: EngineCore) -> tuple[int, int, KVTransferTotals | None, tuple[int, int]]:
             blocks = core.scheduler.block_manager
             split = (core.config.tensor_parallel_size, core.config.pipeline_parallel_size)
             return blocks.num_free_blocks, blocks.num_used_blocks, connector_totals(core), split
@@ -78,9 +86,8 @@ class EngineAdminBackend:
         free, used, totals, (tp, pp) = self._engine.call(read)
         counters = self._ledger.counters()
         # The connector's own counts win where it keeps them (bytes that really crossed).
-        for key, counter in _CONNECTOR_COUNTERS.items():
-            if key in totals:
-                counters[counter] = int(totals[key])
+        if totals is not None:
+            counters.update(transfer_counters(totals))
         return EngineStatus(
             role=role,
             engine_id=engine_id,

@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from kvtransfer.clients.limits import grpc_message_options
-from kvtransfer.control import HandshakeBook, start_control_server
+from kvtransfer.connector.serving import KVControlEndpoint, KVTransferTotals
+from kvtransfer.control import start_control_server
 from kvtransfer.control.server import ControlServer
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM
@@ -67,7 +68,7 @@ class Daemon:
         self._engine: EngineThread | None = None
         self._server: ControlServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._totals_seen: dict[str, float] = {}
+        self._totals_seen = KVTransferTotals()
         self.metrics_port: int | None = None
 
     # ------------------------------------------------------------------ start
@@ -114,7 +115,7 @@ class Daemon:
         self._server = await start_control_server(
             settings.host,
             settings.port,
-            book=self.handshake_book(core),
+            book=endpoint.book if (endpoint := self.control_endpoint(core)) else None,
             admin=admin,
             options=grpc_message_options(settings.max_request_bytes),
             services=[
@@ -133,10 +134,9 @@ class Daemon:
             )
 
     @staticmethod
-    def handshake_book(core: EngineCore) -> HandshakeBook | None:
-        """A producer connector's handshake book, served on the daemon port too."""
-        half = getattr(core.connector, "scheduler_half", None)
-        return getattr(half, "book", None)
+    def control_endpoint(core: EngineCore) -> KVControlEndpoint | None:
+        """The connector's handshake (a producer's), served on the daemon port too."""
+        return None if core.connector is None else core.connector.get_control_endpoint()
 
     @property
     def address(self) -> str:
@@ -146,12 +146,12 @@ class Daemon:
 
     def ready_info(self) -> dict[str, object]:
         core = self._engine.core if self._engine is not None else None
-        half = getattr(core.connector, "scheduler_half", None) if core is not None else None
+        endpoint = self.control_endpoint(core) if core is not None else None
         return {
             "role": self.settings.role,
             "engine_id": self.engine_id,
             "grpc": self.address,
-            "kv_handshake": getattr(half, "address", None),
+            "kv_handshake": endpoint.address if endpoint is not None else None,
             "metrics_port": self.metrics_port,
         }
 
@@ -217,10 +217,12 @@ class Daemon:
         blocks = core.scheduler.block_manager
         self.metrics.set_blocks(blocks.num_used_blocks, blocks.num_free_blocks)
         totals = connector_totals(core)
-        count = totals.get("num_handshakes", 0.0) - self._totals_seen.get("num_handshakes", 0.0)
+        if totals is None:
+            return
+        count = totals.handshakes - self._totals_seen.handshakes
         if count:
-            total_ms = totals.get("handshake_ms", 0.0) - self._totals_seen.get("handshake_ms", 0.0)
-            self.metrics.record_handshakes(int(count), total_ms)
+            total_ms = (totals.handshake_s - self._totals_seen.handshake_s) * 1e3
+            self.metrics.record_handshakes(count, total_ms)
             self.ledger.set_handshake_latency(total_ms / count)
         self._totals_seen = totals
 

@@ -18,6 +18,7 @@ from typing import Any
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata, KVRequest, PpTpRank
 from kvtransfer.connector.outputs import KVConnectorOutput
+from kvtransfer.connector.serving import KVControlEndpoint, KVTransferTotals
 from kvtransfer.connectors.shared_storage.metadata import (
     LoadSpec,
     RemotePrefill,
@@ -33,10 +34,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """This engine's TP x PP split, learned from the workers' handshake metadata."""
+    """This engine's TP x PP split and block size, learned from the workers' handshake
+    metadata."""
 
     tp_size: int
     pp_size: int
+    block_size: int
 
 
 def layout_from_handshake(
@@ -72,7 +75,7 @@ def layout_from_handshake(
         block_sizes.add(md.block_size)
     if len(block_sizes) > 1:
         raise ValueError(f"workers disagree on block_size: {sorted(block_sizes)}")
-    return EngineLayout(tp_size=tp_size, pp_size=pp_size)
+    return EngineLayout(tp_size=tp_size, pp_size=pp_size, block_size=block_sizes.pop())
 
 
 class SharedStorageScheduler:
@@ -85,8 +88,11 @@ class SharedStorageScheduler:
         self._matched: dict[str, tuple[RemotePrefill, int]] = {}
         # Requests whose load was scheduled once: a preempted one recomputes instead.
         self._consumed: set[str] = set()
-        # Loads not yet reported by every worker: request id -> its producer directory.
-        self._loading: dict[str, str] = {}
+        # Loads not yet reported by every worker: request id -> (producer directory, blocks).
+        self._loading: dict[str, tuple[str, int]] = {}
+        # Saves not yet reported by every worker: request id -> blocks.
+        self._saving: dict[str, int] = {}
+        self._totals = KVTransferTotals()
         # Loads of requests that finished (aborted) before their load did.
         self._abandoned: set[str] = set()
         self._saves: list[SaveSpec] = []
@@ -104,6 +110,14 @@ class SharedStorageScheduler:
         except ValueError as exc:
             self._layout = None
             self._layout_error = f"unusable handshake metadata: {exc}"
+
+    def control_endpoint(self) -> KVControlEndpoint | None:
+        return None  # files, not a handshake: nothing for a host to serve
+
+    def transfer_totals(self) -> KVTransferTotals:
+        """Blocks of requests whose save or load every worker ended (a failed save counts:
+        the workers report it ended, not how); bytes the workers wrote or read."""
+        return self._totals
 
     def _require_layout(self) -> EngineLayout:
         if self._layout is None:
@@ -150,6 +164,7 @@ class SharedStorageScheduler:
             self._storage.request_dir(remote.remote_engine_id, remote.remote_request_id)
         )
         end = start + num_external_tokens
+        block_size = self._require_layout().block_size
         self._loads.append(
             LoadSpec(
                 req_id=rid,
@@ -162,19 +177,41 @@ class SharedStorageScheduler:
             )
         )
         self._consumed.add(rid)
-        self._loading[rid] = directory
+        num_blocks = -(-end // block_size) - start // block_size
+        self._loading[rid] = (directory, num_blocks)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        stats = output.kv_connector_stats.reduce() if output.kv_connector_stats else {}
+        self._count(
+            bytes_saved=int(stats.get("bytes_saved", 0)),
+            bytes_received=int(stats.get("bytes_loaded", 0)),
+        )
+        for rid in output.finished_sending or ():
+            saved = self._saving.pop(rid, None)
+            if saved is not None:
+                self._count(blocks_saved=saved)
         failed = output.failed_recving or set()
         for rid in output.finished_recving or ():
-            directory = self._loading.pop(rid, None)
+            entry = self._loading.pop(rid, None)
             abandoned = rid in self._abandoned
             self._abandoned.discard(rid)
-            if directory is None or rid in failed or abandoned:
+            if entry is None:
+                continue
+            directory, num_blocks = entry
+            if rid in failed:
+                self._count(loads_failed=1)
+                continue
+            # Read even if its request was aborted meanwhile.
+            self._count(blocks_received=num_blocks)
+            if abandoned:
                 continue
             if self._storage.delete_after_load:
                 # Every worker read its slice; nobody else is known to need the files.
                 shutil.rmtree(directory, ignore_errors=True)
+
+    def _count(self, **increments: int) -> None:
+        if any(increments.values()):
+            self._totals = self._totals + KVTransferTotals(**increments)
 
     # ------------------------------------------------------------------ producer
 
@@ -208,6 +245,7 @@ class SharedStorageScheduler:
         if num_tokens == 0 or not block_ids:
             return False, params
         directory = self._storage.request_dir(self._config.engine_id, rid)
+        self._saving[rid] = -(-num_tokens // layout.block_size)
         self._saves.append(
             SaveSpec(
                 req_id=rid,

@@ -40,6 +40,7 @@ from kvtransfer.connector.metadata import (
     PpTpRank,
 )
 from kvtransfer.connector.outputs import KVConnectorOutput
+from kvtransfer.connector.serving import KVControlEndpoint, KVTransferTotals
 from kvtransfer.connectors.ucx.config import UcxConfig
 from kvtransfer.connectors.ucx.identity import UNSPECIFIED_MODEL, compat_from_layout, compat_info
 from kvtransfer.connectors.ucx.leases import LeaseBook
@@ -158,6 +159,12 @@ class UcxScheduler:
     @property
     def book(self) -> HandshakeBook | None:
         return self._book
+
+    def control_endpoint(self) -> KVControlEndpoint | None:
+        """The book a daemon serves on its own port too, once this producer serves it."""
+        if self._book is None or self._server is None:
+            return None
+        return KVControlEndpoint(book=self._book, address=self._server.address)
 
     @property
     def leases(self) -> LeaseBook:
@@ -317,6 +324,19 @@ class UcxScheduler:
         """The workers' `KVConnectorStats`, reduced and summed since start-up."""
         return dict(self._stats_totals)
 
+    def transfer_totals(self) -> KVTransferTotals:
+        totals = self._stats_totals
+        return KVTransferTotals(
+            blocks_sent=int(totals.get("blocks_consumed", 0)),
+            bytes_sent=int(totals.get("bytes_sent", 0)),
+            blocks_received=int(totals.get("blocks_loaded", 0)),
+            bytes_received=int(totals.get("bytes_received", 0)),
+            loads_failed=int(totals.get("loads_failed", 0)),
+            leases_expired=int(totals.get("leases_expired", 0)),
+            handshakes=int(totals.get("num_handshakes", 0)),
+            handshake_s=totals.get("handshake_ms", 0.0) / 1e3,
+        )
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         stats = output.kv_connector_stats
         if stats is not None:
@@ -331,7 +351,9 @@ class UcxScheduler:
             # A load that finished on every worker read the blocks even if its request was
             # aborted meanwhile; cancelled loads are reported failed.
             read_nothing = rid in failed
-            if not read_nothing:
+            if read_nothing:
+                self._add_total("loads_failed", 1)
+            else:
                 # Counted once per request whatever the TP x PP: the blocks the producer is
                 # told were read (its blocks_consumed).
                 self._add_total("blocks_loaded", num_blocks)
@@ -464,6 +486,10 @@ class UcxScheduler:
         consumed = sum(r.num_blocks for r in releases if not r.expired)
         if consumed:
             self._add_total("blocks_consumed", consumed)
+        expired = sum(1 for r in releases if r.expired)
+        if expired:
+            # Once per request (the workers' num_leases_expired counts once per worker).
+            self._add_total("leases_expired", expired)
         metadata = UcxConnectorMetadata(
             loads=tuple(self._loads), grants=tuple(self._grants), releases=releases
         )
