@@ -35,6 +35,7 @@ from serve_helpers.daemons import (
     running,
     start_daemon,
 )
+from waiting import wait_until
 
 from kvtransfer.clients.control import fetch_handshake_sync
 from kvtransfer.clients.generation import GenerateResult, GenerationClient, generate_request
@@ -176,17 +177,18 @@ def assert_served(result: GenerateResult, tokens: list[int]) -> None:
 def log_line(process: ServiceProcess, *needles: str, timeout_s: float = 10.0) -> str:
     """The first line of ``process``'s log holding every needle (logs are written a moment
     after the reply)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for line in process.log_path.read_text(errors="replace").splitlines():
-            if all(needle in line for needle in needles):
-                return line
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"no line of {process.name}'s log holds {needles}; its tail:\n"
-                f"{process.log_tail(30)}"
-            )
-        time.sleep(0.05)
+
+    def found() -> str | None:
+        lines = process.log_path.read_text(errors="replace").splitlines()
+        return next((line for line in lines if all(n in line for n in needles)), None)
+
+    return wait_until(
+        found,
+        lambda: (
+            f"a line of {process.name}'s log holding {needles}; its tail:\n{process.log_tail(30)}\n"
+        ),
+        timeout_s,
+    )
 
 
 def assert_refused(result: GenerateResult, *error: str) -> None:
@@ -217,11 +219,11 @@ def used_blocks(process: ServiceProcess) -> int:
 
 def settle(*daemons: ServiceProcess, timeout_s: float = SETTLE_S) -> None:
     """Every daemon reports 0 KV blocks in use, within ``timeout_s`` (below the lease)."""
-    deadline = time.monotonic() + timeout_s
-    for daemon in daemons:
-        while (used := used_blocks(daemon)) != 0:
-            assert time.monotonic() < deadline, f"{daemon.name} still uses {used} KV blocks"
-            time.sleep(0.05)
+
+    def used() -> dict[str, int]:
+        return {daemon.name: n for daemon in daemons if (n := used_blocks(daemon))}
+
+    wait_until(lambda: not used(), lambda: f"no KV block in use (still used: {used()})", timeout_s)
 
 
 def release_kv(prefill: ServiceProcess, params: dict[str, Any]) -> bool:
@@ -321,10 +323,11 @@ def test_a_released_requests_kv_cannot_be_read(pair, expected):
     assert_served(
         run_decode(decode, "victim-freed", "freed-victim", victim), expected["freed-victim"]
     )
-    deadline = time.monotonic() + SETTLE_S
-    while used_blocks(prefill) != NUM_BLOCKS:  # only the thief's lease is left
-        assert time.monotonic() < deadline, "the victim's blocks were not freed"
-        time.sleep(0.05)
+    wait_until(
+        lambda: used_blocks(prefill) == NUM_BLOCKS,
+        "the victim's blocks freed (only the thief's lease left)",
+        SETTLE_S,
+    )
     attacks = [
         ("freed-replay", "freed-victim", victim, "lease 'victim-freed' has ended"),
         (
@@ -505,15 +508,20 @@ def test_forged_keep_alives_cannot_hold_blocks_beyond_the_lease(pair, expected, 
         attacker = threading.Thread(target=keep_alive_forever, daemon=True)
         attacker.start()
         try:
-            deadline = held_at + SHORT_LEASE_S + 6.0
-            while used_blocks(prefill) != 0:
-                assert time.monotonic() < deadline, (
-                    f"blocks still held {time.monotonic() - held_at:.1f} s after a "
-                    f"{SHORT_LEASE_S} s lease; forged keep-alives: {replies[-5:]}"
-                )
-                time.sleep(0.05)
+            wait_until(
+                lambda: used_blocks(prefill) == 0,
+                lambda: (
+                    f"blocks freed at the end of a {SHORT_LEASE_S} s lease (forged "
+                    f"keep-alives: {replies[-5:]})"
+                ),
+                held_at + SHORT_LEASE_S + 6.0 - time.monotonic(),
+            )
             freed_after = time.monotonic() - held_at
-            time.sleep(1.0)  # the attacker goes on after the lease ended
+            # The attacker goes on after the lease ended: its keep-alives revive nothing.
+            wait_until(
+                lambda: sum(t > freed_after + 0.2 for t, _ in replies) >= 3,
+                "forged keep-alives sent after the lease ended",
+            )
             assert used_blocks(prefill) == 0
         finally:
             stop.set()
@@ -565,9 +573,11 @@ def test_release_kv_needs_the_lease_secret(pair, expected):
     freed = hold(prefill, "freed-rkv", "rkv-freed")
     released_at = time.monotonic()
     assert release_kv(prefill, freed) is True
-    while used_blocks(prefill) != 0:
-        assert time.monotonic() - released_at < 5.0, "ReleaseKV did not free the blocks"
-        time.sleep(0.05)
+    wait_until(
+        lambda: used_blocks(prefill) == 0,
+        "ReleaseKV frees the blocks",
+        released_at + 5.0 - time.monotonic(),
+    )
     assert release_kv(prefill, freed) is False
     result = run_decode(decode, "freed-rkv", "rkv-freed", freed)
     assert_load_refused(decode, result, "lease 'freed-rkv' has ended")

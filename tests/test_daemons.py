@@ -23,6 +23,7 @@ from serve_helpers.daemons import (
     running,
     start_daemon,
 )
+from waiting import wait_until
 
 from kvtransfer.clients.control import check_health
 from kvtransfer.clients.generation import GenerateResult, GenerationClient, generate_request
@@ -59,10 +60,7 @@ def pd(prefill, decode, request_id, prompt, max_tokens=MAX_TOKENS, **options):
 
 
 def wait_for_free_blocks(address: str) -> None:
-    deadline = time.monotonic() + 30
-    while admin(address, "status").num_used_blocks:
-        assert time.monotonic() < deadline, "blocks stayed in use"
-        time.sleep(0.05)
+    wait_until(lambda: admin(address, "status").num_used_blocks == 0, f"{address} frees its blocks")
 
 
 def test_disaggregated_equals_colocated_and_counters_show_the_transfer(pair, expected):
@@ -216,10 +214,9 @@ def test_release_kv_frees_held_kv_at_once_and_only_with_its_secret(pair):
         assert held_blocks(prefill.address, "release-me") > 0  # all refused: still held
         # The params exactly as returned: freed at the next step, far inside the 30 s lease.
         assert client.release_kv("release-me", params) is True
-        deadline = time.monotonic() + 10
-        while held_blocks(prefill.address, "release-me"):
-            assert time.monotonic() < deadline, "released blocks stayed in use"
-            time.sleep(0.05)
+        wait_until(
+            lambda: held_blocks(prefill.address, "release-me") == 0, "released blocks freed", 10
+        )
         assert client.release_kv("release-me", params) is False  # idempotent
     assert admin(prefill.address, "status").counters["kv_releases"] == before + 1
 
@@ -282,10 +279,10 @@ def test_drain_stops_admitting_and_sigterm_finishes_in_flight_requests(tmp_path)
         threads = [threading.Thread(target=run, args=(f"load-{i}",)) for i in range(3)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 30
-        while admin(decode.address, "status").counters["requests_started"] < 4:
-            assert time.monotonic() < deadline, "the decode requests never started"
-            time.sleep(0.01)
+        wait_until(
+            lambda: admin(decode.address, "status").counters["requests_started"] >= 4,
+            "the decode requests started",
+        )
         decode.popen.send_signal(15)
         for thread in threads:
             thread.join(60)
@@ -325,11 +322,13 @@ def test_a_request_awaiting_its_first_token_continues_after_it(pair, expected, o
             answer: list[GenerateResult] = []
             thread = threading.Thread(target=lambda: answer.append(client.generate(request)))
             thread.start()
-            deadline = time.monotonic() + 30
-            while admin(decode.address, "status").counters["requests_started"] == before:
-                assert time.monotonic() < deadline, "the request was not admitted"
-                time.sleep(0.05)
-            time.sleep(0.2)  # admitted, and computing nothing while it waits
+            wait_until(
+                lambda: admin(decode.address, "status").counters["requests_started"] > before,
+                "the request admitted",
+            )
+            # Not synchronisation: a window in which the request must stay unfinished (it
+            # computes nothing until Continue), so there is no event to wait for.
+            time.sleep(0.2)
             assert thread.is_alive()
             client.continue_request(rid, expected[1][:1])
             thread.join(60)

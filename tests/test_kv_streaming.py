@@ -14,7 +14,8 @@ import urllib.parse
 
 import pytest
 from serve_helpers.daemons import admin, colocated, running, start_daemon, start_router
-from serve_helpers.probes import post, started, used_blocks, wait_until
+from serve_helpers.probes import post, started, used_blocks
+from waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -58,8 +59,8 @@ def test_the_decode_loads_while_the_prefill_computes_and_equals_colocated(pd, ex
     # The load started before the first token existed: part of it hid behind the prefill.
     assert 0 < phases["kv_overlapped_s"] <= phases["kv_transfer_s"], phases
     wait_until(
-        "both sides free",
         lambda: used_blocks(prefill) == used_blocks(decode) == 0,
+        "both sides free",
         RELEASED_WITHIN_S,
     )
 
@@ -76,10 +77,10 @@ def test_a_client_leaving_mid_stream_leaves_nothing_held(pd):
             + body
         )
         # Gone while the prefill computes and the decode loads.
-        wait_until("the decode called", lambda: started(decode) > calls, CALLED_WITHIN_S)
+        wait_until(lambda: started(decode) > calls, "the decode called", CALLED_WITHIN_S)
     wait_until(
-        "both sides free",
         lambda: used_blocks(prefill) == used_blocks(decode) == 0,
+        "both sides free",
         RELEASED_WITHIN_S,
     )
     assert admin(decode.address, "status").counters["requests_aborted"] >= 1
@@ -98,7 +99,7 @@ def test_a_prefill_killed_mid_stream_gives_the_decode_its_failure_policy(
         answer: list[tuple[int, dict]] = []
         thread = threading.Thread(target=lambda: answer.append(_complete(router.address)))
         thread.start()
-        wait_until("the decode called", lambda: started(decode) == 1, CALLED_WITHIN_S)
+        wait_until(lambda: started(decode) == 1, "the decode called", CALLED_WITHIN_S)
         prefill.kill()  # while it computes: its KV never completes
         thread.join(120)
         ((status, body),) = answer
@@ -110,7 +111,7 @@ def test_a_prefill_killed_mid_stream_gives_the_decode_its_failure_policy(
             assert status == 200, body
             assert body["kvtransfer"]["token_ids"] == expected
             assert body["kvtransfer"]["num_recomputed_tokens"] > 0
-        wait_until("decode free", lambda: used_blocks(decode) == 0, RELEASED_WITHIN_S)
+        wait_until(lambda: used_blocks(decode) == 0, "decode free", RELEASED_WITHIN_S)
         # The router stays up: the next request is a clean 5xx naming the prefill, not a hang.
         status, _ = _complete(router.address)
         assert status in (502, 503)

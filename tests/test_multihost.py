@@ -38,6 +38,7 @@ from netns_helpers.services import (
 )
 from netns_helpers.topology import Host, NetnsUnavailable, Network
 from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks
+from waiting import wait_until
 
 from kvtransfer.serve.launcher import ServiceProcess
 
@@ -210,6 +211,7 @@ def _partition_under_load(
 ) -> None:
     """A bounded load (paced requests, a few at once) with ``host`` cut off in the middle."""
     bodies = [_body(i % len(PROMPTS)) for i in range(28)]
+    before = _decode_calls(cluster)
     load = run_requests(
         cluster.client,
         cluster.url,
@@ -219,8 +221,11 @@ def _partition_under_load(
         timeout_s=REQUEST_DEADLINE_S + 30,
     )
     try:
-        time.sleep(2.0)
+        wait_until(
+            lambda: _decode_calls(cluster) >= before + 3, "the load under way", 60, interval=0.2
+        )
         cluster.net.partition(host)
+        # Not synchronisation: how long the host stays cut off is the fault under test.
         time.sleep(PARTITION_S)
     finally:
         cluster.net.heal(host)
@@ -250,28 +255,36 @@ def _wait_until_served(
     timeout_s: float = 60.0,
 ) -> None:
     """Requests until one answer satisfies ``wanted``; every 200 must carry the right tokens."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
+    last: list[Any] = [None]
+
+    def served() -> bool:
         for result in complete(cluster.client, cluster.url, [_body(i) for i in range(3)]):
-            last = result
+            last[0] = result
             if result["status"] == 200:
                 assert _tokens(result) == expected[result["index"]]
                 if wanted(result["body"]["kvtransfer"]):
-                    return
-        time.sleep(0.5)
-    raise AssertionError(f"not healed within {timeout_s} s; last answer {last}")
+                    return True
+        return False
+
+    wait_until(served, lambda: f"healed (last answer {last[0]})", timeout_s, interval=0.5)
+
+
+def _decode_calls(cluster: Cluster) -> int:
+    _, decode = cluster.decode
+    return admin_status(cluster.client, decode.address)["counters"]["requests_started"]
 
 
 def _wait_until_no_blocks_used(cluster: Cluster, timeout_s: float = 60.0) -> None:
     # KV held for requests whose decode failed is released by the router or by its lease.
-    deadline = time.monotonic() + timeout_s
-    while True:
-        used = {
+    def used() -> dict[str, int]:
+        return {
             host.name: admin_status(cluster.client, process.address)["num_used_blocks"]
             for host, process in cluster.daemons()
         }
-        if not any(used.values()):
-            return
-        assert time.monotonic() < deadline, f"KV blocks still in use: {used}"
-        time.sleep(1.0)
+
+    wait_until(
+        lambda: not any(used().values()),
+        lambda: f"no KV block in use (used: {used()})",
+        timeout_s,
+        interval=1.0,
+    )

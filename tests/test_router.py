@@ -45,6 +45,7 @@ from router_helpers.fakes import (
     prefill_ok,
     prefill_streaming,
 )
+from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig, RouterServer
 from kvtransfer.router.__main__ import main as router_main
@@ -184,11 +185,11 @@ def test_a_prefill_that_streams_its_kv_has_its_decode_called_while_it_computes()
             # The early call was cancelled at once: if it reached the daemon at all, it ended
             # there cancelled.
             late = [r.request_id for r in c.decode.requests[1:]]
-            for _ in range(200):
-                if set(late) <= set(c.decode.cancelled):
-                    break
-                await asyncio.sleep(0.01)
-            assert set(late) <= set(c.decode.cancelled)
+
+            async def ended_cancelled() -> bool:
+                return set(late) <= set(c.decode.cancelled)
+
+            await wait_until_async(ended_cancelled, f"decode calls {late} ended cancelled", 2)
 
     run(scenario)
 
@@ -708,8 +709,11 @@ def test_cli_prints_its_url_serves_and_drains_on_sigterm():
                 # A request in flight when SIGTERM arrives still completes.
                 decode.behaviour = gated(gate, decode_ok())
                 in_flight = asyncio.create_task(http.post("/v1/completions", json={"prompt": "y"}))
-                while len(decode.requests) < 2:
-                    await asyncio.sleep(0.01)
+
+                async def reached_decode() -> bool:
+                    return len(decode.requests) >= 2
+
+                await wait_until_async(reached_decode, "the second request reached the decode")
                 process.send_signal(signal.SIGTERM)
                 await _wait_until_refused(port)  # stopped accepting
                 gate.set()
@@ -731,11 +735,13 @@ def test_cli_prints_its_url_serves_and_drains_on_sigterm():
 
 
 async def _wait_until_refused(port: int) -> None:
-    while True:
+    async def refused() -> bool:
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
         except ConnectionError:  # refused, or reset: the listener closed under the connect
-            return
+            return True
         writer.close()
         await writer.wait_closed()
-        await asyncio.sleep(0.01)
+        return False
+
+    await wait_until_async(refused, f"the router on port {port} refusing connections")

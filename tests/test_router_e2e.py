@@ -20,7 +20,8 @@ from serve_helpers.daemons import (
     start_daemon,
     start_router,
 )
-from serve_helpers.probes import get, post, started, used_blocks, wait_until
+from serve_helpers.probes import get, post, started, used_blocks
+from waiting import seconds_until, wait_until
 
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 
@@ -162,8 +163,8 @@ def test_the_first_token_comes_from_the_prefill_and_may_end_the_request(one_to_o
     # prefill computed (KV streaming) and cancelled: both sides gave everything back.
     assert started(decode) == decode_calls + 2
     wait_until(
-        "the stopped requests' KV given back",
         lambda: used_blocks(prefill) == used_blocks(decode) == 0,
+        "the stopped requests' KV given back",
         RELEASED_WITHIN_S,
     )
     # Streamed normally, the first chunk holds exactly the first token's text.
@@ -330,7 +331,7 @@ def test_dead_decode_is_ejected_nothing_is_prefilled_for_it_and_held_kv_is_relea
     try:
         for url in (calls_only.address, checking.address):
             assert complete(url, PROMPTS[1])["kvtransfer"]["token_ids"] == expected[1]
-        wait_until("pulled KV freed", lambda: used_blocks(prefill) == 0, RELEASED_WITHIN_S)
+        wait_until(lambda: used_blocks(prefill) == 0, "pulled KV freed", RELEASED_WITHIN_S)
 
         decode.kill()
         # Not known dead yet: prefilled, the decode call fails, the KV is given back at once.
@@ -339,7 +340,9 @@ def test_dead_decode_is_ejected_nothing_is_prefilled_for_it_and_held_kv_is_relea
         message = json.loads(text)["error"]["message"]
         assert message.startswith(f"decode daemon {decode.address}: UNAVAILABLE: "), message
         assert started(prefill) == 3
-        took = wait_until("released KV freed", lambda: used_blocks(prefill) == 0, RELEASED_WITHIN_S)
+        took = seconds_until(
+            lambda: used_blocks(prefill) == 0, "released KV freed", RELEASED_WITHIN_S
+        )
         assert took < LEASE_S
         assert admin(prefill.address, "status").counters["kv_releases"] == 1
         released = 'kvtransfer_router_kv_releases_total{outcome="released",trigger="decode_failed"}'
@@ -349,8 +352,8 @@ def test_dead_decode_is_ejected_nothing_is_prefilled_for_it_and_held_kv_is_relea
         # 503 naming the decode daemon, and nothing sent to the prefill.
         no_decode = f"no decode daemon is healthy ({decode.address}: UNREACHABLE (UNAVAILABLE))"
         wait_until(
-            "health checks eject the dead decode",
             lambda: get(checking.address, "/health")[0] == 503,
+            "health checks eject the dead decode",
             RELEASED_WITHIN_S,
         )
         for url in (calls_only.address, checking.address):
@@ -366,8 +369,8 @@ def test_dead_decode_is_ejected_nothing_is_prefilled_for_it_and_held_kv_is_relea
         small = ("--engine-id", "d", "--port", port, "--num-kv-blocks", "8")
         restarted = start_daemon("decode", tmp_path, *small, name="decode-restarted")
         wait_until(
-            "re-admission",
             lambda: get(checking.address, "/health")[0] == 200,
+            "re-admission",
             RELEASED_WITHIN_S,
         )
         assert complete(checking.address, PROMPTS[0])["kvtransfer"]["token_ids"] == expected[0]
@@ -377,7 +380,9 @@ def test_dead_decode_is_ejected_nothing_is_prefilled_for_it_and_held_kv_is_relea
         assert status == 400, text
         message = json.loads(text)["error"]["message"]
         assert message.startswith(f"decode daemon {decode.address}: RESOURCE_EXHAUSTED: ")
-        took = wait_until("released KV freed", lambda: used_blocks(prefill) == 0, RELEASED_WITHIN_S)
+        took = seconds_until(
+            lambda: used_blocks(prefill) == 0, "released KV freed", RELEASED_WITHIN_S
+        )
         assert took < LEASE_S
         assert admin(prefill.address, "status").counters["kv_releases"] == 2
         assert get(checking.address, "/health")[0] == 200  # a refusal is no ejection

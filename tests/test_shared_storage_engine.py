@@ -22,6 +22,7 @@ from shared_storage_helpers.engines import (
     read_file,
     worker_caches,
 )
+from waiting import step_until
 
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM
@@ -128,8 +129,11 @@ def test_loaded_blocks_equal_the_producers_bytes(tmp_path):
     decoder.add_request("d", prompt, DECODE, params)
     request = decoder.scheduler.get_request("d")
     decoder.step()
-    while request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-        decoder.step()
+    step_until(
+        decoder.step,
+        lambda: request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS,
+        "the load ended",
+    )
     # Loaded, not yet run: only a load gets there, and the next step recomputes the last token.
     assert request.status is RequestStatus.WAITING_WITH_KV
     assert request.num_computed_tokens == len(prompt) - 1
@@ -160,8 +164,9 @@ def test_draft_model_layers_travel_and_decode_like_colocated(tmp_path):
     decoder = EngineCore(engine_config(kv_config(tmp_path, "kv_consumer", "d"), speculative=DRAFT))
     decoder.add_request("d", prompts[1], DECODE, outputs[1].kv_transfer_params)
     request = decoder.scheduler.get_request("d")
-    while request.status is not RequestStatus.WAITING_WITH_KV:
-        decoder.step()
+    step_until(
+        decoder.step, lambda: request.status is RequestStatus.WAITING_WITH_KV, "the load finished"
+    )
     blocks = decoder.scheduler.block_manager.get_block_ids("d")[: -(-len(prompts[1]) // BLOCK_SIZE)]
     caches = worker_caches(decoder)
     assert {"draft.layers.0.self_attn", "draft.layers.1.self_attn"} <= set(caches)

@@ -17,6 +17,7 @@ from shared_storage_helpers.engines import (
     prefill,
     read_file,
 )
+from waiting import step_until
 
 from kvtransfer.engine.llm import LLM
 
@@ -40,10 +41,11 @@ def test_tp2_producer_frees_blocks_only_after_both_workers_saved(tmp_path, expec
         directories = [tmp_path / "p" / f"gen-{i}" for i in range(len(PROMPTS))]
         core = llm.engine
         assert core.scheduler.block_manager.num_used_blocks > 0
-        for _ in range(100_000):  # a bound instead of a clock: saves report within a few steps
-            if not core.scheduler.block_manager.num_used_blocks:
-                break
-            core.step()
+        step_until(
+            core.step,
+            lambda: not core.scheduler.block_manager.num_used_blocks,
+            "both workers' saves reported (blocks freed)",
+        )
         # Blocks are free: every worker of the engine has written its file.
         for directory in directories:
             assert sorted(p.name for p in directory.iterdir()) == [

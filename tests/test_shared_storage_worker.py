@@ -5,12 +5,12 @@ split; broken, missing or foreign files fail the load and flag exactly the block
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterable
 
 import pytest
 import torch
 from shared_storage_helpers.engines import read_file
+from waiting import wait_until
 
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connectors.shared_storage.metadata import (
@@ -70,13 +70,12 @@ def make_worker(root, caches, global_rank=0, engine_id="engine", **extra) -> Sha
 
 def wait_for(worker: SharedStorageWorker, finished: Iterable[str] = ()):
     """Poll until the worker reports something; returns (sending, recving, failed)."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def reported():
         sending, recving, failed = worker.transfer_results(finished)
-        if sending or recving:
-            return sending, recving, failed
-        time.sleep(0.005)
-    raise AssertionError("the worker reported nothing within 20 s")
+        return (sending, recving, failed) if sending or recving else None
+
+    return wait_until(reported, "the worker reports a finished transfer", 20, interval=0.005)
 
 
 def save(root, caches, tp=1, pp=1, token_ids=TOKENS, req_id="req"):

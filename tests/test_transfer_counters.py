@@ -11,7 +11,6 @@ equal when no pull was cancelled on the decode side.
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -21,6 +20,7 @@ from serve_helpers.daemons import (
     admin,
     daemon_pair,
 )
+from waiting import wait_until
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
 
@@ -44,12 +44,14 @@ def _counters(address: str) -> dict[str, int]:
 
 def _settled(prefill, decode) -> tuple[dict[str, int], dict[str, int]]:
     """Counters once both daemons hold no blocks (every release reached the prefill)."""
-    deadline = time.monotonic() + 30
-    while admin(prefill.address, "status").num_used_blocks or (
-        admin(decode.address, "status").num_used_blocks
-    ):
-        assert time.monotonic() < deadline, "blocks stayed in use"
-        time.sleep(0.05)
+    wait_until(
+        lambda: (
+            admin(prefill.address, "status").num_used_blocks
+            == admin(decode.address, "status").num_used_blocks
+            == 0
+        ),
+        "both daemons hold no blocks",
+    )
     return _counters(prefill.address), _counters(decode.address)
 
 

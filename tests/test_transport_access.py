@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from transport_helpers.kv import LayerGroup, empty_caches, make_caches
+from waiting import wait_until
 
 from kvtransfer.transport import (
     CorruptPayloadError,
@@ -146,12 +147,13 @@ def test_a_pull_that_arrives_before_its_grant_is_served_once_it_comes(served, cl
 def test_revoke_waits_for_a_running_gather():
     grants = LeaseGrants()
     access = LeaseAccess("r", "s")
-    grants.grant("r", secret_digest("s"), [1])
+    # A layer still pending makes `ready` tell a granted lease (False) from an ended one (True).
+    grants.grant("r", secret_digest("s"), [1], pending_layers=["later"])
     order = []
     with grants.reading(access, [1]):
         revoker = threading.Thread(target=lambda: (grants.revoke(["r"]), order.append("revoked")))
         revoker.start()
-        time.sleep(0.2)
+        wait_until(lambda: grants.ready("r", ["later"]), "the revoke under way", 5)
         order.append("gather done")
     revoker.join(5)
     assert order == ["gather done", "revoked"]
@@ -236,7 +238,8 @@ def test_a_streaming_lease_serves_each_layer_once_computed_and_none_before(serve
     grants.layer_ready(["req-stream"], second)
     second_pull = PullSpec("decode-s", (second,), [20, 21], [5, 6], lease=lease)
     client.pull(peer, second_pull).result(WAIT_S)
-    time.sleep(1.5)  # past grant_wait_s (1 s): a granted lease's pending layer still waits
+    # Not synchronisation: time must pass grant_wait_s (1 s); a pending layer's pull still waits.
+    time.sleep(1.5)
     assert not waiting.done()
     grants.layer_ready(["req-stream"], first)
     waiting.result(WAIT_S)

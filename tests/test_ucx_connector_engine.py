@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import re
 import socket
-import time
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from ucx_helpers.engines import (
     worker_caches,
     worker_half,
 )
+from waiting import step_until, wait_until
 
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connectors.ucx.metadata import prompt_digest
@@ -160,10 +160,12 @@ def test_pulled_blocks_equal_the_producers_bytes_drafter_included():
         producer.step()
         decoder.add_request("d", prompt, DECODE, params)
         request = decoder.scheduler.get_request("d")
-        deadline = time.monotonic() + WAIT_S
-        while request.status is not RequestStatus.WAITING_WITH_KV:
-            assert time.monotonic() < deadline, "the load never finished"
-            decoder.step()
+        step_until(
+            decoder.step,
+            lambda: request.status is RequestStatus.WAITING_WITH_KV,
+            "the load finished",
+            WAIT_S,
+        )
         # Loaded, not yet run: the next step recomputes only the last prompt token.
         assert request.num_computed_tokens == len(prompt) - 1
         local = decoder.scheduler.block_manager.get_block_ids("d")[: blocks_of(prompt)]
@@ -356,10 +358,7 @@ def test_abort_during_transfer_keeps_blocks_until_the_pull_stopped():
             core.step()
             assert core.scheduler.get_request("d").status is RequestStatus.WAITING_FOR_REMOTE_KVS
             half = worker_half(core)
-            deadline = time.monotonic() + WAIT_S
-            while half.load_job("d").num_pulls_started == 0:
-                assert time.monotonic() < deadline, "the pulls never started"
-                time.sleep(0.005)
+            wait_until(lambda: half.load_job("d").num_pulls_started, "the pulls started", WAIT_S)
             used = core.scheduler.block_manager.num_used_blocks
             assert used == blocks_of(PROMPTS[3])
             (aborted,) = core.abort_request(["d"])
@@ -478,9 +477,7 @@ def test_stepping_producer_frees_blocks_while_the_consumer_runs(producer, expect
     core = producer.engine
     with consumer() as llm, stepping(core):
         results = llm.generate(PROMPTS[:2], DECODE, [o.kv_transfer_params for o in outputs])
-        deadline = time.monotonic() + WAIT_S
-        while scheduler_half(core).leases and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not scheduler_half(core).leases, "the producer's leases ended", WAIT_S)
         finish(llm.engine)
     assert len(scheduler_half(core).leases) == 0
     finish(core)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import re
 import socket
-import time
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from ucx_helpers.synthetic import (
     run_load,
     start_engine,
 )
+from waiting import wait_until
 
 from kvtransfer.connectors.ucx import LoadSpec, UcxConnectorMetadata
 
@@ -166,10 +166,9 @@ def test_abort_while_pulling_writes_nothing_and_reports_at_once(pool):
         spec = LoadSpec("slow", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
         worker.bind_connector_metadata(UcxConnectorMetadata(loads=(spec,)))
         worker.start_load_kv(None)
-        deadline = time.monotonic() + 30
-        while worker.worker_half.load_job("slow").num_pulls_started == 0:
-            assert time.monotonic() < deadline, "the pulls never started"
-            time.sleep(0.005)
+        wait_until(
+            lambda: worker.worker_half.load_job("slow").num_pulls_started, "the pulls started"
+        )
         assert worker.get_transfer_results(set()) == (None, None, None)
         # Reported failed (it delivered nothing), with no load errors (the blocks are not its
         # own any more) and no reason (nobody waits for that request).

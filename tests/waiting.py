@@ -21,16 +21,21 @@ class WaitTimeout(AssertionError):
     """What a test waited for did not happen in time (an assertion failure, not an error)."""
 
 
+def _named(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()
+
+
 def wait_until(
     predicate: Callable[[], T],
-    what: str,
+    what: str | Callable[[], str],
     timeout: float = DEFAULT_TIMEOUT_S,
     *,
     interval: float = POLL_INTERVAL_S,
 ) -> T:
     """Call ``predicate`` until it returns something truthy and return that value.
 
-    Raises `WaitTimeout` naming ``what`` and the last value after ``timeout`` seconds.
+    Raises `WaitTimeout` naming ``what`` and the last value after ``timeout`` seconds; ``what``
+    may be a function, called at the timeout to describe what was seen (a log's tail, ...).
     Exceptions from ``predicate`` propagate (a broken probe is not a slow one).
     """
     deadline = time.monotonic() + timeout
@@ -39,13 +44,44 @@ def wait_until(
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise WaitTimeout(f"{what}: not within {timeout:g} s (last value {value!r})")
+            raise WaitTimeout(f"{_named(what)}: not within {timeout:g} s (last value {value!r})")
         time.sleep(interval)
+
+
+def seconds_until(
+    predicate: Callable[[], object],
+    what: str | Callable[[], str],
+    timeout: float = DEFAULT_TIMEOUT_S,
+    *,
+    interval: float = POLL_INTERVAL_S,
+) -> float:
+    """`wait_until`, returning how many seconds the wait took (for tests that bound a latency)."""
+    started = time.monotonic()
+    wait_until(predicate, what, timeout, interval=interval)
+    return time.monotonic() - started
+
+
+def step_until(
+    step: Callable[[], object],
+    condition: Callable[[], object],
+    what: str | Callable[[], str],
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """`wait_until` for a loop the test drives itself (an engine's ``step``): checks
+    ``condition`` and calls ``step`` until it holds, with no pause between steps."""
+
+    def reached() -> bool:
+        if condition():
+            return True
+        step()
+        return False
+
+    wait_until(reached, what, timeout, interval=0)
 
 
 async def wait_until_async(
     predicate: Callable[[], Awaitable[T]],
-    what: str,
+    what: str | Callable[[], str],
     timeout: float = DEFAULT_TIMEOUT_S,
     *,
     interval: float = POLL_INTERVAL_S,
@@ -57,5 +93,5 @@ async def wait_until_async(
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise WaitTimeout(f"{what}: not within {timeout:g} s (last value {value!r})")
+            raise WaitTimeout(f"{_named(what)}: not within {timeout:g} s (last value {value!r})")
         await asyncio.sleep(interval)

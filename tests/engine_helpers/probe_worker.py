@@ -96,6 +96,7 @@ class ProbeWorker:
         self.sick = False
 
     def initialize(self) -> WorkerInfo:
+        # A deliberately slow start-up (the executor's start-up timeout is under test).
         time.sleep(float(self.config.extra.get("probe.init_sleep_s", "0")))
         start, end = pp_layer_range(NUM_LAYERS, self.rank.pp_size, self.rank.pp_rank)
         handshake = ProbeHandshake(pid=os.getpid(), global_rank=self.rank.rank)

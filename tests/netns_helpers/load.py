@@ -55,7 +55,7 @@ def main() -> None:
 
     def run(index: int, body: dict[str, Any]) -> None:
         # Paced from the start, not from the previous answer: a stalled request does not
-        # hold the next ones back.
+        # hold the next ones back (the load's pacing, not synchronisation).
         time.sleep(max(0.0, origin + index * args.delay_s - time.monotonic()))
         started = time.monotonic()
         status, answer = post(args.url, body, args.timeout_s)

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig, RouterServer
 from router_helpers.fakes import Behaviour, FakeDaemon
 
 # A safety net so a bug shows as a failure instead of a stuck run; no test relies on timing.
 SCENARIO_TIMEOUT_S = 30.0
+# Below the safety net, so a wait that fails names what it waited for.
+WAIT_S = 20.0
 
 
 @dataclass
@@ -114,20 +117,25 @@ async def wait_for_health(
 ) -> dict[str, Any]:
     """Polls /health until its status is ``status`` (and ``role``'s ``address`` is ``state``):
     health checks run in the background, so their effect is awaited, not timed."""
-    while True:
+
+    async def healthy() -> dict[str, Any] | None:
         _, body = await c.get("/health")
         if body["status"] == status and (role is None or body[role][address] == state):
             return body
-        await asyncio.sleep(0.01)
+        return None
+
+    what = f"/health {status!r}" + ("" if role is None else f" with {role} {address} {state}")
+    return await wait_until_async(healthy, what, WAIT_S)
 
 
 async def wait_for_metric(c: Cluster, needle: str) -> str:
     # The handler records its status as it unwinds, just after the daemon saw the cancel.
-    while True:
+
+    async def recorded() -> str | None:
         _, text = await c.get("/metrics")
-        if needle in text:
-            return text
-        await asyncio.sleep(0.01)
+        return text if needle in text else None
+
+    return await wait_until_async(recorded, f"/metrics holding {needle!r}", WAIT_S)
 
 
 async def raw_completion(

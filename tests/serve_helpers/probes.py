@@ -1,10 +1,9 @@
 """Small probes of running services for the end-to-end tests: HTTP calls to the router, admin
-status of a daemon, and waiting for a condition."""
+status of a daemon (wait for them with `waiting.wait_until`)."""
 
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -29,15 +28,6 @@ def get(base_url: str, path: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
-
-
-def wait_until(what: str, condition, within_s: float) -> float:
-    """Polls ``condition``; returns the seconds it took, failing after ``within_s``."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < within_s, f"{what}: not within {within_s:g} s"
-        time.sleep(0.05)
-    return time.monotonic() - started
 
 
 def used_blocks(daemon) -> int:

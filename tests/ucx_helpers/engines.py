@@ -89,6 +89,7 @@ def stepping(core: EngineCore, idle_s: float = 0.002) -> Iterator[None]:
             while not stop.is_set():
                 # A producer that only waits for its consumers yields the interpreter, as a
                 # serving loop would; spinning would starve the transfer threads of the GIL.
+                # (An idle pause of the loop under test, not synchronisation.)
                 if not core.has_pending_work() or not core.step():
                     time.sleep(idle_s)
         except BaseException as exc:

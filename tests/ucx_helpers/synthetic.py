@@ -9,13 +9,13 @@ global tensors then covers every layer and head slice of any TP x PP pairing in 
 
 from __future__ import annotations
 
-import time
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from waiting import wait_until
 
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole, merge_handshake_metadata
@@ -220,15 +220,17 @@ def run_load(
         finished = {spec.req_id} if abort_after_start else set()
         recving, failed, errors = _collect(worker, finished)
         worker.clear_connector_metadata()
-        deadline = time.monotonic() + WAIT_S
-        while spec.req_id not in recving:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"worker {rank} never reported {spec.req_id}")
-            time.sleep(0.005)
+
+        def reported(worker=worker, recving=recving, failed=failed, errors=errors) -> bool:
+            if spec.req_id in recving:
+                return True
             more = _collect(worker, set())
             recving |= more[0]
             failed |= more[1]
             errors |= more[2]
+            return False
+
+        wait_until(reported, f"worker {rank} reports {spec.req_id}", WAIT_S, interval=0.005)
         results[rank] = (recving, failed, errors)
     return results
 
