@@ -8,20 +8,17 @@ import re
 
 import pytest
 import torch
-from shared_storage_helpers.engines import (
+from engine_helpers.builtin import (
     BLOCK_SIZE,
     DECODE,
     DRAFT,
     PREFILL,
     PROMPTS,
-    colocated,
-    decode,
+    colocated_tokens,
     engine_config,
-    kv_config,
-    prefill,
-    read_file,
     worker_caches,
 )
+from shared_storage_helpers.engines import decode, kv_config, prefill, read_file
 from waiting import step_until
 
 from kvtransfer.engine.engine_core import EngineCore
@@ -33,7 +30,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def expected():
-    return colocated(PROMPTS)
+    return colocated_tokens(PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +144,8 @@ def test_loaded_blocks_equal_the_producers_bytes(tmp_path):
 
 def test_draft_model_layers_travel_and_decode_like_colocated(tmp_path):
     prompts = PROMPTS[1:3]
-    expected = colocated(prompts, speculative=DRAFT)
-    assert expected == colocated(prompts)
+    expected = colocated_tokens(prompts, speculative=DRAFT)
+    assert expected == colocated_tokens(prompts)
     producer_config = engine_config(kv_config(tmp_path, "kv_producer", "p"), speculative=DRAFT)
     with LLM(producer_config) as llm:
         outputs = prefill(llm, prompts)

@@ -7,16 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from shared_storage_helpers.engines import (
-    PREFILL,
-    PROMPTS,
-    colocated,
-    decode,
-    engine_config,
-    kv_config,
-    prefill,
-    read_file,
-)
+from engine_helpers.builtin import PREFILL, PROMPTS, colocated_tokens, engine_config
+from shared_storage_helpers.engines import decode, kv_config, prefill, read_file
 from waiting import step_until
 
 from kvtransfer.engine.llm import LLM
@@ -26,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def expected():
-    return colocated(PROMPTS)
+    return colocated_tokens(PROMPTS)
 
 
 def layers_of(path) -> dict[str, list[int]]:

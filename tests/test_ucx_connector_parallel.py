@@ -7,15 +7,8 @@ decoding keeps the colocated acceptance. Larger pairings run in the slow tier.""
 from __future__ import annotations
 
 import pytest
-from ucx_helpers.engines import (
-    DRAFT,
-    PROMPTS,
-    colocated,
-    engine_config,
-    kv_config,
-    pd_run,
-    scheduler_half,
-)
+from engine_helpers.builtin import DRAFT, PROMPTS, colocated, engine_config
+from ucx_helpers.engines import kv_config, pd_run, scheduler_half
 
 from kvtransfer.engine.llm import LLM
 

@@ -11,14 +11,8 @@ from typing import Any
 
 import pytest
 from control_helpers.certs import Certs, make_certs
-from ucx_helpers.engines import (
-    PROMPTS,
-    colocated,
-    engine_config,
-    kv_config,
-    pd_run,
-    scheduler_half,
-)
+from engine_helpers.builtin import PROMPTS, colocated, engine_config
+from ucx_helpers.engines import kv_config, pd_run, scheduler_half
 
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connectors.ucx import UcxConfig

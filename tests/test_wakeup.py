@@ -59,7 +59,8 @@ def test_a_signal_after_the_reader_closed_is_ignored():
 
 
 def test_engines_sleep_until_woken_only_when_every_connector_wakes_them(tmp_path):
-    from shared_storage_helpers.engines import engine_config, kv_config
+    from engine_helpers.builtin import engine_config
+    from shared_storage_helpers.engines import kv_config
 
     from kvtransfer.connector.config import KVTransferConfig
     from kvtransfer.engine.engine_core import EngineCore

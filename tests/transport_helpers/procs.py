@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
 import subprocess
-import sys
-import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+
+from helper_processes import read_ready_line, spawn, stop
 
 from kvtransfer.transport import KVLayout
 from transport_helpers.kv import LayerGroup
-
-TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -39,16 +34,14 @@ class KVServerProcess:
 
 
 def _spawn(spec: ServerSpec) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
-    # One intra-op thread: the test machine may have two cores shared by several processes.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    args = [sys.executable, "-m", "transport_helpers.kv_server", "--seed", str(spec.seed)]
+    args = ["--seed", str(spec.seed)]
     for group in spec.groups:
         args += ["--group", group.encode()]
     if not spec.serve:
         args.append("--no-serve")
-    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    # One intra-op thread: the test machine may have two cores shared by several processes.
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    return spawn("transport_helpers.kv_server", *args, env={"OMP_NUM_THREADS": threads})
 
 
 @contextmanager
@@ -60,7 +53,7 @@ def kv_servers(
     try:
         servers = []
         for process in processes:
-            ready = _read_ready_line(process, timeout_s)
+            ready = read_ready_line(process, timeout_s, "KV server")
             servers.append(
                 KVServerProcess(
                     bytes.fromhex(ready["address"]),
@@ -71,7 +64,7 @@ def kv_servers(
         yield servers
     finally:
         for process in processes:
-            _stop(process)
+            stop(process, 20)
     # A killed server is part of a test; any other non-zero exit is a failure.
     failed = [p.returncode for p in processes if p.returncode not in (0, -signal.SIGKILL)]
     if failed:
@@ -84,31 +77,3 @@ def kv_server(
 ) -> Iterator[KVServerProcess]:
     with kv_servers([ServerSpec(seed, tuple(groups), serve)]) as (server,):
         yield server
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    try:
-        if process.stdin is not None and not process.stdin.closed:
-            with suppress(BrokenPipeError):
-                process.stdin.close()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise
-    finally:
-        if process.stdout is not None:
-            process.stdout.close()
-
-
-def _read_ready_line(process: subprocess.Popen[str], timeout_s: float) -> dict:
-    lines: queue.Queue[str] = queue.Queue()
-    stdout = process.stdout
-    if stdout is None:
-        raise RuntimeError("no stdout pipe")
-    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
-    line = lines.get(timeout=timeout_s)
-    if not line:
-        raise RuntimeError(f"KV server exited with {process.wait()} before serving")
-    return json.loads(line)

@@ -1,4 +1,5 @@
-"""Real producer/consumer/colocated engines on the tiny built-in model, talking `UcxConnector`.
+"""Real producer/consumer engines on the tiny built-in model, talking `UcxConnector` (the
+shared pieces, colocated reference included: `engine_helpers.builtin`).
 
 A producer's blocks stay until its consumer's Release arrives, so `Stepping` keeps a producer
 engine stepping on a background thread while the consumer runs in the test's thread (the engine
@@ -13,29 +14,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
+from engine_helpers.builtin import DECODE, PREFILL, REMOTE_DECODE, finish
 
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connectors.ucx import UcxConnector
 from kvtransfer.connectors.ucx.scheduler import UcxScheduler
 from kvtransfer.connectors.ucx.worker import UcxWorker
-from kvtransfer.engine.config import EngineConfig, SpeculativeConfig
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.engine.llm import LLM, RequestOutput
-from kvtransfer.engine.sampling_params import SamplingParams
-
-BLOCK_SIZE = 8
-NUM_TOKENS = 6
-PROMPTS = [
-    list(range(40, 45)),  # shorter than a block
-    [(7 * i) % 200 + 3 for i in range(17)],
-    [(13 * i) % 250 + 1 for i in range(40)],  # exactly five blocks
-    [(5 * i + 11) % 240 + 2 for i in range(70)],  # many blocks
-]
-DECODE = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
-PREFILL = SamplingParams(max_tokens=1, ignore_eos=True)
-DRAFT = SpeculativeConfig(method="draft", num_speculative_tokens=3)
-REMOTE_DECODE = {"do_remote_decode": True}
 
 
 def kv_config(role: str, engine_id: str, policy: str = "fail", **extra: Any) -> KVTransferConfig:
@@ -46,31 +32,6 @@ def kv_config(role: str, engine_id: str, policy: str = "fail", **extra: Any) -> 
         kv_load_failure_policy=policy,
         kv_connector_extra_config=extra,
     )
-
-
-def engine_config(kv: KVTransferConfig | None = None, **overrides: Any) -> EngineConfig:
-    fields: dict[str, Any] = {
-        "model": "builtin",
-        "block_size": BLOCK_SIZE,
-        "num_kv_blocks": 64,
-        "kv_transfer_config": kv,
-    }
-    fields.update(overrides)
-    return EngineConfig(**fields)
-
-
-def colocated(prompts: Sequence[list[int]], **overrides: Any) -> list[RequestOutput]:
-    """A plain engine's greedy outputs: what every disaggregated run must reproduce."""
-    with LLM(engine_config(**overrides)) as llm:
-        outputs = llm.generate(list(prompts), DECODE)
-        finish(llm.engine)
-    return outputs
-
-
-def finish(*cores: EngineCore) -> None:
-    for core in cores:
-        core.drain()
-        core.check_no_leaks()
 
 
 def prefill(llm: LLM, prompts: Sequence[list[int]]) -> list[RequestOutput]:
@@ -136,13 +97,3 @@ def worker_half(core: EngineCore) -> UcxWorker:
     """The in-process worker's half (single-worker engines only)."""
     connector = core.executor._worker.kv_connector.connector
     return connector.worker_half
-
-
-def worker_caches(core: EngineCore) -> dict[str, torch.Tensor]:
-    """Every KV layer of a single-process engine's worker, drafter layers included."""
-    runner = core.executor._worker.runner
-    caches = dict(zip(runner.model.layer_names(), runner.kv_caches, strict=True))
-    drafter = getattr(runner.proposer, "drafter", None)
-    if drafter is not None:
-        caches.update(zip(drafter.layer_names(), runner.proposer.kv_caches, strict=True))
-    return caches
