@@ -5,10 +5,23 @@ Behaviour comes from ``kv_connector_extra_config``; every hook call is recorded.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kvtransfer import KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorStats
+from kvtransfer.connector.serving import KVControlEndpoint, KVTransferTotals
 from kvtransfer.testing.recording import RecordingConnector
+
+
+class ScriptedBook:
+    """A handshake source that serves nothing (only its identity matters to these tests)."""
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.compat_hash = "0" * 64
+
+    def payloads(self, ranks=None):
+        return []
 
 
 class ScriptedPayload(KVConnectorHandshakeMetadata):
@@ -28,6 +41,9 @@ class ScriptedConnector(RecordingConnector):
         self.load_errors: set[int] = set()
         self.received_pp_aware: dict | None = None
         self.received_tp: dict | None = None
+        # The kv_transfer_params each scheduler hook saw, in call order.
+        self.seen_params: list[tuple[str, Any]] = []
+        self.outputs: list[Any] = []
 
     @property
     def name(self) -> str:
@@ -35,11 +51,32 @@ class ScriptedConnector(RecordingConnector):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self.seen_params.append(("get_num_new_matched_tokens", request.kv_transfer_params))
         return self.script.get("hit_tokens", 0), self.script.get("load_async", False)
+
+    def validate_kv_transfer_params(self, params):
+        self.seen_params.append(("validate_kv_transfer_params", params))
+
+    def release_kv(self, kv_transfer_params):
+        self.seen_params.append(("release_kv", kv_transfer_params))
+        return self.script.get("releases", False)
+
+    def update_connector_output(self, connector_output):
+        # A copy: what the child saw then (the Multi edits the engine's output afterwards).
+        self.outputs.append(replace(connector_output))
 
     def request_finished(self, request, block_ids):
         super().request_finished(request, block_ids)
+        self.seen_params.append(("request_finished", request.kv_transfer_params))
         return self.script.get("saves", False), self.script.get("params")
+
+    def get_control_endpoint(self):
+        address = self.script.get("endpoint")
+        return None if address is None else KVControlEndpoint(ScriptedBook(self.name), address)
+
+    def get_transfer_totals(self):
+        totals = self.script.get("totals")
+        return None if totals is None else KVTransferTotals(**totals)
 
     def get_finished(self, finished_req_ids):
         sending, self.sending = self.sending, set()
