@@ -8,7 +8,8 @@ Life cycle of a daemon:
    block pool and the connector. A prefill daemon's UcxConnector starts serving its handshake
    and release notices on ``kv_ip:kv_port``.
 3. One gRPC server on ``--port`` serves Generation, KVAdmin, grpc.health.v1 and reflection
-   (and, on a prefill daemon, KVHandshake from the same book as ``kv_port``); metrics go to
+   (and KVHandshake from the book of the connector's control endpoint, a prefill's UCX book,
+   the same as on ``kv_port``); status counters come from its transfer totals. Metrics go to
    ``--metrics-port``. A ``ready`` line with the bound addresses goes to stdout. The server
    takes messages of ``--max-request-bytes`` plus headroom (`kvtransfer.clients.limits`), the
    router's body limit when both keep the default.

@@ -24,6 +24,7 @@ from kvtransfer.connector.metadata import (
     KVConnectorRole,
     KVConnectorStats,
 )
+from kvtransfer.connector.serving import KVControlEndpoint, KVTransferTotals
 from kvtransfer.testing.builders import ContractSchedulerOutput, make_kv_caches, make_request
 
 PP_REJECTION = "does not support PP-disaggregated KV transfer"
@@ -137,6 +138,15 @@ class KVConnectorContract:
         if stats is not None:
             assert all(isinstance(v, float) for v in stats.reduce().values())
         assert list(scheduler.take_events()) == []  # nothing happened, nothing to publish
+
+    def test_what_a_host_reads(self, scheduler, worker):
+        # Observing hooks: typed answers on the scheduler, nothing (not an error) on a worker.
+        endpoint = scheduler.get_control_endpoint()
+        assert endpoint is None or isinstance(endpoint, KVControlEndpoint)
+        totals = scheduler.get_transfer_totals()
+        assert totals is None or isinstance(totals, KVTransferTotals)
+        assert worker.get_control_endpoint() is None
+        assert worker.get_transfer_totals() is None
 
     def test_shutdown_is_idempotent(self, kv_transfer_config):
         for role in KVConnectorRole:
