@@ -178,7 +178,7 @@ def test_plugin_passes_the_contract_suite(installed):
         root,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "9 passed" in result.stdout
+    assert "10 passed" in result.stdout
 
 
 def test_denied_plugin_is_refused_before_import(installed):
