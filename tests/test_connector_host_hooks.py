@@ -246,3 +246,17 @@ def test_no_fallback_passes_the_failure_through_untouched(second, aborted):
     assert output.load_failure_reasons == {"r": "producer gone"}
     _, b = m.connectors
     assert b.calls.count(("update_state_after_alloc", ("r", (4, 5, 6)))) == 0
+
+
+def test_a_request_loaded_once_is_not_loaded_again_after_preemption():
+    m = multi(
+        child("a", hit_tokens=40, load_async=True),
+        child("b", hit_tokens=40, load_async=True),
+    )
+    request = _admit(m, "r")
+    m.update_connector_output(KVConnectorOutput(finished_recving={"r"}))
+    # Preempted and admitted again: it recomputes, whichever child still reports a hit.
+    assert m.get_num_new_matched_tokens(request, 0) == (0, False)
+    m.update_state_after_alloc(request, [7, 8, 9], 0)
+    m.request_finished(request, [7, 8, 9])
+    assert m.get_num_new_matched_tokens(make_request("r", 40), 0) == (40, True)

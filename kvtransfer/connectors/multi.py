@@ -12,7 +12,8 @@ What the children do together:
   when the load fails (the engine saw it in ``failed_recving``), the next fallback loads the
   request again into the same blocks, and the engine sees only the last attempt's outcome
   (the blocks stay lent to the connector in between). A request aborted while loading gets no
-  second attempt. Loads that are not asynchronous have no fallback.
+  second attempt, and one preempted after its load recomputes (as with a single connector).
+  Loads that are not asynchronous have no fallback.
 * Saves: every child saves; a request finishes sending only after its last saving child
   reported it (counted on each worker before aggregation).
 * ``kv_transfer_params``: children never see each other's. The first child owns the top level;
@@ -199,6 +200,8 @@ class MultiConnector(KVConnectorBase_V1):
         self._admissions: dict[str, _Admission] = {}
         # Scheduler side: loads in flight that another child could redo if they fail.
         self._loads: dict[str, _Load] = {}
+        # Scheduler side: requests a child was chosen to load, until they finish.
+        self._loaded: set[str] = set()
         self._wake: Callable[[], None] | None = None
         # Scheduler side: extra saves decided since the last build_connector_meta.
         self._new_extra_saves: dict[str, int] = {}
@@ -346,7 +349,9 @@ class MultiConnector(KVConnectorBase_V1):
                 return None, False
             answers.append((num_tokens, load_async))
         chosen = next((i for i, (num, _) in enumerate(answers) if num > 0), None)
-        if chosen is None:
+        if chosen is None or rid in self._loaded:
+            # Loaded once already (now preempted): it recomputes, as with one connector,
+            # rather than trying a child that did not load it the first time.
             return 0, False
         num_tokens, load_async = answers[chosen]
         fallbacks = tuple(
@@ -368,6 +373,8 @@ class MultiConnector(KVConnectorBase_V1):
                 child.update_state_after_alloc(view, block_ids, num_external_tokens)
             else:
                 child.update_state_after_alloc(view, (), 0)
+        if chosen is not None and num_external_tokens > 0:
+            self._loaded.add(request.request_id)
         if admission is not None and admission.fallbacks and num_external_tokens > 0:
             self._loads[request.request_id] = _Load(
                 request=request,
@@ -399,6 +406,7 @@ class MultiConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._admissions.pop(rid, None)
+        self._loaded.discard(rid)
         load = self._loads.get(rid)
         if load is not None:
             load.request_finished = True
