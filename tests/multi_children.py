@@ -8,8 +8,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from kvtransfer import KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorStats
+from kvtransfer import (
+    KVConnectorBase_V1,
+    KVConnectorFactory,
+    KVConnectorHandshakeMetadata,
+    KVConnectorRole,
+    KVConnectorStats,
+    KVTransferConfig,
+)
 from kvtransfer.connector.serving import KVControlEndpoint, KVTransferTotals
+from kvtransfer.connectors.multi import MultiConnector
 from kvtransfer.testing.recording import RecordingConnector
 
 
@@ -119,3 +127,16 @@ class TpOnlyConnector(ScriptedConnector):
 class PpAwareConnector(ScriptedConnector):
     def set_xfer_handshake_metadata_pp_aware(self, metadata):
         self.received_pp_aware = dict(metadata)
+
+
+def multi(*children: dict, role=KVConnectorRole.SCHEDULER) -> MultiConnector:
+    """A MultiConnector over ``children`` (each a child's config dict), built by the factory."""
+    config = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        engine_id="engine-m",
+        kv_connector_extra_config={"connectors": list(children)},
+    )
+    connector = KVConnectorFactory.create_connector(config, role)
+    assert isinstance(connector, MultiConnector)
+    return connector

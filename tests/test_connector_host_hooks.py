@@ -5,8 +5,9 @@ defaults, `RoleSplitConnector` forwarding, `MultiConnector` combination; and the
 from __future__ import annotations
 
 import pytest
+from multi_children import multi
 
-from kvtransfer import KVConnectorBase_V1, KVConnectorFactory, KVConnectorRole, KVTransferConfig
+from kvtransfer import KVConnectorBase_V1, KVConnectorRole, KVTransferConfig
 from kvtransfer.connector.metadata import KVConnectorStats
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.connector.serving import KVTransferTotals
@@ -30,18 +31,6 @@ def child(name: str, **script) -> dict:
         "kv_connector_module_path": "multi_children",
         "kv_connector_extra_config": {"name": name, **script},
     }
-
-
-def multi(*children: dict, role=KVConnectorRole.SCHEDULER) -> MultiConnector:
-    config = KVTransferConfig(
-        kv_connector="MultiConnector",
-        kv_role="kv_both",
-        engine_id="engine-m",
-        kv_connector_extra_config={"connectors": list(children)},
-    )
-    connector = KVConnectorFactory.create_connector(config, role)
-    assert isinstance(connector, MultiConnector)
-    return connector
 
 
 # ---------------------------------------------------------------- defaults and forwarding

@@ -3,6 +3,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+from multi_children import multi
 
 from kvtransfer import (
     KVConnectorBase_V1,
@@ -30,18 +31,6 @@ def child(cls: str = "ScriptedConnector", kv_role: str | None = None, **script) 
         "kv_connector_extra_config": script,
     }
     return config if kv_role is None else {**config, "kv_role": kv_role}
-
-
-def multi(*children: dict, role=KVConnectorRole.SCHEDULER) -> MultiConnector:
-    config = KVTransferConfig(
-        kv_connector="MultiConnector",
-        kv_role="kv_both",
-        engine_id="engine-m",
-        kv_connector_extra_config={"connectors": list(children)},
-    )
-    connector = KVConnectorFactory.create_connector(config, role)
-    assert isinstance(connector, MultiConnector)
-    return connector
 
 
 def test_overrides_every_public_base_hook():
