@@ -130,18 +130,56 @@ def test_an_unknown_lease_is_refused_after_the_grant_wait(served, client):
     _refused(client, server, [0], LeaseAccess("req-never", new_secret()), "is unknown")
 
 
-def test_a_pull_that_arrives_before_its_grant_is_served_once_it_comes(served, client):
-    server, grants = served
+@pytest.fixture(scope="module")
+def patient():
+    """A server whose pulls wait for their grant far longer than any test step takes, so a
+    parked pull is still parked when the test looks at it, however slow the machine."""
+    grants = LeaseGrants(grant_wait_s=WAIT_S)
+    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S, checksum=True)) as server:
+        server.register_kv_caches(make_caches(SEED, [GROUP]))
+        server.start_server(grants)
+        yield server, grants
+
+
+def _parked_leases(agent) -> list[str]:
+    """The leases of the pulls ``agent``'s server holds back until their grant comes.
+
+    Reads the private ``KVServer._parked`` (``(deadline, (lease_id, layer_names, request))``
+    entries, under ``_parked_lock``): nothing public tells a parked pull from one that has not
+    arrived yet, and which of the two it is is what the test checks.
+    """
+    server = agent.server
+    with server._parked_lock:
+        return [lease_id for _, (lease_id, _, _) in server._parked]
+
+
+def test_a_pull_that_arrives_before_its_grant_is_parked_then_served(patient, client):
+    server, grants = patient
+    counters = server.server
+    served, rejected = counters.requests_served, counters.requests_rejected
     secret = new_secret()
-    timer = threading.Timer(0.3, lambda: grants.grant("req-late", secret_digest(secret), [13, 14]))
-    timer.start()
-    try:
-        _pull(client, server, [13, 14], LeaseAccess("req-late", secret))
-    finally:
-        timer.cancel()
-    assert torch.equal(
-        client.kv_caches[GROUP.names()[0]][1], server.kv_caches[GROUP.names()[0]][14]
+    peer = client.connect(server.address)
+    spec = PullSpec(
+        "decode-late", GROUP.names(), [13, 14], [0, 1], lease=LeaseAccess("req-late", secret)
     )
+    pending = client.pull(peer, spec)
+    wait_until(
+        lambda: pending.done() or "req-late" in _parked_leases(server),
+        "the pull parked (or answered)",
+        WAIT_S,
+    )
+    # Parked: received, but neither answered nor refused while its grant is missing.
+    assert not pending.done(), f"answered before its grant: {pending.exception()!r}"
+    assert _parked_leases(server) == ["req-late"]
+    assert (counters.requests_served, counters.requests_rejected) == (served, rejected)
+    grants.grant("req-late", secret_digest(secret), [13, 14])
+    pending.result(WAIT_S)
+    # Served by the parked path: unparked by the grant, answered once, never refused.
+    assert _parked_leases(server) == []
+    assert counters.requests_served == served + pending.messages_received > served
+    assert counters.requests_rejected == rejected
+    for name in GROUP.names():
+        assert torch.equal(client.kv_caches[name][0:2], server.kv_caches[name][13:15]), name
 
 
 def test_revoke_waits_for_a_running_gather():
