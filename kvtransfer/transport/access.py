@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvtransfer.transport.errors import ErrorCode, TransportError
+from kvtransfer.transport.lease_table import LeaseTable
 
 # Revoked lease ids remembered for an immediate refusal; older ones wait out grant_wait_s.
 _REVOKED_MEMORY = 65536
@@ -54,6 +55,11 @@ class AccessDenied(TransportError, PermissionError):
     """A pull was refused: unknown or ended lease, wrong secret, or blocks outside the lease."""
 
     code = ErrorCode.ACCESS_DENIED
+
+
+class LeaseEndedDuringRead(AccessDenied):
+    """RMA mode: the lease ended while a one-sided read ran, so the bytes read may already be
+    another request's KV; the pull fails and what it wrote must not be used."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,14 @@ class LeaseGrants:
         self._cond = threading.Condition()
         self._grants: dict[str, _Grant] = {}
         self._revoked: OrderedDict[str, None] = OrderedDict()
+        self._table: LeaseTable | None = None
+
+    def publish_to(self, table: LeaseTable) -> None:
+        """Mirror every grant into ``table`` from now on (RMA mode: consumers read it)."""
+        with self._cond:
+            self._table = table
+            for lease_id, grant in self._grants.items():
+                table.publish(lease_id, grant.digest, grant.prompt_digest, grant.pending)
 
     def __len__(self) -> int:
         with self._cond:
@@ -127,9 +141,10 @@ class LeaseGrants:
         wait until `layer_ready` says their KV is complete."""
         with self._cond:
             self._revoked.pop(lease_id, None)
-            self._grants[lease_id] = _Grant(
-                digest, tuple(block_ids), prompt_digest, set(pending_layers)
-            )
+            grant = _Grant(digest, tuple(block_ids), prompt_digest, set(pending_layers))
+            self._grants[lease_id] = grant
+            if self._table is not None:
+                self._table.publish(lease_id, digest, prompt_digest, grant.pending)
             self._cond.notify_all()
 
     def layer_ready(self, lease_ids: Iterable[str], layer_name: str | None = None) -> None:
@@ -144,6 +159,8 @@ class LeaseGrants:
                     grant.pending.clear()
                 else:
                     grant.pending.discard(layer_name)
+                if self._table is not None:
+                    self._table.update(lease_id, grant.pending)
             self._cond.notify_all()
 
     def ready(self, lease_id: str, layer_names: Iterable[str]) -> bool:
@@ -166,6 +183,9 @@ class LeaseGrants:
                 grant = self._grants.pop(lease_id, None)
                 if grant is not None:
                     ended.append(grant)
+                if self._table is not None:
+                    # One-sided readers are not counted: clearing the row fails their reads.
+                    self._table.withdraw(lease_id)
             while len(self._revoked) > _REVOKED_MEMORY:
                 self._revoked.popitem(last=False)
             self._cond.notify_all()
@@ -183,17 +203,15 @@ class LeaseGrants:
         with self._cond:
             self._cond.wait(max(0.0, timeout_s))
 
+    def authenticate(self, access: LeaseAccess | None) -> None:
+        """`AccessDenied` unless ``access`` names a held lease with its secret and prompt."""
+        with self._check(access):
+            pass
+
     @contextlib.contextmanager
-    def reading(
-        self,
-        access: LeaseAccess | None,
-        block_ids: Iterable[int],
-        layer_names: Iterable[str] = (),
-    ) -> Iterator[None]:
-        """Hold the lease open for one gather, or raise `AccessDenied` naming why not."""
+    def _check(self, access: LeaseAccess | None) -> Iterator[_Grant]:
         if access is None:
             raise AccessDenied("the pull presents no lease: this server serves leased KV only")
-        wanted = list(block_ids)
         with self._cond:
             grant = self._grants.get(access.lease_id)
             if grant is None:
@@ -208,6 +226,18 @@ class LeaseGrants:
                     f"lease {access.lease_id!r} holds the KV of another prompt than the one "
                     "the pull is for (prompt digest mismatch)"
                 )
+            yield grant
+
+    @contextlib.contextmanager
+    def reading(
+        self,
+        access: LeaseAccess | None,
+        block_ids: Iterable[int],
+        layer_names: Iterable[str] = (),
+    ) -> Iterator[None]:
+        """Hold the lease open for one gather, or raise `AccessDenied` naming why not."""
+        wanted = list(block_ids)
+        with self._check(access) as grant:
             computing = sorted(grant.pending.intersection(layer_names))
             if computing:
                 raise AccessDenied(

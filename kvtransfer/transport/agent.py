@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
@@ -28,13 +29,24 @@ import torch
 from kvtransfer.transport.access import LeaseGrants
 from kvtransfer.transport.buffers import BufferPool
 from kvtransfer.transport.client import PeerHandle, PullClient, PullHandle
-from kvtransfer.transport.errors import PeerUnreachable, TransportClosed, TransportError
+from kvtransfer.transport.errors import (
+    ErrorCode,
+    PeerUnreachable,
+    RemoteTransferError,
+    TransportClosed,
+    TransportError,
+)
+from kvtransfer.transport.lease_table import LeaseTable
 from kvtransfer.transport.messages import decode_address, encode_address, peer_name
+from kvtransfer.transport.rma import ReadControl, RmaExporter, RmaKeys, RmaPeer, RmaReader
 from kvtransfer.transport.server import KVServer
 from kvtransfer.transport.spec import KVLayout, PullSpec, check_kv_cache, plan_pull
 from kvtransfer.transport.ucx import UcxLoop
 
 logger = logging.getLogger(__name__)
+
+
+DATA_PLANES = ("rma", "tagged")
 
 
 def _positive(name: str, value: object, *, integer: bool = True) -> None:
@@ -78,6 +90,12 @@ class TransportConfig:
     # Shared memory with peers on this host and in this network namespace; False: always the
     # network (see `locality`).
     shared_memory: bool = True
+    # "rma": a server also hands its UCX remote keys to peers that present a valid lease, and
+    # pulls from peers that offer them read one-sided (see `rma`); "tagged": every read is a
+    # request the server checks and answers (see `server`).
+    data_plane: str = "rma"
+    # RMA mode: how long a reader waits for its lease to appear in the producer's lease table.
+    grant_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "send_timeout_s", "connect_timeout_s"):
@@ -104,6 +122,11 @@ class TransportConfig:
             )
         if not isinstance(self.shared_memory, bool):
             raise ValueError(f"shared_memory must be a bool, got {self.shared_memory!r}")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(
+                f"data_plane must be one of {list(DATA_PLANES)}, got {self.data_plane!r}"
+            )
+        _positive("grant_wait_s", self.grant_wait_s, integer=False)
 
 
 class KVTransferAgent:
@@ -121,6 +144,12 @@ class KVTransferAgent:
         self._address = encode_address(self._loop.address)
         self._pool = BufferPool(self.config.buffer_pool_bytes)
         self._server: KVServer | None = None
+        self._exporter: RmaExporter | None = None
+        self._table: LeaseTable | None = None
+        self._reader = RmaReader(self._loop.worker_handle)
+        # Per peer address: its keys (one-sided reads), or None once it refused to hand them.
+        self._rma_peers: dict[bytes, RmaPeer | None] = {}
+        self._rma_locks: dict[bytes, threading.Lock] = {}
         self._client = PullClient(
             self._loop,
             self._pool,
@@ -181,6 +210,15 @@ class KVTransferAgent:
         self._check_open()
         with self._lock:
             if self._server is None:
+                rma_keys = None
+                if self.config.data_plane == "rma":
+                    self._table = LeaseTable(tuple(self._caches)) if grants is not None else None
+                    self._exporter = RmaExporter(
+                        self._loop.context_handle, self._caches, self._table
+                    )
+                    rma_keys = self._exporter.encoded
+                    if grants is not None and self._table is not None:
+                        grants.publish_to(self._table)
                 self._server = KVServer(
                     self._loop,
                     self._pool,
@@ -190,6 +228,7 @@ class KVTransferAgent:
                     grants=grants,
                     checksum=self.config.checksum,
                     inline_bytes=self.config.inline_bytes,
+                    rma_keys=rma_keys,
                 )
             server = self._server
         server.start()
@@ -197,9 +236,14 @@ class KVTransferAgent:
     # -- pulling ------------------------------------------------------------------------------
 
     def connect(
-        self, peer_address: bytes, *, layouts: Mapping[str, KVLayout] | None = None
+        self,
+        peer_address: bytes,
+        *,
+        layouts: Mapping[str, KVLayout] | None = None,
+        one_sided: bool = False,
     ) -> PeerHandle:
-        """A handle to the agent at ``peer_address``, cached per address.
+        """A handle to the agent at ``peer_address``, cached per address. ``one_sided``: the
+        peer offers RMA keys (in RMA mode pulls from it read one-sided).
 
         `InvalidPeerAddress` if the bytes are not an agent address, `PeerUnreachable` if UCX
         cannot create an endpoint to it. A dead peer is only noticed when a pull times out.
@@ -209,7 +253,11 @@ class KVTransferAgent:
         key = bytes(peer_address)
         with self._lock:
             peer = self._peers.get(key)
-        if peer is not None and (layouts is None or peer.layouts == layouts):
+        if (
+            peer is not None
+            and (layouts is None or peer.layouts == layouts)
+            and peer.one_sided == one_sided
+        ):
             return peer
         created = self._loop.call(lambda: self._loop.endpoint(ucx_address))
         try:
@@ -228,7 +276,10 @@ class KVTransferAgent:
                 f"cannot connect to {peer_name(ucx_address)}: {type(exc).__name__}: {exc}"
             ) from exc
         peer = PeerHandle(
-            key, ucx_address, None if layouts is None else MappingProxyType(dict(layouts))
+            key,
+            ucx_address,
+            None if layouts is None else MappingProxyType(dict(layouts)),
+            one_sided,
         )
         with self._lock:
             self._peers[key] = peer
@@ -242,9 +293,19 @@ class KVTransferAgent:
             self._loop.call(lambda: self._loop.reset_endpoint(peer.ucx_address)).result()
 
     def pull(
-        self, peer: PeerHandle, spec: PullSpec, *, timeout_s: float | None = None
+        self,
+        peer: PeerHandle,
+        spec: PullSpec,
+        *,
+        timeout_s: float | None = None,
+        on_wait: Callable[[], None] | None = None,
     ) -> PullHandle:
-        """Start copying ``spec`` from ``peer`` into the local caches; returns at once.
+        """Start copying ``spec`` from ``peer`` into the local caches.
+
+        Tagged: returns at once. One-sided (RMA mode, a peer that offers keys): runs on the
+        calling thread and returns a completed handle; ``on_wait`` runs every ~0.25 s while it
+        waits (a liveness probe: what it raises fails the pull). The first one-sided pull from
+        a peer asks it for its keys, presenting ``spec.lease``.
 
         Raises `ValueError` now for anything checkable locally (unknown layers, block or head
         ranges, and with the peer's layouts known, dtype/block size/head_dim mismatches).
@@ -258,7 +319,53 @@ class KVTransferAgent:
         _positive("timeout_s", timeout, integer=False)
         caches = self._caches
         plans = plan_pull(spec, caches, peer.layouts)
+        if peer.one_sided and self.config.data_plane == "rma" and spec.num_blocks:
+            rma = self._rma_peer(peer, spec, timeout)
+            if rma is not None:
+                control = ReadControl(
+                    cancelled=lambda: False,
+                    deadline=time.monotonic() + timeout,
+                    timeout_s=timeout,
+                    on_wait=on_wait,
+                    grant_wait_s=self.config.grant_wait_s,
+                )
+                return self._client.read_one_sided(
+                    peer, rma, self._reader, spec, plans, caches, control
+                )
         return self._client.submit(peer, spec, plans, caches, timeout)
+
+    def _rma_peer(self, peer: PeerHandle, spec: PullSpec, timeout_s: float) -> RmaPeer | None:
+        """``peer``'s keys, fetched once (presenting this pull's lease); None: tagged only."""
+        key = peer.ucx_address
+        if key in self._rma_peers:
+            return self._rma_peers[key]
+        with self._lock:
+            lock = self._rma_locks.setdefault(key, threading.Lock())
+        with lock:
+            if key in self._rma_peers:
+                return self._rma_peers[key]
+            try:
+                keys = RmaKeys.decode(self._client.fetch_keys(peer, spec.lease, timeout_s))
+            except RemoteTransferError as exc:
+                if exc.code != ErrorCode.NOT_SERVING:
+                    raise
+                logger.info("%s serves tagged reads only: %s", peer.name, exc)
+                self._rma_peers[key] = None
+                return None
+            except ValueError as exc:
+                raise RemoteTransferError(
+                    f"pull {spec.request_id!r}: {peer.name} sent unusable keys: {exc}",
+                    code=ErrorCode.BAD_REQUEST,
+                ) from exc
+            rma = RmaPeer(keys)
+            self._loop.on_close(key, rma.release)
+            self._rma_peers[key] = rma
+            return rma
+
+    @property
+    def lease_table(self) -> LeaseTable | None:
+        """RMA mode with leases: the table this agent publishes its held leases in."""
+        return self._table
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -271,6 +378,9 @@ class KVTransferAgent:
         self._client.close()
         if self._server is not None:
             self._server.stop()
+        if self._exporter is not None:
+            # Before the context goes with the loop: UCX wants regions unmapped first.
+            self._exporter.close()
         self._loop.close()
         self._peers.clear()
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.transport.access import LeaseAccess
+from kvtransfer.transport.access import AccessDenied, LeaseAccess
 from kvtransfer.transport.buffers import (
     BufferPool,
     RowView,
@@ -54,6 +54,7 @@ from kvtransfer.transport.messages import (
     MAX_REPLY_SEQUENCE,
     REQUEST_TAG,
     RESPONSE_HEADER_BYTES,
+    KeysRequestMessage,
     LayerRequest,
     PullRequestMessage,
     PullResponseHeader,
@@ -63,6 +64,7 @@ from kvtransfer.transport.messages import (
     reply_tags,
     segment_offsets,
 )
+from kvtransfer.transport.rma import MAX_KEYS_BYTES, ReadControl, RmaPeer, RmaReader
 from kvtransfer.transport.spec import KVLayout, LayerPlan, PullSpec
 from kvtransfer.transport.ucx import UcxLoop
 
@@ -74,6 +76,8 @@ class PeerHandle:
     address: bytes
     ucx_address: bytes
     layouts: Mapping[str, KVLayout] | None = None
+    # The peer offered one-sided reads (its handshake says data_plane "rma").
+    one_sided: bool = False
 
     @property
     def name(self) -> str:
@@ -179,16 +183,20 @@ class PullHandle:
         Blocks already written by earlier messages of the pull stay written.
         """
         state = self._state
-        # The job completes its future under the write lock, so done() here is exact.
-        with state.write_lock:
+        # The flag first: a one-sided read holds the write lock while it reads and polls it.
+        with state.cond:
             if self._future.done():
                 return False
-            with state.cond:
-                state.cancelled = True
-                state.cond.notify_all()
-            if state.on_cancel is not None:
-                state.on_cancel()
-        return True
+            state.cancelled = True
+            state.cond.notify_all()
+        # The job completes its future under the write lock, so done() here is exact.
+        with state.write_lock:
+            if not self._future.done():
+                if state.on_cancel is not None:
+                    state.on_cancel()
+                return True
+        # Completed meanwhile: by this cancel (the job saw the flag), or on its own.
+        return isinstance(self._future.exception(), TransferCancelled | TransportClosed)
 
 
 @dataclass(eq=False)
@@ -309,6 +317,134 @@ class PullClient:
                 worker.start()
             self._jobs_cond.notify()
         return handle
+
+    def read_one_sided(
+        self,
+        peer: PeerHandle,
+        rma: RmaPeer,
+        reader: RmaReader,
+        spec: PullSpec,
+        plans: list[LayerPlan],
+        caches: Mapping[str, torch.Tensor],
+        control: ReadControl,
+    ) -> PullHandle:
+        """Run an RMA pull on the calling thread; the handle returned is complete."""
+        future: Future[PullResult] = Future()
+        future.set_running_or_notify_cancel()
+        handle = PullHandle(spec.request_id, peer, future)
+        state = handle._state
+        control.cancelled = lambda: state.cancelled
+        started = time.perf_counter()
+        with self._jobs_cond:
+            if self._closed:
+                raise TransportClosed("the transfer agent is closed")
+            self._active.add(handle)
+        address = peer.ucx_address
+        try:
+            with state.write_lock:
+                if state.cancelled:
+                    raise _cancelled(spec)
+                try:
+                    nbytes, runs = reader.read(
+                        rma,
+                        lambda: self._loop.endpoint_handle(address),
+                        lambda: self._connect(peer),
+                        spec,
+                        plans,
+                        caches,
+                        control,
+                    )
+                except (RemoteTransferError, AccessDenied):
+                    raise  # decided before any read was posted, or after all completed
+                except BaseException:
+                    # Reads may be in flight: closing the endpoint ends them before the
+                    # write lock (and with it `cancel`) returns.
+                    self._reset_peer(peer, wait=True)
+                    raise
+                finally:
+                    self._loop.nudge()
+                elapsed = time.perf_counter() - started
+                future.set_result(
+                    PullResult(spec.request_id, spec.num_blocks, len(plans), runs, nbytes, elapsed)
+                )
+        except BaseException as exc:
+            if isinstance(exc, TransferCancelled) and state.closed:
+                exc = TransportClosed(
+                    f"pull {spec.request_id!r} aborted: the transfer agent was closed"
+                )
+            if not future.done():
+                future.set_exception(exc)
+        finally:
+            with self._jobs_cond:
+                self._active.discard(handle)
+        return handle
+
+    def fetch_keys(self, peer: PeerHandle, lease: LeaseAccess | None, timeout_s: float) -> bytes:
+        """Ask ``peer`` for its RMA keys, presenting ``lease``; the encoded `RmaKeys`.
+
+        `RemoteTransferError` with the peer's code if refused (``NOT_SERVING``: tagged only)."""
+        header_tag, data_tag = reply_tags(self._next_sequence())
+        header = self._loop.new_host_buffer(RESPONSE_HEADER_BYTES)
+        payload = self._loop.new_host_buffer(MAX_KEYS_BYTES)
+        message = KeysRequestMessage(
+            header_tag, self._loop.address, None if lease is None else _lease_fields(lease)
+        ).encode()
+        done = threading.Event()
+        outcome: dict[str, object] = {"pending": 2}
+
+        def finish(error: BaseException | None) -> None:  # loop thread
+            if error is not None:
+                outcome.setdefault("error", error)
+                done.set()
+                return
+            outcome["pending"] = int(outcome["pending"]) - 1  # type: ignore[call-overload]
+            if outcome["pending"] == 0:
+                done.set()
+
+        def post() -> None:
+            address = peer.ucx_address
+            self._loop.recv(address, header, header_tag, finish)
+            self._loop.recv(address, payload, data_tag, finish)
+            self._loop.send(address, message, REQUEST_TAG, lambda e: e and finish(e))
+
+        try:
+            self._loop.call(post).result(timeout_s)
+        except FutureTimeout:
+            raise TransferTimeoutError(
+                f"posting a keys request to {peer.name} took over {timeout_s} s"
+            ) from None
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise PeerUnreachable(
+                f"cannot ask {peer.name} for its keys: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not done.wait(timeout_s):
+            self._reset_peer(peer)
+            raise TransferTimeoutError(
+                f"{peer.name} did not answer a keys request within {timeout_s} s"
+            )
+        error = outcome.get("error")
+        if isinstance(error, BaseException):
+            self._reset_peer(peer)
+            raise PeerUnreachable(f"keys request to {peer.name} failed: {error}") from error
+        try:
+            answer = PullResponseHeader.decode(header)
+        except WireFormatError as exc:
+            raise RemoteTransferError(
+                f"{peer.name} sent an unreadable keys answer: {exc}", code=exc.code
+            ) from exc
+        if answer.status != ErrorCode.OK:
+            raise RemoteTransferError(
+                f"keys request refused by {peer.name} ({answer.status.name}): {answer.message}",
+                code=answer.status,
+            )
+        if not 0 < answer.payload_bytes <= MAX_KEYS_BYTES:
+            raise RemoteTransferError(
+                f"{peer.name} announced {answer.payload_bytes} bytes of keys",
+                code=ErrorCode.BAD_REQUEST,
+            )
+        return payload[: answer.payload_bytes].tobytes()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Cancel every pull, then stop the worker threads."""
@@ -658,6 +794,13 @@ class PullClient:
             f"({received}/{total} messages received)"
         )
 
-    def _reset_peer(self, peer: PeerHandle) -> None:
+    def _reset_peer(self, peer: PeerHandle, *, wait: bool = False) -> None:
         with contextlib.suppress(TransportClosed):
-            self._loop.call(lambda: self._loop.reset_endpoint(peer.ucx_address))
+            done = self._loop.call(lambda: self._loop.reset_endpoint(peer.ucx_address))
+            if wait:
+                with contextlib.suppress(TransportClosed):
+                    done.result()
+
+    def _connect(self, peer: PeerHandle) -> None:
+        """Make sure an endpoint to ``peer`` exists (it was reset), on the loop thread."""
+        self._loop.call(lambda: self._loop.endpoint(peer.ucx_address)).result()

@@ -43,6 +43,8 @@ RESPONSE_HEADER_BYTES = 4096
 SEGMENT_ALIGNMENT = 16
 
 KIND_PULL = 1
+# RMA mode: ask for the remote keys and memory layout of the server's KV (one-sided reads).
+KIND_KEYS = 2
 
 _ADDRESS_MAGIC = b"KVTA"
 _REQUEST_MAGIC = b"KVTQ"
@@ -267,6 +269,59 @@ class PullRequestMessage:
             payload_bytes=payload_bytes,
             lease=_decode_lease(body),
         )
+
+
+@dataclass(frozen=True)
+class KeysRequestMessage:
+    """Ask for the server's `RmaKeys`, presenting ``lease`` (as a pull does) to a server that
+    serves leased KV only; the answer's payload is the encoded keys."""
+
+    reply_tag: int
+    reply_address: bytes
+    lease: tuple[str, str, str, int] | None = None
+
+    def encode(self) -> bytes:
+        fields: dict[str, object] = {}
+        if self.lease is not None:
+            fields["lease"] = list(self.lease)
+        body = json.dumps(fields, separators=(",", ":")).encode()
+        return b"".join(
+            (
+                _REQUEST_STABLE.pack(
+                    _REQUEST_MAGIC,
+                    PROTOCOL_VERSION,
+                    KIND_KEYS,
+                    self.reply_tag,
+                    len(self.reply_address),
+                ),
+                self.reply_address,
+                _REQUEST_V1.pack(0, len(body), 0),
+                body,
+            )
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> KeysRequestMessage:
+        envelope = peek_request(data)
+        if envelope.kind != KIND_KEYS:
+            raise WireFormatError(f"request kind {envelope.kind} is not a keys request")
+        view = memoryview(data)
+        offset = envelope.body_offset
+        if len(view) < offset + _REQUEST_V1.size:
+            raise WireFormatError(f"request truncated: {len(view)} bytes")
+        _, json_len, _ = _REQUEST_V1.unpack_from(view, offset)
+        offset += _REQUEST_V1.size
+        if len(view) != offset + json_len:
+            raise WireFormatError(
+                f"request is {len(view)} bytes, its header declares {offset + json_len}"
+            )
+        try:
+            body = json.loads(bytes(view[offset:]))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise WireFormatError(f"request metadata is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise WireFormatError("request metadata must be a JSON object")
+        return cls(envelope.reply_tag, envelope.reply_address, _decode_lease(body))
 
 
 def peek_request(data: bytes | bytearray | memoryview) -> RequestEnvelope:

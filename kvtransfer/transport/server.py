@@ -43,9 +43,12 @@ from kvtransfer.transport.buffers import (
 )
 from kvtransfer.transport.errors import ErrorCode, TransportClosed
 from kvtransfer.transport.messages import (
+    KIND_KEYS,
     REQUEST_TAG,
+    KeysRequestMessage,
     PullRequestMessage,
     PullResponseHeader,
+    RequestEnvelope,
     WireFormatError,
     payload_tag,
     peek_request,
@@ -90,8 +93,11 @@ class KVServer:
         grants: LeaseGrants | None = None,
         checksum: bool = True,
         inline_bytes: int = 0,
+        rma_keys: bytes | None = None,
     ) -> None:
         self._loop = loop
+        # RMA mode: the encoded `RmaKeys` handed to peers that authenticate (None: tagged only).
+        self._rma_keys = rma_keys
         self._inline_bytes = inline_bytes
         self._pool = pool
         self._caches = caches
@@ -113,6 +119,8 @@ class KVServer:
         self._stats_lock = threading.Lock()
         self.requests_served = 0
         self.requests_rejected = 0
+        # Keys requests answered with the keys: peers that may now read one-sided.
+        self.keys_served = 0
         # Payload bytes of the requests served: what this server put on the wire.
         self.bytes_served = 0
 
@@ -215,6 +223,9 @@ class KVServer:
             # Without a reply tag and address there is nobody to answer.
             logger.warning("dropping unanswerable pull request: %s", exc)
             return
+        if envelope.kind == KIND_KEYS:
+            self._answer_keys(data, envelope, may_park)
+            return
         payload: torch.Tensor | None = None
         buffer: torch.Tensor | None = None
         try:
@@ -249,6 +260,40 @@ class KVServer:
             else:
                 self.requests_rejected += 1
         self._reply(envelope.reply_address, envelope.reply_tag, header, buffer, payload)
+
+    def _answer_keys(self, data: Any, envelope: RequestEnvelope, may_park: bool) -> None:
+        """A keys request: the same lease check as a pull, then the keys (RMA mode only)."""
+        payload: torch.Tensor | None = None
+        try:
+            request = KeysRequestMessage.decode(data)
+            if self._rma_keys is None:
+                raise _Rejected(
+                    ErrorCode.NOT_SERVING,
+                    "this agent serves tagged reads only (data_plane 'tagged'): no one-sided keys",
+                )
+            access = None if request.lease is None else LeaseAccess(*request.lease)
+            if self._grants is not None:
+                if (
+                    may_park
+                    and access is not None
+                    and not self._grants.ready(access.lease_id, ())
+                    and self._park(access.lease_id, (), data)
+                ):
+                    return
+                self._grants.authenticate(access)
+            payload = torch.frombuffer(bytearray(self._rma_keys), dtype=torch.uint8)
+            header = PullResponseHeader(ErrorCode.OK, payload.numel())
+        except (AccessDenied, WireFormatError, _Rejected) as exc:
+            header = PullResponseHeader(exc.code, 0, str(exc))
+        except Exception as exc:
+            logger.exception("keys request failed on the server")
+            header = PullResponseHeader(ErrorCode.INTERNAL, 0, f"{type(exc).__name__}: {exc}")
+        with self._stats_lock:
+            if header.status == ErrorCode.OK:
+                self.keys_served += 1
+            else:
+                self.requests_rejected += 1
+        self._reply(envelope.reply_address, envelope.reply_tag, header, None, payload)
 
     def _gather_leased(
         self, request: PullRequestMessage, access: LeaseAccess | None

@@ -10,6 +10,7 @@ declared here is the stable part of the ABI (UCX 1.10 onwards).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Any
 
@@ -21,7 +22,7 @@ _ADDRESS_FLAG_NET_ONLY = 1 << 0
 _NAME_MAX = 32
 
 
-class _WorkerAttr(ctypes.Structure):
+class WorkerAttr(ctypes.Structure):
     _fields_ = [
         ("field_mask", ctypes.c_uint64),
         ("thread_mode", ctypes.c_int),
@@ -34,13 +35,15 @@ class _WorkerAttr(ctypes.Structure):
     ]
 
 
-def _libucp() -> Any:
+@functools.cache
+def libucp() -> Any:
+    """The libucp ucxx loaded (`RuntimeError` if none is)."""
     # RTLD_NOLOAD: the library ucxx loaded, never a second copy (its handles would not match).
     try:
         lib = ctypes.CDLL(_LIBUCP, mode=os.RTLD_NOLOAD)
     except OSError as exc:
         raise RuntimeError(f"{_LIBUCP} is not loaded in this process: {exc}") from None
-    lib.ucp_worker_query.argtypes = [ctypes.c_void_p, ctypes.POINTER(_WorkerAttr)]
+    lib.ucp_worker_query.argtypes = [ctypes.c_void_p, ctypes.POINTER(WorkerAttr)]
     lib.ucp_worker_query.restype = ctypes.c_int
     lib.ucp_worker_release_address.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.ucp_worker_release_address.restype = None
@@ -52,8 +55,8 @@ def net_only_address(worker_handle: int) -> bytes:
 
     Call it from the thread that owns the worker (UCX workers are single-threaded here).
     """
-    lib = _libucp()
-    attr = _WorkerAttr(
+    lib = libucp()
+    attr = WorkerAttr(
         field_mask=_ATTR_FIELD_ADDRESS | _ATTR_FIELD_ADDRESS_FLAGS,
         address_flags=_ADDRESS_FLAG_NET_ONLY,
     )

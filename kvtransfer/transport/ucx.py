@@ -105,8 +105,13 @@ class UcxLoop:
         self._ucx, self._array, self._np = _ucx_modules()
         ucx = self._ucx
         options = {} if net_devices is None else {"NET_DEVICES": net_devices}
-        self._context = ucx.UCXContext(options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        # RMA: one-sided reads of registered KV (see `rma`), on the same worker and endpoints.
+        self._context = ucx.UCXContext(
+            options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP, ucx.Feature.RMA)
+        )
         self._worker = ucx.UCXWorker(self._context)
+        self.context_handle: int = self._context.handle
+        self.worker_handle: int = self._worker.handle
         self._worker.init_blocking_progress_mode()
         self._epoll_fd = self._worker.epoll_file_descriptor
         self.net_devices: str = str(self._context.config.get("NET_DEVICES", "all"))
@@ -126,6 +131,11 @@ class UcxLoop:
         self._deadlines: list[_Deadline] = []
         self._deadline_seq = itertools.count()
         self._endpoints: dict[bytes, Any] = {}
+        # Raw ``ucp_ep_h`` of each live endpoint, for threads that call UCX directly (`rma`):
+        # written on the loop thread only, removed before the endpoint closes.
+        self._handles: dict[bytes, int] = {}
+        # Run before an endpoint to the address closes, every time (remote keys go first).
+        self._close_hooks: dict[bytes, list[Callable[[], None]]] = {}
         self._listeners: dict[int, MessageHandler] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -146,6 +156,13 @@ class UcxLoop:
     def is_cancellation(self, error: BaseException) -> bool:
         """Whether a completion error means the request was cancelled (endpoint reset)."""
         return isinstance(error, self._ucx.UCXCanceledError)
+
+    def nudge(self) -> None:
+        """Wake the loop thread: another thread progressed the worker and may have taken the
+        events it sleeps on."""
+        with self._lock:
+            if not self._closing:
+                self._wake()
 
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -226,7 +243,19 @@ class UcxLoop:
                 else "network only",
             )
             self._endpoints[address] = endpoint
+            self._handles[address] = endpoint.handle
         return endpoint
+
+    def on_close(self, address: bytes, hook: Callable[[], None]) -> None:
+        """Run ``hook`` (on the loop thread) before any endpoint to ``address`` closes; any
+        thread."""
+        with self._lock:
+            self._close_hooks.setdefault(address, []).append(hook)
+
+    def endpoint_handle(self, address: bytes) -> int | None:
+        """The raw ``ucp_ep_h`` of the live endpoint to ``address``, if any; any thread. Valid
+        until the `on_close` hooks for ``address`` have run."""
+        return self._handles.get(address)
 
     def reset_endpoint(self, address: bytes) -> bool:
         """Close the endpoint to ``address`` and cancel its posted receives (loop thread).
@@ -236,6 +265,7 @@ class UcxLoop:
         endpoint = self._endpoints.pop(address, None)
         if endpoint is None:
             return False
+        self._run_before_close(address)
         endpoint.close()
         # Cancels only requests of closed endpoints: live endpoints' requests are unaffected.
         self._worker.cancel_inflight_requests()
@@ -426,10 +456,21 @@ class UcxLoop:
         except BlockingIOError:
             pass
 
+    def _run_before_close(self, address: bytes) -> None:
+        self._handles.pop(address, None)
+        with self._lock:
+            hooks = list(self._close_hooks.get(address, ()))
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:
+                logger.exception("hook before closing an endpoint failed")
+
     def _shutdown(self) -> None:
         self._listeners.clear()
         try:
-            for endpoint in self._endpoints.values():
+            for address, endpoint in self._endpoints.items():
+                self._run_before_close(address)
                 endpoint.close()
             self._worker.cancel_inflight_requests()
             stop = time.monotonic() + _SHUTDOWN_DRAIN_S

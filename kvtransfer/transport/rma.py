@@ -1,0 +1,459 @@
+"""RMA mode: the producer registers its KV once; consumers read it one-sided.
+
+Producer (`RmaExporter`): at `KVTransferAgent.start_server` every tensor storage behind the
+registered layers is mapped with UCX (``ucp_mem_map``, remote read only; host or CUDA memory)
+and its remote key packed, together with the lease table (see `lease_table`). `RmaKeys` is
+what a consumer receives, once per producer agent, in answer to a keys request that presents a
+valid lease (the same authentication as a tagged pull); after that the producer runs none of
+our code per read: UCX serves it (cma on one host, tcp emulated by the producer's UCX worker).
+
+Consumer (`RmaReader`): unpacks the keys on its endpoint to the producer (`RmaPeer`), plans the
+contiguous runs of a pull (`rma_layout`), checks the lease row, posts one ``ucp_get_nbx`` per run
+straight into its own cache blocks, waits for the flush, and checks the lease row again. All of
+it on the calling thread (the UCX worker is thread-safe), so a pull costs no thread hand-off.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtransfer.transport.access import AccessDenied, LeaseEndedDuringRead, secret_digest
+from kvtransfer.transport.errors import (
+    ErrorCode,
+    PeerUnreachable,
+    RemoteTransferError,
+    TransferCancelled,
+    TransferTimeoutError,
+)
+from kvtransfer.transport.lease_table import (
+    ROW_BYTES,
+    WINDOW,
+    LeaseTable,
+    find_row,
+    lease_slot,
+    lease_token,
+)
+from kvtransfer.transport.rma_layout import LayerMemory, Runs, concat_runs, layer_runs
+from kvtransfer.transport.spec import LayerPlan, PullSpec
+from kvtransfer.transport.ucp_rma import (
+    MEMORY_CUDA,
+    MEMORY_HOST,
+    Gets,
+    MappedRegion,
+    UcxStatusError,
+    destroy_key,
+    unpack_key,
+)
+
+logger = logging.getLogger(__name__)
+
+# A keys answer larger than this is refused (a layer entry is ~200 bytes, a key ~100).
+MAX_KEYS_BYTES = 4 << 20
+# Busy progress calls before a reader starts sleeping between them (2 cores: do not spin).
+_SPINS = 200
+_NAP_S = 0.0002
+# A waiting reader runs its `on_wait` (the producer liveness probe) this often.
+_WAIT_HOOK_S = 0.25
+# Back-off of a reader waiting for its lease row (the grant reaches the workers once a step).
+_ROW_BACKOFF_S = (0.0005, 0.02)
+
+
+@dataclass(frozen=True)
+class RegionKey:
+    address: int
+    length: int
+    memory: str
+    key: bytes
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """Where the producer's lease table is: region, address, and its layer order."""
+
+    region: int
+    address: int
+    slots: int
+    layers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RmaKeys:
+    """What a consumer needs to read a producer agent's KV one-sided."""
+
+    regions: tuple[RegionKey, ...]
+    layers: Mapping[str, LayerMemory]
+    table: TableRef | None
+
+    def encode(self) -> bytes:
+        body = {
+            "regions": [
+                [r.address, r.length, r.memory, base64.b64encode(r.key).decode()]
+                for r in self.regions
+            ],
+            "layers": [layer.as_dict() for layer in self.layers.values()],
+            "table": None
+            if self.table is None
+            else [self.table.region, self.table.address, self.table.slots, list(self.table.layers)],
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> RmaKeys:
+        """`ValueError` naming what is wrong with a peer's keys answer."""
+        try:
+            body = json.loads(data)
+            regions = tuple(
+                RegionKey(int(a), int(n), str(m), base64.b64decode(k, validate=True))
+                for a, n, m, k in body["regions"]
+            )
+            layers = {}
+            for item in body["layers"]:
+                layer = LayerMemory.from_dict(item)
+                layers[layer.name] = layer
+            table = body["table"]
+            ref = (
+                None
+                if table is None
+                else TableRef(int(table[0]), int(table[1]), int(table[2]), tuple(table[3]))
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"unreadable RMA keys: {type(exc).__name__}: {exc}") from exc
+        for name, layer in layers.items():
+            if not 0 <= layer.region < len(regions):
+                raise ValueError(f"layer {name!r} names region {layer.region} of {len(regions)}")
+            region = regions[layer.region]
+            low, high = layer.extent()
+            if low < region.address or high > region.address + region.length:
+                raise ValueError(f"layer {name!r} lies outside its region")
+        if ref is not None and not 0 <= ref.region < len(regions):
+            raise ValueError(f"the lease table names region {ref.region} of {len(regions)}")
+        return cls(regions, layers, ref)
+
+
+def _memory_type(tensor: torch.Tensor) -> int:
+    return MEMORY_CUDA if tensor.is_cuda else MEMORY_HOST
+
+
+class RmaExporter:
+    """The producer's registered memory: every cache storage and the lease table."""
+
+    def __init__(
+        self, context: int, caches: Mapping[str, torch.Tensor], table: LeaseTable | None
+    ) -> None:
+        self._mapped: list[MappedRegion] = []
+        by_storage: dict[tuple[int, int], int] = {}
+        layers: dict[str, LayerMemory] = {}
+        try:
+            for name, tensor in caches.items():
+                storage = tensor.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+                if key not in by_storage:
+                    by_storage[key] = len(self._mapped)
+                    self._mapped.append(MappedRegion.map(context, *key, _memory_type(tensor)))
+                layers[name] = LayerMemory.of(name, tensor, by_storage[key])
+            ref = None
+            if table is not None:
+                self._mapped.append(
+                    MappedRegion.map(context, table.words.data_ptr(), table.nbytes, MEMORY_HOST)
+                )
+                ref = TableRef(
+                    len(self._mapped) - 1, table.words.data_ptr(), table.slots, table.layer_names
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.keys = RmaKeys(
+            tuple(
+                RegionKey(
+                    m.address,
+                    m.length,
+                    "cuda" if m.memory_type == MEMORY_CUDA else "host",
+                    m.packed_key,
+                )
+                for m in self._mapped
+            ),
+            layers,
+            ref,
+        )
+        self.encoded = self.keys.encode()
+        if len(self.encoded) > MAX_KEYS_BYTES:
+            self.close()
+            raise ValueError(f"RMA keys take {len(self.encoded)} bytes, over {MAX_KEYS_BYTES}")
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(m.length for m in self._mapped)
+
+    def close(self) -> None:
+        for region in self._mapped:
+            try:
+                region.unmap()
+            except Exception:
+                logger.exception("unmapping a KV region failed")
+        self._mapped = []
+
+
+class RmaPeer:
+    """A producer's keys on the consumer, unpacked on the current endpoint to it.
+
+    ``lock`` is held by a reader for a whole read and by `release`, which destroys the
+    unpacked keys before the endpoint closes (UCX's order), so no read uses a destroyed key.
+    """
+
+    def __init__(self, keys: RmaKeys) -> None:
+        self.keys = keys
+        self.lock = threading.Lock()
+        self._endpoint: int | None = None
+        self._worker: int | None = None
+        self._rkeys: list[int] = []
+
+    def bound(self) -> tuple[int, int, list[int]] | None:
+        """(worker, endpoint, unpacked keys) if bound (call under ``lock``)."""
+        if self._endpoint is None or self._worker is None:
+            return None
+        return self._worker, self._endpoint, self._rkeys
+
+    def rebind(self, worker: int, endpoint: int) -> tuple[int, int, list[int]]:
+        """Unpack every region key on ``endpoint`` (call under ``lock``)."""
+        self._unbind()
+        rkeys: list[int] = []
+        try:
+            for region in self.keys.regions:
+                rkeys.append(unpack_key(endpoint, region.key))
+        except UcxStatusError:
+            for rkey in rkeys:
+                destroy_key(rkey)
+            raise
+        self._worker, self._endpoint, self._rkeys = worker, endpoint, rkeys
+        return worker, endpoint, rkeys
+
+    def release(self) -> None:
+        """The endpoint is closing: destroy the unpacked keys first (any thread)."""
+        with self.lock:
+            self._unbind()
+
+    def _unbind(self) -> None:
+        rkeys, self._rkeys = self._rkeys, []
+        self._endpoint = self._worker = None
+        for rkey in rkeys:
+            destroy_key(rkey)
+
+
+@dataclass
+class ReadControl:
+    """What a read checks while it waits: a cancel flag, a deadline and a liveness hook."""
+
+    cancelled: Callable[[], bool]
+    deadline: float
+    timeout_s: float
+    on_wait: Callable[[], None] | None = None
+    grant_wait_s: float = 5.0
+
+
+def plan_runs(
+    keys: RmaKeys,
+    spec: PullSpec,
+    plans: list[LayerPlan],
+    caches: Mapping[str, torch.Tensor],
+) -> Runs:
+    """The merged runs of ``spec``; `RemoteTransferError` with the tagged mode's codes for
+    what the producer's layout cannot serve (checked here: no producer sees the read)."""
+    parts = []
+    remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
+    for plan in plans:
+        remote = keys.layers.get(plan.name)
+        if remote is None:
+            raise RemoteTransferError(
+                f"pull {spec.request_id!r}: the producer has no layer {plan.name!r}",
+                code=ErrorCode.UNKNOWN_LAYER,
+            )
+        heads = spec.remote_heads or range(remote.shape[2])
+        if heads.stop > remote.shape[2] or len(heads) != len(plan.local_heads):
+            raise RemoteTransferError(
+                f"pull {spec.request_id!r}: head range [{heads.start},{heads.stop}) does not fit "
+                f"layer {plan.name!r} with {remote.shape[2]} heads on the producer",
+                code=ErrorCode.HEAD_RANGE,
+            )
+        if len(remote_ids) and int(remote_ids.max()) >= remote.shape[0]:
+            raise RemoteTransferError(
+                f"pull {spec.request_id!r}: block id {int(remote_ids.max())} out of range for "
+                f"layer {plan.name!r} with {remote.shape[0]} blocks on the producer",
+                code=ErrorCode.BLOCK_OUT_OF_RANGE,
+            )
+        local = LayerMemory.of(plan.name, caches[plan.name])
+        try:
+            parts.append(
+                layer_runs(local, remote, spec.local_block_ids, remote_ids, plan.local_heads, heads)
+            )
+        except ValueError as exc:
+            raise RemoteTransferError(
+                f"pull {spec.request_id!r}: {exc}", code=ErrorCode.LAYOUT_MISMATCH
+            ) from exc
+    return concat_runs(parts)
+
+
+class RmaReader:
+    """Runs one-sided pulls for one agent (see the module docstring)."""
+
+    def __init__(self, worker: int) -> None:
+        self._worker = worker
+
+    def read(
+        self,
+        rma: RmaPeer,
+        endpoint: Callable[[], int | None],
+        connect: Callable[[], None],
+        spec: PullSpec,
+        plans: list[LayerPlan],
+        caches: Mapping[str, torch.Tensor],
+        control: ReadControl,
+    ) -> tuple[int, int]:
+        """Read ``spec`` into ``caches``; returns (bytes, runs). ``endpoint`` gives the live
+        endpoint's handle (None: none yet), ``connect`` makes one (never called holding
+        ``rma.lock``: the loop thread takes it to close endpoints). Any error raised while
+        reads were in flight (cancel, timeout, ``on_wait``, a failed read) leaves them to the
+        caller, who must reset the endpoint."""
+        keys = rma.keys
+        runs = plan_runs(keys, spec, plans, caches)
+        device = caches[plans[0].name].device
+        memory = MEMORY_CUDA if device.type == "cuda" else MEMORY_HOST
+        row = _LeaseRow.of(keys, spec, plans)
+        key_regions = runs.keys.tolist()
+        local, lengths, remote = runs.local.tolist(), runs.lengths.tolist(), runs.remote.tolist()
+        while True:
+            with rma.lock:
+                ep = endpoint()
+                if ep is not None:
+                    bound = rma.bound()
+                    if bound is None or bound[1] != ep:
+                        bound = rma.rebind(self._worker, ep)
+                    worker, _, rkeys = bound
+                    if row is not None:
+                        row.wait_held(self, worker, ep, rkeys, control)
+                    gets = Gets(worker, ep, memory)
+                    try:
+                        gets.post_many(local, lengths, remote, [rkeys[k] for k in key_regions])
+                        gets.flush()
+                        self.wait(gets, control, f"pull {spec.request_id!r}")
+                    except BaseException:
+                        gets.abandon()
+                        raise
+                    if row is not None and not row.check(self, worker, ep, rkeys, control):
+                        raise LeaseEndedDuringRead(
+                            f"lease {row.lease_id!r} ended while pull {spec.request_id!r} read "
+                            "its blocks one-sided: what was read may be another request's KV "
+                            "and is not used"
+                        )
+                    return runs.total_bytes, len(runs)
+            connect()
+
+    def wait(self, gets: Gets, control: ReadControl, what: str) -> None:
+        """Progress until ``gets`` completed, or raise: cancelled, timed out, peer failed, or
+        whatever ``control.on_wait`` raises (a dead producer)."""
+        spins = 0
+        hook_at = time.monotonic() + _WAIT_HOOK_S
+        while True:
+            try:
+                if gets.poll():
+                    return
+            except UcxStatusError as exc:
+                raise PeerUnreachable(f"{what}: one-sided read failed: {exc}") from exc
+            spins += 1
+            if spins < _SPINS:
+                continue
+            if control.cancelled():
+                raise TransferCancelled(f"{what} was cancelled")
+            now = time.monotonic()
+            if now >= control.deadline:
+                raise TransferTimeoutError(
+                    f"{what} timed out after {control.timeout_s} s (one-sided read not completed)"
+                )
+            if control.on_wait is not None and now >= hook_at:
+                hook_at = now + _WAIT_HOOK_S
+                control.on_wait()
+            time.sleep(_NAP_S)
+
+
+class _LeaseRow:
+    """The lease-table window a read checks before and after its data reads."""
+
+    def __init__(self, token: int, address: int, table_key: int, needed: int, lease_id: str):
+        self.token = token
+        self.address = address
+        self.table_key = table_key
+        self.needed = needed
+        self.lease_id = lease_id
+        self.window = np.zeros(WINDOW * 2, dtype=np.int64)
+
+    @classmethod
+    def of(cls, keys: RmaKeys, spec: PullSpec, plans: list[LayerPlan]) -> _LeaseRow | None:
+        table, lease = keys.table, spec.lease
+        if table is None or lease is None:
+            return None
+        order = {name: i for i, name in enumerate(table.layers)}
+        missing = [p.name for p in plans if p.name not in order]
+        if missing:
+            raise RemoteTransferError(
+                f"pull {spec.request_id!r}: the producer's lease table lists no layer "
+                f"{missing[0]!r}",
+                code=ErrorCode.UNKNOWN_LAYER,
+            )
+        token = lease_token(lease.lease_id, secret_digest(lease.secret), lease.prompt_digest)
+        address = table.address + lease_slot(lease.lease_id, table.slots) * ROW_BYTES
+        needed = max(order[p.name] for p in plans) + 1
+        return cls(token, address, table.region, needed, lease.lease_id)
+
+    def _read(
+        self, reader: RmaReader, worker: int, ep: int, rkeys: list[int], control: ReadControl
+    ) -> int | None:
+        gets = Gets(worker, ep)
+        try:
+            gets.post_many(
+                [self.window.ctypes.data],
+                [self.window.nbytes],
+                [self.address],
+                [rkeys[self.table_key]],
+            )
+            gets.flush()
+            reader.wait(gets, control, f"lease check of {self.lease_id!r}")
+        except BaseException:
+            gets.abandon()
+            raise
+        return find_row(self.window, self.token)
+
+    def wait_held(
+        self, reader: RmaReader, worker: int, ep: int, rkeys: list[int], control: ReadControl
+    ) -> None:
+        """Until the lease row is there with the layers read ready (the grant may lag)."""
+        give_up = min(control.deadline, time.monotonic() + control.grant_wait_s)
+        delay = _ROW_BACKOFF_S[0]
+        while True:
+            ready = self._read(reader, worker, ep, rkeys, control)
+            if ready is not None and ready >= self.needed:
+                return
+            if control.cancelled():
+                raise TransferCancelled(f"read of lease {self.lease_id!r} was cancelled")
+            if time.monotonic() >= give_up:
+                state = "is not held" if ready is None else "has layers still being computed"
+                raise AccessDenied(
+                    f"lease {self.lease_id!r} {state} on the producer (one-sided check of its "
+                    f"lease table after {control.grant_wait_s} s)"
+                )
+            if control.on_wait is not None:
+                control.on_wait()
+            time.sleep(delay)
+            delay = min(delay * 2, _ROW_BACKOFF_S[1])
+
+    def check(
+        self, reader: RmaReader, worker: int, ep: int, rkeys: list[int], control: ReadControl
+    ) -> bool:
+        return self._read(reader, worker, ep, rkeys, control) is not None
