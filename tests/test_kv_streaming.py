@@ -2,7 +2,12 @@
 long enough to act on while it computes): the decode daemon is called as soon as the prefill
 announces its params, loads the KV layer by layer while the prefill computes, gets the first
 token through Continue and equals a colocated run; a prefill killed mid-stream gives the decode
-its ``kv_load_failure_policy``; a client leaving mid-stream leaves no block held anywhere."""
+its ``kv_load_failure_policy``; a client leaving mid-stream leaves no block held anywhere.
+
+"Layer by layer while the prefill computes" is seen, not inferred from reported phases: both
+daemons run `serve_helpers.layer_times.TimedUcxConnector`, which writes down when the prefill
+wrote each layer's KV and when each of the decode's pulls landed (one clock), and holds the
+prefill's forward before its last layer until a layer has landed on the decode."""
 
 from __future__ import annotations
 
@@ -10,12 +15,18 @@ import json
 import random
 import socket
 import threading
+import time
 import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from serve_helpers.daemons import admin, colocated, running, start_daemon, start_router
+from serve_helpers.layer_times import arm_hold, read_events, timed_env, timed_kv_config
 from serve_helpers.probes import post, started, used_blocks
 from waiting import wait_until
+
+from kvtransfer.serve.launcher import ServiceProcess
 
 pytestmark = pytest.mark.integration
 
@@ -38,19 +49,45 @@ def _complete(url: str) -> tuple[int, dict]:
     return status, json.loads(text)
 
 
+@dataclass
+class PD:
+    url: str
+    prefill: ServiceProcess
+    decode: ServiceProcess
+    # When each daemon's connector saw what (`serve_helpers.layer_times`).
+    prefill_times: Path
+    decode_times: Path
+    # Armed: the prefill's next forward waits at its last layer for a pull to land on decode.
+    hold: Path
+
+
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     logs = tmp_path_factory.mktemp("stream")
-    prefill = start_daemon("prefill", logs, *MODEL, "--engine-id", "p")
-    decode = start_daemon("decode", logs, *MODEL, "--engine-id", "d")
+    times = {role: logs / f"{role}-times.jsonl" for role in ("prefill", "decode")}
+    hold = logs / "hold"
+    # Every prompt streams (as start_daemon's default), through the timed UcxConnector.
+    kv = {"kv_connector_extra_config": {"kv_stream_min_tokens": 0}, **timed_kv_config()}
+    prefill = start_daemon(
+        "prefill", logs, *MODEL, "--engine-id", "p", kv=kv, env=timed_env(times["prefill"], hold)
+    )
+    decode = start_daemon(
+        "decode", logs, *MODEL, "--engine-id", "d", kv=kv, env=timed_env(times["decode"])
+    )
     router = start_router(logs, [prefill], [decode])
     with running(router, decode, prefill):
-        yield router.address, prefill, decode
+        yield PD(router.address, prefill, decode, times["prefill"], times["decode"], hold)
 
 
 def test_the_decode_loads_while_the_prefill_computes_and_equals_colocated(pd, expected):
-    url, prefill, decode = pd
-    status, body = _complete(url)
+    since = time.monotonic()
+    # The prefill's forward stops before its last layer until a layer landed on the decode:
+    # only a decode loading layer by layer while the prefill computes can release it.
+    arm_hold(pd.hold, pd.decode_times, since)
+    try:
+        status, body = _complete(pd.url)
+    finally:
+        pd.hold.unlink(missing_ok=True)  # taken by the prefill's forward, unless it never ran
     assert status == 200, body
     info = body["kvtransfer"]
     assert info["token_ids"] == expected
@@ -59,14 +96,39 @@ def test_the_decode_loads_while_the_prefill_computes_and_equals_colocated(pd, ex
     # The load started before the first token existed: part of it hid behind the prefill.
     assert 0 < phases["kv_overlapped_s"] <= phases["kv_transfer_s"], phases
     wait_until(
-        lambda: used_blocks(prefill) == used_blocks(decode) == 0,
+        lambda: used_blocks(pd.prefill) == used_blocks(pd.decode) == 0,
         "both sides free",
         RELEASED_WITHIN_S,
     )
+    # What each side's connector saw: the prefill's one forward over the prompt (each layer's
+    # KV written, in order), the decode's pulls completing.
+    produced = read_events(pd.prefill_times, since)
+    forward = produced[: next(i for i, e in enumerate(produced) if e["event"] == "forward_done")]
+    saved = {e["layer"]: e["t"] for e in forward if e["event"] == "saved"}
+    layers = list(saved)
+    held = [e for e in forward if e["event"] == "held"]
+    pulls = [e for e in read_events(pd.decode_times, since) if e["event"] == "pulled"]
+    landed = {e["layers"][0]: e["t"] for e in pulls}
+    timeline = sorted(
+        [(e["t"] - since, "prefill saved", e.get("layer")) for e in forward]
+        + [(t - since, "decode pulled", layer) for layer, t in landed.items()]
+    )
+    assert len(layers) > 1, timeline
+    # Released by a layer landing on the decode, not by the hold's bound.
+    assert [e["released_by"] for e in held] == ["pull"], timeline
+    # Loaded layer by layer: one pull per layer, each layer once.
+    assert [e["layers"] for e in pulls if len(e["layers"]) != 1] == [], timeline
+    assert sorted(landed) == sorted(layers) and len(pulls) == len(layers), timeline
+    # No layer was served before the prefill had written it ...
+    assert [layer for layer in layers if landed[layer] < saved[layer]] == [], timeline
+    # ... and some landed on the decode while the prefill was still computing (before it wrote
+    # its last layer), the first layer first.
+    early = [layer for layer in layers if landed[layer] < saved[layers[-1]]]
+    assert early and early[0] == layers[0], timeline
 
 
 def test_a_client_leaving_mid_stream_leaves_nothing_held(pd):
-    url, prefill, decode = pd
+    url, prefill, decode = pd.url, pd.prefill, pd.decode
     calls = started(decode)
     parts = urllib.parse.urlsplit(url)
     body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}).encode()
