@@ -44,16 +44,24 @@ SPLITS = [
 
 
 class EnginePool:
-    """Synthetic engines started on first use and shared by the module's tests."""
+    """Synthetic engines started on first use and shared by the module's tests, all on one
+    data plane (the module runs once per plane)."""
 
-    def __init__(self) -> None:
+    def __init__(self, data_plane: str) -> None:
+        self.data_plane = data_plane
         self._engines: dict[tuple, SyntheticEngine] = {}
+
+    def engines(self, *specs: dict):
+        """`engines` on this pool's data plane."""
+        return engines(*({**spec, "data_plane": self.data_plane} for spec in specs))
 
     def get(self, role: str, tp: int, pp: int) -> SyntheticEngine:
         key = (role, tp, pp)
         if key not in self._engines:
             seed = SEED if role == "kv_producer" else None
-            self._engines[key] = start_engine(f"{role}-{tp}x{pp}", tp, pp, role, seed=seed)
+            self._engines[key] = start_engine(
+                f"{role}-{tp}x{pp}", tp, pp, role, seed=seed, data_plane=self.data_plane
+            )
         engine = self._engines[key]
         if role == "kv_consumer":
             # Earlier tests loaded into it: back to "nothing written" (in place, the agent
@@ -68,9 +76,9 @@ class EnginePool:
             engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = EnginePool()
+@pytest.fixture(scope="module", params=["rma", "tagged"])
+def pool(request):
+    pool = EnginePool(request.param)
     yield pool
     pool.shutdown()
 
@@ -140,7 +148,7 @@ def test_replicated_heads_are_read_once_and_layers_from_their_stage(pool):
 
 def test_handshake_is_cached_per_producer(pool):
     p = pool.get("kv_producer", 1, 1)
-    with engines({"engine_id": "cache-c", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
+    with pool.engines({"engine_id": "cache-c", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
         worker = c.workers[(0, 0)]
         for i in range(3):
             spec = LoadSpec(f"r{i}", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
@@ -156,7 +164,7 @@ def test_handshake_is_cached_per_producer(pool):
 
 
 def test_abort_while_pulling_writes_nothing_and_reports_at_once(pool):
-    with engines(
+    with pool.engines(
         {"engine_id": "stalled", "tp": 1, "pp": 1, "role": "kv_producer", "seed": SEED},
         {"engine_id": "abort-c", "tp": 1, "pp": 1, "role": "kv_consumer"},
     ) as (p, c):
@@ -243,7 +251,7 @@ def test_failed_load_reports_its_blocks(pool, caplog, case):
 
 def test_block_size_mismatch_is_refused_at_handshake(pool, caplog):
     p = pool.get("kv_producer", 1, 1)
-    with engines(
+    with pool.engines(
         {"engine_id": "bs16", "tp": 1, "pp": 1, "role": "kv_consumer", "block_size": 16}
     ) as (c,):
         spec = LoadSpec("bs", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
@@ -256,7 +264,7 @@ def test_block_size_mismatch_is_refused_at_handshake(pool, caplog):
 
 
 def test_a_producer_without_drafter_cannot_feed_a_drafter(pool, caplog):
-    with engines(
+    with pool.engines(
         {
             "engine_id": "nodraft",
             "tp": 1,
@@ -277,7 +285,7 @@ def test_a_producer_without_drafter_cannot_feed_a_drafter(pool, caplog):
 
 def test_failed_pull_drops_the_cached_handshake(pool):
     p = pool.get("kv_producer", 1, 1)
-    with engines({"engine_id": "retry-c", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
+    with pool.engines({"engine_id": "retry-c", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
         bad = LoadSpec("bad", p.remote("pre", (99,)), (99,), (0,))
         good = LoadSpec("good", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
         assert run_load(c, bad)[(0, 0)][1] == {"bad"}
@@ -289,7 +297,7 @@ def test_failed_pull_drops_the_cached_handshake(pool):
 
 def test_empty_load_completes_without_a_handshake(pool):
     p = pool.get("kv_producer", 1, 1)
-    with engines({"engine_id": "empty-c", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
+    with pool.engines({"engine_id": "empty-c", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
         spec = LoadSpec("empty", p.remote("pre", ()), (), ())
         assert run_load(c, spec) == {(0, 0): ({"empty"}, set(), set())}
         assert c.workers[(0, 0)].worker_half.remote_engines == []
@@ -298,6 +306,12 @@ def test_empty_load_completes_without_a_handshake(pool):
 def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
     p = pool.get("kv_producer", 1, 1)
     c = pool.get("kv_consumer", 1, 1)
+    # A consumer that read from this producer before (in RMA mode: it holds its keys, so only
+    # the one-sided lease check stands between it and the released blocks).
+    fine = LoadSpec("fine", p.remote("held", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+    assert run_load(c, fine) == {(0, 0): ({"fine"}, set(), set())}
+    for cache in c.caches[(0, 0)].values():
+        cache.fill_(SENTINEL)
     remote = p.remote("expired", REMOTE_IDS)
     leases = p.scheduler.scheduler_half.leases
     leases.finish([("expired", 0, remote.secret)])
@@ -306,5 +320,14 @@ def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
     spec = LoadSpec("late", remote, REMOTE_IDS, LOCAL_IDS)
     with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
         assert run_load(c, spec) == {(0, 0): ({"late"}, {"late"}, set(LOCAL_IDS))}
-    assert "(ACCESS_DENIED): lease 'expired' has ended: its KV cannot be read" in caplog.text
+    if pool.data_plane == "tagged":
+        # The producer refuses the read itself.
+        assert "(ACCESS_DENIED): lease 'expired' has ended: its KV cannot be read" in caplog.text
+    else:
+        # No row for the lease in the producer's table, and the liveness probe's "still
+        # held?" says no: the read never starts.
+        assert (
+            "LeaseLostError: engine 'kv_producer-1x1' no longer holds request 'expired'"
+            in caplog.text
+        )
     assert all(torch.all(cache == SENTINEL) for cache in c.caches[(0, 0)].values())

@@ -299,12 +299,14 @@ class KVTransferAgent:
         *,
         timeout_s: float | None = None,
         on_wait: Callable[[], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> PullHandle:
         """Start copying ``spec`` from ``peer`` into the local caches.
 
         Tagged: returns at once. One-sided (RMA mode, a peer that offers keys): runs on the
         calling thread and returns a completed handle; ``on_wait`` runs every ~0.25 s while it
-        waits (a liveness probe: what it raises fails the pull). The first one-sided pull from
+        waits (a liveness probe: what it raises fails the pull), ``should_stop`` is polled as a
+        cancel (the handle does not exist yet to cancel). The first one-sided pull from
         a peer asks it for its keys, presenting ``spec.lease``.
 
         Raises `ValueError` now for anything checkable locally (unknown layers, block or head
@@ -320,21 +322,21 @@ class KVTransferAgent:
         caches = self._caches
         plans = plan_pull(spec, caches, peer.layouts)
         if peer.one_sided and self.config.data_plane == "rma" and spec.num_blocks:
-            rma = self._rma_peer(peer, spec, timeout)
+            control = ReadControl(
+                cancelled=should_stop or (lambda: False),
+                deadline=time.monotonic() + timeout,
+                timeout_s=timeout,
+                on_wait=on_wait,
+                grant_wait_s=self.config.grant_wait_s,
+            )
+            rma = self._rma_peer(peer, spec, control)
             if rma is not None:
-                control = ReadControl(
-                    cancelled=lambda: False,
-                    deadline=time.monotonic() + timeout,
-                    timeout_s=timeout,
-                    on_wait=on_wait,
-                    grant_wait_s=self.config.grant_wait_s,
-                )
                 return self._client.read_one_sided(
                     peer, rma, self._reader, spec, plans, caches, control
                 )
         return self._client.submit(peer, spec, plans, caches, timeout)
 
-    def _rma_peer(self, peer: PeerHandle, spec: PullSpec, timeout_s: float) -> RmaPeer | None:
+    def _rma_peer(self, peer: PeerHandle, spec: PullSpec, control: ReadControl) -> RmaPeer | None:
         """``peer``'s keys, fetched once (presenting this pull's lease); None: tagged only."""
         key = peer.ucx_address
         if key in self._rma_peers:
@@ -345,7 +347,7 @@ class KVTransferAgent:
             if key in self._rma_peers:
                 return self._rma_peers[key]
             try:
-                keys = RmaKeys.decode(self._client.fetch_keys(peer, spec.lease, timeout_s))
+                keys = RmaKeys.decode(self._client.fetch_keys(peer, spec.lease, control))
             except RemoteTransferError as exc:
                 if exc.code != ErrorCode.NOT_SERVING:
                     raise

@@ -98,6 +98,10 @@ class PullResult:
     elapsed_s: float
 
 
+# A keys request's wait checks its cancel flag and deadline this often.
+_KEYS_POLL_S = 0.05
+
+
 class _BrokenPeer(PeerUnreachable):
     """A send or receive with the peer failed: its endpoint is reset."""
 
@@ -333,7 +337,8 @@ class PullClient:
         future.set_running_or_notify_cancel()
         handle = PullHandle(spec.request_id, peer, future)
         state = handle._state
-        control.cancelled = lambda: state.cancelled
+        stop = control.cancelled
+        control.cancelled = lambda: state.cancelled or stop()
         started = time.perf_counter()
         with self._jobs_cond:
             if self._closed:
@@ -379,10 +384,14 @@ class PullClient:
                 self._active.discard(handle)
         return handle
 
-    def fetch_keys(self, peer: PeerHandle, lease: LeaseAccess | None, timeout_s: float) -> bytes:
+    def fetch_keys(
+        self, peer: PeerHandle, lease: LeaseAccess | None, control: ReadControl
+    ) -> bytes:
         """Ask ``peer`` for its RMA keys, presenting ``lease``; the encoded `RmaKeys`.
 
-        `RemoteTransferError` with the peer's code if refused (``NOT_SERVING``: tagged only)."""
+        `RemoteTransferError` with the peer's code if refused (``NOT_SERVING``: tagged only);
+        waits within ``control`` (its deadline, cancel flag and liveness probe)."""
+        timeout_s = control.timeout_s
         header_tag, data_tag = reply_tags(self._next_sequence())
         header = self._loop.new_host_buffer(RESPONSE_HEADER_BYTES)
         payload = self._loop.new_host_buffer(MAX_KEYS_BYTES)
@@ -419,11 +428,19 @@ class PullClient:
             raise PeerUnreachable(
                 f"cannot ask {peer.name} for its keys: {type(exc).__name__}: {exc}"
             ) from exc
-        if not done.wait(timeout_s):
+        try:
+            while not done.wait(_KEYS_POLL_S):
+                if control.cancelled():
+                    raise TransferCancelled(f"keys request to {peer.name} was cancelled")
+                if time.monotonic() >= control.deadline:
+                    raise TransferTimeoutError(
+                        f"{peer.name} did not answer a keys request within {timeout_s} s"
+                    )
+                control.probe()
+        except BaseException:
+            # Frees the receives still posted for an answer that may never come.
             self._reset_peer(peer)
-            raise TransferTimeoutError(
-                f"{peer.name} did not answer a keys request within {timeout_s} s"
-            )
+            raise
         error = outcome.get("error")
         if isinstance(error, BaseException):
             self._reset_peer(peer)

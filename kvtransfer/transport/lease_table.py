@@ -2,10 +2,12 @@
 
 In RMA mode the producer never sees a read, so it cannot refuse one of a released block. It
 publishes instead, in a small registered array next to its KV, one row per lease it holds:
-``(token, layers_ready)``. The token is derived from the lease id, the digest of its secret and
-its prompt digest (`lease_token`), so a consumer that knows the secret and its prompt computes
-it, and reading the table reveals no secret. A consumer brackets its data reads with two reads
-of the lease's rows (a seqlock without the counter):
+``(token, layers_ready, prompt tag, 0)``. The token is derived from the lease id and the digest
+of its secret (`lease_token`), so a consumer that knows the secret computes it, and reading the
+table reveals no secret; the prompt tag (`prompt_tag`, 0 when the producer checks no prompt)
+lets a consumer refuse KV computed for another prompt than its own, as a tagged pull would. A
+consumer brackets its data reads with two reads of the lease's row (a seqlock without the
+counter):
 
 1. before: the token is there and ``layers_ready`` covers the layers it reads (else it waits
    for the grant, or for the layers still being computed);
@@ -35,15 +37,25 @@ import torch
 
 SLOTS = 16384
 WINDOW = 8
-# Two int64 words per row: token, layers ready.
-ROW_BYTES = 16
+# Four int64 words per row: token, layers ready, prompt tag, reserved.
+ROW_WORDS = 4
+ROW_BYTES = ROW_WORDS * 8
 
 
-def lease_token(lease_id: str, secret_digest: bytes, prompt_digest: str) -> int:
-    """The non-zero 63-bit token a lease's rows hold (int64, never negative)."""
-    material = b"\0".join((b"kvtransfer-lease-v1", lease_id.encode(), secret_digest))
-    digest = hashlib.sha256(material + b"\0" + prompt_digest.encode()).digest()
+def _tag(*parts: bytes) -> int:
+    """A non-zero 63-bit value (int64, never negative) of ``parts``."""
+    digest = hashlib.sha256(b"\0".join(parts)).digest()
     return (int.from_bytes(digest[:8], "little") >> 1) | 1
+
+
+def lease_token(lease_id: str, secret_digest: bytes) -> int:
+    """The token a lease's row holds."""
+    return _tag(b"kvtransfer-lease-v1", lease_id.encode(), secret_digest)
+
+
+def prompt_tag(prompt_digest: str) -> int:
+    """What a row holds for the prompt its KV was computed for (0: not checked)."""
+    return _tag(b"kvtransfer-prompt-v1", prompt_digest.encode()) if prompt_digest else 0
 
 
 def lease_slot(lease_id: str, slots: int = SLOTS) -> int:
@@ -51,11 +63,11 @@ def lease_slot(lease_id: str, slots: int = SLOTS) -> int:
     return int.from_bytes(hashlib.sha256(lease_id.encode()).digest()[:8], "little") % slots
 
 
-def find_row(window: np.ndarray, token: int) -> int | None:
-    """``layers_ready`` of the row holding ``token`` in a window read (int64 pairs), or None."""
-    rows = window.reshape(-1, 2)
+def find_row(window: np.ndarray, token: int) -> tuple[int, int] | None:
+    """``(layers_ready, prompt tag)`` of the row holding ``token`` in a window read, or None."""
+    rows = window.reshape(-1, ROW_WORDS)
     hits = np.flatnonzero(rows[:, 0] == token)
-    return None if len(hits) == 0 else int(rows[hits[0], 1])
+    return None if len(hits) == 0 else (int(rows[hits[0], 1]), int(rows[hits[0], 2]))
 
 
 class LeaseTable:
@@ -64,8 +76,8 @@ class LeaseTable:
     def __init__(self, layer_names: Sequence[str], slots: int = SLOTS) -> None:
         self.layer_names = tuple(layer_names)
         self.slots = slots
-        self.words = torch.zeros((slots + WINDOW) * 2, dtype=torch.int64)
-        self._rows = self.words.numpy().reshape(-1, 2)
+        self.words = torch.zeros((slots + WINDOW) * ROW_WORDS, dtype=torch.int64)
+        self._rows = self.words.numpy().reshape(-1, ROW_WORDS)
         self._lock = threading.Lock()
         self._where: dict[str, int] = {}
         self.full = 0  # leases that found no free row (their consumers cannot read one-sided)
@@ -78,15 +90,16 @@ class LeaseTable:
         self, lease_id: str, secret_digest: bytes, prompt_digest: str, pending: set[str]
     ) -> bool:
         """Write the lease's row; False (and counted in ``full``) when its window is full."""
-        token = lease_token(lease_id, secret_digest, prompt_digest)
+        token = lease_token(lease_id, secret_digest)
         with self._lock:
-            if lease_id in self._where:
-                return True
+            # Granted again (a new secret): its row is rewritten in place.
+            held = self._where.get(lease_id)
             first = lease_slot(lease_id, self.slots)
             for row in range(first, first + WINDOW):
-                if self._rows[row, 0] == 0:
-                    # Readiness before the token: whoever sees the token sees a valid count.
+                if row == held or (held is None and self._rows[row, 0] == 0):
+                    # The rest before the token: whoever sees the token sees a valid row.
                     self._rows[row, 1] = self._ready(pending)
+                    self._rows[row, 2] = prompt_tag(prompt_digest)
                     self._rows[row, 0] = token
                     self._where[lease_id] = row
                     return True
@@ -104,8 +117,7 @@ class LeaseTable:
         with self._lock:
             row = self._where.pop(lease_id, None)
             if row is not None:
-                self._rows[row, 0] = 0
-                self._rows[row, 1] = 0
+                self._rows[row] = 0
 
     def __len__(self) -> int:
         with self._lock:

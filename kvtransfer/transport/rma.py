@@ -36,11 +36,13 @@ from kvtransfer.transport.errors import (
 )
 from kvtransfer.transport.lease_table import (
     ROW_BYTES,
+    ROW_WORDS,
     WINDOW,
     LeaseTable,
     find_row,
     lease_slot,
     lease_token,
+    prompt_tag,
 )
 from kvtransfer.transport.rma_layout import LayerMemory, Runs, concat_runs, layer_runs
 from kvtransfer.transport.spec import LayerPlan, PullSpec
@@ -257,6 +259,18 @@ class ReadControl:
     timeout_s: float
     on_wait: Callable[[], None] | None = None
     grant_wait_s: float = 5.0
+    _probe_at: float = 0.0
+
+    def probe(self) -> None:
+        """Run ``on_wait`` if it has not run for `_WAIT_HOOK_S` (it may raise)."""
+        now = time.monotonic()
+        if self.on_wait is None:
+            return
+        if not self._probe_at:
+            self._probe_at = now + _WAIT_HOOK_S
+        elif now >= self._probe_at:
+            self._probe_at = now + _WAIT_HOOK_S
+            self.on_wait()
 
 
 def plan_runs(
@@ -360,7 +374,6 @@ class RmaReader:
         """Progress until ``gets`` completed, or raise: cancelled, timed out, peer failed, or
         whatever ``control.on_wait`` raises (a dead producer)."""
         spins = 0
-        hook_at = time.monotonic() + _WAIT_HOOK_S
         while True:
             try:
                 if gets.poll():
@@ -377,22 +390,23 @@ class RmaReader:
                 raise TransferTimeoutError(
                     f"{what} timed out after {control.timeout_s} s (one-sided read not completed)"
                 )
-            if control.on_wait is not None and now >= hook_at:
-                hook_at = now + _WAIT_HOOK_S
-                control.on_wait()
+            control.probe()
             time.sleep(_NAP_S)
 
 
 class _LeaseRow:
     """The lease-table window a read checks before and after its data reads."""
 
-    def __init__(self, token: int, address: int, table_key: int, needed: int, lease_id: str):
+    def __init__(
+        self, token: int, prompt: int, address: int, table_key: int, needed: int, lease_id: str
+    ):
         self.token = token
+        self.prompt = prompt
         self.address = address
         self.table_key = table_key
         self.needed = needed
         self.lease_id = lease_id
-        self.window = np.zeros(WINDOW * 2, dtype=np.int64)
+        self.window = np.zeros(WINDOW * ROW_WORDS, dtype=np.int64)
 
     @classmethod
     def of(cls, keys: RmaKeys, spec: PullSpec, plans: list[LayerPlan]) -> _LeaseRow | None:
@@ -407,14 +421,16 @@ class _LeaseRow:
                 f"{missing[0]!r}",
                 code=ErrorCode.UNKNOWN_LAYER,
             )
-        token = lease_token(lease.lease_id, secret_digest(lease.secret), lease.prompt_digest)
+        token = lease_token(lease.lease_id, secret_digest(lease.secret))
         address = table.address + lease_slot(lease.lease_id, table.slots) * ROW_BYTES
         needed = max(order[p.name] for p in plans) + 1
-        return cls(token, address, table.region, needed, lease.lease_id)
+        return cls(
+            token, prompt_tag(lease.prompt_digest), address, table.region, needed, lease.lease_id
+        )
 
     def _read(
         self, reader: RmaReader, worker: int, ep: int, rkeys: list[int], control: ReadControl
-    ) -> int | None:
+    ) -> tuple[int, int] | None:
         gets = Gets(worker, ep)
         try:
             gets.post_many(
@@ -437,7 +453,13 @@ class _LeaseRow:
         give_up = min(control.deadline, time.monotonic() + control.grant_wait_s)
         delay = _ROW_BACKOFF_S[0]
         while True:
-            ready = self._read(reader, worker, ep, rkeys, control)
+            row = self._read(reader, worker, ep, rkeys, control)
+            if row is not None and row[1] and self.prompt and row[1] != self.prompt:
+                raise AccessDenied(
+                    f"lease {self.lease_id!r} holds the KV of another prompt than the one the "
+                    "pull is for (prompt digest mismatch, one-sided check)"
+                )
+            ready = None if row is None else row[0]
             if ready is not None and ready >= self.needed:
                 return
             if control.cancelled():
@@ -448,8 +470,7 @@ class _LeaseRow:
                     f"lease {self.lease_id!r} {state} on the producer (one-sided check of its "
                     f"lease table after {control.grant_wait_s} s)"
                 )
-            if control.on_wait is not None:
-                control.on_wait()
+            control.probe()
             time.sleep(delay)
             delay = min(delay * 2, _ROW_BACKOFF_S[1])
 

@@ -47,8 +47,13 @@ _EXTRA_KEYS = (
     "kv_net_device",
     "kv_payload_checksum",
     "kv_stream_min_tokens",
+    "data_plane",
     *_TLS_KEYS,
 )
+# "rma": one-sided reads of the producer's registered KV (the producer runs no code per read);
+# "tagged": every read is a request the producer checks against the lease (see docs/security).
+DATA_PLANES = ("rma", "tagged")
+DEFAULT_DATA_PLANE = "rma"
 # Shorter prompts are not streamed: their compute is too short for the transfer to hide behind,
 # and serving pulls while computing slows the prefill (measured on 2 vCPUs: +5-15 ms TTFT).
 DEFAULT_KV_STREAM_MIN_TOKENS = 256
@@ -65,7 +70,9 @@ class UcxConfig:
     (``kv_payload_checksum``; off by default: it cost 11-34% of pull throughput in
     ``benchmarks/transfer.py --checksum-cost`` on a 2-vCPU VM). ``stream_min_tokens``: a
     producer streams (``kv_stream``) only prompts of at least this many tokens
-    (``kv_stream_min_tokens``); shorter ones hand over once computed."""
+    (``kv_stream_min_tokens``); shorter ones hand over once computed. ``data_plane``: ``"rma"``
+    (one-sided reads; a producer offers them, a consumer uses them where offered) or
+    ``"tagged"`` (every read checked by the producer)."""
 
     host: str = DEFAULT_HOST
     port: int = 0
@@ -77,6 +84,7 @@ class UcxConfig:
     net_device: str | None = None
     payload_checksum: bool = False
     stream_min_tokens: int = DEFAULT_KV_STREAM_MIN_TOKENS
+    data_plane: str = DEFAULT_DATA_PLANE
 
     @property
     def server_tls(self) -> TLSFiles | None:
@@ -120,6 +128,7 @@ class UcxConfig:
             net_device=_net_device(extra),
             payload_checksum=_flag(extra, "kv_payload_checksum", defaults.payload_checksum),
             stream_min_tokens=_tokens(extra, "kv_stream_min_tokens", defaults.stream_min_tokens),
+            data_plane=_data_plane(extra),
         )
 
 
@@ -150,6 +159,16 @@ def _tokens(extra: dict[str, Any], key: str, default: int) -> int:
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"kv_connector_extra_config.{key} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _data_plane(extra: dict[str, Any]) -> str:
+    value = extra.get("data_plane", DEFAULT_DATA_PLANE)
+    if value not in DATA_PLANES:
+        raise ValueError(
+            f"kv_connector_extra_config.data_plane must be one of {list(DATA_PLANES)}, "
+            f"got {value!r}"
+        )
     return value
 
 

@@ -116,7 +116,7 @@ class WorkerIdentity:
             block_size=self.block_size,
         )
 
-    def handshake(self, agent_address: str) -> UcxHandshakeMetadata:
+    def handshake(self, agent_address: str, data_plane: str = "tagged") -> UcxHandshakeMetadata:
         draft = self.draft_kv_heads
         return UcxHandshakeMetadata(
             engine_id=self.engine_id,
@@ -134,6 +134,7 @@ class WorkerIdentity:
             head_dim=self.head_dim,
             dtype=self.dtype,
             num_blocks=self.num_blocks,
+            data_plane=data_plane,
         )
 
     @classmethod

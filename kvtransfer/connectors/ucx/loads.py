@@ -1,7 +1,8 @@
 """`LoadJob`: one request's KV load on one consumer worker, run on a loader thread.
 
 1. get the producer from `RemoteEngines` (handshake and connect on the first request);
-2. start one `PullSpec` per planned pull (its layers, its head slice, the request's blocks);
+2. start one `PullSpec` per planned pull (its layers, its head slice, the request's blocks); a
+   one-sided pull (RMA mode) reads right there, probing the producer while it waits;
 3. wait for all of them, each bounded by the transfer timeout, probing the producer meanwhile
    (`liveness`): a dead or unreachable producer, or one that no longer holds the request,
    fails the load in about a second instead of at the timeout.
@@ -63,7 +64,11 @@ class LoadJob:
         self._ask_held = ask_held
         self._timeout_s = transfer_timeout_s
         self._lock = threading.Lock()
+        # Held while a pull starts: a one-sided pull reads inside `pull` itself, and `cancel`
+        # waits on this lock for it to notice the cancel (it polls `_cancelled`).
+        self._starting = threading.Lock()
         self._cancelled = False
+        self._begun = 0
         self._handles: list[PullHandle] = []
 
     @property
@@ -72,8 +77,9 @@ class LoadJob:
 
     @property
     def num_pulls_started(self) -> int:
+        """Pulls begun (a one-sided one counts while it reads, before `pull` returns)."""
         with self._lock:
-            return len(self._handles)
+            return self._begun
 
     def cancel(self) -> None:
         """Stop the load; once this returns, the load writes nothing more."""
@@ -82,6 +88,8 @@ class LoadJob:
             handles = list(self._handles)
         for handle in handles:
             handle.cancel()
+        with self._starting:
+            pass  # a one-sided read in progress has seen the flag and stopped writing
 
     def run(self) -> LoadOutcome:
         started = time.perf_counter()
@@ -91,9 +99,10 @@ class LoadJob:
         self._check_cancelled()
         engine = self._engines.get(spec.remote)
         check_request_blocks(spec.remote, next(iter(engine.metadata.values())).block_size)
+        watch = ProducerWatch(spec.remote, self._ask_held)
         try:
-            handles = self._start(engine)
-            total = self._wait_all(handles)
+            handles = self._start(engine, watch)
+            total = self._wait_all(handles, watch)
         except LoadCancelled:
             raise
         except BaseException as exc:
@@ -106,39 +115,46 @@ class LoadJob:
             raise
         return LoadOutcome(len(spec.local_block_ids), total, time.perf_counter() - started)
 
-    def _start(self, engine: RemoteEngine) -> list[PullHandle]:
+    def _start(self, engine: RemoteEngine, watch: ProducerWatch) -> list[PullHandle]:
+        """Start every pull (a one-sided one runs to completion right here)."""
         spec = self.spec
-        with self._lock:
-            if self._cancelled:
-                raise LoadCancelled(f"load of request {spec.req_id!r} was cancelled")
-            for pull in engine.plan:
-                # KV still being computed is pulled layer by layer, each as soon as it is.
-                groups = (
-                    [(name,) for name in pull.layer_names]
-                    if spec.remote.streaming
-                    else [pull.layer_names]
-                )
-                for layer_names in groups:
-                    self._handles.append(
-                        self._agent.pull(
-                            engine.peers[pull.remote_rank],
-                            PullSpec(
-                                request_id=spec.req_id,
-                                layer_names=layer_names,
-                                remote_block_ids=spec.remote_block_ids,
-                                local_block_ids=spec.local_block_ids,
-                                remote_heads=pull.remote_heads,
-                                local_heads=pull.local_heads,
-                                lease=spec.lease,
-                            ),
-                            timeout_s=self._timeout_s,
-                        )
+        for pull in engine.plan:
+            # KV still being computed is pulled layer by layer, each as soon as it is.
+            groups = (
+                [(name,) for name in pull.layer_names]
+                if spec.remote.streaming
+                else [pull.layer_names]
+            )
+            for layer_names in groups:
+                with self._starting:
+                    self._check_cancelled()
+                    with self._lock:
+                        self._begun += 1
+                    handle = self._agent.pull(
+                        engine.peers[pull.remote_rank],
+                        PullSpec(
+                            request_id=spec.req_id,
+                            layer_names=layer_names,
+                            remote_block_ids=spec.remote_block_ids,
+                            local_block_ids=spec.local_block_ids,
+                            remote_heads=pull.remote_heads,
+                            local_heads=pull.local_heads,
+                            lease=spec.lease,
+                        ),
+                        timeout_s=self._timeout_s,
+                        on_wait=watch.check,
+                        should_stop=lambda: self._cancelled,
                     )
+                with self._lock:
+                    self._handles.append(handle)
+                    started = list(self._handles)
+                if handle.done() and handle.exception() is not None:
+                    return started  # failed already: the wait raises it
+        with self._lock:
             return list(self._handles)
 
-    def _wait_all(self, handles: list[PullHandle]) -> int:
+    def _wait_all(self, handles: list[PullHandle], watch: ProducerWatch) -> int:
         deadline = time.monotonic() + self._timeout_s + _RESULT_GRACE_S
-        watch = ProducerWatch(self.spec.remote, self._ask_held)
         total = 0
         for handle in handles:
             while True:

@@ -16,7 +16,7 @@ import hashlib
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -62,6 +62,8 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
     head_dim: int = _Positive
     dtype: str = Field(min_length=1)
     num_blocks: int = _Positive
+    # How this worker's KV may be read: "rma" offers one-sided reads (keys per lease).
+    data_plane: Literal["rma", "tagged"] = "tagged"
 
     @model_validator(mode="after")
     def _consistent(self) -> UcxHandshakeMetadata:

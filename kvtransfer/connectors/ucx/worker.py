@@ -112,6 +112,7 @@ class UcxWorker:
                 connect_timeout_s=self._ucx.handshake_timeout_s,
                 net_devices=self._ucx.ucx_net_devices(),
                 checksum=self._ucx.payload_checksum,
+                data_plane=self._ucx.data_plane,
             )
         )
         try:
@@ -134,7 +135,9 @@ class UcxWorker:
     def handshake_metadata(self) -> UcxHandshakeMetadata | None:
         if self._identity is None or self._agent is None:
             return None
-        return self._identity.handshake(encode_agent_address(self._agent.address))
+        # Only a producer has KV to offer one-sided.
+        offered = self._ucx.data_plane if self._config.is_kv_producer else "tagged"
+        return self._identity.handshake(encode_agent_address(self._agent.address), offered)
 
     # ------------------------------------------------------------------ per step
 
