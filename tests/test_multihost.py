@@ -10,6 +10,10 @@ shared memory there (see `kvtransfer.transport.locality`). Checked:
 * every socket listens on its daemon's configured address only (``ss`` in each namespace),
   and with everything on 127.0.0.1 in a namespace holding other addresses too, nothing listens
   anywhere else;
+* UCX neither advertises nor dials the unrouted interface: after KV moved from every prefill
+  worker, UCX listens (what it advertises to peers) on each host's KV address only, the decode
+  holds a TCP connection from its KV address to every prefill worker's UCX listener, and no
+  host has a socket on, or ever looked up a link-layer address for, any unrouted address;
 * a partition of the decode host and then of a prefill host in the middle of a bounded load:
   while cut off, requests end in typed 5xx answers within the request deadline; after the heal
   they succeed again with the right tokens; at the end no daemon holds a KV block.
@@ -50,6 +54,8 @@ MAX_TOKENS = 8
 REQUEST_DEADLINE_S = 8.0
 KV_EXTRA = {"transfer_timeout_s": 5, "kv_lease_s": 8, "handshake_timeout_s": 2}
 PARTITION_S = 10.0
+# Workers (so UCX agents) of each daemon.
+WORKERS = {"p11": 1, "ptp2": 2, "ppp2": 2, "decode": 1}
 
 
 def network(tag: str) -> Network:
@@ -167,6 +173,62 @@ def test_every_listener_is_on_the_configured_address(cluster):
         addresses = {address for address, _ in sockets}
         if host.name in ("p11", "decode", "router"):
             assert addresses == {host.address}, (host.name, sockets)
+
+
+def test_ucx_neither_advertises_nor_dials_the_unrouted_interface(cluster, expected):
+    # Round-robin: three requests, one per prefill, so KV moved from every prefill worker.
+    answers = complete(cluster.client, cluster.url, [_body(i) for i in range(3)])
+    for index, result in enumerate(answers):
+        assert _tokens(result) == expected[index]
+    prefills = {process.address for _, process in cluster.prefills.values()}
+    assert {result["body"]["kvtransfer"]["prefill"] for result in answers} == prefills
+    hosts = cluster.net.hosts
+    kv_addresses = {host.address for host in hosts}
+    unrouted = {host.unrouted_address for host in hosts}
+    ucx = {
+        host.name: _ucx_listeners(cluster.net, host, process) for host, process in cluster.daemons()
+    }
+    for host, _ in cluster.daemons():
+        listeners = ucx[host.name]
+        # One UCX listener per worker at least, each on the KV address: what peers are told.
+        assert len(listeners) >= WORKERS[host.name], (host.name, listeners)
+        assert {address for address, _ in listeners} == {host.address}, (host.name, listeners)
+    for host in hosts:
+        connections = cluster.net.connections(host)
+        on_unrouted = [c for c in connections if unrouted & {c.local_address, c.peer_address}]
+        assert on_unrouted == [], (host.name, on_unrouted)
+        # A dial of an unrouted address, even one that failed at once, leaves its neighbour
+        # entry (ARP on the unrouted interface): only KV addresses were ever sent to.
+        neighbours = cluster.net.neighbours(host)
+        assert set(neighbours) <= kv_addresses, (host.name, neighbours)
+    # The KV did cross the network between KV addresses: the decode connected from its KV
+    # address to every prefill worker's UCX listener.
+    decode_host, _ = cluster.decode
+    dialed = {
+        (c.peer_address, c.peer_port)
+        for c in cluster.net.connections(decode_host)
+        if c.state == "ESTAB" and c.local_address == decode_host.address
+    }
+    for name in cluster.prefills:
+        missing = set(ucx[name]) - dialed
+        assert not missing, (name, missing, dialed)
+
+
+def _ucx_listeners(net: Network, host: Host, process: ServiceProcess) -> list[tuple[str, int]]:
+    """The daemon's listening sockets that are neither its gRPC, KV handshake nor metrics
+    server, nor on loopback (gloo between TP/PP workers): its workers' UCX listeners."""
+    services = {_port(process.address), process.ready["metrics_port"]}
+    if process.ready.get("kv_handshake"):
+        services.add(_port(process.ready["kv_handshake"]))
+    return [
+        (address, port)
+        for address, port, _ in net.listeners(host)
+        if port not in services and address != "127.0.0.1"
+    ]
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 def test_loopback_only_binds_loopback_in_a_namespace_with_other_addresses(tmp_path, expected):

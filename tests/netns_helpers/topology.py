@@ -10,8 +10,9 @@ Every network gets its own switch namespace holding a bridge, so nothing is adde
 namespace (no routes, no interfaces, no sysctls) and subnets of concurrent networks cannot
 clash. Each host also gets a second, unrouted interface (``x0``, 10.233.N.i/24, with its peer
 ``x1`` in the same namespace): like a docker bridge on a real host, an address that peers must
-never be told to dial. `close` removes every namespace (their veths go with them); networks
-left behind by a killed test run are swept when the next one starts.
+never be told to dial (`listeners`, `connections` and `neighbours` show what a host listens on,
+is connected to and has sent to). `close` removes every namespace (their veths go with them);
+networks left behind by a killed test run are swept when the next one starts.
 """
 
 from __future__ import annotations
@@ -49,6 +50,23 @@ class Host:
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this host's network namespace."""
         return ["ip", "netns", "exec", self.namespace, *argv]
+
+
+@dataclass(frozen=True)
+class Connection:
+    """One TCP socket of a test host, from ``ss``."""
+
+    state: str
+    local_address: str
+    local_port: int
+    peer_address: str
+    peer_port: int
+    process: str
+
+
+def _endpoint(field: str) -> tuple[str, int]:
+    address, port = field.rsplit(":", 1)
+    return address.strip("[]").removeprefix("::ffff:"), int(port)
 
 
 @dataclass
@@ -113,6 +131,10 @@ class Network:
     def listening(self, host: Host) -> list[tuple[str, str]]:
         """``(local address, process)`` of every TCP/UDP socket listening in ``host``; the
         address without port, brackets or the ``::ffff:`` of IPv4-mapped IPv6 sockets."""
+        return [(address, process) for address, _, process in self.listeners(host)]
+
+    def listeners(self, host: Host) -> list[tuple[str, int, str]]:
+        """`listening`, with each socket's port: ``(local address, port, process)``."""
         done = subprocess.run(
             ["ip", "netns", "exec", host.namespace, "ss", "-lntupH"],
             capture_output=True,
@@ -123,9 +145,39 @@ class Network:
         for line in done.stdout.splitlines():
             fields = line.split()
             # Netid State Recv-Q Send-Q Local Peer [Process]
-            address = fields[4].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
-            sockets.append((address, " ".join(fields[6:])))
+            address, port = _endpoint(fields[4])
+            sockets.append((address, port, " ".join(fields[6:])))
         return sockets
+
+    def connections(self, host: Host) -> list[Connection]:
+        """Every TCP socket in ``host`` that is not listening, whatever its state (connecting,
+        established, closing, TIME-WAIT), addresses as in `listening`."""
+        done = subprocess.run(
+            ["ip", "netns", "exec", host.namespace, "ss", "-tanpH"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        connections = []
+        for line in done.stdout.splitlines():
+            fields = line.split()
+            # State Recv-Q Send-Q Local Peer [Process]
+            if fields[0] == "LISTEN":
+                continue
+            local, peer = (_endpoint(field) for field in fields[3:5])
+            connections.append(Connection(fields[0], *local, *peer, " ".join(fields[5:])))
+        return connections
+
+    def neighbours(self, host: Host) -> list[str]:
+        """The IPv4 addresses ``host`` has looked up a link-layer address for (``ip neigh``):
+        every address it sent a packet to on a directly attached subnet, answered or not."""
+        done = subprocess.run(
+            ["ip", "-n", host.namespace, "-4", "neigh", "show"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
 
     def close(self) -> None:
         """Delete every namespace of this network; safe to call twice."""
