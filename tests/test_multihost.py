@@ -15,8 +15,10 @@ shared memory there (see `kvtransfer.transport.locality`). Checked:
   holds a TCP connection from its KV address to every prefill worker's UCX listener, and no
   host has a socket on, or ever looked up a link-layer address for, any unrouted address;
 * a partition of the decode host and then of a prefill host in the middle of a bounded load:
-  while cut off, requests end in typed 5xx answers within the request deadline; after the heal
-  they succeed again with the right tokens; at the end no daemon holds a KV block.
+  while cut off, requests end in typed 5xx answers within the request deadline; with one of
+  three prefills cut off, only requests sent to it may fail, and the other two serve requests
+  sent during the partition; after the heal they succeed again with the right tokens; at the
+  end no daemon holds a KV block.
 
 Needs root and ``ip netns``; skipped with the reason otherwise, failed instead when
 ``KVTRANSFER_REQUIRE_NETNS=1`` (CI).
@@ -256,25 +258,62 @@ def test_loopback_only_binds_loopback_in_a_namespace_with_other_addresses(tmp_pa
 
 
 def test_partitions_fail_typed_then_heal(cluster, expected):
-    # The only decode daemon cut off: requests fail (typed) until it is back.
+    # The only decode daemon cut off: requests fail (typed, naming it) until it is back.
     decode_host, _ = cluster.decode
-    _partition_under_load(cluster, decode_host, expected, must_fail=True)
+    load = _partition_under_load(cluster, decode_host, expected)
+    assert load.failures, f"cutting off the decode failed no request: {load.summary}"
+    for result in load.failures:
+        assert _names(result, decode_host), result
     _wait_until_served(cluster, expected, lambda info: True)
-    # One of three prefills cut off: what it had in flight may fail (typed), the rest is served
-    # by the others; once healed it serves again and decode pulls from it again.
+    # One of three prefills cut off: only requests sent to it may fail (typed, naming it and
+    # no other prefill); the two others serve what is sent meanwhile. Once healed it serves
+    # again and decode pulls from it again.
     prefill_host, prefill = cluster.prefills["p11"]
-    _partition_under_load(cluster, prefill_host, expected, must_fail=False)
+    healthy = {name: pair for name, pair in cluster.prefills.items() if name != "p11"}
+    load = _partition_under_load(cluster, prefill_host, expected)
+    for result in load.failures:
+        assert _names(result, prefill_host), result
+        assert not any(_names(result, host) for host, _ in healthy.values()), result
+    served = {r["body"]["kvtransfer"]["prefill"] for r in load.during() if r["status"] == 200}
+    assert {process.address for _, process in healthy.values()} <= served, load.summary
     _wait_until_served(cluster, expected, lambda info: info["prefill"] == prefill.address)
     _wait_until_no_blocks_used(cluster)
 
 
-def _partition_under_load(
-    cluster: Cluster, host: Host, expected: list[list[int]], *, must_fail: bool
-) -> None:
+@dataclass
+class Load:
+    """The answers of a load run with a host cut off from ``cut_at`` to ``healed_at``."""
+
+    outcomes: list[dict[str, Any]]
+    cut_at: float
+    healed_at: float
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        return [r for r in self.outcomes if r["status"] != 200]
+
+    def during(self) -> list[dict[str, Any]]:
+        """The requests sent while the host was cut off (one monotonic clock for all hosts)."""
+        return [r for r in self.outcomes if self.cut_at <= r["started_at"] < self.healed_at]
+
+    @property
+    def summary(self) -> list[tuple[int, float, bool]]:
+        """(status, seconds, sent while cut off) of each request."""
+        during = {r["index"] for r in self.during()}
+        return [(r["status"], r["elapsed_s"], r["index"] in during) for r in self.outcomes]
+
+
+def _names(result: dict[str, Any], host: Host) -> bool:
+    """Whether a failed answer names a daemon of ``host`` (as the daemon that failed, or as
+    the producer a decode could not load from)."""
+    return f"{host.address}:" in result["body"]["error"]["message"]
+
+
+def _partition_under_load(cluster: Cluster, host: Host, expected: list[list[int]]) -> Load:
     """A bounded load (paced requests, a few at once) with ``host`` cut off in the middle."""
     bodies = [_body(i % len(PROMPTS)) for i in range(28)]
     before = _decode_calls(cluster)
-    load = run_requests(
+    runner = run_requests(
         cluster.client,
         cluster.url,
         bodies,
@@ -287,13 +326,14 @@ def _partition_under_load(
             lambda: _decode_calls(cluster) >= before + 3, "the load under way", 60, interval=0.2
         )
         cluster.net.partition(host)
+        cut_at = time.monotonic()
         # Not synchronisation: how long the host stays cut off is the fault under test.
         time.sleep(PARTITION_S)
     finally:
         cluster.net.heal(host)
-    outcomes = results(load, timeout_s=120)
+    healed_at = time.monotonic()
+    outcomes = results(runner, timeout_s=120)
     assert len(outcomes) == len(bodies)
-    failures = []
     for result in outcomes:
         # Never a hang: every answer comes within the router's deadline (plus scheduling slack).
         assert result["elapsed_s"] <= REQUEST_DEADLINE_S + 5, result
@@ -303,11 +343,9 @@ def _partition_under_load(
         assert 500 <= result["status"] < 600, result
         error = result["body"]["error"]
         assert "daemon" in error["message"] and error["type"], result
-        failures.append(result)
-    summary = [(r["status"], r["elapsed_s"]) for r in outcomes]
-    print(f"{host.name} cut off for {PARTITION_S} s: (status, seconds) {summary}")
-    if must_fail:
-        assert failures, f"cutting off {host.name} failed no request: {summary}"
+    done = Load(outcomes, cut_at, healed_at)
+    print(f"{host.name} cut off for {PARTITION_S} s: (status, seconds, during) {done.summary}")
+    return done
 
 
 def _wait_until_served(

@@ -2,9 +2,12 @@
 fast. Posts a JSON list of bodies (``--bodies``) with ``--concurrency`` threads (starting one
 every ``--delay-s``) and prints one JSON line per finished request as it finishes::
 
-    {"index": 3, "status": 200, "body": {...}, "elapsed_s": 0.41, "started_s": 1.2}
+    {"index": 3, "status": 200, "body": {...}, "elapsed_s": 0.41, "started_s": 1.2,
+     "started_at": 5123.4}
 
 ``status`` 0 means no HTTP answer at all (the body then holds the exception's text).
+``started_at`` is `time.monotonic` when the request was sent: one clock for every namespace of
+the machine, so a test can tell which requests were sent while it had a host cut off.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def main() -> None:
             "body": answer,
             "elapsed_s": round(time.monotonic() - started, 3),
             "started_s": round(started - origin, 3),
+            "started_at": started,
         }
         with lock:
             print(json.dumps(line), flush=True)
