@@ -66,12 +66,15 @@ class LeaseEndedDuringRead(AccessDenied):
 class LeaseAccess:
     """What a pull presents: the lease (the producer's request id), its secret, the digest of
     the prompt the consumer will use the KV for, and the position in the lease's block list of
-    the pull's first block."""
+    the pull's first block. ``lease_blocks``: the lease's whole block list as the consumer was
+    told it (its params); a one-sided read checks it against the producer's lease table, and
+    its own blocks against it, since no producer checks them (empty: not checked)."""
 
     lease_id: str
     secret: str
     prompt_digest: str = ""
     block_offset: int = 0
+    lease_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("lease_id", "secret"):
@@ -87,7 +90,11 @@ class LeaseAccess:
     def at(self, offset: int) -> LeaseAccess:
         """The same access for a part of the pull starting ``offset`` blocks further."""
         return LeaseAccess(
-            self.lease_id, self.secret, self.prompt_digest, self.block_offset + offset
+            self.lease_id,
+            self.secret,
+            self.prompt_digest,
+            self.block_offset + offset,
+            self.lease_blocks,
         )
 
     def __repr__(self) -> str:
@@ -122,7 +129,9 @@ class LeaseGrants:
         with self._cond:
             self._table = table
             for lease_id, grant in self._grants.items():
-                table.publish(lease_id, grant.digest, grant.prompt_digest, grant.pending)
+                table.publish(
+                    lease_id, grant.digest, grant.prompt_digest, grant.pending, grant.block_ids
+                )
 
     def __len__(self) -> int:
         with self._cond:
@@ -144,7 +153,7 @@ class LeaseGrants:
             grant = _Grant(digest, tuple(block_ids), prompt_digest, set(pending_layers))
             self._grants[lease_id] = grant
             if self._table is not None:
-                self._table.publish(lease_id, digest, prompt_digest, grant.pending)
+                self._table.publish(lease_id, digest, prompt_digest, grant.pending, grant.block_ids)
             self._cond.notify_all()
 
     def layer_ready(self, lease_ids: Iterable[str], layer_name: str | None = None) -> None:

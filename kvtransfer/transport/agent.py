@@ -37,6 +37,7 @@ from kvtransfer.transport.errors import (
     TransportError,
 )
 from kvtransfer.transport.lease_table import LeaseTable
+from kvtransfer.transport.locality import WorkerAddresses
 from kvtransfer.transport.messages import decode_address, encode_address, peer_name
 from kvtransfer.transport.rma import ReadControl, RmaExporter, RmaKeys, RmaPeer, RmaReader
 from kvtransfer.transport.server import KVServer
@@ -329,7 +330,11 @@ class KVTransferAgent:
                 on_wait=on_wait,
                 grant_wait_s=self.config.grant_wait_s,
             )
-            rma = self._rma_peer(peer, spec, control)
+            try:
+                rma = self._rma_peer(peer, spec, control)
+            except TransportError as exc:
+                # Like any refusal or failure of the transfer: through the handle.
+                return PullHandle.failed(spec.request_id, peer, exc)
             if rma is not None:
                 return self._client.read_one_sided(
                     peer, rma, self._reader, spec, plans, caches, control
@@ -359,7 +364,8 @@ class KVTransferAgent:
                     f"pull {spec.request_id!r}: {peer.name} sent unusable keys: {exc}",
                     code=ErrorCode.BAD_REQUEST,
                 ) from exc
-            rma = RmaPeer(keys)
+            same_host = WorkerAddresses.unpack(key).locality == self._loop.locality
+            rma = RmaPeer(keys, same_host)
             self._loop.on_close(key, rma.release)
             self._rma_peers[key] = rma
             return rma

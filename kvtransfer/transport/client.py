@@ -145,6 +145,14 @@ class PullHandle:
         self._future = future
         self._state = _PullState()
 
+    @classmethod
+    def failed(cls, request_id: str, peer: PeerHandle, error: BaseException) -> PullHandle:
+        """A handle of a pull that failed before it started."""
+        future: Future[PullResult] = Future()
+        future.set_running_or_notify_cancel()
+        future.set_exception(error)
+        return cls(request_id, peer, future)
+
     def done(self) -> bool:
         return self._future.done()
 

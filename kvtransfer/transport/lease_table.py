@@ -2,10 +2,11 @@
 
 In RMA mode the producer never sees a read, so it cannot refuse one of a released block. It
 publishes instead, in a small registered array next to its KV, one row per lease it holds:
-``(token, layers_ready, prompt tag, 0)``. The token is derived from the lease id and the digest
-of its secret (`lease_token`), so a consumer that knows the secret computes it, and reading the
-table reveals no secret; the prompt tag (`prompt_tag`, 0 when the producer checks no prompt)
-lets a consumer refuse KV computed for another prompt than its own, as a tagged pull would. A
+``(token, layers_ready, prompt tag, blocks tag)``. The token is derived from the lease id and
+the digest of its secret (`lease_token`), so a consumer that knows the secret computes it, and
+reading the table reveals no secret; the prompt tag (`prompt_tag`, 0 when the producer checks
+no prompt) lets a consumer refuse KV computed for another prompt than its own, and the blocks
+tag (`blocks_tag`) blocks in another order or of another lease, as a tagged pull would. A
 consumer brackets its data reads with two reads of the lease's row (a seqlock without the
 counter):
 
@@ -37,7 +38,7 @@ import torch
 
 SLOTS = 16384
 WINDOW = 8
-# Four int64 words per row: token, layers ready, prompt tag, reserved.
+# Four int64 words per row: token, layers ready, prompt tag, blocks tag.
 ROW_WORDS = 4
 ROW_BYTES = ROW_WORDS * 8
 
@@ -63,11 +64,21 @@ def lease_slot(lease_id: str, slots: int = SLOTS) -> int:
     return int.from_bytes(hashlib.sha256(lease_id.encode()).digest()[:8], "little") % slots
 
 
-def find_row(window: np.ndarray, token: int) -> tuple[int, int] | None:
-    """``(layers_ready, prompt tag)`` of the row holding ``token`` in a window read, or None."""
+def blocks_tag(block_ids: Sequence[int]) -> int:
+    """What a row holds for the lease's block list, in order."""
+    packed = np.asarray(block_ids, dtype="<i8").tobytes()
+    return _tag(b"kvtransfer-blocks-v1", packed)
+
+
+def find_row(window: np.ndarray, token: int) -> tuple[int, int, int] | None:
+    """``(layers_ready, prompt tag, blocks tag)`` of the row holding ``token`` in a window
+    read, or None."""
     rows = window.reshape(-1, ROW_WORDS)
     hits = np.flatnonzero(rows[:, 0] == token)
-    return None if len(hits) == 0 else (int(rows[hits[0], 1]), int(rows[hits[0], 2]))
+    if len(hits) == 0:
+        return None
+    row = rows[hits[0]]
+    return int(row[1]), int(row[2]), int(row[3])
 
 
 class LeaseTable:
@@ -87,7 +98,12 @@ class LeaseTable:
         return self.words.numel() * 8
 
     def publish(
-        self, lease_id: str, secret_digest: bytes, prompt_digest: str, pending: set[str]
+        self,
+        lease_id: str,
+        secret_digest: bytes,
+        prompt_digest: str,
+        pending: set[str],
+        block_ids: Sequence[int],
     ) -> bool:
         """Write the lease's row; False (and counted in ``full``) when its window is full."""
         token = lease_token(lease_id, secret_digest)
@@ -100,6 +116,7 @@ class LeaseTable:
                     # The rest before the token: whoever sees the token sees a valid row.
                     self._rows[row, 1] = self._ready(pending)
                     self._rows[row, 2] = prompt_tag(prompt_digest)
+                    self._rows[row, 3] = blocks_tag(block_ids)
                     self._rows[row, 0] = token
                     self._where[lease_id] = row
                     return True

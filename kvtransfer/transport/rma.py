@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from kvtransfer.transport.access import AccessDenied, LeaseEndedDuringRead, secret_digest
+from kvtransfer.transport.direct_read import DirectReader, DirectReadUnavailable
 from kvtransfer.transport.errors import (
     ErrorCode,
     PeerUnreachable,
@@ -39,6 +41,7 @@ from kvtransfer.transport.lease_table import (
     ROW_WORDS,
     WINDOW,
     LeaseTable,
+    blocks_tag,
     find_row,
     lease_slot,
     lease_token,
@@ -88,12 +91,23 @@ class TableRef:
 
 
 @dataclass(frozen=True)
+class Identity:
+    """The producer's process and a nonce at ``address`` in it: a same-host reader checks it
+    before reading the process's memory directly (`direct_read`)."""
+
+    pid: int
+    address: int
+    nonce: bytes
+
+
+@dataclass(frozen=True)
 class RmaKeys:
     """What a consumer needs to read a producer agent's KV one-sided."""
 
     regions: tuple[RegionKey, ...]
     layers: Mapping[str, LayerMemory]
     table: TableRef | None
+    identity: Identity
 
     def encode(self) -> bytes:
         body = {
@@ -105,6 +119,11 @@ class RmaKeys:
             "table": None
             if self.table is None
             else [self.table.region, self.table.address, self.table.slots, list(self.table.layers)],
+            "identity": [
+                self.identity.pid,
+                self.identity.address,
+                base64.b64encode(self.identity.nonce).decode(),
+            ],
         }
         return json.dumps(body, separators=(",", ":")).encode()
 
@@ -127,6 +146,8 @@ class RmaKeys:
                 if table is None
                 else TableRef(int(table[0]), int(table[1]), int(table[2]), tuple(table[3]))
             )
+            pid, address, nonce = body["identity"]
+            identity = Identity(int(pid), int(address), base64.b64decode(nonce, validate=True))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ValueError(f"unreadable RMA keys: {type(exc).__name__}: {exc}") from exc
         for name, layer in layers.items():
@@ -138,7 +159,7 @@ class RmaKeys:
                 raise ValueError(f"layer {name!r} lies outside its region")
         if ref is not None and not 0 <= ref.region < len(regions):
             raise ValueError(f"the lease table names region {ref.region} of {len(regions)}")
-        return cls(regions, layers, ref)
+        return cls(regions, layers, ref, identity)
 
 
 def _memory_type(tensor: torch.Tensor) -> int:
@@ -152,6 +173,8 @@ class RmaExporter:
         self, context: int, caches: Mapping[str, torch.Tensor], table: LeaseTable | None
     ) -> None:
         self._mapped: list[MappedRegion] = []
+        # Random bytes only this process holds at this address (see `Identity`).
+        self._nonce = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8)
         by_storage: dict[tuple[int, int], int] = {}
         layers: dict[str, LayerMemory] = {}
         try:
@@ -185,6 +208,7 @@ class RmaExporter:
             ),
             layers,
             ref,
+            Identity(os.getpid(), self._nonce.data_ptr(), bytes(self._nonce.numpy())),
         )
         self.encoded = self.keys.encode()
         if len(self.encoded) > MAX_KEYS_BYTES:
@@ -205,27 +229,33 @@ class RmaExporter:
 
 
 class RmaPeer:
-    """A producer's keys on the consumer, unpacked on the current endpoint to it.
+    """A producer's keys on the consumer, and how this consumer reads it: directly (same host,
+    host memory, `direct_read`) or through UCX gets on its endpoint to the producer.
 
-    ``lock`` is held by a reader for a whole read and by `release`, which destroys the
-    unpacked keys before the endpoint closes (UCX's order), so no read uses a destroyed key.
+    ``lock`` is held by a reader for a whole read and by `release`, which destroys the keys
+    unpacked on an endpoint before that endpoint closes (UCX's order), so no read uses a
+    destroyed key.
     """
 
-    def __init__(self, keys: RmaKeys) -> None:
+    def __init__(self, keys: RmaKeys, same_host: bool) -> None:
         self.keys = keys
         self.lock = threading.Lock()
         self._endpoint: int | None = None
-        self._worker: int | None = None
         self._rkeys: list[int] = []
+        self._direct: DirectReader | None = None
+        if same_host and all(region.memory == "host" for region in keys.regions):
+            candidate = DirectReader(keys.identity.pid)
+            if candidate.probe(keys.identity.address, keys.identity.nonce):
+                self._direct = candidate
 
-    def bound(self) -> tuple[int, int, list[int]] | None:
-        """(worker, endpoint, unpacked keys) if bound (call under ``lock``)."""
-        if self._endpoint is None or self._worker is None:
-            return None
-        return self._worker, self._endpoint, self._rkeys
+    @property
+    def direct(self) -> DirectReader | None:
+        return self._direct
 
-    def rebind(self, worker: int, endpoint: int) -> tuple[int, int, list[int]]:
-        """Unpack every region key on ``endpoint`` (call under ``lock``)."""
+    def ucx_keys(self, endpoint: int) -> list[int]:
+        """The region keys unpacked on ``endpoint`` (call under ``lock``)."""
+        if self._endpoint == endpoint:
+            return self._rkeys
         self._unbind()
         rkeys: list[int] = []
         try:
@@ -235,17 +265,21 @@ class RmaPeer:
             for rkey in rkeys:
                 destroy_key(rkey)
             raise
-        self._worker, self._endpoint, self._rkeys = worker, endpoint, rkeys
-        return worker, endpoint, rkeys
+        self._endpoint, self._rkeys = endpoint, rkeys
+        return rkeys
 
     def release(self) -> None:
-        """The endpoint is closing: destroy the unpacked keys first (any thread)."""
+        """The endpoint is closing: destroy the keys unpacked on it first (any thread)."""
         with self.lock:
             self._unbind()
 
+    def no_direct(self) -> None:
+        """Direct reads were refused (permissions changed): UCX from now on."""
+        self._direct = None
+
     def _unbind(self) -> None:
         rkeys, self._rkeys = self._rkeys, []
-        self._endpoint = self._worker = None
+        self._endpoint = None
         for rkey in rkeys:
             destroy_key(rkey)
 
@@ -315,6 +349,64 @@ def plan_runs(
     return concat_runs(parts)
 
 
+class _Channel:
+    """Copies runs from the producer and returns once they all landed (or raises)."""
+
+    def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
+        raise NotImplementedError
+
+
+class _DirectChannel(_Channel):
+    def __init__(self, reader: DirectReader) -> None:
+        self._reader = reader
+
+    def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
+        self._reader.read(runs.local, runs.remote, runs.lengths)
+
+
+class _UcxChannel(_Channel):
+    def __init__(self, worker: int, endpoint: int, rkeys: list[int], memory: int) -> None:
+        self._worker, self._endpoint, self._rkeys, self._memory = worker, endpoint, rkeys, memory
+
+    def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
+        gets = Gets(self._worker, self._endpoint, self._memory)
+        try:
+            gets.post_many(
+                runs.local.tolist(),
+                runs.lengths.tolist(),
+                runs.remote.tolist(),
+                [self._rkeys[k] for k in runs.keys.tolist()],
+            )
+            gets.flush()
+            _wait(gets, control, what)
+        except BaseException:
+            gets.abandon()
+            raise
+
+
+def _wait(gets: Gets, control: ReadControl, what: str) -> None:
+    """Progress until ``gets`` completed, or raise: cancelled, timed out, peer failed, or
+    whatever ``control.on_wait`` raises (a dead producer)."""
+    spins = 0
+    while True:
+        try:
+            if gets.poll():
+                return
+        except UcxStatusError as exc:
+            raise PeerUnreachable(f"{what}: one-sided read failed: {exc}") from exc
+        spins += 1
+        if spins < _SPINS:
+            continue
+        if control.cancelled():
+            raise TransferCancelled(f"{what} was cancelled")
+        if time.monotonic() >= control.deadline:
+            raise TransferTimeoutError(
+                f"{what} timed out after {control.timeout_s} s (one-sided read not completed)"
+            )
+        control.probe()
+        time.sleep(_NAP_S)
+
+
 class RmaReader:
     """Runs one-sided pulls for one agent (see the module docstring)."""
 
@@ -334,79 +426,72 @@ class RmaReader:
         """Read ``spec`` into ``caches``; returns (bytes, runs). ``endpoint`` gives the live
         endpoint's handle (None: none yet), ``connect`` makes one (never called holding
         ``rma.lock``: the loop thread takes it to close endpoints). Any error raised while
-        reads were in flight (cancel, timeout, ``on_wait``, a failed read) leaves them to the
-        caller, who must reset the endpoint."""
-        keys = rma.keys
-        runs = plan_runs(keys, spec, plans, caches)
+        UCX reads were in flight (cancel, timeout, ``on_wait``, a failed read) leaves them to
+        the caller, who must reset the endpoint."""
+        runs = plan_runs(rma.keys, spec, plans, caches)
+        row = _LeaseRow.of(rma.keys, spec, plans)
+        what = f"pull {spec.request_id!r}"
         device = caches[plans[0].name].device
+        direct = rma.direct if device.type == "cpu" else None
+        if direct is not None:
+            try:
+                self._read(_DirectChannel(direct), runs, row, control, what)
+                return runs.total_bytes, len(runs)
+            except DirectReadUnavailable:
+                rma.no_direct()
         memory = MEMORY_CUDA if device.type == "cuda" else MEMORY_HOST
-        row = _LeaseRow.of(keys, spec, plans)
-        key_regions = runs.keys.tolist()
-        local, lengths, remote = runs.local.tolist(), runs.lengths.tolist(), runs.remote.tolist()
         while True:
             with rma.lock:
                 ep = endpoint()
                 if ep is not None:
-                    bound = rma.bound()
-                    if bound is None or bound[1] != ep:
-                        bound = rma.rebind(self._worker, ep)
-                    worker, _, rkeys = bound
-                    if row is not None:
-                        row.wait_held(self, worker, ep, rkeys, control)
-                    gets = Gets(worker, ep, memory)
-                    try:
-                        gets.post_many(local, lengths, remote, [rkeys[k] for k in key_regions])
-                        gets.flush()
-                        self.wait(gets, control, f"pull {spec.request_id!r}")
-                    except BaseException:
-                        gets.abandon()
-                        raise
-                    if row is not None and not row.check(self, worker, ep, rkeys, control):
-                        raise LeaseEndedDuringRead(
-                            f"lease {row.lease_id!r} ended while pull {spec.request_id!r} read "
-                            "its blocks one-sided: what was read may be another request's KV "
-                            "and is not used"
-                        )
+                    channel = _UcxChannel(self._worker, ep, rma.ucx_keys(ep), memory)
+                    self._read(channel, runs, row, control, what)
                     return runs.total_bytes, len(runs)
             connect()
 
-    def wait(self, gets: Gets, control: ReadControl, what: str) -> None:
-        """Progress until ``gets`` completed, or raise: cancelled, timed out, peer failed, or
-        whatever ``control.on_wait`` raises (a dead producer)."""
-        spins = 0
-        while True:
-            try:
-                if gets.poll():
-                    return
-            except UcxStatusError as exc:
-                raise PeerUnreachable(f"{what}: one-sided read failed: {exc}") from exc
-            spins += 1
-            if spins < _SPINS:
-                continue
-            if control.cancelled():
-                raise TransferCancelled(f"{what} was cancelled")
-            now = time.monotonic()
-            if now >= control.deadline:
-                raise TransferTimeoutError(
-                    f"{what} timed out after {control.timeout_s} s (one-sided read not completed)"
-                )
-            control.probe()
-            time.sleep(_NAP_S)
+    def _read(
+        self,
+        channel: _Channel,
+        runs: Runs,
+        row: _LeaseRow | None,
+        control: ReadControl,
+        what: str,
+    ) -> None:
+        if row is not None:
+            row.wait_held(channel, control)
+        channel.copy(runs, control, what)
+        if row is not None and not row.held(channel, control):
+            raise LeaseEndedDuringRead(
+                f"lease {row.lease_id!r} ended while {what} read its blocks one-sided: what "
+                "was read may be another request's KV and is not used"
+            )
 
 
 class _LeaseRow:
     """The lease-table window a read checks before and after its data reads."""
 
     def __init__(
-        self, token: int, prompt: int, address: int, table_key: int, needed: int, lease_id: str
+        self,
+        token: int,
+        prompt: int,
+        blocks: int,
+        address: int,
+        table_key: int,
+        needed: int,
+        lease_id: str,
     ):
         self.token = token
         self.prompt = prompt
-        self.address = address
-        self.table_key = table_key
+        self.blocks = blocks
         self.needed = needed
         self.lease_id = lease_id
         self.window = np.zeros(WINDOW * ROW_WORDS, dtype=np.int64)
+        self._runs = Runs(
+            np.array([self.window.ctypes.data], dtype=np.int64),
+            np.array([address], dtype=np.int64),
+            np.array([self.window.nbytes], dtype=np.int64),
+            np.array([table_key], dtype=np.int64),
+        )
 
     @classmethod
     def of(cls, keys: RmaKeys, spec: PullSpec, plans: list[LayerPlan]) -> _LeaseRow | None:
@@ -424,40 +509,45 @@ class _LeaseRow:
         token = lease_token(lease.lease_id, secret_digest(lease.secret))
         address = table.address + lease_slot(lease.lease_id, table.slots) * ROW_BYTES
         needed = max(order[p.name] for p in plans) + 1
+        blocks = 0
+        if lease.lease_blocks:
+            start = lease.block_offset
+            if tuple(spec.remote_block_ids) != lease.lease_blocks[start : start + spec.num_blocks]:
+                raise AccessDenied(
+                    f"pull {spec.request_id!r}: blocks are not lease {lease.lease_id!r}'s blocks "
+                    f"at positions [{start}, {start + spec.num_blocks}) (reordered, repeated, "
+                    "shifted or outside it)"
+                )
+            blocks = blocks_tag(lease.lease_blocks)
         return cls(
-            token, prompt_tag(lease.prompt_digest), address, table.region, needed, lease.lease_id
+            token,
+            prompt_tag(lease.prompt_digest),
+            blocks,
+            address,
+            table.region,
+            needed,
+            lease.lease_id,
         )
 
-    def _read(
-        self, reader: RmaReader, worker: int, ep: int, rkeys: list[int], control: ReadControl
-    ) -> tuple[int, int] | None:
-        gets = Gets(worker, ep)
-        try:
-            gets.post_many(
-                [self.window.ctypes.data],
-                [self.window.nbytes],
-                [self.address],
-                [rkeys[self.table_key]],
-            )
-            gets.flush()
-            reader.wait(gets, control, f"lease check of {self.lease_id!r}")
-        except BaseException:
-            gets.abandon()
-            raise
+    def _read(self, channel: _Channel, control: ReadControl) -> tuple[int, int, int] | None:
+        channel.copy(self._runs, control, f"lease check of {self.lease_id!r}")
         return find_row(self.window, self.token)
 
-    def wait_held(
-        self, reader: RmaReader, worker: int, ep: int, rkeys: list[int], control: ReadControl
-    ) -> None:
+    def wait_held(self, channel: _Channel, control: ReadControl) -> None:
         """Until the lease row is there with the layers read ready (the grant may lag)."""
         give_up = min(control.deadline, time.monotonic() + control.grant_wait_s)
         delay = _ROW_BACKOFF_S[0]
         while True:
-            row = self._read(reader, worker, ep, rkeys, control)
+            row = self._read(channel, control)
             if row is not None and row[1] and self.prompt and row[1] != self.prompt:
                 raise AccessDenied(
                     f"lease {self.lease_id!r} holds the KV of another prompt than the one the "
                     "pull is for (prompt digest mismatch, one-sided check)"
+                )
+            if row is not None and self.blocks and row[2] != self.blocks:
+                raise AccessDenied(
+                    f"lease {self.lease_id!r} holds other blocks, or these in another order, "
+                    "than the pull was told (block list mismatch, one-sided check)"
                 )
             ready = None if row is None else row[0]
             if ready is not None and ready >= self.needed:
@@ -474,7 +564,5 @@ class _LeaseRow:
             time.sleep(delay)
             delay = min(delay * 2, _ROW_BACKOFF_S[1])
 
-    def check(
-        self, reader: RmaReader, worker: int, ep: int, rkeys: list[int], control: ReadControl
-    ) -> bool:
-        return self._read(reader, worker, ep, rkeys, control) is not None
+    def held(self, channel: _Channel, control: ReadControl) -> bool:
+        return self._read(channel, control) is not None

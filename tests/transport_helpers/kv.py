@@ -69,3 +69,12 @@ def empty_caches(
         for group in groups
         for name in group.names()
     }
+
+
+def in_order(tensor: torch.Tensor, order: str) -> torch.Tensor:
+    """``tensor`` (``B2HND``) copied into memory laid out in axis ``order``, returned as its
+    ``B2HND`` view: same values, other strides."""
+    from kvtransfer.transport import KV_AXES, canonical_kv_view
+
+    physical = tensor.permute(*(KV_AXES.index(axis) for axis in order)).contiguous()
+    return canonical_kv_view(physical, order)

@@ -1,6 +1,10 @@
 """A KV transfer agent serving seeded caches until stdin closes.
 
     python -m transport_helpers.kv_server --seed 3 --group model.layers:0:3:float32 [--no-serve]
+        [--order BH2ND] [--data-plane tagged]
+
+``--order`` stores every layer physically in that axis order (registered as its ``B2HND``
+view, values unchanged).
 
 Prints one JSON line ``{"address": hex, "layouts": {...}, "pid": n}`` once serving.
 """
@@ -12,8 +16,8 @@ import json
 import os
 import sys
 
-from kvtransfer.transport import KVTransferAgent, TransportConfig
-from transport_helpers.kv import LayerGroup, make_caches
+from kvtransfer.transport import KV_AXES, KVTransferAgent, TransportConfig
+from transport_helpers.kv import LayerGroup, in_order, make_caches
 
 
 def main() -> None:
@@ -22,10 +26,16 @@ def main() -> None:
     parser.add_argument("--group", action="append", required=True)
     parser.add_argument("--no-serve", action="store_true")
     parser.add_argument("--send-timeout", type=float, default=5.0)
+    parser.add_argument("--order", default=KV_AXES)
+    parser.add_argument("--data-plane", default="rma")
     args = parser.parse_args()
     groups = [LayerGroup.decode(text) for text in args.group]
-    agent = KVTransferAgent(TransportConfig(send_timeout_s=args.send_timeout))
-    agent.register_kv_caches(make_caches(args.seed, groups))
+    agent = KVTransferAgent(
+        TransportConfig(send_timeout_s=args.send_timeout, data_plane=args.data_plane)
+    )
+    agent.register_kv_caches(
+        {name: in_order(t, args.order) for name, t in make_caches(args.seed, groups).items()}
+    )
     if not args.no_serve:
         agent.start_server()
     layouts = {name: layout.as_dict() for name, layout in agent.kv_layouts().items()}

@@ -20,6 +20,8 @@ class ServerSpec:
     seed: int
     groups: tuple[LayerGroup, ...]
     serve: bool = True
+    order: str = "B2HND"
+    data_plane: str = "rma"
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ def _spawn(spec: ServerSpec) -> subprocess.Popen[str]:
         args += ["--group", group.encode()]
     if not spec.serve:
         args.append("--no-serve")
+    args += ["--order", spec.order, "--data-plane", spec.data_plane]
     # One intra-op thread: the test machine may have two cores shared by several processes.
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     return spawn("transport_helpers.kv_server", *args, env={"OMP_NUM_THREADS": threads})

@@ -189,7 +189,11 @@ class LoadSpec:
         engine's own prompt before the load was planned)."""
         remote = self.remote
         return LeaseAccess(
-            remote.request_id, remote.secret, remote.prompt_digest, self.remote_offset
+            remote.request_id,
+            remote.secret,
+            remote.prompt_digest,
+            self.remote_offset,
+            remote.block_ids,
         )
 
 

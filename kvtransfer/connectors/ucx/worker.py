@@ -79,6 +79,7 @@ class UcxWorker:
         self._stats: dict[str, float | list[float]] = {}
         self._pulls_served = 0
         self._bytes_served = 0
+        self._bytes_per_block = 0
         self._closed = False
 
     # ------------------------------------------------------------------ set-up
@@ -123,6 +124,7 @@ class UcxWorker:
             agent.close()
             raise
         self._identity, self._agent = identity, agent
+        self._bytes_per_block = sum(t[0].numel() * t.element_size() for t in kv_caches.values())
         self._per_layer_ready = all(t.device.type == "cpu" for t in kv_caches.values())
         self._engines = RemoteEngines(
             identity,
@@ -160,6 +162,9 @@ class UcxWorker:
         for release in metadata.releases:
             self._released.append(release.req_id)
             self._add("num_leases_expired" if release.expired else "num_sends", 1)
+            if self._ucx.data_plane == "rma" and release.num_blocks:
+                # One-sided reads are never seen here: count what the consumer says it read.
+                self._add("bytes_sent", release.num_blocks * self._bytes_per_block)
         for spec in metadata.loads:
             self._start_load(spec)
 
@@ -280,7 +285,8 @@ class UcxWorker:
             served, served_bytes = server.requests_served, server.bytes_served
             if served > self._pulls_served:
                 self._add("pull_messages_served", served - self._pulls_served)
-                self._add("bytes_sent", served_bytes - self._bytes_served)
+                if self._ucx.data_plane == "tagged":
+                    self._add("bytes_sent", served_bytes - self._bytes_served)
                 self._pulls_served, self._bytes_served = served, served_bytes
         with self._stats_lock:
             if not self._stats:

@@ -1,0 +1,330 @@
+"""RMA mode of the data plane: one-sided reads of a producer's registered KV, and what guards
+them.
+
+Bytes: a producer process serves seeded caches stored in one axis order, the test pulls into
+caches stored in another, with head slices and scattered blocks, and every (layer, block, K/V,
+head, token, dim) is compared with the seeded values (torch indexing, independent of the runs
+the reader computed); untouched blocks keep their sentinel.
+
+Guards (a producer agent with `LeaseGrants` in this process, over real UCX): keys only for a
+valid lease; a read waits for its lease row; a lease that ends while a read runs fails that
+read; the prompt and the block list are checked one-sided; and, stated plainly, a peer holding
+keys can read any registered block (the test shows it with raw gets).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from transport_helpers.kv import LayerGroup, empty_caches, in_order, layer_tensor, make_caches
+from transport_helpers.procs import ServerSpec, kv_servers
+
+from kvtransfer.transport import (
+    AccessDenied,
+    ErrorCode,
+    KVTransferAgent,
+    LeaseAccess,
+    LeaseGrants,
+    PeerUnreachable,
+    PullSpec,
+    RemoteTransferError,
+    TransferTimeoutError,
+    TransportConfig,
+    new_secret,
+    secret_digest,
+)
+from kvtransfer.transport import rma as rma_module
+from kvtransfer.transport.access import LeaseEndedDuringRead
+from kvtransfer.transport.ucp_rma import Gets, unpack_key
+
+pytestmark = pytest.mark.integration
+
+GROUP = LayerGroup("model.layers", 0, 3)
+SEED = 11
+SENTINEL = -7.0
+WAIT_S = 20.0
+
+
+def _local(order: str, heads: int = 4) -> dict[str, torch.Tensor]:
+    return {
+        name: in_order(cache, order)
+        for name, cache in empty_caches([GROUP], num_heads=heads).items()
+    }
+
+
+@pytest.fixture(scope="module")
+def producers():
+    """One producer process per physical order (and a tagged-only one), started together."""
+    specs = {
+        "B2HND": ServerSpec(SEED, (GROUP,)),
+        "BH2ND": ServerSpec(SEED, (GROUP,), order="BH2ND"),
+        "B2NHD": ServerSpec(SEED, (GROUP,), order="B2NHD"),
+        "tagged": ServerSpec(SEED, (GROUP,), data_plane="tagged"),
+    }
+    with kv_servers(list(specs.values())) as servers:
+        yield dict(zip(specs, servers, strict=True))
+
+
+# (remote heads, local heads, local head count): whole blocks, a TP 2 consumer's half, a
+# TP 2 producer's half into a TP 1 consumer, one head.
+HEADS = [
+    (None, None, 4),
+    (range(2, 4), None, 2),
+    (range(0, 2), range(2, 4), 4),
+    (range(3, 4), range(1, 2), 4),
+]
+REMOTE_IDS = (5, 6, 7, 40, 2, 63)
+LOCAL_IDS = (0, 1, 2, 9, 30, 31)
+
+
+@pytest.mark.parametrize("remote_order", ["B2HND", "BH2ND", "B2NHD"])
+@pytest.mark.parametrize("local_order", ["B2HND", "2BHND", "BNH2D"])
+@pytest.mark.parametrize("heads", HEADS, ids=["all", "tp2-half", "into-half", "one-head"])
+def test_one_sided_pull_lands_every_byte(producers, remote_order, local_order, heads):
+    remote_heads, local_heads, num_heads = heads
+    server = producers[remote_order]
+    local = _local(local_order, num_heads)
+    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as agent:
+        agent.register_kv_caches(local)
+        peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
+        spec = PullSpec("bytes", GROUP.names(), REMOTE_IDS, LOCAL_IDS, remote_heads, local_heads)
+        result = agent.pull(peer, spec).result(WAIT_S)
+    width = len(remote_heads or range(4))
+    assert result.payload_bytes == len(GROUP.names()) * len(LOCAL_IDS) * 2 * width * 16 * 8 * 4
+    r_heads = remote_heads or range(4)
+    l_heads = local_heads or range(num_heads)
+    for name in GROUP.names():
+        seeded = layer_tensor(SEED, name)
+        cache = local[name]
+        for remote_id, local_id in zip(REMOTE_IDS, LOCAL_IDS, strict=True):
+            got = cache[local_id, :, l_heads.start : l_heads.stop]
+            want = seeded[remote_id, :, r_heads.start : r_heads.stop]
+            assert torch.equal(got, want), (name, remote_id, local_id)
+        untouched = torch.ones(cache.shape[0], dtype=torch.bool)
+        untouched[list(LOCAL_IDS)] = False
+        assert (cache[untouched] == SENTINEL).all(), name
+        if len(l_heads) < num_heads:
+            others = [h for h in range(num_heads) if h not in l_heads]
+            assert (cache[list(LOCAL_IDS)][:, :, others] == SENTINEL).all(), name
+
+
+def test_contiguous_blocks_and_layers_are_one_read_each(producers):
+    """Runs merge across blocks (and across layers when the layers are adjacent in memory):
+    the run count is what the layouts allow, exactly."""
+    server = producers["B2HND"]
+    local = empty_caches([GROUP])
+    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as agent:
+        agent.register_kv_caches(local)
+        peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
+        names = GROUP.names()
+        whole = agent.pull(peer, PullSpec("run", names, range(8, 16), range(0, 8))).result(WAIT_S)
+        # One run per layer: 8 consecutive blocks on both sides, each layer its own tensor.
+        assert whole.num_messages == len(names)
+        half = agent.pull(
+            peer, PullSpec("half", names, range(8, 16), range(0, 8), range(0, 2), range(0, 2))
+        ).result(WAIT_S)
+        # Two heads of four: one run per (layer, block, K/V).
+        assert half.num_messages == len(names) * 8 * 2
+    for name in names:
+        assert torch.equal(local[name][0:8], layer_tensor(SEED, name)[8:16])
+
+
+def test_layers_in_one_buffer_are_read_as_one_run():
+    """vLLM keeps every layer in one buffer: adjacent layers' blocks merge into one read."""
+    shape = (len(GROUP.names()), 16, 2, 4, 16, 8)
+    source = torch.arange(np.prod(shape), dtype=torch.float32).reshape(shape)
+    target = torch.full(shape, SENTINEL)
+    names = GROUP.names()
+    with (
+        KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as producer,
+        KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as consumer,
+    ):
+        producer.register_kv_caches({n: source[i] for i, n in enumerate(names)})
+        producer.start_server()
+        consumer.register_kv_caches({n: target[i] for i, n in enumerate(names)})
+        peer = consumer.connect(producer.address, layouts=producer.kv_layouts(), one_sided=True)
+        result = consumer.pull(peer, PullSpec("all", names, range(16), range(16))).result(WAIT_S)
+    assert result.num_messages == 1
+    assert torch.equal(target, source)
+
+
+def test_a_tagged_only_producer_is_read_two_sided(producers):
+    server = producers["tagged"]
+    local = empty_caches([GROUP])
+    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as agent:
+        agent.register_kv_caches(local)
+        peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
+        result = agent.pull(peer, PullSpec("t", GROUP.names(), (3, 4), (0, 1))).result(WAIT_S)
+        # One tagged message, not one read per run: the producer refused to hand keys.
+        assert result.num_messages == 1
+    for name in GROUP.names():
+        assert torch.equal(local[name][0:2], layer_tensor(SEED, name)[3:5])
+
+
+def test_a_dead_producer_fails_the_read_with_a_typed_error():
+    with kv_servers([ServerSpec(SEED, (GROUP,))]) as (server,):
+        local = empty_caches([GROUP])
+        with KVTransferAgent(TransportConfig(timeout_s=3.0)) as agent:
+            agent.register_kv_caches(local)
+            peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
+            agent.pull(peer, PullSpec("alive", GROUP.names(), (1,), (1,))).result(WAIT_S)
+            server.kill()
+            handle = agent.pull(peer, PullSpec("dead", GROUP.names(), (2, 3), (2, 3)))
+            with pytest.raises((PeerUnreachable, TransferTimeoutError)):
+                handle.result(WAIT_S)
+            # The agent still works (its endpoint to the dead peer was reset).
+            assert not agent.closed
+
+
+# --------------------------------------------------------------------------- leased producer
+
+
+class Leased:
+    """A producer agent serving leased KV and a consumer agent, in this process."""
+
+    def __init__(self) -> None:
+        self.grants = LeaseGrants(grant_wait_s=1.0)
+        self.source = make_caches(SEED, [GROUP])
+        self.producer = KVTransferAgent(TransportConfig(timeout_s=WAIT_S, grant_wait_s=1.0))
+        self.producer.register_kv_caches(self.source)
+        self.producer.start_server(self.grants)
+        self.local = empty_caches([GROUP])
+        self.consumer = KVTransferAgent(TransportConfig(timeout_s=WAIT_S, grant_wait_s=1.0))
+        self.consumer.register_kv_caches(self.local)
+        self.peer = self.consumer.connect(
+            self.producer.address, layouts=self.producer.kv_layouts(), one_sided=True
+        )
+
+    def grant(self, lease_id: str, blocks: tuple[int, ...], prompt: str = "") -> LeaseAccess:
+        secret = new_secret()
+        self.grants.grant(lease_id, secret_digest(secret), blocks, prompt)
+        return LeaseAccess(lease_id, secret, prompt, 0, blocks)
+
+    def pull(self, name: str, remote, local, lease, **kwargs):
+        spec = PullSpec(name, GROUP.names(), remote, local, lease=lease)
+        return self.consumer.pull(self.peer, spec, **kwargs)
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.producer.close()
+
+
+@pytest.fixture
+def leased():
+    setup = Leased()
+    yield setup
+    setup.close()
+
+
+def _refused(handle) -> AccessDenied | RemoteTransferError:
+    with pytest.raises((AccessDenied, RemoteTransferError)) as refused:
+        handle.result(WAIT_S)
+    return refused.value
+
+
+def test_keys_only_for_a_valid_lease(leased):
+    held = leased.grant("held", (4, 5))
+    attempts = [
+        (None, "presents no lease"),
+        (LeaseAccess("nobody", new_secret()), "'nobody' is unknown"),
+        (LeaseAccess("held", new_secret()), "wrong secret for lease 'held'"),
+    ]
+    for lease, reason in attempts:
+        error = _refused(leased.pull("keys", (4, 5), (0, 1), lease))
+        assert isinstance(error, RemoteTransferError) and error.code == ErrorCode.ACCESS_DENIED
+        assert reason in str(error)
+    assert all((cache == SENTINEL).all() for cache in leased.local.values())
+    assert leased.producer.server.keys_served == 0
+    leased.pull("good", (4, 5), (0, 1), held).result(WAIT_S)
+    assert leased.producer.server.keys_served == 1
+    for name in GROUP.names():
+        assert torch.equal(leased.local[name][0:2], leased.source[name][4:6])
+
+
+def test_a_read_waits_for_its_lease_row(leased):
+    """The grant reaches the producer's table after the read began: the read waits for it
+    (its liveness hook runs meanwhile) instead of failing or reading early."""
+    leased.pull("keys", (1,), (1,), leased.grant("first", (1,))).result(WAIT_S)
+    secret = new_secret()
+    lease = LeaseAccess("late", secret, "", 0, (7, 8))
+    waits: list[int] = []
+
+    def on_wait() -> None:
+        waits.append(len(leased.producer.lease_table))
+        if len(waits) == 1:
+            leased.grants.grant("late", secret_digest(secret), (7, 8))
+
+    leased.pull("late", (7, 8), (2, 3), lease, on_wait=on_wait).result(WAIT_S)
+    # The first wait saw only the first lease in the table: the read had started before.
+    assert waits[0] == 1
+    for name in GROUP.names():
+        assert torch.equal(leased.local[name][2:4], leased.source[name][7:9])
+
+
+def test_a_lease_ended_during_the_read_fails_it(leased, monkeypatch):
+    """The producer ends the lease and reuses its blocks after the data reads and before the
+    check that follows them (a slow reader): the read fails, never passes as that KV."""
+    lease = leased.grant("slow", (10, 11))
+    leased.pull("keys", (10,), (0,), lease).result(WAIT_S)
+    original = rma_module._LeaseRow.held
+
+    def released_meanwhile(self, *args):
+        leased.grants.revoke(["slow"])
+        for cache in leased.source.values():
+            cache[10:12] = 123.0  # another request's KV
+        return original(self, *args)
+
+    monkeypatch.setattr(rma_module._LeaseRow, "held", released_meanwhile)
+    error = _refused(leased.pull("slow", (10, 11), (4, 5), lease))
+    assert isinstance(error, LeaseEndedDuringRead)
+    assert "ended while pull 'slow' read its blocks one-sided" in str(error)
+
+
+def test_prompt_and_block_list_are_checked_one_sided(leased):
+    lease = leased.grant("own", (20, 21, 22), prompt="digest-of-my-prompt")
+    leased.pull("keys", (20,), (0,), lease).result(WAIT_S)
+    other_prompt = LeaseAccess("own", lease.secret, "digest-of-another", 0, (20, 21, 22))
+    error = _refused(leased.pull("prompt", (20, 21, 22), (1, 2, 3), other_prompt))
+    assert "holds the KV of another prompt" in str(error)
+    # The pull's blocks are not the lease's at those positions: refused before any read.
+    error = _refused(leased.pull("order", (22, 21, 20), (1, 2, 3), lease))
+    assert "reordered, repeated, shifted or outside it" in str(error)
+    # A forged block list, consistent with itself: the producer's row disagrees.
+    forged = LeaseAccess("own", lease.secret, "digest-of-my-prompt", 0, (22, 21, 20))
+    error = _refused(leased.pull("forged", (22, 21, 20), (1, 2, 3), forged))
+    assert "block list mismatch" in str(error)
+    assert all((cache[1:4] == SENTINEL).all() for cache in leased.local.values())
+
+
+def test_keys_let_their_holder_read_any_registered_block(leased):
+    """What RMA mode does not protect, shown: a peer that authenticated once with its own
+    lease can read every registered block with raw gets (the producer never sees the read)."""
+    own = leased.grant("own", (1,))
+    leased.pull("keys", (1,), (0,), own).result(WAIT_S)
+    rma = leased.consumer._rma_peers[leased.peer.ucx_address]
+    victim = leased.source[GROUP.names()[0]][50]  # a block no lease of this peer covers
+    layer = rma.keys.layers[GROUP.names()[0]]
+    stolen = torch.zeros_like(victim)
+    loop = leased.consumer._loop
+    endpoint = loop.endpoint_handle(leased.peer.ucx_address)
+    rkey = unpack_key(endpoint, rma.keys.regions[layer.region].key)
+    try:
+        gets = Gets(loop.worker_handle, endpoint)
+        gets.post_many(
+            [stolen.data_ptr()],
+            [stolen.numel() * 4],
+            [layer.address + 50 * layer.strides[0]],
+            [rkey],
+        )
+        gets.flush()
+        deadline = time.monotonic() + WAIT_S
+        while not gets.poll():
+            assert time.monotonic() < deadline
+    finally:
+        from kvtransfer.transport.ucp_rma import destroy_key
+
+        destroy_key(rkey)
+    assert torch.equal(stolen, victim)
