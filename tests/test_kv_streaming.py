@@ -88,6 +88,10 @@ def test_the_decode_loads_while_the_prefill_computes_and_equals_colocated(pd, ex
         status, body = _complete(pd.url)
     finally:
         pd.hold.unlink(missing_ok=True)  # taken by the prefill's forward, unless it never ran
+    held = [e["released_by"] for e in read_events(pd.prefill_times, since) if e["event"] == "held"]
+    # Released by a layer landing on the decode, not by the hold's bound (a decode that loads
+    # only once the whole prompt is computed cannot release it).
+    assert held == ["pull"], (held, status, body)
     assert status == 200, body
     info = body["kvtransfer"]
     assert info["token_ids"] == expected
@@ -106,16 +110,13 @@ def test_the_decode_loads_while_the_prefill_computes_and_equals_colocated(pd, ex
     forward = produced[: next(i for i, e in enumerate(produced) if e["event"] == "forward_done")]
     saved = {e["layer"]: e["t"] for e in forward if e["event"] == "saved"}
     layers = list(saved)
-    held = [e for e in forward if e["event"] == "held"]
     pulls = [e for e in read_events(pd.decode_times, since) if e["event"] == "pulled"]
     landed = {e["layers"][0]: e["t"] for e in pulls}
     timeline = sorted(
-        [(e["t"] - since, "prefill saved", e.get("layer")) for e in forward]
+        [(e["t"] - since, f"prefill {e['event']}", e.get("layer")) for e in forward]
         + [(t - since, "decode pulled", layer) for layer, t in landed.items()]
     )
     assert len(layers) > 1, timeline
-    # Released by a layer landing on the decode, not by the hold's bound.
-    assert [e["released_by"] for e in held] == ["pull"], timeline
     # Loaded layer by layer: one pull per layer, each layer once.
     assert [e["layers"] for e in pulls if len(e["layers"]) != 1] == [], timeline
     assert sorted(landed) == sorted(layers) and len(pulls) == len(layers), timeline

@@ -37,7 +37,9 @@ from kvtransfer.connectors.ucx.connector import UcxConnector
 
 LOG_ENV = "KVT_LAYER_TIMES"
 HOLD_ENV = "KVT_HOLD_LAST_LAYER"
-HOLD_BOUND_S = 15.0  # well under the decode's transfer timeout (30 s): a hold never fails a load
+# Ample for a decode to be called, handshake and land its first layer; a hold that runs out
+# means no layer landed while the prefill computed (and the load may fail meanwhile).
+HOLD_BOUND_S = 15.0
 _TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
