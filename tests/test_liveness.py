@@ -4,6 +4,11 @@ Real daemons (`serve_helpers.pair.DaemonPair`), real gRPC and UCX. The transfer 
 minute here, so a load that ends well before it was ended by the liveness probes
 (`kvtransfer.connectors.ucx.liveness`), not by the timeout; the bounds below only tell those
 two apart.
+
+The tagged data plane needs the producer to answer each pull, so a frozen producer leaves the
+pull posted and waiting: that is where the probes decide. One-sided (RMA) reads on one host do
+not need the producer's process to run at all: a frozen producer's KV is still read, and a
+dead one fails the read at once (the kernel says the process is gone).
 """
 
 from __future__ import annotations
@@ -34,11 +39,15 @@ def expected() -> list[list[int]]:
     return colocated(PROMPTS, MAX_TOKENS)
 
 
-def _pair(log_dir, policy: str = "fail") -> DaemonPair:
+def _pair(log_dir, policy: str = "fail", data_plane: str = "tagged") -> DaemonPair:
     return DaemonPair.start(
         log_dir,
         kv_load_failure_policy=policy,
-        extra_config={"transfer_timeout_s": TRANSFER_TIMEOUT_S, "kv_lease_s": 60.0},
+        extra_config={
+            "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+            "kv_lease_s": 60.0,
+            "data_plane": data_plane,
+        },
     )
 
 
@@ -109,5 +118,55 @@ def test_a_producer_killed_during_the_pull_fails_the_load_in_about_a_second(
         failures = pair.failures("decode")
         stopped = pair.stop()
     assert loading == []
+    assert failures == {{"fail": "kv_load_failed", "recompute": "kv_load_recomputed"}[policy]: 1.0}
+    assert stopped["decode"] == Stopped(0, 0)
+
+
+def test_a_stopped_producers_kv_is_read_one_sided(tmp_path, expected):
+    """RMA mode: the producer's process is frozen (SIGSTOP) and its KV is read all the same:
+    no code of the producer runs per read."""
+    with _pair(tmp_path, data_plane="rma") as pair:
+        prefilled = _warm_and_prefill(pair, expected)
+        rid = prefilled.request_id
+        pair.pause("prefill")
+        try:
+            # Finished while the producer was still frozen.
+            (result,) = pair.run_decode([PROMPT], [prefilled.kv_transfer_params], [rid], MAX_TOKENS)
+            assert isinstance(result, GenerateResult), result
+            assert result.finish_reason == "length", result.error
+            assert result.token_ids == expected[2]
+            assert result.metrics.num_recomputed_tokens == 0
+        finally:
+            pair.resume("prefill")
+        pair.wait_no_blocks_in_use()
+        failures = pair.failures("decode")
+        stopped = pair.stop()
+    assert failures == {}
+    assert stopped == {"decode": Stopped(0, 0), "prefill": Stopped(0, 0)}
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_killed_producer_fails_the_one_sided_load_at_once(tmp_path, expected, policy):
+    with _pair(tmp_path, policy, data_plane="rma") as pair:
+        prefilled = _warm_and_prefill(pair, expected)
+        rid = prefilled.request_id
+        pair.kill("prefill")
+        killed = time.monotonic()
+        (result,) = pair.run_decode([PROMPT], [prefilled.kv_transfer_params], [rid], MAX_TOKENS)
+        elapsed = time.monotonic() - killed
+        assert isinstance(result, GenerateResult), result
+        if policy == "fail":
+            assert result.finish_reason == "error"
+            assert result.error.startswith(f"KV load failed for request {rid} ")
+            assert "PeerUnreachable" in result.error and "the process is gone" in result.error
+            assert result.token_ids == []
+        else:
+            assert result.finish_reason == "length", result.error
+            assert result.token_ids == expected[2]
+            assert result.metrics.num_recomputed_tokens > 0
+        assert elapsed < DEAD_WITHIN_S, f"the dead producer was noticed after {elapsed:.1f} s"
+        pair.wait_no_blocks_in_use()
+        failures = pair.failures("decode")
+        stopped = pair.stop()
     assert failures == {{"fail": "kv_load_failed", "recompute": "kv_load_recomputed"}[policy]: 1.0}
     assert stopped["decode"] == Stopped(0, 0)
