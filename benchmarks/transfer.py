@@ -1,4 +1,4 @@
-"""KV block pull throughput and latency: this transport vs plain TCP, in-process memcpy, NIXL READ.
+"""KV block pull throughput and latency: RMA and tagged mode vs NIXL READ, UCX's limit, memcpy.
 
 Two processes on this host hold caches in the engine's paged layout (per layer
 ``[num_blocks, 2, heads, block_size, head_dim]``); the reader pulls scattered blocks:
@@ -20,8 +20,14 @@ coalesces contiguous runs gains nothing there, and it moves as many bytes as the
 
 Methods, each timed per request (median over iterations after warm-up):
 
-* ours: `KVTransferAgent.pull` (server gathers into one buffer per <= 32 MiB message, UCX
-  tagged send over shared memory / CMA, client scatters);
+* rma: `KVTransferAgent.pull` in RMA mode (``connect(..., one_sided=True)``): the reader
+  computes the contiguous runs of the request and reads them one-sided from the producer's
+  registered caches (same host: ``process_vm_readv``, what UCX's cma does); the producer runs
+  nothing per read;
+* tagged: `KVTransferAgent.pull` in tagged mode (server gathers into one buffer per <= 32 MiB
+  message, UCX tagged send over shared memory / CMA, client scatters);
+* limit: UCX's own ``ucx_perftest -t ucp_get`` of one contiguous buffer of the case's size
+  between two processes (from the ``libucx`` wheel): no layout, no Python;
 * tcp: the same gather, ``sendall`` over a loopback socket, ``recv_into``, the same scatter;
 * memcpy: the same gather and scatter in one process (an upper bound for a gather/scatter
   design);
@@ -39,6 +45,10 @@ table shows both with their ratio (``ours_over_nixl_p50``; the older ``ours/nixl
 throughput ratio, its inverse). A row whose NIXL figures are null says why in ``nixl_note``
 (``--no-nixl``, ``nixl_cu12`` missing or its run failed).
 
+The producer's CPU seconds per GiB served (``producer_cpu_s_per_gib_*``) are its process's
+user + system time (all threads) over each method's timed and warm-up requests, divided by the
+bytes they read: what serving costs the engine a prefill runs next to.
+
 Every process uses one torch intra-op thread (``--torch-threads``): on a small shared host, OpenMP
 threads of two processes preempt each other.
 
@@ -50,7 +60,8 @@ cold with a new `HandshakeClient` per fetch (channel connect + RPC), warm with t
 client. The UCX endpoint connect is not included.
 ``--no-handshake`` skips it.
 
-    python benchmarks/transfer.py [--iterations 10] [--json results.json] [--no-nixl] [--quick]
+    python benchmarks/transfer.py [--iterations 10] [--json results.json] [--no-nixl]
+        [--no-perftest] [--quick]
 
 A full run takes about 2 minutes on a busy 2-CPU host. ``--quick`` (3 iterations, 1 warm-up, no
 handshake) is a smoke run; most of its ~1.5 minutes there is process start-up and cache set-up.
@@ -63,9 +74,11 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -483,34 +496,56 @@ def _recv_exact(connection: socket.socket, size: int) -> bytes | None:
     return bytes(data)
 
 
-def _server_process(ready: Any, stop: Any, threads: int, checksum: bool) -> None:
+def _cpu_seconds() -> float:
+    """This process's user + system CPU time, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _server_process(ready: Any, stop: Any, cpu: Any, threads: int, checksum: bool) -> None:
     from kvtransfer.transport import KVTransferAgent, TransportConfig
 
     torch.set_num_threads(threads)
     caches = remote_caches()
-    agent = KVTransferAgent(TransportConfig(checksum=checksum))
+    # RMA mode: serves tagged pulls and hands its keys to one-sided readers.
+    agent = KVTransferAgent(TransportConfig(checksum=checksum, data_plane="rma"))
     agent.register_kv_caches(caches)
     agent.start_server()
     listener = socket.create_server(("127.0.0.1", 0))
     tcp = threading.Thread(target=_serve_tcp, args=(listener, caches), daemon=True)
     tcp.start()
     ready.put((agent.address, listener.getsockname()[1]))
-    stop.get()
+    # Answers "how much CPU have you used" until told to stop.
+    while stop.get() is not None:
+        cpu.put(_cpu_seconds())
     listener.close()
     agent.close()
 
 
-def run_ours_and_tcp(
-    base: int, warmup: int, threads: int, config: Any
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+@dataclass
+class Measured:
+    """Per case: request times of each method, and the producer's CPU seconds per GiB served."""
+
+    tagged: dict[str, list[float]]
+    rma: dict[str, list[float]]
+    tcp: dict[str, list[float]]
+    tagged_cpu_per_gib: dict[str, float]
+    rma_cpu_per_gib: dict[str, float]
+
+
+def run_ours_and_tcp(base: int, warmup: int, threads: int, config: Any) -> Measured:
     from kvtransfer.transport import KVTransferAgent, PullSpec
 
     ctx = mp.get_context("spawn")
-    ready, stop = ctx.Queue(), ctx.Queue()
-    server = ctx.Process(target=_server_process, args=(ready, stop, threads, config.checksum))
+    ready, stop, cpu = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    server = ctx.Process(target=_server_process, args=(ready, stop, cpu, threads, config.checksum))
     server.start()
-    ours: dict[str, list[float]] = {}
-    tcp: dict[str, list[float]] = {}
+
+    def server_cpu() -> float:
+        stop.put("cpu")
+        return cpu.get(timeout=60)
+
+    measured = Measured({}, {}, {}, {}, {})
     agents: dict[int, Any] = {}
     try:
         address, port = ready.get(timeout=600)
@@ -525,6 +560,7 @@ def run_ours_and_tcp(
             local = local_caches(case.layout, case.local_heads)
             agent.register_kv_caches(local)
             peer = agent.connect(address)
+            one_sided = agent.connect(address, one_sided=True)
             remote_ids, local_ids = case.block_ids()
             spec = PullSpec(
                 case.name,
@@ -535,11 +571,23 @@ def run_ours_and_tcp(
                 local_heads=None if case.heads is None else (0, case.local_heads),
             )
 
-            def pull(agent=agent, peer=peer, spec=spec):
-                agent.pull(peer, spec).result(600)
+            for plane, target, per_gib in (
+                ("tagged", peer, measured.tagged_cpu_per_gib),
+                ("rma", one_sided, measured.rma_cpu_per_gib),
+            ):
+                for tensor in local.values():
+                    tensor.zero_()
 
-            ours[case.name] = timed(pull, iterations_for(case, base), warmup)
-            verify(case, local, remote_ids, local_ids)
+                def pull(agent=agent, target=target, spec=spec):
+                    agent.pull(target, spec).result(600)
+
+                iterations = iterations_for(case, base)
+                before = server_cpu()
+                samples = timed(pull, iterations, warmup)
+                served = (iterations + warmup) * case.nbytes / (1 << 30)
+                per_gib[case.name] = (server_cpu() - before) / served
+                getattr(measured, plane)[case.name] = samples
+                verify(case, local, remote_ids, local_ids)
 
             for tensor in local.values():
                 tensor.zero_()
@@ -562,7 +610,7 @@ def run_ours_and_tcp(
                     got += connection.recv_into(view[got:])
                 scatter(case, local, local_ids, receive)
 
-            tcp[case.name] = timed(over_tcp, iterations_for(case, base), warmup)
+            measured.tcp[case.name] = timed(over_tcp, iterations_for(case, base), warmup)
             verify(case, local, remote_ids, local_ids)
         connection.close()
     finally:
@@ -570,7 +618,43 @@ def run_ours_and_tcp(
             agent.close()
         stop.put(None)
         server.join(120)
-    return ours, tcp
+    return measured
+
+
+# -- the limit: UCX's own perftest ------------------------------------------------------------
+
+
+def run_perftest(case: Case, iterations: int, warmup: int) -> dict[str, float] | None:
+    """``ucx_perftest -t ucp_get`` of one contiguous buffer of the case's size between two
+    processes (what UCX reaches with no layout at all); None if the wheel lacks it."""
+    import libucx
+
+    root = Path(libucx.__file__).parent
+    binary = root / "bin" / "ucx_perftest"
+    if not binary.exists():
+        return None
+    env = {**os.environ, "LD_LIBRARY_PATH": str(root / "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [str(binary), "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        command = [str(binary), "127.0.0.1", "-p", str(port), "-t", "ucp_get"]
+        command += ["-s", str(case.nbytes), "-n", str(iterations), "-w", str(warmup)]
+        for _ in range(50):
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+            if "Final:" in run.stdout:
+                break
+            time.sleep(0.1)  # the server is still starting: retry (not synchronisation)
+        else:
+            return None
+    finally:
+        server.kill()
+        server.wait()
+    fields = run.stdout.split("Final:")[1].split()
+    return {"p50_ms": float(fields[1]) / 1e3, "gbps": float(fields[5]) * 1e6 / 1e9}
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -664,6 +748,7 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=None, help="TransportConfig.chunk_bytes")
     parser.add_argument("--inflight", type=int, default=None, help="max_inflight_chunks")
     parser.add_argument("--no-handshake", action="store_true")
+    parser.add_argument("--no-perftest", action="store_true", help="skip the ucx_perftest limit")
     parser.add_argument(
         "--checksum-cost",
         action="store_true",
@@ -699,12 +784,20 @@ def main() -> None:
     if args.inflight is not None:
         overrides["max_inflight_chunks"] = args.inflight
     config = TransportConfig(**overrides)
-    ours, tcp = run_ours_and_tcp(args.iterations, args.warmup, args.torch_threads, config)
+    measured = run_ours_and_tcp(args.iterations, args.warmup, args.torch_threads, config)
     checked = None
     if args.checksum_cost:
-        checked, _ = run_ours_and_tcp(
+        checked = run_ours_and_tcp(
             args.iterations, args.warmup, args.torch_threads, replace(config, checksum=True)
-        )
+        ).tagged
+    limits = (
+        {}
+        if args.no_perftest
+        else {
+            case.name: run_perftest(case, iterations_for(case, args.iterations), args.warmup)
+            for case in CASES
+        }
+    )
 
     # Every case is expressible as NIXL descriptors: NIXL figures are missing only when the
     # whole NIXL run is, and then every row says why.
@@ -713,40 +806,59 @@ def main() -> None:
     for case in CASES:
         nixl_samples = None if nixl is None else nixl[case.name]
         nixl_p50 = None if nixl_samples is None else percentile_ms(nixl_samples, 50)
-        ours_p50 = percentile_ms(ours[case.name], 50)
+        rma, tagged = measured.rma[case.name], measured.tagged[case.name]
+        limit = limits.get(case.name)
+        rma_gbps = gbps(case.nbytes, rma)
+        rma_cpu, tagged_cpu = (
+            measured.rma_cpu_per_gib[case.name],
+            measured.tagged_cpu_per_gib[case.name],
+        )
         row = {
             "case": case.name,
             "blocks": case.blocks,
             "bytes": case.nbytes,
-            "ours_gbps": gbps(case.nbytes, ours[case.name]),
+            "rma_gbps": rma_gbps,
+            "tagged_gbps": gbps(case.nbytes, tagged),
             "nixl_gbps": gbps(case.nbytes, nixl_samples),
-            "tcp_gbps": gbps(case.nbytes, tcp[case.name]),
+            "tcp_gbps": gbps(case.nbytes, measured.tcp[case.name]),
             "memcpy_gbps": gbps(case.nbytes, memcpy[case.name]),
-            "ours_p50_ms": ours_p50,
-            "ours_p99_ms": percentile_ms(ours[case.name], 99),
+            "perftest_gbps": None if limit is None else limit["gbps"],
+            "rma_p50_ms": percentile_ms(rma, 50),
+            "rma_p99_ms": percentile_ms(rma, 99),
+            "tagged_p50_ms": percentile_ms(tagged, 50),
+            "tagged_p99_ms": percentile_ms(tagged, 99),
             "nixl_p50_ms": nixl_p50,
             "nixl_p99_ms": None if nixl_samples is None else percentile_ms(nixl_samples, 99),
-            # > 1: our median pull takes that many times NIXL's.
-            "ours_over_nixl_p50": None if nixl_p50 is None else ours_p50 / nixl_p50,
+            "perftest_p50_ms": None if limit is None else limit["p50_ms"],
+            # > 1: RMA moves that many times NIXL's bytes per second.
+            "rma_over_nixl": None
+            if nixl_samples is None
+            else rma_gbps / gbps(case.nbytes, nixl_samples),
+            "rma_pct_of_perftest": None if limit is None else 100.0 * rma_gbps / limit["gbps"],
+            # The producer's CPU seconds per GiB read from it (all its threads).
+            "producer_cpu_s_per_gib_tagged": tagged_cpu,
+            "producer_cpu_s_per_gib_rma": rma_cpu,
+            "rma_cpu_pct_of_tagged": 100.0 * rma_cpu / tagged_cpu if tagged_cpu > 0 else None,
             # Why the NIXL figures of this row are null; None when they were measured.
             "nixl_note": nixl_missing,
-            "ours_checksum_gbps": None
+            "tagged_checksum_gbps": None
             if checked is None
             else gbps(case.nbytes, checked[case.name]),
-            "samples": len(ours[case.name]),
+            "samples": len(rma),
             **handshake,
         }
         rows.append(row)
 
     header = (
-        f"{'case':<24} {'blocks':>6} {'MiB':>7} {'ours':>6} {'nixl':>6} {'tcp':>6} "
-        f"{'memcpy':>6} {'p50 ms':>8} {'p99 ms':>8} {'ours/nixl':>9} {'nixl p50':>8} "
-        f"{'p50 x':>6}"
+        f"{'case':<24} {'MiB':>6} | {'p50 ms':>6} {'tagged':>7} {'nixl':>6} {'limit':>6} | "
+        f"{'GB/s':>5} {'tagged':>6} {'nixl':>5} {'memcpy':>6} {'limit':>5} | "
+        f"{'x nixl':>6} {'% lim':>5} | {'cpu/GiB tagged':>14} {'rma':>6} {'%':>5}"
     )
     print(f"# {platform.node()} {os.cpu_count()} CPUs, torch threads {args.torch_threads}")
-    print(f"# GB/s medians; nixl: {nixl_note}")
+    print(f"# nixl: {nixl_note}; limit: ucx_perftest -t ucp_get, one buffer of the case's size")
     print(
-        "# p50/p99 ms: ours; ours/nixl: throughput ratio; nixl p50 ms; p50 x: ours p50 / nixl p50"
+        "# first p50 and GB/s columns: ours, RMA mode (one-sided); x nixl: RMA GB/s over NIXL's;"
+        " % lim: RMA GB/s as % of the limit; cpu/GiB: producer CPU s per GiB served"
     )
     handshake_what = "n/a (--no-handshake)" if args.no_handshake else HANDSHAKE_WHAT
     print(
@@ -756,21 +868,16 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for row in rows:
-        ratio = None if row["nixl_gbps"] is None else row["ours_gbps"] / row["nixl_gbps"]
-        summed = row["ours_checksum_gbps"]
-        if summed is not None:
-            row["checksum_cost_pct"] = 100.0 * (1.0 - summed / row["ours_gbps"])
         print(
-            f"{row['case']:<24} {row['blocks']:>6} {row['bytes'] / MiB:>7.1f} "
-            f"{_fmt(row['ours_gbps']):>6} {_fmt(row['nixl_gbps']):>6} "
-            f"{_fmt(row['tcp_gbps']):>6} {_fmt(row['memcpy_gbps']):>6} "
-            f"{row['ours_p50_ms']:>8.2f} {row['ours_p99_ms']:>8.2f} {_fmt(ratio):>9} "
-            f"{_fmt(row['nixl_p50_ms'], 3):>8} {_fmt(row['ours_over_nixl_p50'], 1):>6}"
-            + (
-                ""
-                if summed is None
-                else f"  with xxh3 {_fmt(summed)} cost {row['checksum_cost_pct']:+.1f}%"
-            )
+            f"{row['case']:<24} {row['bytes'] / MiB:>6.1f} | "
+            f"{row['rma_p50_ms']:>6.3f} {row['tagged_p50_ms']:>7.3f} "
+            f"{_fmt(row['nixl_p50_ms'], 3):>6} {_fmt(row['perftest_p50_ms'], 3):>6} | "
+            f"{_fmt(row['rma_gbps']):>5} {_fmt(row['tagged_gbps']):>6} "
+            f"{_fmt(row['nixl_gbps']):>5} {_fmt(row['memcpy_gbps']):>6} "
+            f"{_fmt(row['perftest_gbps']):>5} | "
+            f"{_fmt(row['rma_over_nixl']):>6} {_fmt(row['rma_pct_of_perftest'], 0):>5} | "
+            f"{row['producer_cpu_s_per_gib_tagged']:>14.3f} "
+            f"{row['producer_cpu_s_per_gib_rma']:>6.3f} {_fmt(row['rma_cpu_pct_of_tagged'], 1):>5}"
         )
     if args.json is not None:
         args.json.write_text(

@@ -40,6 +40,7 @@ from kvtransfer.transport.lease_table import LeaseTable
 from kvtransfer.transport.locality import WorkerAddresses
 from kvtransfer.transport.messages import decode_address, encode_address, peer_name
 from kvtransfer.transport.rma import ReadControl, RmaExporter, RmaKeys, RmaPeer, RmaReader
+from kvtransfer.transport.rma_layout import LayerMemory
 from kvtransfer.transport.server import KVServer
 from kvtransfer.transport.spec import KVLayout, PullSpec, check_kv_cache, plan_pull
 from kvtransfer.transport.ucx import UcxLoop
@@ -138,6 +139,9 @@ class KVTransferAgent:
         self._lock = threading.Lock()
         self._closed = False
         self._caches: Mapping[str, torch.Tensor] = MappingProxyType({})
+        # Per registered layer, computed once: its layout, and where it is in memory.
+        self._layouts: Mapping[str, KVLayout] = MappingProxyType({})
+        self._memory: Mapping[str, LayerMemory] = MappingProxyType({})
         self._peers: dict[bytes, PeerHandle] = {}
         self._loop = UcxLoop(
             net_devices=self.config.net_devices, shared_memory=self.config.shared_memory
@@ -147,7 +151,7 @@ class KVTransferAgent:
         self._server: KVServer | None = None
         self._exporter: RmaExporter | None = None
         self._table: LeaseTable | None = None
-        self._reader = RmaReader(self._loop.worker_handle)
+        self._reader = RmaReader(self._loop.worker_handle, self._loop.nudge)
         # Per peer address: its keys (one-sided reads), or None once it refused to hand them.
         self._rma_peers: dict[bytes, RmaPeer | None] = {}
         self._rma_locks: dict[bytes, threading.Lock] = {}
@@ -189,8 +193,10 @@ class KVTransferAgent:
             devices = sorted({str(t.device) for t in merged.values()})
             if len(devices) > 1:
                 raise ValueError(f"KV caches must share one device, got {devices}")
-            # Readers take the mapping without the lock: swap in a new immutable one.
+            # Readers take the mappings without the lock: swap in new immutable ones.
             self._caches = MappingProxyType(merged)
+            self._layouts = MappingProxyType({n: KVLayout.of(t) for n, t in merged.items()})
+            self._memory = MappingProxyType({n: LayerMemory.of(n, t) for n, t in merged.items()})
 
     @property
     def kv_caches(self) -> Mapping[str, torch.Tensor]:
@@ -198,7 +204,7 @@ class KVTransferAgent:
 
     def kv_layouts(self) -> dict[str, KVLayout]:
         """Layout of every registered layer, for peers to validate pulls locally."""
-        return {name: KVLayout.of(tensor) for name, tensor in self._caches.items()}
+        return dict(self._layouts)
 
     # -- serving ------------------------------------------------------------------------------
 
@@ -321,7 +327,7 @@ class KVTransferAgent:
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         _positive("timeout_s", timeout, integer=False)
         caches = self._caches
-        plans = plan_pull(spec, caches, peer.layouts)
+        plans = plan_pull(spec, caches, peer.layouts, self._layouts)
         if peer.one_sided and self.config.data_plane == "rma" and spec.num_blocks:
             control = ReadControl(
                 cancelled=should_stop or (lambda: False),
@@ -337,7 +343,7 @@ class KVTransferAgent:
                 return PullHandle.failed(spec.request_id, peer, exc)
             if rma is not None:
                 return self._client.read_one_sided(
-                    peer, rma, self._reader, spec, plans, caches, control
+                    peer, rma, self._reader, spec, plans, self._memory, control
                 )
         return self._client.submit(peer, spec, plans, caches, timeout)
 

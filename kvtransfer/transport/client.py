@@ -65,6 +65,7 @@ from kvtransfer.transport.messages import (
     segment_offsets,
 )
 from kvtransfer.transport.rma import MAX_KEYS_BYTES, ReadControl, RmaPeer, RmaReader
+from kvtransfer.transport.rma_layout import LayerMemory
 from kvtransfer.transport.spec import KVLayout, LayerPlan, PullSpec
 from kvtransfer.transport.ucx import UcxLoop
 
@@ -337,7 +338,7 @@ class PullClient:
         reader: RmaReader,
         spec: PullSpec,
         plans: list[LayerPlan],
-        caches: Mapping[str, torch.Tensor],
+        memory: Mapping[str, LayerMemory],
         control: ReadControl,
     ) -> PullHandle:
         """Run an RMA pull on the calling thread; the handle returned is complete."""
@@ -364,7 +365,7 @@ class PullClient:
                         lambda: self._connect(peer),
                         spec,
                         plans,
-                        caches,
+                        memory,
                         control,
                     )
                 except (RemoteTransferError, AccessDenied):
@@ -374,8 +375,6 @@ class PullClient:
                     # write lock (and with it `cancel`) returns.
                     self._reset_peer(peer, wait=True)
                     raise
-                finally:
-                    self._loop.nudge()
                 elapsed = time.perf_counter() - started
                 future.set_result(
                     PullResult(spec.request_id, spec.num_blocks, len(plans), runs, nbytes, elapsed)

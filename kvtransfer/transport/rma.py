@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ from kvtransfer.transport.lease_table import (
     lease_token,
     prompt_tag,
 )
-from kvtransfer.transport.rma_layout import LayerMemory, Runs, concat_runs, layer_runs
+from kvtransfer.transport.rma_layout import LayerMemory, Runs, concat_runs, layer_runs, merge_runs
 from kvtransfer.transport.spec import LayerPlan, PullSpec
 from kvtransfer.transport.ucp_rma import (
     MEMORY_CUDA,
@@ -311,12 +311,18 @@ def plan_runs(
     keys: RmaKeys,
     spec: PullSpec,
     plans: list[LayerPlan],
-    caches: Mapping[str, torch.Tensor],
+    local_memory: Mapping[str, LayerMemory],
 ) -> Runs:
     """The merged runs of ``spec``; `RemoteTransferError` with the tagged mode's codes for
-    what the producer's layout cannot serve (checked here: no producer sees the read)."""
-    parts = []
+    what the producer's layout cannot serve (checked here: no producer sees the read).
+
+    Layers with the same geometry on both sides (the usual case) share one set of runs computed
+    at address 0, shifted by each layer's base addresses: numpy work per pull, not per layer.
+    """
     remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
+    highest = int(remote_ids.max()) if len(remote_ids) else -1
+    groups: dict[tuple, list[tuple[LayerMemory, LayerMemory]]] = {}
+    heads_of: dict[tuple, tuple[range, range]] = {}
     for plan in plans:
         remote = keys.layers.get(plan.name)
         if remote is None:
@@ -331,22 +337,54 @@ def plan_runs(
                 f"layer {plan.name!r} with {remote.shape[2]} heads on the producer",
                 code=ErrorCode.HEAD_RANGE,
             )
-        if len(remote_ids) and int(remote_ids.max()) >= remote.shape[0]:
+        if highest >= remote.shape[0]:
             raise RemoteTransferError(
-                f"pull {spec.request_id!r}: block id {int(remote_ids.max())} out of range for "
+                f"pull {spec.request_id!r}: block id {highest} out of range for "
                 f"layer {plan.name!r} with {remote.shape[0]} blocks on the producer",
                 code=ErrorCode.BLOCK_OUT_OF_RANGE,
             )
-        local = LayerMemory.of(plan.name, caches[plan.name])
+        local = local_memory[plan.name]
+        signature = (
+            local.shape,
+            local.strides,
+            local.dtype,
+            remote.shape,
+            remote.strides,
+            remote.dtype,
+            plan.local_heads,
+            heads,
+        )
+        groups.setdefault(signature, []).append((local, remote))
+        heads_of[signature] = (plan.local_heads, heads)
+    parts = []
+    for signature, layers in groups.items():
+        local, remote = layers[0]
+        local_heads, remote_heads = heads_of[signature]
         try:
-            parts.append(
-                layer_runs(local, remote, spec.local_block_ids, remote_ids, plan.local_heads, heads)
+            template = layer_runs(
+                replace(local, address=0),
+                replace(remote, address=0),
+                spec.local_block_ids,
+                remote_ids,
+                local_heads,
+                remote_heads,
             )
         except ValueError as exc:
             raise RemoteTransferError(
                 f"pull {spec.request_id!r}: {exc}", code=ErrorCode.LAYOUT_MISMATCH
             ) from exc
-    return concat_runs(parts)
+        local_bases = np.array([pair[0].address for pair in layers], dtype=np.int64)
+        remote_bases = np.array([pair[1].address for pair in layers], dtype=np.int64)
+        regions = np.array([pair[1].region for pair in layers], dtype=np.int64)
+        parts.append(
+            Runs(
+                (local_bases[:, None] + template.local).reshape(-1),
+                (remote_bases[:, None] + template.remote).reshape(-1),
+                np.tile(template.lengths, len(layers)),
+                np.repeat(regions, len(template)),
+            )
+        )
+    return concat_runs(parts) if len(parts) > 1 else merge_runs(parts[0])
 
 
 class _Channel:
@@ -410,8 +448,11 @@ def _wait(gets: Gets, control: ReadControl, what: str) -> None:
 class RmaReader:
     """Runs one-sided pulls for one agent (see the module docstring)."""
 
-    def __init__(self, worker: int) -> None:
+    def __init__(self, worker: int, nudge: Callable[[], None]) -> None:
         self._worker = worker
+        # Wakes the loop thread after this thread progressed the worker (it may have taken
+        # the events the loop sleeps on).
+        self._nudge = nudge
 
     def read(
         self,
@@ -420,32 +461,36 @@ class RmaReader:
         connect: Callable[[], None],
         spec: PullSpec,
         plans: list[LayerPlan],
-        caches: Mapping[str, torch.Tensor],
+        local_memory: Mapping[str, LayerMemory],
         control: ReadControl,
     ) -> tuple[int, int]:
-        """Read ``spec`` into ``caches``; returns (bytes, runs). ``endpoint`` gives the live
-        endpoint's handle (None: none yet), ``connect`` makes one (never called holding
-        ``rma.lock``: the loop thread takes it to close endpoints). Any error raised while
+        """Read ``spec`` into the local layers ``local_memory`` describes; returns (bytes,
+        runs). ``endpoint`` gives the live endpoint's handle (None: none yet), ``connect``
+        makes one (never called holding ``rma.lock``: the loop thread takes it to close
+        endpoints). Any error raised while
         UCX reads were in flight (cancel, timeout, ``on_wait``, a failed read) leaves them to
         the caller, who must reset the endpoint."""
-        runs = plan_runs(rma.keys, spec, plans, caches)
+        runs = plan_runs(rma.keys, spec, plans, local_memory)
         row = _LeaseRow.of(rma.keys, spec, plans)
         what = f"pull {spec.request_id!r}"
-        device = caches[plans[0].name].device
-        direct = rma.direct if device.type == "cpu" else None
+        on_host = local_memory[plans[0].name].memory == MEMORY_HOST
+        direct = rma.direct if on_host else None
         if direct is not None:
             try:
                 self._read(_DirectChannel(direct), runs, row, control, what)
                 return runs.total_bytes, len(runs)
             except DirectReadUnavailable:
                 rma.no_direct()
-        memory = MEMORY_CUDA if device.type == "cuda" else MEMORY_HOST
+        memory = local_memory[plans[0].name].memory
         while True:
             with rma.lock:
                 ep = endpoint()
                 if ep is not None:
                     channel = _UcxChannel(self._worker, ep, rma.ucx_keys(ep), memory)
-                    self._read(channel, runs, row, control, what)
+                    try:
+                        self._read(channel, runs, row, control, what)
+                    finally:
+                        self._nudge()
                     return runs.total_bytes, len(runs)
             connect()
 

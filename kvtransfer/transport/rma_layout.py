@@ -35,6 +35,8 @@ class LayerMemory:
     shape: tuple[int, int, int, int, int]
     strides: tuple[int, int, int, int, int]
     dtype: str
+    # ucs_memory_type_t of the memory (0 host, 1 CUDA); not published (the region says it).
+    memory: int = 0
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, region: int = 0) -> LayerMemory:
@@ -46,6 +48,7 @@ class LayerMemory:
             tuple(tensor.shape),  # type: ignore[arg-type]
             tuple(s * size for s in tensor.stride()),  # type: ignore[arg-type]
             dtype_name(tensor.dtype),
+            1 if tensor.is_cuda else 0,
         )
 
     @property

@@ -259,10 +259,12 @@ def plan_pull(
     spec: PullSpec,
     local: Mapping[str, torch.Tensor],
     remote: Mapping[str, KVLayout] | None = None,
+    local_layouts: Mapping[str, KVLayout] | None = None,
 ) -> list[LayerPlan]:
     """Check ``spec`` against the local caches (and the peer's layouts if known).
 
-    Raises `ValueError` naming the first mismatch; returns one plan per layer.
+    ``local_layouts``: the local caches' layouts if already computed. Raises `ValueError`
+    naming the first mismatch; returns one plan per layer.
     """
     missing = [name for name in spec.layer_names if name not in local]
     if missing:
@@ -272,7 +274,7 @@ def plan_pull(
         )
     plans = []
     for name in spec.layer_names:
-        layout = KVLayout.of(local[name])
+        layout = KVLayout.of(local[name]) if local_layouts is None else local_layouts[name]
         heads = spec.local_heads or range(layout.num_kv_heads)
         if heads.stop > layout.num_kv_heads:
             raise ValueError(
