@@ -183,16 +183,20 @@ def test_a_dead_producer_fails_the_read_with_a_typed_error():
 
 
 class Leased:
-    """A producer agent serving leased KV and a consumer agent, in this process."""
+    """A producer agent serving leased KV and a consumer agent, in this process; with
+    ``network`` the consumer counts as another host (UCX gets over TCP, served by the
+    producer's UCX worker), else it reads the producer's memory directly."""
 
-    def __init__(self) -> None:
+    def __init__(self, network: bool = False) -> None:
         self.grants = LeaseGrants(grant_wait_s=1.0)
         self.source = make_caches(SEED, [GROUP])
         self.producer = KVTransferAgent(TransportConfig(timeout_s=WAIT_S, grant_wait_s=1.0))
         self.producer.register_kv_caches(self.source)
         self.producer.start_server(self.grants)
         self.local = empty_caches([GROUP])
-        self.consumer = KVTransferAgent(TransportConfig(timeout_s=WAIT_S, grant_wait_s=1.0))
+        self.consumer = KVTransferAgent(
+            TransportConfig(timeout_s=WAIT_S, grant_wait_s=1.0, shared_memory=not network)
+        )
         self.consumer.register_kv_caches(self.local)
         self.peer = self.consumer.connect(
             self.producer.address, layouts=self.producer.kv_layouts(), one_sided=True
@@ -212,10 +216,14 @@ class Leased:
         self.producer.close()
 
 
-@pytest.fixture
-def leased():
-    setup = Leased()
+@pytest.fixture(params=["direct", "network"])
+def leased(request):
+    setup = Leased(network=request.param == "network")
     yield setup
+    rma = setup.consumer._rma_peers.get(setup.peer.ucx_address)
+    if rma is not None:
+        # The path the test meant to exercise is the one that ran.
+        assert (rma.direct is None) == (request.param == "network")
     setup.close()
 
 
