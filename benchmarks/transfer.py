@@ -49,6 +49,10 @@ The producer's CPU seconds per GiB served (``producer_cpu_s_per_gib_*``) are its
 user + system time (all threads) over each method's timed and warm-up requests, divided by the
 bytes they read: what serving costs the engine a prefill runs next to.
 
+The producer's compute while serving: during the 16-block case the producer runs matrix
+products for 3 s three times, idle, then while this process reads 16 MiB from it 20 times a
+second in each mode, and reports its rates (what serving reads costs the engine beside it).
+
 Every process uses one torch intra-op thread (``--torch-threads``): on a small shared host, OpenMP
 threads of two processes preempt each other.
 
@@ -502,6 +506,18 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _compute_rate(seconds: float) -> float:
+    """Matrix products per second in this process for ``seconds``: an engine's compute."""
+    a = torch.randn(256, 256)
+    done = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            a = torch.tanh(a @ a)
+        done += 10
+    return done / (time.perf_counter() - start)
+
+
 def _server_process(ready: Any, stop: Any, cpu: Any, threads: int, checksum: bool) -> None:
     from kvtransfer.transport import KVTransferAgent, TransportConfig
 
@@ -515,9 +531,9 @@ def _server_process(ready: Any, stop: Any, cpu: Any, threads: int, checksum: boo
     tcp = threading.Thread(target=_serve_tcp, args=(listener, caches), daemon=True)
     tcp.start()
     ready.put((agent.address, listener.getsockname()[1]))
-    # Answers "how much CPU have you used" until told to stop.
-    while stop.get() is not None:
-        cpu.put(_cpu_seconds())
+    # Answers "how much CPU have you used" and "compute for a while" until told to stop.
+    while (command := stop.get()) is not None:
+        cpu.put(_compute_rate(command[1]) if isinstance(command, tuple) else _cpu_seconds())
     listener.close()
     agent.close()
 
@@ -531,6 +547,8 @@ class Measured:
     tcp: dict[str, list[float]]
     tagged_cpu_per_gib: dict[str, float]
     rma_cpu_per_gib: dict[str, float]
+    # The producer's compute rate idle and while serving back-to-back reads of each plane.
+    compute: dict[str, float]
 
 
 def run_ours_and_tcp(base: int, warmup: int, threads: int, config: Any) -> Measured:
@@ -545,7 +563,7 @@ def run_ours_and_tcp(base: int, warmup: int, threads: int, config: Any) -> Measu
         stop.put("cpu")
         return cpu.get(timeout=60)
 
-    measured = Measured({}, {}, {}, {}, {})
+    measured = Measured({}, {}, {}, {}, {}, {})
     agents: dict[int, Any] = {}
     try:
         address, port = ready.get(timeout=600)
@@ -612,6 +630,10 @@ def run_ours_and_tcp(base: int, warmup: int, threads: int, config: Any) -> Measu
 
             measured.tcp[case.name] = timed(over_tcp, iterations_for(case, base), warmup)
             verify(case, local, remote_ids, local_ids)
+            if case.name == INTERFERENCE_CASE:
+                measured.compute.update(
+                    measure_interference(stop, cpu, agent, peer, one_sided, spec)
+                )
         connection.close()
     finally:
         for agent in agents.values():
@@ -619,6 +641,31 @@ def run_ours_and_tcp(base: int, warmup: int, threads: int, config: Any) -> Measu
         stop.put(None)
         server.join(120)
     return measured
+
+
+INTERFERENCE_CASE = "16 blocks"
+COMPUTE_S = 3.0
+# Reads per second while the producer computes: the same load for both planes (16 MiB each:
+# 320 MiB/s, what a decode pulling a 2k-token prompt of a 7B model every 0.3 s asks).
+READS_PER_S = 20
+
+
+def measure_interference(stop: Any, cpu: Any, agent: Any, peer: Any, one_sided: Any, spec: Any):
+    """The producer computes for `COMPUTE_S` while this process reads from it at
+    `READS_PER_S` (each plane), and once idle: its compute rates."""
+    rates = {}
+    for label, target in (("idle", None), ("tagged", peer), ("rma", one_sided)):
+        stop.put(("compute", COMPUTE_S))
+        reads = 0
+        start = time.perf_counter()
+        while target is not None and cpu.empty():
+            agent.pull(target, spec).result(600)
+            reads += 1
+            # Paced, not back to back: the same offered load for both planes.
+            time.sleep(max(0.0, start + reads / READS_PER_S - time.perf_counter()))
+        rates[label] = cpu.get(timeout=600)
+        rates[f"{label}_reads"] = reads
+    return rates
 
 
 # -- the limit: UCX's own perftest ------------------------------------------------------------
@@ -879,6 +926,16 @@ def main() -> None:
             f"{row['producer_cpu_s_per_gib_tagged']:>14.3f} "
             f"{row['producer_cpu_s_per_gib_rma']:>6.3f} {_fmt(row['rma_cpu_pct_of_tagged'], 1):>5}"
         )
+    compute = measured.compute
+    if compute:
+        idle = compute["idle"]
+        print(
+            f"# producer compute while a consumer reads {INTERFERENCE_CASE} {READS_PER_S} times "
+            f"a second ({COMPUTE_S:g} s each): idle {idle:.0f}/s, tagged {compute['tagged']:.0f}/s "
+            f"({100 * (compute['tagged'] / idle - 1):+.1f}%, {compute['tagged_reads']} reads), "
+            f"rma {compute['rma']:.0f}/s ({100 * (compute['rma'] / idle - 1):+.1f}%, "
+            f"{compute['rma_reads']} reads)"
+        )
     if args.json is not None:
         args.json.write_text(
             json.dumps(
@@ -900,6 +957,7 @@ def main() -> None:
                         for layout in LAYOUTS.values()
                     },
                     "cases": rows,
+                    "producer_compute_while_serving": compute,
                 },
                 indent=2,
             )
