@@ -14,6 +14,7 @@ keys can read any registered block (the test shows it with raw gets).
 
 from __future__ import annotations
 
+import signal
 import time
 
 import numpy as np
@@ -176,6 +177,35 @@ def test_a_dead_producer_fails_the_read_with_a_typed_error():
             with pytest.raises((PeerUnreachable, TransferTimeoutError)):
                 handle.result(WAIT_S)
             # The agent still works (its endpoint to the dead peer was reset).
+            assert not agent.closed
+
+
+def test_a_producer_killed_mid_read_fails_it_typed():
+    """Over the network the producer's UCX worker serves the gets: frozen, it serves none, so
+    the read is certainly in flight when the hook (the daemon's liveness probe) runs; the
+    producer is killed there, and the read ends in a typed error, not a hang or an abort."""
+    with kv_servers([ServerSpec(SEED, (GROUP,))]) as (server,):
+        config = TransportConfig(timeout_s=5.0, shared_memory=False)
+        with KVTransferAgent(config) as agent:
+            agent.register_kv_caches(empty_caches([GROUP]))
+            peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
+            agent.pull(peer, PullSpec("warm", GROUP.names(), (1,), (1,))).result(WAIT_S)
+            assert agent._rma_peers[peer.ucx_address].direct is None  # the network path
+            server.process.send_signal(signal.SIGSTOP)
+            probes: list[float] = []
+
+            def probe() -> None:
+                probes.append(time.monotonic())
+                if len(probes) == 1:
+                    server.kill()
+
+            handle = agent.pull(
+                peer, PullSpec("mid", GROUP.names(), range(64), range(64)), on_wait=probe
+            )
+            with pytest.raises((PeerUnreachable, TransferTimeoutError)):
+                handle.result(WAIT_S)
+            assert probes, "the read never waited: it was not in flight"
+            # The agent still serves (its endpoint to the dead peer was reset).
             assert not agent.closed
 
 
