@@ -215,49 +215,19 @@ class PullRequestMessage:
         }
         if self.lease is not None:
             fields["lease"] = list(self.lease)
-        body = json.dumps(fields, separators=(",", ":")).encode()
-        return b"".join(
-            (
-                _REQUEST_STABLE.pack(
-                    _REQUEST_MAGIC,
-                    PROTOCOL_VERSION,
-                    KIND_PULL,
-                    self.reply_tag,
-                    len(self.reply_address),
-                ),
-                self.reply_address,
-                _REQUEST_V1.pack(self.payload_bytes, len(body), self.num_blocks),
-                body,
-                self.block_ids,
-            )
+        return _encode_request(
+            KIND_PULL,
+            self.reply_tag,
+            self.reply_address,
+            fields,
+            payload_bytes=self.payload_bytes,
+            block_ids=self.block_ids,
         )
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> PullRequestMessage:
         """Decode a request; `WireFormatError` (with the status to answer) if it is invalid."""
-        envelope = peek_request(data)
-        if envelope.version != PROTOCOL_VERSION:
-            raise WireFormatError(
-                f"request uses protocol version {envelope.version}, server speaks "
-                f"{PROTOCOL_VERSION}",
-                code=ErrorCode.UNSUPPORTED_VERSION,
-            )
-        if envelope.kind != KIND_PULL:
-            raise WireFormatError(f"unknown request kind {envelope.kind}")
-        view = memoryview(data)
-        offset = envelope.body_offset
-        if len(view) < offset + _REQUEST_V1.size:
-            raise WireFormatError(f"request truncated: {len(view)} bytes")
-        payload_bytes, json_len, num_blocks = _REQUEST_V1.unpack_from(view, offset)
-        offset += _REQUEST_V1.size
-        expected = offset + json_len + 8 * num_blocks
-        if len(view) != expected:
-            raise WireFormatError(f"request is {len(view)} bytes, its header declares {expected}")
-        try:
-            body = json.loads(bytes(view[offset : offset + json_len]))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise WireFormatError(f"request metadata is not valid JSON: {exc}") from exc
-        offset += json_len
+        envelope, payload_bytes, body, block_ids = _decode_request(data, KIND_PULL)
         return cls(
             request_id=_field(body, "request_id", str),
             reply_tag=envelope.reply_tag,
@@ -265,7 +235,7 @@ class PullRequestMessage:
             layers=_decode_layers(body),
             remote_heads=_decode_heads(body),
             num_heads=_field(body, "num_heads", int),
-            block_ids=bytes(view[offset:]),
+            block_ids=block_ids,
             payload_bytes=payload_bytes,
             lease=_decode_lease(body),
         )
@@ -284,44 +254,66 @@ class KeysRequestMessage:
         fields: dict[str, object] = {}
         if self.lease is not None:
             fields["lease"] = list(self.lease)
-        body = json.dumps(fields, separators=(",", ":")).encode()
-        return b"".join(
-            (
-                _REQUEST_STABLE.pack(
-                    _REQUEST_MAGIC,
-                    PROTOCOL_VERSION,
-                    KIND_KEYS,
-                    self.reply_tag,
-                    len(self.reply_address),
-                ),
-                self.reply_address,
-                _REQUEST_V1.pack(0, len(body), 0),
-                body,
-            )
-        )
+        return _encode_request(KIND_KEYS, self.reply_tag, self.reply_address, fields)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> KeysRequestMessage:
-        envelope = peek_request(data)
-        if envelope.kind != KIND_KEYS:
-            raise WireFormatError(f"request kind {envelope.kind} is not a keys request")
-        view = memoryview(data)
-        offset = envelope.body_offset
-        if len(view) < offset + _REQUEST_V1.size:
-            raise WireFormatError(f"request truncated: {len(view)} bytes")
-        _, json_len, _ = _REQUEST_V1.unpack_from(view, offset)
-        offset += _REQUEST_V1.size
-        if len(view) != offset + json_len:
-            raise WireFormatError(
-                f"request is {len(view)} bytes, its header declares {offset + json_len}"
-            )
-        try:
-            body = json.loads(bytes(view[offset:]))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise WireFormatError(f"request metadata is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise WireFormatError("request metadata must be a JSON object")
+        envelope, _, body, _ = _decode_request(data, KIND_KEYS)
         return cls(envelope.reply_tag, envelope.reply_address, _decode_lease(body))
+
+
+def _encode_request(
+    kind: int,
+    reply_tag: int,
+    reply_address: bytes,
+    fields: dict[str, object],
+    *,
+    payload_bytes: int = 0,
+    block_ids: bytes = b"",
+) -> bytes:
+    body = json.dumps(fields, separators=(",", ":")).encode()
+    return b"".join(
+        (
+            _REQUEST_STABLE.pack(
+                _REQUEST_MAGIC, PROTOCOL_VERSION, kind, reply_tag, len(reply_address)
+            ),
+            reply_address,
+            _REQUEST_V1.pack(payload_bytes, len(body), len(block_ids) // 8),
+            body,
+            block_ids,
+        )
+    )
+
+
+def _decode_request(
+    data: bytes | bytearray | memoryview, kind: int
+) -> tuple[RequestEnvelope, int, dict, bytes]:
+    """(envelope, payload bytes, JSON body, packed block ids) of a request of ``kind``;
+    `WireFormatError` (with the status to answer) if it is not a valid one."""
+    envelope = peek_request(data)
+    if envelope.version != PROTOCOL_VERSION:
+        raise WireFormatError(
+            f"request uses protocol version {envelope.version}, server speaks {PROTOCOL_VERSION}",
+            code=ErrorCode.UNSUPPORTED_VERSION,
+        )
+    if envelope.kind != kind:
+        raise WireFormatError(f"unknown request kind {envelope.kind}")
+    view = memoryview(data)
+    offset = envelope.body_offset
+    if len(view) < offset + _REQUEST_V1.size:
+        raise WireFormatError(f"request truncated: {len(view)} bytes")
+    payload_bytes, json_len, num_blocks = _REQUEST_V1.unpack_from(view, offset)
+    offset += _REQUEST_V1.size
+    expected = offset + json_len + 8 * num_blocks
+    if len(view) != expected:
+        raise WireFormatError(f"request is {len(view)} bytes, its header declares {expected}")
+    try:
+        body = json.loads(bytes(view[offset : offset + json_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireFormatError(f"request metadata is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise WireFormatError("request metadata must be a JSON object")
+    return envelope, payload_bytes, body, bytes(view[offset + json_len :])
 
 
 def peek_request(data: bytes | bytearray | memoryview) -> RequestEnvelope:

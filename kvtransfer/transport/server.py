@@ -246,19 +246,12 @@ class KVServer:
             buffer, payload = self._gather_leased(request, access)
             checksum = payload_checksum(payload) if self._checksum else None
             header = PullResponseHeader(ErrorCode.OK, payload.numel(), checksum=checksum)
-        except AccessDenied as exc:
-            header = PullResponseHeader(exc.code, 0, str(exc))
-        except (WireFormatError, _Rejected) as exc:
+        except (AccessDenied, WireFormatError, _Rejected) as exc:
             header = PullResponseHeader(exc.code, 0, str(exc))
         except Exception as exc:
             logger.exception("pull request failed on the server")
             header = PullResponseHeader(ErrorCode.INTERNAL, 0, f"{type(exc).__name__}: {exc}")
-        with self._stats_lock:
-            if header.status == ErrorCode.OK:
-                self.requests_served += 1
-                self.bytes_served += header.payload_bytes
-            else:
-                self.requests_rejected += 1
+        self._count(header, keys=False)
         self._reply(envelope.reply_address, envelope.reply_tag, header, buffer, payload)
 
     def _answer_keys(self, data: Any, envelope: RequestEnvelope, may_park: bool) -> None:
@@ -288,12 +281,18 @@ class KVServer:
         except Exception as exc:
             logger.exception("keys request failed on the server")
             header = PullResponseHeader(ErrorCode.INTERNAL, 0, f"{type(exc).__name__}: {exc}")
+        self._count(header, keys=True)
+        self._reply(envelope.reply_address, envelope.reply_tag, header, None, payload)
+
+    def _count(self, header: PullResponseHeader, *, keys: bool) -> None:
         with self._stats_lock:
-            if header.status == ErrorCode.OK:
+            if header.status != ErrorCode.OK:
+                self.requests_rejected += 1
+            elif keys:
                 self.keys_served += 1
             else:
-                self.requests_rejected += 1
-        self._reply(envelope.reply_address, envelope.reply_tag, header, None, payload)
+                self.requests_served += 1
+                self.bytes_served += header.payload_bytes
 
     def _gather_leased(
         self, request: PullRequestMessage, access: LeaseAccess | None
