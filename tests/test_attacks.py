@@ -1,19 +1,38 @@
-"""Issue 10's attacks on the KV of other requests, replayed against real daemons.
+"""Issue 10's attacks on the KV of other requests, replayed against real daemons, on both data
+planes.
 
 A prefill and a decode daemon run as processes (real gRPC on 127.0.0.1, real UCX between their
-workers; the decode runs ``kv_load_failure_policy=fail``). Each test plays an attacker who is an
+workers; the decode runs ``kv_load_failure_policy=fail``), once per data plane
+(``kv_connector_extra_config.data_plane`` of both). Each test plays an attacker who is an
 ordinary client of both daemons: it may hold leases of its own (any client may prefill) and it
 knows other requests' ids and block ids (both are guessable), but never their
-``remote_kv_secret``. Every attack must end in a typed refusal: an ``error`` finish with no token
-(the reason in the decode daemon's log), PERMISSION_DENIED from the notify service or
-``ReleaseKV``, ACCESS_DENIED from a worker's agent; the victim's own decode must still give the
-tokens of a colocated run; and nothing may leak: both daemons report 0 KV blocks in use through
-KVAdmin after each test (well within the lease, so expiry cannot hide a leak) and at exit.
+``remote_kv_secret``. Every attack must end in a typed refusal: an ``error`` finish with no
+token (the reason in the decode daemon's log), PERMISSION_DENIED from the notify service or
+``ReleaseKV``, ACCESS_DENIED from a worker's agent; the one exception is what the RMA plane
+states it does not stop (below), which the raw-UCX test shows succeeding. The victim's own
+decode must still give the tokens of a colocated run; and nothing may leak: both daemons report
+0 KV blocks in use through KVAdmin after each test (well within the lease, so expiry cannot hide
+a leak) and at exit.
+
+Where the refusal comes from depends on the plane:
+
+* ``tagged``: every pull is a request the producer's worker checks (lease, secret, prompt
+  digest, the blocks at their positions) and refuses with ACCESS_DENIED and its reason.
+* ``rma``: a decode worker asks each producer worker once for its memory keys, presenting the
+  lease of the load that needs them; the producer checks that lease as it checks a tagged pull,
+  bar the blocks (a refusal is ACCESS_DENIED, as tagged). From then on the decode reads one-sided
+  and the producer sees no read: the honest decode checks the producer's lease table itself
+  (the lease's row, its prompt tag and block-list tag) and refuses locally (``AccessDenied``, no
+  producer code), or its liveness probe finds the producer no longer holds the lease
+  (``LeaseLostError``). The fixture's warm-up decode gets the decode those keys, so each attack
+  below meets the one-sided checks whatever runs first. The plane's stated limit is shown, not
+  hidden: a peer that presented one valid lease of its own holds the keys and reads any
+  registered block of that producer worker with raw reads (the raw-UCX test).
 
 The last tests go beyond the issue's list: a client that forges the parameters of its *own*
 lease (a prompt digest of another prompt, or its own blocks in another order) must not get its
 KV into the decode's prefix cache under another prompt, where other clients' requests would be
-computed from it.
+computed from it; on both planes it is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +41,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -46,11 +66,15 @@ from kvtransfer.transport import (
     ErrorCode,
     KVTransferAgent,
     LeaseAccess,
+    PeerHandle,
     PullSpec,
     RemoteTransferError,
     TransportConfig,
     new_secret,
 )
+from kvtransfer.transport.rma import RmaKeys
+from kvtransfer.transport.rma_layout import LayerMemory, concat_runs, layer_runs
+from kvtransfer.transport.ucp_rma import Gets, destroy_key, unpack_key
 from kvtransfer.v1 import handshake_pb2, handshake_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -62,12 +86,17 @@ SHORT_LEASE_S = 2.0
 SETTLE_S = 10.0
 REMOTE_DECODE = {"do_remote_decode": True}
 NOTIFY = "/kvtransfer.v1.UcxConnectorNotify"
+PLANES = ("rma", "tagged")
+# RMA mode: how long an honest decode waits for a lease's row before it refuses the load (the
+# transport's default grant_wait_s), as its refusal names it.
+GRANT_WAIT_S = 5.0
 
 # Every decode below gets a prompt of its own: a prompt the decode engine has in its prefix cache
 # would need no pull, and the pull is what is attacked. The tag leads, so no two prompts share a
 # block; 40 tokens are 3 blocks, the last one partial (never fully cached).
 PROMPT_LEN = 40
 TAGS = (
+    "warm-up",
     "live-victim",
     "live-thief",
     "freed-victim",
@@ -90,6 +119,7 @@ TAGS = (
     "rkv-freed",
     "raw-victim",
     "raw-thief",
+    "raw-freed",
     "poison-own",
     "poison-other",
     "order-reversed",
@@ -114,24 +144,45 @@ def expected() -> dict[str, list[int]]:
     return dict(zip(PROMPTS, tokens, strict=True))
 
 
+@pytest.fixture(scope="module", params=PLANES)
+def plane(request) -> str:
+    """The data plane both daemons run (``kv_connector_extra_config.data_plane``)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
-    logs = tmp_path_factory.mktemp("attacks")
+def pair(plane, expected, tmp_path_factory) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    logs = tmp_path_factory.mktemp(f"attacks-{plane}")
     prefill = start_daemon(
         "prefill",
         logs,
         "--engine-id",
         "atk-p",
-        kv={"kv_connector_extra_config": {"kv_lease_s": LEASE_S}},
+        kv={"kv_connector_extra_config": {"kv_lease_s": LEASE_S, "data_plane": plane}},
     )
     try:
         decode = start_daemon(
-            "decode", logs, "--engine-id", "atk-d", kv={"kv_load_failure_policy": "fail"}
+            "decode",
+            logs,
+            "--engine-id",
+            "atk-d",
+            kv={
+                "kv_load_failure_policy": "fail",
+                "kv_connector_extra_config": {"data_plane": plane},
+            },
         )
     except BaseException:
         prefill.terminate()
         raise
     with running(decode, prefill):
+        # A legitimate decode first. On the RMA plane it gets the decode the producer worker's
+        # keys (asked for once, with this lease), so every attack below meets the one-sided
+        # checks of the lease table, whichever test runs first; without it the first attack
+        # would be a refused keys request instead. On the tagged plane it only shows the pair
+        # serves.
+        warm = hold(prefill, "warm-up", "warm-up")
+        assert_served(run_decode(decode, "warm-up", "warm-up", warm), expected["warm-up"])
+        settle(prefill, decode)
         yield prefill, decode
         settle(prefill, decode)
     assert exit_used_blocks(prefill) == 0
@@ -203,14 +254,71 @@ def assert_refused(result: GenerateResult, *error: str) -> None:
         assert needle in result.error, result.error
 
 
-def assert_load_refused(
-    decode: ServiceProcess, result: GenerateResult, *reason: str, code: str = "ACCESS_DENIED"
-) -> str:
-    """Refused by the producer's worker; the decode daemon logs the typed reason."""
-    assert_refused(result, "KV load failed", "kv_load_failure_policy=fail")
-    return log_line(
-        decode, f"loading KV of request {result.request_id} from engine", f"({code})", *reason
+@dataclass(frozen=True)
+class Refusal:
+    """Why a load is refused, as the decode daemon logs it: ``loading KV of request R from
+    engine E failed: <head>...<reason>``. ``by_producer``: the producer's worker refused it and
+    its ACCESS_DENIED code is in the line; else the decode refused it itself (RMA mode: its
+    one-sided checks, its liveness probe) and no producer code is."""
+
+    head: str
+    reason: str
+    by_producer: bool
+
+
+def producer_refused(reason: str, what: str = "pull") -> Refusal:
+    """Refused by the producer's worker: a tagged pull, or (``what="keys request"``) the keys
+    request of a decode that holds no keys of that worker yet (RMA mode)."""
+    return Refusal(f"RemoteTransferError: {what} ", reason, True)
+
+
+def one_sided(reason: str) -> Refusal:
+    """RMA mode: refused by the decode's one-sided check of the producer's lease table."""
+    return Refusal("AccessDenied: ", reason, False)
+
+
+def not_held(lease: str) -> Refusal:
+    """RMA mode: a lease presented with another secret than its own has no row in the
+    producer's lease table (the row's token derives from the secret); the decode waits
+    ``GRANT_WAIT_S`` for the grant, then refuses. Its liveness probe asks the producer meanwhile
+    with that wrong secret: that KeepAlive is refused (PERMISSION_DENIED), so it ends nothing
+    and the wait runs out."""
+    return one_sided(
+        f"lease {lease!r} is not held on the producer (one-sided check of its lease table after "
+        f"{GRANT_WAIT_S} s)"
     )
+
+
+def block_list_mismatch(lease: str) -> Refusal:
+    """RMA mode: the pull's blocks are the params' list at their positions, but the params'
+    list (forged, consistent with itself) is not the one the producer's row was written for."""
+    return one_sided(
+        f"lease {lease!r} holds other blocks, or these in another order, than the pull was told "
+        "(block list mismatch, one-sided check)"
+    )
+
+
+def lease_lost(lease: str) -> Refusal:
+    """RMA mode: a lease the producer no longer holds (released or expired) has no row either,
+    but while the decode waits for the row its liveness probe asks the producer whether it
+    still holds the lease (a KeepAlive every 4th probe, about 1 s in; whatever the secret, an
+    ended lease is simply not "known"): it ends the wait with `LeaseLostError`, seconds before
+    the ``GRANT_WAIT_S`` row wait would refuse the load as `not_held`."""
+    return Refusal("LeaseLostError: ", f"no longer holds request {lease!r}", False)
+
+
+def per_plane(plane: str, *, tagged: Refusal, rma: Refusal) -> Refusal:
+    """The plane's refusal of one attack."""
+    return {"tagged": tagged, "rma": rma}[plane]
+
+
+def assert_load_refused(decode: ServiceProcess, result: GenerateResult, why: Refusal) -> str:
+    """The load was refused: an error finish, and the decode daemon logs the typed reason."""
+    assert_refused(result, "KV load failed", "kv_load_failure_policy=fail")
+    line = log_line(decode, f"loading KV of request {result.request_id} from engine")
+    assert f" failed: {why.head}" in line and why.reason in line, (why, line)
+    assert ("(ACCESS_DENIED)" in line) == why.by_producer, (why, line)
+    return line
 
 
 def used_blocks(process: ServiceProcess) -> int:
@@ -268,11 +376,13 @@ def rpc_refusal(call, *args: Any) -> grpc.RpcError:
 # ---------------------------------------------------------------------------- attacks
 
 
-def test_another_live_requests_kv_cannot_be_read(pair, expected):
+def test_another_live_requests_kv_cannot_be_read(pair, plane, expected):
     """Attack 1: a decode request names a live request's lease and blocks with a guessed
     secret, with the thief's own (valid) secret, or takes the thief's own lease and the
-    victim's block ids. Each is refused by the producer's worker (ACCESS_DENIED); the victim's
-    lease is untouched and its decode gives the colocated tokens."""
+    victim's block ids. Tagged: each is refused by the producer's worker (ACCESS_DENIED). RMA:
+    by the decode's one-sided checks (a wrong secret finds no row of the lease, the thief's
+    own row holds another block list). The victim's lease is untouched and its decode gives
+    the colocated tokens."""
     prefill, decode = pair
     victim = hold(prefill, "victim-live", "live-victim")
     thief = hold(prefill, "thief-live", "live-thief")
@@ -285,7 +395,11 @@ def test_another_live_requests_kv_cannot_be_read(pair, expected):
                 "remote_kv_secret": new_secret(),
                 "remote_prompt_digest": thief["remote_prompt_digest"],
             },
-            "wrong secret for lease 'victim-live'",
+            per_plane(
+                plane,
+                tagged=producer_refused("wrong secret for lease 'victim-live'"),
+                rma=not_held("victim-live"),
+            ),
         ),
         (
             "live-own-secret",
@@ -294,17 +408,25 @@ def test_another_live_requests_kv_cannot_be_read(pair, expected):
                 "remote_request_id": "victim-live",
                 "remote_block_ids": victim["remote_block_ids"],
             },
-            "wrong secret for lease 'victim-live'",
+            per_plane(
+                plane,
+                tagged=producer_refused("wrong secret for lease 'victim-live'"),
+                rma=not_held("victim-live"),
+            ),
         ),
         (
             "live-own-lease",
             {**thief, "remote_block_ids": victim["remote_block_ids"]},
-            "do not belong to lease 'thief-live'",
+            per_plane(
+                plane,
+                tagged=producer_refused("do not belong to lease 'thief-live'"),
+                rma=block_list_mismatch("thief-live"),
+            ),
         ),
     ]
-    for request_id, params, reason in attacks:
+    for request_id, params, why in attacks:
         result = run_decode(decode, request_id, "live-thief", params)
-        assert_load_refused(decode, result, reason)
+        assert_load_refused(decode, result, why)
     # The thief's refused Release for the victim's lease changed nothing either.
     log_line(decode, "Release of ['victim-live']", "wrong kv secret")
     assert_served(run_decode(decode, "victim-live", "live-victim", victim), expected["live-victim"])
@@ -312,9 +434,10 @@ def test_another_live_requests_kv_cannot_be_read(pair, expected):
     settle(prefill, decode)
 
 
-def test_a_released_requests_kv_cannot_be_read(pair, expected):
+def test_a_released_requests_kv_cannot_be_read(pair, plane, expected):
     """Attack 2: the same once the victim's decode finished and its blocks were freed; the
-    victim's exact params replayed (right secret) are refused too: its lease has ended."""
+    victim's exact params replayed (right secret) are refused too: its lease has ended (RMA:
+    the decode's liveness probe learns the producer no longer holds it)."""
     prefill, decode = pair
     victim = hold(prefill, "victim-freed", "freed-victim")
     # Held before the victim's blocks are freed, so they cannot be the thief's blocks later.
@@ -328,8 +451,13 @@ def test_a_released_requests_kv_cannot_be_read(pair, expected):
         "the victim's blocks freed (only the thief's lease left)",
         SETTLE_S,
     )
+    ended = per_plane(
+        plane,
+        tagged=producer_refused("lease 'victim-freed' has ended"),
+        rma=lease_lost("victim-freed"),
+    )
     attacks = [
-        ("freed-replay", "freed-victim", victim, "lease 'victim-freed' has ended"),
+        ("freed-replay", "freed-victim", victim, ended),
         (
             "freed-guessed-secret",
             "freed-thief",
@@ -338,7 +466,7 @@ def test_a_released_requests_kv_cannot_be_read(pair, expected):
                 "remote_kv_secret": new_secret(),
                 "remote_prompt_digest": thief["remote_prompt_digest"],
             },
-            "lease 'victim-freed' has ended",
+            ended,
         ),
         (
             "freed-own-secret",
@@ -348,18 +476,22 @@ def test_a_released_requests_kv_cannot_be_read(pair, expected):
                 "remote_request_id": "victim-freed",
                 "remote_block_ids": victim["remote_block_ids"],
             },
-            "lease 'victim-freed' has ended",
+            ended,
         ),
         (
             "freed-own-lease",
             "freed-thief",
             {**thief, "remote_block_ids": victim["remote_block_ids"]},
-            "do not belong to lease 'thief-freed'",
+            per_plane(
+                plane,
+                tagged=producer_refused("do not belong to lease 'thief-freed'"),
+                rma=block_list_mismatch("thief-freed"),
+            ),
         ),
     ]
-    for request_id, tag, params, reason in attacks:
+    for request_id, tag, params, why in attacks:
         result = run_decode(decode, request_id, tag, params)
-        assert_load_refused(decode, result, reason)
+        assert_load_refused(decode, result, why)
     release_kv(prefill, thief)
     # Still serving: a legitimate request equals colocated.
     after = hold(prefill, "after-freed", "freed-after")
@@ -476,7 +608,7 @@ def test_forged_release_and_keep_alive_on_the_kv_port_are_refused(pair, expected
     settle(prefill, decode)
 
 
-def test_forged_keep_alives_cannot_hold_blocks_beyond_the_lease(pair, expected, tmp_path):
+def test_forged_keep_alives_cannot_hold_blocks_beyond_the_lease(pair, plane, expected, tmp_path):
     """Attack 5b: a producer with a 2 s lease; an attacker sends KeepAlives for the victim's
     lease every 0.1 s. Each is refused while the lease is held; the blocks are freed when the
     lease runs out, not later (nor sooner), and the victim's params then read nothing."""
@@ -486,7 +618,7 @@ def test_forged_keep_alives_cannot_hold_blocks_beyond_the_lease(pair, expected, 
         tmp_path,
         "--engine-id",
         "atk-short",
-        kv={"kv_connector_extra_config": {"kv_lease_s": SHORT_LEASE_S}},
+        kv={"kv_connector_extra_config": {"kv_lease_s": SHORT_LEASE_S, "data_plane": plane}},
         name="prefill-short-lease",
     )
     with running(prefill):
@@ -534,9 +666,20 @@ def test_forged_keep_alives_cannot_hold_blocks_beyond_the_lease(pair, expected, 
             o == "PERMISSION_DENIED" for t, o in replies if t < SHORT_LEASE_S - 0.5
         ), replies
         assert [o for t, o in replies if t > freed_after + 0.2], replies  # sent on after expiry
-        # After expiry nothing of the lease can be read, not even with its own params.
+        # After expiry nothing of the lease can be read, not even with its own params. RMA:
+        # the decode has no keys of this producer yet, so it asks for them with that lease,
+        # and the producer refuses as it refuses a tagged pull.
         result = run_decode(decode, "victim-short", "short-victim", victim)
-        assert_load_refused(decode, result, "lease 'victim-short' has ended")
+        ended = "lease 'victim-short' has ended"
+        assert_load_refused(
+            decode,
+            result,
+            per_plane(
+                plane,
+                tagged=producer_refused(ended),
+                rma=producer_refused(ended, "keys request"),
+            ),
+        )
         # This producer still serves.
         after = hold(prefill, "after-short", "short-after")
         assert_served(
@@ -546,7 +689,7 @@ def test_forged_keep_alives_cannot_hold_blocks_beyond_the_lease(pair, expected, 
     assert exit_used_blocks(prefill) == 0
 
 
-def test_release_kv_needs_the_lease_secret(pair, expected):
+def test_release_kv_needs_the_lease_secret(pair, plane, expected):
     """Attack 6: Generation.ReleaseKV on the prefill daemon for a victim's lease with a guessed
     secret or the thief's own secret: PERMISSION_DENIED, the victim unaffected. With the right
     secret: released at once (not at the lease's end), and its params read nothing after."""
@@ -580,7 +723,15 @@ def test_release_kv_needs_the_lease_secret(pair, expected):
     )
     assert release_kv(prefill, freed) is False
     result = run_decode(decode, "freed-rkv", "rkv-freed", freed)
-    assert_load_refused(decode, result, "lease 'freed-rkv' has ended")
+    assert_load_refused(
+        decode,
+        result,
+        per_plane(
+            plane,
+            tagged=producer_refused("lease 'freed-rkv' has ended"),
+            rma=lease_lost("freed-rkv"),
+        ),
+    )
     settle(prefill, decode)
 
 
@@ -593,33 +744,142 @@ def _compat_of(address: str) -> CompatibilityInfo:
     return CompatibilityInfo.from_proto(reply.payloads[0].compat)
 
 
-def test_raw_ucx_pulls_need_the_lease_and_its_secret(pair):
-    """Attack 7: a client with its own UCX agent pulls straight from the prefill worker (its
-    address from the public KVHandshake payload): without a lease, with a made-up lease, with
-    a guessed or another lease's secret, or with its own lease for blocks outside it. Each is
-    a RemoteTransferError with code ACCESS_DENIED and writes nothing; its own lease's blocks
-    are served (the route works: the refusals are the capability's)."""
+def _lease_of(params: dict[str, Any]) -> LeaseAccess:
+    """What a legitimate reader of ``params``' lease presents (as the decode does)."""
+    return LeaseAccess(
+        params["remote_request_id"],
+        params["remote_kv_secret"],
+        params["remote_prompt_digest"],
+        0,
+        tuple(params["remote_block_ids"]),
+    )
+
+
+def _raw_read(
+    agent: KVTransferAgent,
+    peer: PeerHandle,
+    keys: RmaKeys,
+    caches: dict[str, torch.Tensor],
+    remote_ids: list[int],
+    local_ids: range,
+) -> None:
+    """What the holder of a producer's keys can do without the library's checks: plan the runs
+    of any blocks from the keys' layer descriptions and read them with raw UCX gets on its
+    endpoint. No lease is presented, no lease row read, and the producer runs none of its code
+    (UCX serves the read)."""
+    runs = concat_runs(
+        [
+            layer_runs(
+                LayerMemory.of(name, cache),
+                keys.layers[name],
+                local_ids,
+                remote_ids,
+                range(cache.shape[2]),
+                range(keys.layers[name].shape[2]),
+            )
+            for name, cache in caches.items()
+        ]
+    )
+    loop = agent._loop
+    endpoint = loop.endpoint_handle(peer.ucx_address)
+    assert endpoint is not None
+    rkeys = [unpack_key(endpoint, region.key) for region in keys.regions]
+    try:
+        gets = Gets(loop.worker_handle, endpoint)
+        gets.post_many(
+            runs.local.tolist(),
+            runs.lengths.tolist(),
+            runs.remote.tolist(),
+            [rkeys[k] for k in runs.keys.tolist()],
+        )
+        gets.flush()
+        wait_until(gets.poll, "raw gets completed", 20.0, interval=0.001)
+    finally:
+        for rkey in rkeys:
+            destroy_key(rkey)
+
+
+def test_raw_ucx_pulls_need_the_lease_and_its_secret(pair, plane):
+    """Attack 7: a client with its own UCX agent goes straight to the prefill worker (its
+    address from the public KVHandshake payload) and asks it for KV: without a lease, with a
+    made-up or an ended lease, with a guessed or another lease's secret, with its own lease for
+    another prompt. Each is a RemoteTransferError with code ACCESS_DENIED and writes nothing.
+    (The client asks for one-sided keys first, as an attacker would, whatever the plane.)
+
+    Tagged: the producer hands no keys (its own lease does not get them either); every read
+    is a request it checks, so its own lease for blocks outside it (the victim's, a released
+    lease's, one more) or in another order is refused too, and its own lease's blocks are
+    served (the route works: the refusals are the capability's).
+
+    RMA: the refusals above are of keys requests. With its own valid lease the client gets the
+    keys and then, the plane's stated limit, reads any registered block of that worker with
+    raw UCX gets, no lease presented: the live victim's blocks, and a lease's blocks after its
+    release, byte for byte what legitimate readers of those leases got."""
     prefill, decode = pair
     victim = hold(prefill, "victim-raw", "raw-victim")
     thief = hold(prefill, "thief-raw", "raw-thief")
+    freed = hold(prefill, "freed-raw", "raw-freed")
     address = f"{victim['remote_host']}:{victim['remote_port']}"
     fetched = fetch_handshake_sync(
         address, victim["remote_engine_id"], _compat_of(address), UcxHandshakeMetadata, timeout_s=5
     )
     ((rank, worker),) = fetched.metadata.items()
     assert rank == (0, 0)
+    assert worker.data_plane == plane
     layouts = worker.layouts()
-    caches = {
-        name: torch.zeros(
-            (2 * NUM_BLOCKS, 2, lay.num_kv_heads, lay.block_size, lay.head_dim),
-            dtype=getattr(torch, lay.dtype),
+
+    def zeros(num_blocks: int) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.zeros(
+                (num_blocks, 2, lay.num_kv_heads, lay.block_size, lay.head_dim),
+                dtype=getattr(torch, lay.dtype),
+            )
+            for name, lay in layouts.items()
+        }
+
+    def pull(
+        agent: KVTransferAgent,
+        peer: PeerHandle,
+        label: str,
+        blocks: list[int],
+        lease: LeaseAccess | None,
+        local: range | None = None,
+    ):
+        return agent.pull(
+            peer,
+            PullSpec(
+                request_id=f"raw-{label.replace(' ', '-')}",
+                layer_names=tuple(layouts),
+                remote_block_ids=tuple(blocks),
+                local_block_ids=tuple(local or range(len(blocks))),
+                lease=lease,
+            ),
         )
-        for name, lay in layouts.items()
-    }
+
     victim_ids = victim["remote_block_ids"]
     thief_ids = thief["remote_block_ids"]
-    used = set(victim_ids) | set(thief_ids)
-    unleased = [b for b in range(worker.num_blocks - 1, -1, -1) if b not in used][:NUM_BLOCKS]
+    freed_ids = freed["remote_block_ids"]
+    assert len(set(victim_ids) | set(thief_ids) | set(freed_ids)) == 3 * NUM_BLOCKS
+    config = TransportConfig(timeout_s=30.0, connect_timeout_s=5.0)
+    # What legitimate readers of the victim's lease and of the freed one get (the latter before
+    # its release): real KV, the reference for the raw reads below.
+    legit = zeros(2 * NUM_BLOCKS)
+    with KVTransferAgent(config) as reader:
+        reader.register_kv_caches(legit)
+        honest = reader.connect(
+            worker.agent_address_bytes(), layouts=layouts, one_sided=plane == "rma"
+        )
+        pull(reader, honest, "legit victim", victim_ids, _lease_of(victim)).result(40)
+        pull(reader, honest, "legit freed", freed_ids, _lease_of(freed), range(3, 6)).result(40)
+    assert all(cache[: 2 * NUM_BLOCKS].any() for cache in legit.values())
+    assert release_kv(prefill, freed) is True
+    # The freed lease's blocks are back in the prefill's pool (its prefix cache: KV kept).
+    wait_until(
+        lambda: used_blocks(prefill) == 2 * NUM_BLOCKS,
+        "the freed lease's blocks released",
+        SETTLE_S,
+    )
+
     own_lease = LeaseAccess("thief-raw", thief["remote_kv_secret"], thief["remote_prompt_digest"])
     attempts = [
         # First: a made-up lease waits for its grant (grant_wait_s) before it is refused.
@@ -637,10 +897,7 @@ def test_raw_ucx_pulls_need_the_lease_and_its_secret(pair):
             LeaseAccess("victim-raw", thief["remote_kv_secret"]),
             "wrong secret for lease 'victim-raw'",
         ),
-        ("own lease, victim's blocks", victim_ids, own_lease, "do not belong to lease"),
-        ("own lease, unleased blocks", unleased, own_lease, "do not belong to lease"),
-        ("own lease, one block more", [*thief_ids, victim_ids[0]], own_lease, "do not belong"),
-        ("own lease, reordered", thief_ids[::-1], own_lease, "reordered, repeated or shifted"),
+        ("ended lease", freed_ids, _lease_of(freed), "lease 'freed-raw' has ended"),
         (
             "own lease, another prompt",
             thief_ids,
@@ -648,51 +905,65 @@ def test_raw_ucx_pulls_need_the_lease_and_its_secret(pair):
             "holds the KV of another prompt",
         ),
     ]
-    agent = KVTransferAgent(TransportConfig(timeout_s=30.0, connect_timeout_s=5.0))
+    if plane == "tagged":
+        # Every read names its blocks to the producer, which checks them against the lease.
+        attempts += [
+            ("own lease, victim's blocks", victim_ids, own_lease, "do not belong to lease"),
+            ("own lease, released blocks", freed_ids, own_lease, "do not belong to lease"),
+            ("own lease, one block more", [*thief_ids, victim_ids[0]], own_lease, "do not belong"),
+            ("own lease, reordered", thief_ids[::-1], own_lease, "reordered, repeated or shifted"),
+        ]
+    # RMA: a keys request refused; tagged: a pull (the keys request was answered "tagged
+    # only" before any lease check).
+    refused_what = {"rma": "keys request refused by ", "tagged": "pull "}[plane]
+    caches = zeros(3 * NUM_BLOCKS)
+    agent = KVTransferAgent(config)
     try:
         agent.register_kv_caches(caches)
-        peer = agent.connect(worker.agent_address_bytes(), layouts=layouts)
-
-        def pull(label: str, blocks: list[int], lease: LeaseAccess | None):
-            return agent.pull(
-                peer,
-                PullSpec(
-                    request_id=f"raw-{label.replace(' ', '-')}",
-                    layer_names=tuple(layouts),
-                    remote_block_ids=tuple(blocks),
-                    local_block_ids=tuple(range(len(blocks))),
-                    lease=lease,
-                ),
-            )
-
+        peer = agent.connect(worker.agent_address_bytes(), layouts=layouts, one_sided=True)
         handles = [
-            (label, reason, pull(label, blocks, lease)) for label, blocks, lease, reason in attempts
+            (label, reason, pull(agent, peer, label, blocks, lease))
+            for label, blocks, lease, reason in attempts
         ]
         for label, reason, handle in handles:
             with pytest.raises(RemoteTransferError) as refused:
                 handle.result(40)
             assert refused.value.code == ErrorCode.ACCESS_DENIED, (label, refused.value)
             assert reason in str(refused.value), (label, refused.value)
+            assert str(refused.value).startswith(refused_what), (label, refused.value)
         assert all(not cache.any() for cache in caches.values()), "a refused pull wrote KV"
-        served = pull("own lease", thief_ids, own_lease).result(40)
+        served = pull(agent, peer, "own lease", thief_ids, own_lease).result(40)
         assert served.payload_bytes > 0
-        assert all(cache.any() for cache in caches.values())
+        assert all(cache[:NUM_BLOCKS].any() for cache in caches.values())
+        assert peer.ucx_address in agent._rma_peers
+        held = agent._rma_peers[peer.ucx_address]
+        if plane == "tagged":
+            assert held is None, "a tagged producer handed one-sided keys"
+        else:
+            assert held is not None, "a valid lease of its own did not get the keys"
+            # The stated limit of RMA mode: with the keys, any registered block, leased to
+            # another client or to nobody, is read without a lease.
+            _raw_read(agent, peer, held.keys, caches, victim_ids, range(3, 6))
+            _raw_read(agent, peer, held.keys, caches, freed_ids, range(6, 9))
+            for name, cache in caches.items():
+                assert torch.equal(cache[3:9], legit[name]), name
     finally:
         agent.close()
-    assert release_kv(prefill, victim) is True
-    assert release_kv(prefill, thief) is True
+        # Released even when an assertion failed: a leak would fail the tests that follow.
+        released = [release_kv(prefill, victim), release_kv(prefill, thief)]
+    assert released == [True, True]
     settle(prefill, decode)
 
 
 # ------------------------------------------------------ beyond the issue's list: own leases
 
 
-def test_a_forged_prompt_digest_cannot_put_kv_under_another_prompt(pair, expected):
+def test_a_forged_prompt_digest_cannot_put_kv_under_another_prompt(pair, plane, expected):
     """The thief holds a lease for its own prompt, then decodes *another* prompt with that
     lease and a digest it computed of the other prompt (the digest is the client's to send).
-    Secure: that decode is refused (or computes the other prompt's own KV), and a later
-    victim request for the other prompt on this decode gets the colocated tokens, never
-    tokens computed from the thief's KV through the decode's prefix cache."""
+    A later victim request for the other prompt on this decode gets the colocated tokens, never
+    tokens computed from the thief's KV through the decode's prefix cache; the forged decode is
+    refused (tagged: by the producer's worker; RMA: the prompt tag of the lease's row differs)."""
     prefill, decode = pair
     own = hold(prefill, "thief-poison", "poison-own")
     forged = {**own, "remote_prompt_digest": prompt_digest(list(PROMPTS["poison-other"].encode()))}
@@ -714,16 +985,27 @@ def test_a_forged_prompt_digest_cannot_put_kv_under_another_prompt(pair, expecte
         f"the forged digest was accepted: tokens {attack.token_ids} computed from "
         f"another prompt's KV"
     )
+    mismatch = "lease 'thief-poison' holds the KV of another prompt than the one the pull is for"
+    assert_load_refused(
+        decode,
+        attack,
+        per_plane(
+            plane,
+            tagged=producer_refused(f"{mismatch} (prompt digest mismatch)"),
+            rma=one_sided(f"{mismatch} (prompt digest mismatch, one-sided check)"),
+        ),
+    )
 
 
 @pytest.mark.parametrize(
     ("case", "reorder"),
     [("reversed", lambda ids: ids[::-1]), ("repeated", lambda ids: [ids[0]] * len(ids))],
 )
-def test_own_blocks_in_another_order_cannot_poison_the_prompt(pair, expected, case, reorder):
+def test_own_blocks_in_another_order_cannot_poison_the_prompt(pair, plane, expected, case, reorder):
     """The thief's own lease with its own block ids reordered or repeated (every id is in the
-    lease, the count is exact). Secure: refused (or the prompt's own KV is used), and a later
-    victim request for the same prompt gets the colocated tokens."""
+    lease, the count is exact). A later victim request for the same prompt gets the colocated
+    tokens; the forged decode is refused (tagged: by the producer's worker, the blocks are not
+    the lease's at their positions; RMA: the block-list tag of the lease's row differs)."""
     prefill, decode = pair
     tag = f"order-{case}"
     own = hold(prefill, f"thief-{tag}", tag)
@@ -745,4 +1027,16 @@ def test_own_blocks_in_another_order_cannot_poison_the_prompt(pair, expected, ca
     assert attack.finish_reason == "error" or attack.token_ids == expected[tag], (
         f"blocks in another order were accepted: tokens {attack.token_ids}, "
         f"colocated {expected[tag]}"
+    )
+    assert_load_refused(
+        decode,
+        attack,
+        per_plane(
+            plane,
+            tagged=producer_refused(
+                f"blocks are not lease 'thief-{tag}''s blocks at positions [0, {NUM_BLOCKS}) "
+                "(reordered, repeated or shifted)"
+            ),
+            rma=block_list_mismatch(f"thief-{tag}"),
+        ),
     )
