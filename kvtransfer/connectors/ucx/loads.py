@@ -27,6 +27,7 @@ from kvtransfer.connectors.ucx.metadata import LoadSpec
 from kvtransfer.connectors.ucx.plan import check_request_blocks
 from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines
 from kvtransfer.transport import (
+    AccessDenied,
     ErrorCode,
     KVTransferAgent,
     PullHandle,
@@ -174,5 +175,8 @@ class LoadJob:
 
 
 def _refused_access(error: BaseException) -> bool:
-    """A pull refused for its lease says nothing about the producer's health."""
-    return isinstance(error, RemoteTransferError) and error.code == ErrorCode.ACCESS_DENIED
+    """A pull refused for its lease (by the producer, or by a one-sided check of its lease
+    table) says nothing about the producer's health."""
+    return isinstance(error, AccessDenied) or (
+        isinstance(error, RemoteTransferError) and error.code == ErrorCode.ACCESS_DENIED
+    )
