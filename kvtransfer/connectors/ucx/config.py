@@ -51,7 +51,8 @@ _EXTRA_KEYS = (
     *_TLS_KEYS,
 )
 # "rma": one-sided reads of the producer's registered KV (the producer runs no code per read);
-# "tagged": every read is a request the producer checks against the lease (see docs/data-plane.md#security-per-mode).
+# "tagged": every read is a request the producer checks against the lease (see
+# docs/data-plane.md#security-per-mode).
 DATA_PLANES = ("rma", "tagged")
 DEFAULT_DATA_PLANE = "rma"
 # Shorter prompts are not streamed: their compute is too short for the transfer to hide behind,
