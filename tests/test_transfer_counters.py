@@ -2,8 +2,8 @@
 
 A TP2 prefill daemon (each worker serves half the KV heads) and a TP1 decode daemon (which reads
 both halves). Definitions (docs/operations.md#kv-counters, admin status): ``kv_blocks_sent``
-counts the blocks a consumer reported it read, once per request; ``kv_blocks_received`` the blocks of successful
-loads, once per request; ``kv_bytes_*`` the payload bytes that crossed the wire, all workers
+counts the blocks a consumer reported it read, once per request; ``kv_blocks_received`` the
+blocks of successful loads, once per request; ``kv_bytes_*`` the payload bytes that crossed the wire, all workers
 and layers. So blocks sent equal blocks received, and bytes sent are at least bytes received,
 equal when no pull was cancelled on the decode side.
 """
