@@ -3,9 +3,10 @@
 A TP2 prefill daemon (each worker serves half the KV heads) and a TP1 decode daemon (which reads
 both halves). Definitions (docs/operations.md#kv-counters, admin status): ``kv_blocks_sent``
 counts the blocks a consumer reported it read, once per request; ``kv_blocks_received`` the
-blocks of successful loads, once per request; ``kv_bytes_*`` the payload bytes that crossed the wire, all workers
-and layers. So blocks sent equal blocks received, and bytes sent are at least bytes received,
-equal when no pull was cancelled on the decode side.
+blocks of successful loads, once per request; ``kv_bytes_*`` the payload bytes read (in RMA mode
+the prefill counts the bytes of the blocks consumers reported read), all workers and layers. So
+blocks sent equal blocks received, and bytes sent are at least bytes received, equal when no
+pull was cancelled on the decode side.
 """
 
 from __future__ import annotations
