@@ -117,12 +117,16 @@ def test_bad_orders_and_shapes_are_refused(order, shape, match):
         canonical_kv_view(torch.zeros(shape), order)
 
 
-def test_k_and_v_in_separate_allocations_are_refused():
+def test_strided_caches_with_gaps_are_accepted_and_overlapping_ones_refused():
     keys = torch.zeros(BLOCKS, 1, HEADS, TOKENS, DIM)
     values = torch.zeros(BLOCKS, 1, HEADS, TOKENS, DIM)
-    padded = torch.cat([keys, values, values], dim=1)[:, :2]  # K and V rows with a gap after
-    with pytest.raises(ValueError, match=r"KV cache 'x' must be contiguous in some axis order"):
-        check_kv_cache("x", padded)
+    # K and V rows with a gap after (as a layer of vLLM's block-outermost layouts has).
+    padded = torch.cat([keys, values, values], dim=1)[:, :2]
+    assert check_kv_cache("x", padded) is padded
+    # One plane seen twice: K and V would share memory.
+    shared = keys.expand(BLOCKS, 2, HEADS, TOKENS, DIM)
+    with pytest.raises(ValueError, match=r"KV cache 'x' has elements that share memory"):
+        check_kv_cache("x", shared)
 
 
 def test_layout_order_travels_and_defaults_for_older_peers():

@@ -1,8 +1,9 @@
 """The vLLM adapter's translations, with look-alikes of vLLM 0.32's objects (vLLM not imported).
 
 Covers `KVTransferConfig.from_vllm` and, from `kvtransfer.integrations.vllm_translate`,
-`vllm_kv_cache_layout`, `physical_cpu_caches` (checked against how vLLM's CPU attention reads
-K and V), `single_group_block_ids`, `SchedulerStep.of` and `connector_output`.
+`vllm_kv_cache_layout`, `vllm_kv_views` (checked against how each vLLM backend reads K and V,
+on dense and block-outermost views), the refusals of hybrid, MLA and malformed caches,
+`single_group_block_ids`, `SchedulerStep.of` and `connector_output`.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import pytest
 import torch
 
 from kvtransfer.connector.config import KVTransferConfig, KVTransferConfigError
-from kvtransfer.connector.metadata import KVCacheLayout, canonical_kv_caches
+from kvtransfer.connector.metadata import KVCacheLayout
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.integrations.vllm_translate import (
-    VLLM_CPU_KV_ORDER,
+    VLLM_KV_ORDER,
     SchedulerStep,
     connector_output,
-    physical_cpu_caches,
+    kv_split_for,
     single_group_block_ids,
+    single_group_spec,
     vllm_kv_cache_layout,
+    vllm_kv_views,
 )
 
 pytestmark = pytest.mark.unit
@@ -168,7 +171,7 @@ def test_vllm_kv_cache_layout(rank, pp_rank, tp_rank):
         pp_size=3,
         tp_rank=tp_rank,
         pp_rank=pp_rank,
-        kv_order="BH2ND",
+        kv_order="B2HND",
     )
     assert layout.rank == rank
 
@@ -176,12 +179,13 @@ def test_vllm_kv_cache_layout(rank, pp_rank, tp_rank):
 def test_vllm_kv_cache_layout_without_kv_cache_config_has_one_block():
     layout = vllm_kv_cache_layout(vllm_config(), None, None)
     assert layout.num_blocks == 1
-    assert layout.kv_order == VLLM_CPU_KV_ORDER == "BH2ND"
+    assert layout.kv_order == VLLM_KV_ORDER == "B2HND"
 
 
 # ---------------------------------------------------------------------------------------------
-# physical_cpu_caches
+# vllm_kv_views
 
+# Every axis its own size, so a swapped axis cannot pass.
 BLOCKS, HEADS, BLOCK_SIZE, HEAD_SIZE = 5, 4, 16, 8
 
 
@@ -191,34 +195,53 @@ def cpu_layout(block_size: int = BLOCK_SIZE) -> KVCacheLayout:
     )
 
 
-def vllm_cpu_cache() -> torch.Tensor:
+def vllm_cache(strided: bool = False) -> torch.Tensor:
+    """A layer's [B, H, N, 2D] view; ``strided``: one layer of a block-outermost buffer of two
+    layers (vLLM's BLHNC), so its blocks are not adjacent."""
     numel = BLOCKS * HEADS * BLOCK_SIZE * 2 * HEAD_SIZE
-    return torch.arange(numel, dtype=torch.float32).view(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    if not strided:
+        values = torch.arange(numel, dtype=torch.float32)
+        return values.view(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    buffer = torch.arange(2 * numel, dtype=torch.float32)
+    both = buffer.view(BLOCKS, 2, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    return both[:, 1]
 
 
-def test_physical_cpu_caches_views_the_five_physical_axes():
-    cache = vllm_cpu_cache()
-    views = physical_cpu_caches({"layers.0.attn": cache}, cpu_layout())
-    assert list(views) == ["layers.0.attn"]
-    view = views["layers.0.attn"]
-    assert view.shape == (BLOCKS, HEADS, 2, BLOCK_SIZE, HEAD_SIZE)
-    assert view.data_ptr() == cache.data_ptr()
-    view[1, 2, 1, 3, 4] = -1.0  # writes land in vLLM's tensor (a view, not a copy)
-    assert (cache == -1.0).sum().item() == 1
+def backend_reads(cache: torch.Tensor, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as [B, H, N, D], read the way each vLLM backend reads them."""
+    if split == "rows":  # vLLM's CPU attention: per head, K's tokens then V's
+        view = cache.reshape(BLOCKS, HEADS, 2 * BLOCK_SIZE, HEAD_SIZE)
+        key, value = view.chunk(2, dim=2)
+        return key, value
+    if split == "last_axis":  # FlashAttention and friends: transpose(1, 2).split(D, -1)
+        key, value = cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+        return key.transpose(1, 2), value.transpose(1, 2)
+    key, value = cache.split(cache.shape[1] // 2, dim=1)  # FlashInfer NVFP4: K heads, V heads
+    return key, value
 
 
-def test_canonical_view_of_a_physical_cpu_cache_splits_k_and_v_as_vllm_reads_them():
-    cache = vllm_cpu_cache()
-    layout = cpu_layout()
-    canonical = canonical_kv_caches(physical_cpu_caches({"layer": cache}, layout), layout)["layer"]
-
-    # How vLLM's CPU attention reads the cache: per head, all K tokens then all V tokens.
-    key, value = cache.view(BLOCKS, HEADS, 2 * BLOCK_SIZE, HEAD_SIZE).chunk(2, dim=2)
-    assert canonical.shape == (BLOCKS, 2, HEADS, BLOCK_SIZE, HEAD_SIZE)
-    assert torch.equal(canonical[:, 0], key)
-    assert torch.equal(canonical[:, 1], value)
+@pytest.mark.parametrize("split", ["rows", "last_axis", "heads"])
+@pytest.mark.parametrize("strided", [False, True], ids=["dense", "block-outermost"])
+def test_views_put_k_and_v_where_the_backend_reads_them(split, strided):
+    cache = vllm_cache(strided)
+    if split == "heads":
+        cache = cache[..., :HEAD_SIZE]  # K and V heads of head_size each
+    view = vllm_kv_views({"layer": cache}, cpu_layout(), split)["layer"]
+    key, value = backend_reads(cache, split)
+    heads = HEADS // 2 if split == "heads" else HEADS
+    assert view.shape == (BLOCKS, 2, heads, BLOCK_SIZE, HEAD_SIZE)
+    assert torch.equal(view[:, 0], key)
+    assert torch.equal(view[:, 1], value)
     assert not torch.equal(key, value)
-    assert canonical.data_ptr() == cache.data_ptr()
+    view[1, 1, 0, 3, 4] = -1.0  # a view of vLLM's memory, not a copy
+    assert value[1, 0, 3, 4].item() == -1.0
+
+
+def test_the_cpu_backend_split_needs_dense_token_rows():
+    # Tokens not adjacent within a head: vLLM's CPU attention could not view it either.
+    cache = torch.zeros(BLOCKS, HEADS, 2 * HEAD_SIZE, BLOCK_SIZE).transpose(2, 3)
+    with pytest.raises(ValueError, match="does not hold each head's tokens densely"):
+        vllm_kv_views({"layer": cache}, cpu_layout(), "rows")
 
 
 @pytest.mark.parametrize(
@@ -227,30 +250,54 @@ def test_canonical_view_of_a_physical_cpu_cache_splits_k_and_v_as_vllm_reads_the
         (
             torch.zeros(BLOCKS, HEADS, 2, BLOCK_SIZE, HEAD_SIZE),
             BLOCK_SIZE,
-            r"'layer' has shape \(5, 4, 2, 16, 8\); vLLM's CPU layout is a contiguous "
-            r"\[num_blocks, kv_heads, 16, 2 \* head_size\]",
+            r"'layer' is not a 4-D \[blocks, heads, block_size, C\] tensor .*MLA",
         ),
         (
             torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE),
             32,
-            r"'layer' has shape \(5, 4, 16, 16\); .*\[num_blocks, kv_heads, 32, 2 \* head_size\]",
+            r"'layer' has block size 16; the engine's layout says 32",
         ),
         (
-            torch.zeros(BLOCKS, HEADS, 2 * HEAD_SIZE, BLOCK_SIZE).transpose(2, 3),
+            torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, 3 * HEAD_SIZE),
             BLOCK_SIZE,
-            r"'layer' has shape \(5, 4, 16, 16\); vLLM's CPU layout is a contiguous",
-        ),
-        (
-            torch.empty(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device="meta"),
-            BLOCK_SIZE,
-            r"'layer' is on meta: the vLLM adapter supports vLLM's CPU attention layout only",
+            r"'layer' has a last axis of 24; K and V of head_dim 8 need 16",
         ),
     ],
-    ids=["5-d", "other-block-size", "non-contiguous", "meta-device"],
+    ids=["5-d", "other-block-size", "other-head-size"],
 )
-def test_physical_cpu_caches_refuses(cache, block_size, pattern):
+def test_vllm_kv_views_refuses(cache, block_size, pattern):
     with pytest.raises(ValueError, match=pattern):
-        physical_cpu_caches({"layer": cache}, cpu_layout(block_size))
+        vllm_kv_views({"layer": cache}, cpu_layout(block_size))
+
+
+def test_the_split_follows_the_device_unless_configured():
+    assert kv_split_for(torch.device("cpu")) == "rows"
+    assert kv_split_for(torch.device("cuda", 0)) == "last_axis"
+    assert kv_split_for(torch.device("cuda", 0), "heads") == "heads"
+    with pytest.raises(ValueError, match=r"vllm_kv_split must be one of"):
+        kv_split_for(torch.device("cpu"), "columns")
+
+
+def _groups(*kinds: str):
+    specs = [type(kind, (), {"dtype": torch.uint8})() for kind in kinds]
+    return SimpleNamespace(
+        num_blocks=BLOCKS,
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec) for spec in specs],
+    )
+
+
+def test_hybrid_and_mla_models_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"2 KV cache groups \(FullAttentionSpec, MambaSpec\)"):
+        single_group_spec(_groups("FullAttentionSpec", "MambaSpec"))
+    with pytest.raises(ValueError, match=r"MLAAttentionSpec \(MLA latent"):
+        single_group_spec(_groups("MLAAttentionSpec"))
+
+
+def test_an_fp8_cache_is_moved_as_bytes_with_its_format_in_the_layout():
+    config = vllm_config()
+    config.cache_config.cache_dtype = "fp8_e4m3"
+    layout = vllm_kv_cache_layout(config, _groups("FullAttentionSpec"), (0, 0))
+    assert (layout.dtype, layout.cache_dtype) == ("uint8", "fp8_e4m3")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,10 @@ class KVCacheLayout:
     # `kvtransfer.connector.kv_layout`): ours is "B2HND", vLLM's CPU backend "BH2ND". Connectors
     # index them through `canonical_kv_caches`.
     kv_order: str = "B2HND"
+    # The engine's name for the cache's element format when it is not ``dtype`` itself (vLLM's
+    # ``--kv-cache-dtype``, e.g. "fp8_e4m3": the tensors are uint8); "auto": ``dtype``. Part of
+    # the compatibility hash: bytes of one fp8 format are not another's.
+    cache_dtype: str = "auto"
 
     @property
     def rank(self) -> PpTpRank | None:

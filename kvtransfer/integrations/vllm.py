@@ -60,9 +60,9 @@ from kvtransfer.integrations.vllm_translate import (
     RefusedLoad,
     SchedulerStep,
     connector_output,
-    physical_cpu_caches,
     single_group_block_ids,
     vllm_kv_cache_layout,
+    vllm_kv_views,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class KVTransferConnector(VllmConnectorBase):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._inner.register_kv_caches(physical_cpu_caches(kv_caches, self._layout))
+        self._inner.register_kv_caches(vllm_kv_views(kv_caches, self._layout))
 
     def bind_connector_metadata(self, connector_metadata: VllmConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -17,9 +17,15 @@ from kvtransfer.connector.metadata import KVCacheLayout, PpTpRank
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.transport.spec import dtype_name
 
-# vLLM's CPU attention declares [blocks, heads, block_size, 2 * head_size] and reads it as
-# [blocks, heads, 2 * block_size, head_size]: per head, K's tokens then V's.
-VLLM_CPU_KV_ORDER = "BH2ND"
+# How a vLLM backend reads K and V out of a layer's 4-D [blocks, heads, block_size, C] view:
+# "rows": vLLM's CPU attention: C is 2 * head_size and a head's [block_size, C] is read as
+#         [2 * block_size, head_size], K's tokens then V's;
+# "last_axis": FlashAttention, FlashInfer, Triton, FlexAttention: C is [K | V] per token and
+#         head (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``);
+# "heads": the head axis holds K's heads then V's (FlashInfer's NVFP4 path).
+KV_SPLITS = ("rows", "last_axis", "heads")
+# The views handed to our connectors are B2HND-indexed whatever vLLM's physical layout.
+VLLM_KV_ORDER = "B2HND"
 
 
 def vllm_kv_cache_layout(
@@ -30,9 +36,14 @@ def vllm_kv_cache_layout(
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     num_blocks = getattr(kv_cache_config, "num_blocks", None)
+    spec = single_group_spec(kv_cache_config)
+    # The cache's own element type (uint8 for fp8 caches: moved as bytes), else the model's.
+    dtype = getattr(spec, "dtype", None) or model.dtype
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
     return KVCacheLayout(
         model=str(model.model),
-        dtype=dtype_name(model.dtype) if isinstance(model.dtype, torch.dtype) else str(model.dtype),
+        dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype),
+        cache_dtype=cache_dtype,
         block_size=int(vllm_config.cache_config.block_size),
         num_blocks=int(num_blocks) if num_blocks else 1,
         num_layers=int(model.get_total_num_hidden_layers()),
@@ -42,29 +53,102 @@ def vllm_kv_cache_layout(
         pp_size=int(parallel.pipeline_parallel_size),
         pp_rank=None if rank is None else rank[0],
         tp_rank=None if rank is None else rank[1],
-        kv_order=VLLM_CPU_KV_ORDER,
+        kv_order=VLLM_KV_ORDER,
     )
 
 
-def physical_cpu_caches(
-    kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout
+def single_group_spec(kv_cache_config: Any | None) -> Any | None:
+    """The one KV cache group's spec of vLLM's ``KVCacheConfig`` (None before vLLM made one);
+    `ValueError` naming the kinds of a hybrid model's groups, and for MLA caches, which our
+    connectors do not move yet (refused at start-up rather than moving wrong bytes)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return None
+    kinds = [type(getattr(group, "kv_cache_spec", None)).__name__ for group in groups]
+    if len(groups) > 1:
+        raise ValueError(
+            f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}): kvtransfer "
+            "connectors in vLLM support one group of full attention (no sliding-window or "
+            "Mamba layers beside it)"
+        )
+    if "MLA" in kinds[0]:
+        raise ValueError(
+            f"the model's KV cache is {kinds[0]} (MLA latent, one per token): kvtransfer "
+            "connectors in vLLM do not move MLA caches yet"
+        )
+    return groups[0].kv_cache_spec
+
+
+def kv_split_for(device: torch.device, configured: str | None = None) -> str:
+    """The K/V convention of vLLM's backend on ``device`` (``configured`` overrides)."""
+    if configured is not None:
+        if configured not in KV_SPLITS:
+            raise ValueError(
+                f"kv_connector_extra_config.vllm_kv_split must be one of {list(KV_SPLITS)}, "
+                f"got {configured!r}"
+            )
+        return configured
+    return "rows" if device.type == "cpu" else "last_axis"
+
+
+def vllm_kv_views(
+    kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout, split: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """vLLM CPU caches reshaped (no copy) to their five physical axes, ``BH2ND``."""
+    """vLLM's per-layer 4-D ``[blocks, heads, block_size, C]`` views (any strides: vLLM builds
+    them with ``as_strided`` over one buffer in any `KVCacheLayout`, block-outermost included)
+    as ``[blocks, 2, heads, block_size, head_dim]`` views of the same memory, no copy, with K
+    and V where the backend reads them (``split``: see `KV_SPLITS`; by device if None).
+
+    `ValueError` naming the layer for what cannot be viewed so: another rank of tensor, a block
+    size or head size the layout does not expect, a split that the strides do not allow."""
     views = {}
     for name, cache in kv_caches.items():
-        if cache.device.type != "cpu":
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             raise ValueError(
-                f"KV cache {name!r} is on {cache.device}: the vLLM adapter supports vLLM's CPU "
-                "attention layout only (GPU backends order K and V differently)"
+                f"KV cache {name!r} is not a 4-D [blocks, heads, block_size, C] tensor "
+                f"(got {getattr(cache, 'shape', type(cache).__name__)}); MLA caches "
+                "([blocks, 1, block_size, latent]) are not supported"
             )
-        if cache.dim() != 4 or cache.shape[2] != layout.block_size or not cache.is_contiguous():
-            raise ValueError(
-                f"KV cache {name!r} has shape {tuple(cache.shape)}; vLLM's CPU layout is a "
-                f"contiguous [num_blocks, kv_heads, {layout.block_size}, 2 * head_size]"
-            )
-        blocks, heads, tokens, both = cache.shape
-        views[name] = cache.view(blocks, heads, 2, tokens, both // 2)
+        views[name] = _b2hnd(name, cache, layout, kv_split_for(cache.device, split))
     return views
+
+
+def _b2hnd(name: str, cache: torch.Tensor, layout: KVCacheLayout, split: str) -> torch.Tensor:
+    blocks, heads, tokens, width = cache.shape
+    s_block, s_head, s_token, s_elem = cache.stride()
+    head_dim = layout.head_dim
+    if tokens != layout.block_size:
+        raise ValueError(
+            f"KV cache {name!r} has block size {tokens}; the engine's layout says "
+            f"{layout.block_size}"
+        )
+    if split == "heads":
+        if heads % 2 or width != head_dim:
+            raise ValueError(
+                f"KV cache {name!r} of shape {tuple(cache.shape)} cannot hold K's heads then "
+                f"V's with head_dim {head_dim}"
+            )
+        shape = (blocks, 2, heads // 2, tokens, width)
+        strides = (s_block, (heads // 2) * s_head, s_head, s_token, s_elem)
+    else:
+        if width != 2 * head_dim:
+            raise ValueError(
+                f"KV cache {name!r} has a last axis of {width}; K and V of head_dim "
+                f"{head_dim} need {2 * head_dim}"
+            )
+        if split == "last_axis":
+            shape = (blocks, 2, heads, tokens, head_dim)
+            strides = (s_block, head_dim * s_elem, s_head, s_token, s_elem)
+        else:
+            # K's block_size rows then V's: needs a head's [tokens, C] dense, as vLLM's view().
+            if s_elem != 1 or s_token != width:
+                raise ValueError(
+                    f"KV cache {name!r} (strides {cache.stride()}) does not hold each head's "
+                    "tokens densely, which vLLM's CPU attention reads them as"
+                )
+            shape = (blocks, 2, heads, tokens, head_dim)
+            strides = (s_block, tokens * head_dim, s_head, head_dim, 1)
+    return cache.as_strided(shape, strides, cache.storage_offset())
 
 
 def single_group_block_ids(blocks: Any) -> list[int]:

@@ -92,22 +92,29 @@ class KVLayout:
             raise ValueError(f"KV layout lacks field {exc.args[0]!r}: {dict(data)!r}") from exc
 
 
-def _is_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a permutation of a contiguous tensor (gap-free, no overlap)."""
-    order = sorted(range(tensor.dim()), key=lambda axis: -tensor.stride(axis))
-    expected = 1
-    for axis in reversed(order):
-        if tensor.shape[axis] != 1 and tensor.stride(axis) != expected:
+def _non_overlapping(tensor: torch.Tensor) -> bool:
+    """Whether no two elements of ``tensor`` share memory: with its axes ordered by stride,
+    each axis steps over everything the axes inside it span (gaps allowed, as in vLLM's
+    block-outermost views where other layers sit between a layer's blocks)."""
+    axes = sorted(
+        (axis for axis in range(tensor.dim()) if tensor.shape[axis] > 1),
+        key=lambda axis: tensor.stride(axis),
+    )
+    span = 1
+    for axis in axes:
+        if tensor.stride(axis) < span:
             return False
-        expected *= tensor.shape[axis]
+        span = tensor.stride(axis) * (tensor.shape[axis] - 1) + span
     return True
 
 
 def check_kv_cache(name: str, tensor: object) -> torch.Tensor:
-    """Refuse anything that is not a ``[blocks, 2, heads, block, head_dim]`` view of dense
-    memory (contiguous in ``B2HND`` order, or in another order: see `canonical_kv_view`).
+    """Refuse anything that is not a ``[blocks, 2, heads, block, head_dim]`` view whose
+    elements never share memory (any strides: contiguous in some axis order, see
+    `canonical_kv_view`, or strided with gaps like vLLM's block-outermost layouts).
 
-    ``B2HND``-contiguous caches are copied as whole runs of memory; others element-wise.
+    Tagged pulls copy ``B2HND``-contiguous caches as whole rows, others element-wise through
+    their strides; one-sided reads use each cache's contiguous runs (`rma_layout`).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"KV cache layer name must be a non-empty str, got {name!r}")
@@ -118,10 +125,10 @@ def check_kv_cache(name: str, tensor: object) -> torch.Tensor:
             f"KV cache {name!r} has shape {tuple(tensor.shape)}; expected "
             "[num_blocks, 2, num_kv_heads, block_size, head_dim]"
         )
-    if not _is_dense(tensor):
+    if not _non_overlapping(tensor):
         raise ValueError(
-            f"KV cache {name!r} must be contiguous in some axis order (strides "
-            f"{tuple(tensor.stride())}); K and V in separate allocations are not supported"
+            f"KV cache {name!r} has elements that share memory (shape {tuple(tensor.shape)}, "
+            f"strides {tuple(tensor.stride())})"
         )
     if tensor.numel() == 0:
         raise ValueError(f"KV cache {name!r} is empty (shape {tuple(tensor.shape)})")

@@ -64,7 +64,9 @@ def compat_info(
 def compat_from_layout(layout: KVCacheLayout) -> CompatibilityInfo:
     return compat_info(
         model=layout.model,
-        dtype=layout.dtype,
+        dtype=layout.dtype
+        if layout.cache_dtype == "auto"
+        else f"{layout.dtype}:{layout.cache_dtype}",
         total_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         num_layers=layout.num_layers,
