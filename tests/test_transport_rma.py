@@ -366,3 +366,15 @@ def test_keys_let_their_holder_read_any_registered_block(leased):
 
         destroy_key(rkey)
     assert torch.equal(stolen, victim)
+
+
+def test_caches_registered_after_serving_one_sided_are_refused():
+    """Peers hold keys to the memory mapped when serving started: later layers are refused
+    instead of being served from addresses nobody mapped."""
+    with KVTransferAgent(TransportConfig()) as producer:
+        producer.register_kv_caches(make_caches(SEED, [GROUP]))
+        producer.start_server()
+        more = make_caches(SEED, [LayerGroup("model.layers", 3, 1)])
+        with pytest.raises(ValueError, match="must be registered before start_server in RMA"):
+            producer.register_kv_caches(more)
+        assert list(producer.kv_caches) == GROUP.names()

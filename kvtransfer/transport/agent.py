@@ -189,6 +189,13 @@ class KVTransferAgent:
         for name, tensor in kv_caches.items():
             check_kv_cache(name, tensor)
         with self._lock:
+            if self._exporter is not None:
+                # Peers hold keys to the memory mapped at start_server: new layers would be
+                # unreadable to them, and replaced ones read from the old addresses.
+                raise ValueError(
+                    "KV caches must be registered before start_server in RMA mode "
+                    "(data_plane 'rma'): the served memory is mapped once"
+                )
             merged = {**self._caches, **kv_caches}
             devices = sorted({str(t.device) for t in merged.values()})
             if len(devices) > 1:
