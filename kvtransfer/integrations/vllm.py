@@ -17,10 +17,11 @@ Life cycle, as vLLM drives it:
    our config (`KVTransferConfig.from_vllm`: the handshake host is ``extra.kv_ip``, since vLLM
    refuses a top-level ``kv_ip``) and our `KVCacheLayout` (model, ranks, and vLLM's CPU cache
    order ``BH2ND``), then the hosted connector for that role.
-2. Workers: `register_kv_caches` reshapes vLLM's CPU caches to their physical axes; the hosted
-   connector indexes them through its layout, so head slices between a vLLM engine and ours (or
-   between TP sizes) copy the right bytes. The handshake metadata goes up through vLLM, which
-   merges it by ``(pp_rank, tp_rank)`` and hands it to the scheduler.
+2. Workers: `register_kv_caches` views vLLM's per-layer caches (any layout, any strides) as
+   ``[blocks, 2, heads, block_size, head_dim]`` with K and V where the backend reads them; the
+   hosted connector indexes them through that view, so head slices between a vLLM engine and
+   ours (or between TP sizes) copy the right bytes. The handshake metadata goes up through
+   vLLM, which merges it by ``(pp_rank, tp_rank)`` and hands it to the scheduler.
 3. Scheduler, per step: the hooks are forwarded with vLLM's objects read by attribute. A request
    whose ``kv_transfer_params`` the hosted connector refuses (`ValueError`) is never allowed to
    raise into vLLM (that kills the engine): it is answered as a load, which its workers report
@@ -28,8 +29,11 @@ Life cycle, as vLLM drives it:
 4. Workers, per step: the metadata travels wrapped in a vLLM ``KVConnectorMetadata``; results
    come back as vLLM's ``KVConnectorTransferResults``.
 
-Stats and KV events are not carried into vLLM's (both roles answer ``None`` / nothing);
-layer-wise streaming is not offered inside vLLM. Supported: vLLM 0.32.x, CPU attention.
+Our transfer stats reach vLLM's log line and ``/metrics`` (``vllm:kvtransfer_*``, see
+`vllm_stats`); KV events are not carried into vLLM's; layer-wise streaming is not offered inside
+vLLM. Supported: vLLM 0.32.x; every KV layout and the CPU, FlashAttention-style ([K | V] last
+axis) and K/V-head-halves conventions (`vllm_translate.vllm_kv_views`); CUDA caches are written
+for, not run.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from kvtransfer.connector.base import KVConnectorBase_V1
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.factory import KVConnectorFactory
 from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole, PpTpRank
+from kvtransfer.integrations.vllm_stats import TransferPromMetrics, TransferStats, vllm_stats
 from kvtransfer.integrations.vllm_translate import (
     RefusedLoad,
     SchedulerStep,
@@ -175,9 +180,23 @@ class KVTransferConnector(VllmConnectorBase):
     def shutdown(self) -> None:
         self._inner.shutdown()
 
-    def get_kv_connector_stats(self) -> None:
-        # Called on both roles every step; our stats are not vLLM's dataclasses.
-        return None
+    def get_kv_connector_stats(self) -> TransferStats | None:
+        # Called on both roles every step: the hosted connector's counters since last time.
+        return vllm_stats(self._inner.get_kv_connector_stats())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats:
+        return TransferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TransferPromMetrics:
+        return TransferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ scheduler side
 
