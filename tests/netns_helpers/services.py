@@ -30,15 +30,19 @@ def start_daemon(
     kv_ip: str | None = None,
     extra: dict[str, Any] | None = None,
     bind: str | None = None,
+    policy: str | None = None,
 ) -> ServiceProcess:
     """A daemon serving gRPC on ``bind`` (default: the host's address) with its KV traffic on
-    ``kv_ip`` (default: the same address)."""
+    ``kv_ip`` (default: the same address); ``extra`` is its ``kv_connector_extra_config``,
+    ``policy`` its ``kv_load_failure_policy`` (default: the daemon's, "fail")."""
     bind = bind or host.address
-    config = {
+    config: dict[str, Any] = {
         "kv_ip": kv_ip or bind,
         "kv_port": 0,
         "kv_connector_extra_config": extra or {},
     }
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
     argv = daemon_command(
         role, "--host", bind, *COMMON_FLAGS, "--kv-transfer-config", json.dumps(config), *flags
     )
@@ -121,7 +125,18 @@ def complete(host: Host, url: str, bodies: Sequence[dict[str, Any]]) -> list[dic
 
 def admin_status(host: Host, target: str) -> dict[str, Any]:
     """``kvtransfer admin status --json`` of the daemon at ``target``, asked from ``host``."""
-    argv = [sys.executable, "-m", "kvtransfer", "admin", "status", "--target", target, "--json"]
+    return _admin(host, target, "status")
+
+
+def admin_transfers(host: Host, target: str) -> list[dict[str, Any]]:
+    """The KV transfers in flight on the daemon at ``target`` (``kvtransfer admin transfers``):
+    ``request_id``, ``peer_engine_id``, ``direction`` ("send": KV it holds for a consumer,
+    "recv": a load under way), ``num_blocks``, ``num_bytes``, ``age_s``."""
+    return _admin(host, target, "transfers")["transfers"]
+
+
+def _admin(host: Host, target: str, action: str) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "kvtransfer", "admin", action, "--target", target, "--json"]
     done = subprocess.run(host.command(argv), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)

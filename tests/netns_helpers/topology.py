@@ -5,6 +5,8 @@
         ...
         net.partition(prefill)               # its switch port down: unreachable both ways
         net.heal(prefill)
+        net.shape(prefill, "2mbit")          # what it sends, at most 2 Mbit/s (tc tbf)
+        net.unshape(prefill)
 
 Every network gets its own switch namespace holding a bridge, so nothing is added to the root
 namespace (no routes, no interfaces, no sysctls) and subnets of concurrent networks cannot
@@ -30,6 +32,8 @@ _NAME = re.compile(r"^kvt-[a-z0-9]+-(\d+)-[a-z0-9]+$")
 _SUBNET_PREFIX = "10.231"
 _UNROUTED_PREFIX = "10.233"
 _next_network = 0
+# A token bucket (`Network.shape`) whose queue holds at most 50 ms of traffic.
+_TBF = ("tbf", "burst", "16kb", "latency", "50ms")
 
 
 class NetnsUnavailable(RuntimeError):
@@ -62,6 +66,9 @@ class Connection:
     peer_address: str
     peer_port: int
     process: str
+    # Bytes not yet read by the process (Recv-Q) and not yet acknowledged by the peer (Send-Q).
+    recv_q: int = 0
+    send_q: int = 0
 
 
 def _endpoint(field: str) -> tuple[str, int]:
@@ -128,6 +135,15 @@ class Network:
     def heal(self, host: Host) -> None:
         _ip("-n", self.switch, "link", "set", host.port, "up")
 
+    def shape(self, host: Host, rate: str) -> None:
+        """Send what ``host`` sends to the switch at ``rate`` at most (``tc`` notation:
+        ``2mbit``), through a token bucket with a short queue: a bulk transfer is slowed while a
+        small packet (a SYN-ACK) still leaves within tens of milliseconds."""
+        _tc(host.namespace, "qdisc", "replace", "dev", "eth0", "root", *_TBF, "rate", rate)
+
+    def unshape(self, host: Host) -> None:
+        _tc(host.namespace, "qdisc", "del", "dev", "eth0", "root")
+
     def listening(self, host: Host) -> list[tuple[str, str]]:
         """``(local address, process)`` of every TCP/UDP socket listening in ``host``; the
         address without port, brackets or the ``::ffff:`` of IPv4-mapped IPv6 sockets."""
@@ -165,7 +181,16 @@ class Network:
             if fields[0] == "LISTEN":
                 continue
             local, peer = (_endpoint(field) for field in fields[3:5])
-            connections.append(Connection(fields[0], *local, *peer, " ".join(fields[5:])))
+            connections.append(
+                Connection(
+                    fields[0],
+                    *local,
+                    *peer,
+                    " ".join(fields[5:]),
+                    recv_q=int(fields[1]),
+                    send_q=int(fields[2]),
+                )
+            )
         return connections
 
     def neighbours(self, host: Host) -> list[str]:
@@ -220,6 +245,24 @@ def check_available() -> None:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
 
 
+def check_shaping() -> None:
+    """`NetnsUnavailable` unless `Network.shape` works here (``tc`` and its token bucket)."""
+    check_available()
+    if shutil.which("tc") is None:
+        raise NetnsUnavailable("shaping a test host's link needs the 'tc' command")
+    probe = f"{PREFIX}probe-{os.getpid()}-tc"
+    try:
+        _ip("netns", "add", probe)
+        _ip("-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        _tc(probe, "qdisc", "add", "dev", "v0", "root", *_TBF, "rate", "1mbit")
+    except subprocess.CalledProcessError as exc:
+        raise NetnsUnavailable(
+            f"cannot add a token-bucket qdisc (tc tbf) here: {exc.stderr.strip()}"
+        ) from None
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+
+
 def sweep_stale() -> None:
     """Delete namespaces of networks whose test process is gone (a killed earlier run)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
@@ -242,3 +285,7 @@ def _alive(pid: int) -> bool:
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], capture_output=True, text=True, check=True)
+
+
+def _tc(namespace: str, *args: str) -> None:
+    subprocess.run(["tc", "-n", namespace, *args], capture_output=True, text=True, check=True)
