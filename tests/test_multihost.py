@@ -3,13 +3,15 @@
 Three prefill daemons (1x1, TP2, PP2), a decode daemon (1x1), the router and the client each
 run in their own namespace on one switch; every namespace also holds an unrouted interface
 that UCX must never advertise or dial. KV moves between namespaces over TCP: UCX may not use
-shared memory there (see `kvtransfer.transport.locality`). Checked:
+shared memory there (see `kvtransfer.transport.locality`). Every test that moves KV runs on
+both data planes (``data_plane`` in both daemons' ``kv_connector_extra_config``, one cluster
+per plane): ``rma`` (the decode reads the prefill's KV one-sided, UCX gets over TCP served by
+the prefill's UCX worker) and ``tagged`` (each pull answered by the prefill). Checked, per
+plane:
 
 * completions through the router equal a colocated run, with each prefill (1x1, TP2, PP2 ->
   decode 1x1) serving, and the KV received rather than recomputed;
-* every socket listens on its daemon's configured address only (``ss`` in each namespace),
-  and with everything on 127.0.0.1 in a namespace holding other addresses too, nothing listens
-  anywhere else;
+* every socket listens on its daemon's configured address only (``ss`` in each namespace);
 * UCX neither advertises nor dials the unrouted interface: after KV moved from every prefill
   worker, UCX listens (what it advertises to peers) on each host's KV address only, the decode
   holds a TCP connection from its KV address to every prefill worker's UCX listener, and no
@@ -19,6 +21,9 @@ shared memory there (see `kvtransfer.transport.locality`). Checked:
   three prefills cut off, only requests sent to it may fail, and the other two serve requests
   sent during the partition; after the heal they succeed again with the right tokens; at the
   end no daemon holds a KV block.
+
+Once, on the default plane: with everything on 127.0.0.1 in a namespace holding other
+addresses too, nothing listens anywhere else.
 
 Needs root and ``ip netns``; skipped with the reason otherwise, failed instead when
 ``KVTRANSFER_REQUIRE_NETNS=1`` (CI).
@@ -56,6 +61,9 @@ MAX_TOKENS = 8
 REQUEST_DEADLINE_S = 8.0
 KV_EXTRA = {"transfer_timeout_s": 5, "kv_lease_s": 8, "handshake_timeout_s": 2}
 PARTITION_S = 10.0
+# Both data planes (`UcxConnector` ``data_plane``): one-sided reads (UCX gets over TCP, served
+# by the producer's UCX worker) and tagged pulls (each answered by the producer).
+DATA_PLANES = ("rma", "tagged")
 # Workers (so UCX agents) of each daemon.
 WORKERS = {"p11": 1, "ptp2": 2, "ppp2": 2, "decode": 1}
 
@@ -77,6 +85,7 @@ def _namespaces_available() -> None:
 
 @dataclass
 class Cluster:
+    data_plane: str
     net: Network
     prefills: dict[str, tuple[Host, ServiceProcess]]
     decode: tuple[Host, ServiceProcess]
@@ -96,18 +105,25 @@ def expected() -> list[list[int]]:
     return colocated(PROMPTS, MAX_TOKENS)
 
 
+@pytest.fixture(scope="module", params=DATA_PLANES)
+def data_plane(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
-    logs = tmp_path_factory.mktemp("multihost")
+def cluster(tmp_path_factory, data_plane) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp(f"multihost-{data_plane}")
+    extra = {**KV_EXTRA, "data_plane": data_plane}
     with network("mh") as net:
         shapes = {"p11": (), "ptp2": ("--tp", "2"), "ppp2": ("--pp", "2")}
         hosts = {name: net.add_host(name) for name in [*shapes, "decode", "router", "client"]}
         processes: list[ServiceProcess] = []
         try:
             starts: list[Callable[[], ServiceProcess]] = [
-                _starter(hosts[name], "prefill", logs, flags) for name, flags in shapes.items()
+                _starter(hosts[name], "prefill", logs, flags, extra)
+                for name, flags in shapes.items()
             ]
-            starts.append(_starter(hosts["decode"], "decode", logs, ()))
+            starts.append(_starter(hosts["decode"], "decode", logs, (), extra))
             processes += start_together(*starts)
             prefills = dict(zip(shapes, processes[:3], strict=True))
             decode = processes[3]
@@ -121,6 +137,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
             )
             processes.append(router)
             yield Cluster(
+                data_plane,
                 net,
                 {name: (hosts[name], process) for name, process in prefills.items()},
                 (hosts["decode"], decode),
@@ -134,8 +151,10 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         assert exit_used_blocks(process) == 0, process.log_tail()
 
 
-def _starter(host: Host, role: str, logs, flags: tuple[str, ...]) -> Callable[[], ServiceProcess]:
-    return lambda: start_daemon(host, role, logs, *flags, extra=KV_EXTRA)
+def _starter(
+    host: Host, role: str, logs, flags: tuple[str, ...], extra: dict[str, Any]
+) -> Callable[[], ServiceProcess]:
+    return lambda: start_daemon(host, role, logs, *flags, extra=extra)
 
 
 def _body(prompt_index: int) -> dict[str, Any]:
@@ -376,15 +395,19 @@ def _decode_calls(cluster: Cluster) -> int:
 
 def _wait_until_no_blocks_used(cluster: Cluster, timeout_s: float = 60.0) -> None:
     # KV held for requests whose decode failed is released by the router or by its lease.
+    _wait_until_none_used(cluster.client, [process for _, process in cluster.daemons()], timeout_s)
+
+
+def _wait_until_none_used(client: Host, daemons: list[ServiceProcess], timeout_s: float) -> None:
+    """Until no daemon of ``daemons`` has a KV block in use (KVAdmin status, asked from
+    ``client``)."""
+
     def used() -> dict[str, int]:
-        return {
-            host.name: admin_status(cluster.client, process.address)["num_used_blocks"]
-            for host, process in cluster.daemons()
-        }
+        return {d.name: admin_status(client, d.address)["num_used_blocks"] for d in daemons}
 
     wait_until(
         lambda: not any(used().values()),
         lambda: f"no KV block in use (used: {used()})",
         timeout_s,
-        interval=1.0,
+        interval=0.5,
     )
