@@ -431,3 +431,17 @@ def test_disconnect_forgets_the_peer_and_a_new_connect_works(servers):
         assert again is not peer
         fresh.pull(again, PullSpec("re", MODEL_B.names(), [2], [3])).result(WAIT_S)
         _expect(caches, SEED_B, MODEL_B.names(), [2], [3])
+
+
+def test_a_starved_local_connect_is_not_an_unreachable_peer(monkeypatch):
+    """Creating an endpoint is local work of this process's UCX thread: when that thread does
+    not run in time, the error says so (a timeout of ours), not that the peer is unreachable."""
+    from concurrent.futures import Future
+
+    from kvtransfer.transport import TransferTimeoutError
+
+    config = TransportConfig(timeout_s=0.3, connect_timeout_s=0.05)
+    with KVTransferAgent(config) as agent, KVTransferAgent() as peer:
+        monkeypatch.setattr(agent._loop, "call", lambda fn: Future())  # never runs
+        with pytest.raises(TransferTimeoutError, match=r"did not create the endpoint .* 0.3 s"):
+            agent.connect(peer.address)

@@ -33,6 +33,7 @@ from kvtransfer.transport.errors import (
     ErrorCode,
     PeerUnreachable,
     RemoteTransferError,
+    TransferTimeoutError,
     TransportClosed,
     TransportError,
 )
@@ -274,14 +275,19 @@ class KVTransferAgent:
         ):
             return peer
         created = self._loop.call(lambda: self._loop.endpoint(ucx_address))
+        # Creating an endpoint from a worker address does not talk to the peer (UCX connects
+        # lazily): a wait here is this process's own UCX thread not getting the CPU, so it is
+        # bounded by the transfer timeout, not the peer's connect timeout, and never reported
+        # as an unreachable peer.
+        wait_s = max(self.config.connect_timeout_s, self.config.timeout_s)
         try:
-            created.result(self.config.connect_timeout_s)
+            created.result(wait_s)
         except FutureTimeout:
             if created.done():
                 raise
-            raise PeerUnreachable(
-                f"connecting to {peer_name(ucx_address)} took over "
-                f"{self.config.connect_timeout_s} s"
+            raise TransferTimeoutError(
+                f"the UCX progress thread of this process did not create the endpoint to "
+                f"{peer_name(ucx_address)} within {wait_s} s (starved of CPU?)"
             ) from None
         except TransportError:
             raise
