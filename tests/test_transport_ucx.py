@@ -445,3 +445,31 @@ def test_a_starved_local_connect_is_not_an_unreachable_peer(monkeypatch):
         monkeypatch.setattr(agent._loop, "call", lambda fn: Future())  # never runs
         with pytest.raises(TransferTimeoutError, match=r"did not create the endpoint .* 0.3 s"):
             agent.connect(peer.address)
+
+
+def test_agents_work_with_descriptors_beyond_1024():
+    """vLLM raises the open-files limit and holds many: the progress thread's wait must take
+    descriptors past select()'s 1024."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        raise AssertionError(f"this test needs an open-files hard limit >= 1200, have {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        cache = torch.arange(2 * 2 * 2 * 4 * 8, dtype=torch.float32).view(2, 2, 2, 4, 8)
+        target = torch.zeros_like(cache)
+        with KVTransferAgent() as server, KVTransferAgent() as client:
+            server.register_kv_caches({"l": cache})
+            server.start_server()
+            client.register_kv_caches({"l": target})
+            for one_sided in (False, True):
+                peer = client.connect(server.address, one_sided=one_sided)
+                client.pull(peer, PullSpec(f"fd-{one_sided}", ["l"], [0, 1], [0, 1])).result(30)
+        assert torch.equal(target, cache)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

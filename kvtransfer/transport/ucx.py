@@ -123,6 +123,11 @@ class UcxLoop:
         self.address: bytes = addresses.pack()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        # poll, not select: descriptors of a process with many files (vLLM raises its limit)
+        # reach past select's 1024.
+        self._poller = select.poll()
+        self._poller.register(self._epoll_fd, select.POLLIN)
+        self._poller.register(self._wake_r, select.POLLIN)
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
@@ -354,7 +359,7 @@ class UcxLoop:
                 self._progress()
                 if self._calls or not self._worker.arm():
                     continue
-                select.select([self._epoll_fd, self._wake_r], [], [], self._sleep_s())
+                self._poller.poll(self._sleep_s() * 1e3)
                 self._drain_wake()
         except Exception:
             logger.exception("UCX progress thread crashed")
