@@ -16,7 +16,10 @@ several prompts and dozens of tokens on both consumers; with a prefix hit on D1 
 beyond it are transferred (vLLM's own token-source counters); P's KV is given back (its KV
 cache usage returns to 0); malformed ``kv_transfer_params`` fail that request only (the server
 stays healthy and serves the next); with P dead, D1 fails the request and D2 recomputes it to
-the reference tokens, both staying healthy.
+the reference tokens, both staying healthy. Every P/D decode transferred the KV of all its
+prompt tokens (vLLM's own counters: equal tokens alone would also come from a
+recompute); our transfer counters show in vLLM's ``/metrics``. With ``--tp`` (or only them,
+``--tp-only``) a TP 2 prefill then feeds a TP 1 decode and a TP 1 prefill a TP 2 decode.
 """
 
 from __future__ import annotations
@@ -161,14 +164,19 @@ class Server:
             return error.code, {"error": error.read().decode(errors="replace")}
 
     def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples with ``labels``; `StageFailure` when the server
+        exports no such sample (a missing metric must not read as 0)."""
         with urllib.request.urlopen(self.url("/metrics"), timeout=10) as response:
             text = response.read().decode()
-        total = 0.0
+        total, found = 0.0, False
         for line in text.splitlines():
             if not line.startswith(name + "{"):
                 continue
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
+                found = True
+        if not found:
+            raise StageFailure(f"{self.name} exports no {name} sample with {labels}")
         return total
 
     def kill(self) -> None:
@@ -188,6 +196,9 @@ class Server:
             os.killpg(self.process.pid, signal.SIGKILL)  # stragglers of the group
 
 
+DATA_PLANE = {"value": "rma"}
+
+
 def kv_config(role: str, policy: str = "fail") -> dict:
     return {
         "kv_connector": "UcxConnector",
@@ -195,7 +206,11 @@ def kv_config(role: str, policy: str = "fail") -> dict:
         "kv_role": role,
         "kv_port": free_port(),
         "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"kv_ip": "127.0.0.1", "transfer_timeout_s": 10},
+        "kv_connector_extra_config": {
+            "kv_ip": "127.0.0.1",
+            "transfer_timeout_s": 10,
+            "data_plane": DATA_PLANE["value"],
+        },
     }
 
 
@@ -243,15 +258,31 @@ def run(model: str, logs: Path) -> None:
             len({tuple(t) for t in reference.values()}) == len(reference),
             "the reference answers differ between prompts (the model is not degenerate)",
         )
+        source = "vllm:prompt_tokens_by_source_total"
         for decode in (d1, d2):
             for prompt in PROMPTS:
-                status, answer = decode.complete(prompt, MAX_TOKENS, prefill(p, prompt))
+                params = prefill(p, prompt)
+                if decode is d1 and prompt == PROMPTS[0]:
+                    # The KV is held for the decode: the usage metric is there and above 0
+                    # (so its return to 0 below means something).
+                    usage = p.metric("vllm:kv_cache_usage_perc")
+                    check(usage > 0, f"the producer holds the prefilled KV (usage {usage:g})")
+                before = decode.metric(source, source="external_kv_transfer")
+                status, answer = decode.complete(prompt, MAX_TOKENS, params)
                 check(
                     status == 200 and tokens(answer) == reference[prompt],
                     f"{decode.name}: P/D tokens equal the single instance for {prompt[:30]!r}...",
                 )
+                pulled = decode.metric(source, source="external_kv_transfer") - before
+                prompt_tokens = answer["usage"]["prompt_tokens"]
+                # vLLM counts every prompt token as loaded: equal tokens alone would also
+                # come from a decode that recomputed.
+                check(
+                    pulled == prompt_tokens,
+                    f"{decode.name}: vLLM counts the KV of all {prompt_tokens} prompt tokens "
+                    f"as transferred ({pulled:.0f})",
+                )
         # A prefix hit on D1: the second decode of SHARED transfers only what it lacks.
-        source = "vllm:prompt_tokens_by_source_total"
         status, answer = d1.complete(SHARED, MAX_TOKENS, prefill(p, SHARED))
         check(status == 200 and tokens(answer) == reference[SHARED], "first shared prompt equal")
         pulled_before = d1.metric(source, source="external_kv_transfer")
@@ -262,9 +293,14 @@ def run(model: str, logs: Path) -> None:
         local = d1.metric(source, source="local_cache_hit") - local_before
         check(local >= BLOCK_SIZE, f"the second decode hit its prefix cache ({local:.0f} tokens)")
         check(
-            pulled < BLOCK_SIZE,
-            f"and transferred only the tokens beyond the hit ({pulled:.0f} < one block)",
+            0 < pulled < BLOCK_SIZE,
+            f"and transferred only the tokens beyond the hit (0 < {pulled:.0f} < one block)",
         )
+        # Our transfer stats reach vLLM's /metrics on both sides.
+        received = d1.metric("vllm:kvtransfer_bytes_received_total")
+        sent = p.metric("vllm:kvtransfer_bytes_sent_total")
+        check(received > 0, f"vLLM's /metrics on the decode has our KV bytes ({received:.0f})")
+        check(sent > 0, f"and on the producer the bytes consumers read ({sent:.0f})")
         wait_for(
             lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0,
             "the producer's KV to be given back",
@@ -297,14 +333,80 @@ def run(model: str, logs: Path) -> None:
             server.stop()
 
 
+TP_PROMPTS = PROMPTS[:3]
+TP_TOKENS = 8
+
+
+def run_tp(model: str, logs: Path) -> None:
+    """TP 2 prefill -> TP 1 decode, then TP 1 -> TP 2: tokens equal a single vLLM's. A TP 2
+    engine sums in another order than a TP 1 engine (fp32), so each P/D run is compared with
+    both single-instance references and says which it matches; it must match one.
+
+    Not run by default: on this 2-core VM the TP 2 -> TP 1 decode's load is refused on both
+    data planes with "lease ... has ended" (the producer's workers revoked the grant before
+    the decode asked): the failure issue 22 describes, reproduced, not yet diagnosed."""
+    # OpenMP teams busy-wait after each step by default: a TP 2 engine's two teams on both
+    # cores starved the other server's UCX and loader threads (a UCX endpoint took over 5 s to
+    # be created). Waiting passively costs a few microseconds per parallel region.
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    both = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **passive}
+    tp2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+    for producer_tp, consumer_tp in ((2, 1), (1, 2)):
+        label = f"TP {producer_tp} -> TP {consumer_tp}"
+        p = Server(
+            f"tp{producer_tp}-prefill", model, logs, kv_config("kv_producer"),
+            *(tp2 if producer_tp == 2 else ()), core=None if producer_tp == 2 else 0,
+            env=both if producer_tp == 2 else passive,
+        )  # fmt: skip
+        d = Server(
+            f"tp{consumer_tp}-decode", model, logs, kv_config("kv_consumer"),
+            *(tp2 if consumer_tp == 2 else ()), core=None if consumer_tp == 2 else 1,
+            env=both if consumer_tp == 2 else passive,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            p.wait_healthy(deadline)
+            d.wait_healthy(deadline)
+            for prompt in TP_PROMPTS:
+                references = {}
+                for server, tp in ((p, producer_tp), (d, consumer_tp)):
+                    status, answer = server.complete(prompt, TP_TOKENS)
+                    check(status == 200, f"{label}: the TP {tp} reference answered")
+                    references[tp] = tokens(answer)
+                status, answer = d.complete(prompt, TP_TOKENS, prefill(p, prompt))
+                check(status == 200, f"{label}: the P/D decode answered (HTTP {status}: {answer})")
+                matches = [tp for tp, ref in sorted(references.items()) if tokens(answer) == ref]
+                check(
+                    status == 200 and bool(matches),
+                    f"{label}: P/D tokens equal a single vLLM for {prompt[:30]!r}... "
+                    f"(matches the TP {' and TP '.join(map(str, matches)) or '-'} reference)",
+                )
+            wait_for(
+                lambda p=p: p.metric("vllm:kv_cache_usage_perc") == 0.0,
+                f"{label}: the producer's KV to be given back",
+            )
+            check(True, f"{label}: the producer's KV cache usage is back to 0")
+        finally:
+            d.stop()
+            p.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--logs", type=Path, default=Path("vllm-stage-logs"))
+    # Not in CI yet: both pairings fail here (see run_tp's docstring).
+    parser.add_argument("--tp", action="store_true", help="also run the TP 2 pairings")
+    parser.add_argument("--tp-only", action="store_true", help="only the TP 2 pairings")
+    parser.add_argument("--data-plane", choices=("rma", "tagged"), default="rma")
     args = parser.parse_args()
+    DATA_PLANE["value"] = args.data_plane
     args.logs.mkdir(parents=True, exist_ok=True)
     try:
-        run(args.model, args.logs)
+        if not args.tp_only:
+            run(args.model, args.logs)
+        if args.tp or args.tp_only:
+            run_tp(args.model, args.logs)
     except StageFailure as failure:
         print(f"FAILED: {failure}", file=sys.stderr)
         for log in sorted(args.logs.glob("*.log")):
