@@ -20,13 +20,20 @@ plane:
   while cut off, requests end in typed 5xx answers within the request deadline; with one of
   three prefills cut off, only requests sent to it may fail, and the other two serve requests
   sent during the partition; after the heal they succeed again with the right tokens; at the
-  end no daemon holds a KV block.
+  end no daemon holds a KV block;
+* a partition during reads (a prefill, a decode, their own namespaces, policy ``fail`` and
+  ``recompute``): the prefill's link shaped so that a long prompt's KV takes seconds to cross,
+  and cut (its switch port down) while the decode lists the load as under way and KV the
+  prefill sent is unacknowledged on its UCX sockets (still unacknowledged after the cut: the
+  read was mid-transfer). The load fails within seconds, not at the transfer timeout
+  (``ProducerUnreachable``; or recomputed, to the colocated tokens), the decode serves the same
+  prompt, read from the same prefill, once the link is back, and neither side holds a block.
 
 Once, on the default plane: with everything on 127.0.0.1 in a namespace holding other
 addresses too, nothing listens anywhere else.
 
-Needs root and ``ip netns``; skipped with the reason otherwise, failed instead when
-``KVTRANSFER_REQUIRE_NETNS=1`` (CI).
+Needs root and ``ip netns`` (the partition during reads also ``tc`` with its token bucket);
+skipped with the reason otherwise, failed instead when ``KVTRANSFER_REQUIRE_NETNS=1`` (CI).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any
 import pytest
 from netns_helpers.services import (
     admin_status,
+    admin_transfers,
     complete,
     results,
     run_requests,
@@ -47,7 +55,7 @@ from netns_helpers.services import (
     start_router,
     start_together,
 )
-from netns_helpers.topology import Host, NetnsUnavailable, Network
+from netns_helpers.topology import Host, NetnsUnavailable, Network, check_shaping
 from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks
 from waiting import wait_until
 
@@ -68,8 +76,12 @@ DATA_PLANES = ("rma", "tagged")
 WORKERS = {"p11": 1, "ptp2": 2, "ppp2": 2, "decode": 1}
 
 
-def network(tag: str) -> Network:
+def network(tag: str, *, shaped: bool = False) -> Network:
+    """A test network (``shaped``: whose hosts' links `Network.shape` can slow down); skips the
+    test where this machine cannot have one, or fails it under KVTRANSFER_REQUIRE_NETNS=1."""
     try:
+        if shaped:
+            check_shaping()
         return Network(tag)
     except NetnsUnavailable as exc:
         if os.environ.get("KVTRANSFER_REQUIRE_NETNS") == "1":
@@ -238,14 +250,20 @@ def test_ucx_neither_advertises_nor_dials_the_unrouted_interface(cluster, expect
 def _ucx_listeners(net: Network, host: Host, process: ServiceProcess) -> list[tuple[str, int]]:
     """The daemon's listening sockets that are neither its gRPC, KV handshake nor metrics
     server, nor on loopback (gloo between TP/PP workers): its workers' UCX listeners."""
-    services = {_port(process.address), process.ready["metrics_port"]}
-    if process.ready.get("kv_handshake"):
-        services.add(_port(process.ready["kv_handshake"]))
+    services = _service_ports(process)
     return [
         (address, port)
         for address, port, _ in net.listeners(host)
         if port not in services and address != "127.0.0.1"
     ]
+
+
+def _service_ports(process: ServiceProcess) -> set[int]:
+    """The ports of the daemon's gRPC, KV handshake and metrics servers."""
+    services = {_port(process.address), process.ready["metrics_port"]}
+    if process.ready.get("kv_handshake"):
+        services.add(_port(process.ready["kv_handshake"]))
+    return services
 
 
 def _port(address: str) -> int:
@@ -411,3 +429,172 @@ def _wait_until_none_used(client: Host, daemons: list[ServiceProcess], timeout_s
         timeout_s,
         interval=0.5,
     )
+
+
+# ---------------------------------------------------------------- a partition during reads
+
+# Long enough that the probes decide, not the timeout: a load that ends well within it was
+# ended by the liveness probes (`kvtransfer.connectors.ucx.liveness`), as in test_liveness.
+READ_EXTRA = {"transfer_timeout_s": 60, "kv_lease_s": 15, "handshake_timeout_s": 2}
+# 1110 tokens: ~1.1 MB of KV (4 layers x K,V x 2 heads x 16 x float32 = 1 KiB a token), which
+# the prefill's link, shaped to READ_RATE (125 kB/s), takes about 9 s to send: seconds to see
+# the read under way and cut it, even on a loaded machine. (It is cut, so this costs nothing.)
+LONG_PROMPT = PROMPTS[2] * 5
+READ_RATE = "1mbit"
+# Far below the transfer timeout, far above what the probes need (~1-1.5 s to call a silent
+# host unreachable).
+ANSWERED_WITHIN_S = 15.0
+# KV sent by the prefill and not yet acknowledged by the decode (its UCX sockets' Send-Q) when
+# the link is cut: about 0.5 s of transfer at READ_RATE, so still there after the cut.
+IN_FLIGHT_BYTES = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def expected_long() -> list[int]:
+    return colocated([LONG_PROMPT], MAX_TOKENS)[0]
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_partition_during_reads_fails_the_load_typed_and_the_decode_serves_on(
+    tmp_path, data_plane, policy, expected, expected_long
+):
+    """A prefill host cut off while the decode reads its KV: the load fails within seconds
+    (``ProducerUnreachable``, or recomputed to the same tokens), the decode serves the next
+    request once the link is back, and no KV block is left in use on either side."""
+    with network("rd", shaped=True) as net:
+        hosts = {name: net.add_host(name) for name in ("prefill", "decode", "router", "client")}
+        prefill_host, decode_host, client = hosts["prefill"], hosts["decode"], hosts["client"]
+        extra = {**READ_EXTRA, "data_plane": data_plane}
+        processes: list[ServiceProcess] = []
+        try:
+            processes += start_together(
+                lambda: start_daemon(prefill_host, "prefill", tmp_path, extra=extra),
+                lambda: start_daemon(decode_host, "decode", tmp_path, extra=extra, policy=policy),
+            )
+            prefill, decode = processes
+            # --no-kv-stream: the decode is called once the router has the prefill's answer, so
+            # the cut interrupts the decode's read and nothing else. (With the KV streamed, a
+            # prefill cut off before its answer reached the router holds the request until the
+            # router's deadline, whatever the decode did: a router issue, not tested here.)
+            router = start_router(hosts["router"], tmp_path, [prefill], [decode], "--no-kv-stream")
+            processes.append(router)
+            # Handshake made and UCX endpoints up (RMA keys fetched) by a first request (not a
+            # prefix of the long prompt: nothing of it is cached on the decode).
+            (warm,) = complete(client, router.address, [_body(1)])
+            assert _tokens(warm) == expected[1]
+            net.shape(prefill_host, READ_RATE)
+            runner = run_requests(client, router.address, [_long_body()], timeout_s=120)
+            try:
+                reading = _wait_reading(net, client, decode, (prefill_host, prefill), decode_host)
+                net.partition(prefill_host)
+                cut_at = time.monotonic()
+                # Nothing is acknowledged across a cut link: what is unacknowledged now was in
+                # flight when it went down.
+                stuck = _unacknowledged(net, (prefill_host, prefill), decode_host)
+                # Answered while the prefill is still cut off: the decode gave up on its own.
+                (result,) = results(runner, timeout_s=180)
+            finally:
+                net.heal(prefill_host)
+                net.unshape(prefill_host)
+            answered_after = result["started_at"] + result["elapsed_s"] - cut_at
+            print(
+                f"{data_plane}/{policy}: cut while {reading}, {stuck} B stuck; answered "
+                f"{result['status']} {answered_after:.2f} s after the cut"
+            )
+            assert stuck > 0, f"no KV was in flight when the link went down ({reading})"
+            assert answered_after < ANSWERED_WITHIN_S, result
+            if policy == "fail":
+                assert result["status"] == 502, result
+                message = result["body"]["error"]["message"]
+                assert "KV load failed for request" in message, message
+                assert "ProducerUnreachable" in message, message  # the probes, not the timeout
+                assert f"{prefill_host.address}:" in message, message
+            else:
+                # The whole prompt recomputed on the decode (nothing it read is used), to the
+                # same tokens.
+                assert _tokens(result) == expected_long
+                recomputed = result["body"]["kvtransfer"]["num_recomputed_tokens"]
+                assert recomputed == result["body"]["usage"]["prompt_tokens"], result
+                # Why, in the decode's log: the probes, not the timeout.
+                why = [line for line in _log(decode) if result["body"]["id"] in line]
+                assert any("failed: ProducerUnreachable" in line for line in why), why
+            assert admin_transfers(client, decode.address) == []
+            # The decode serves on: once the router takes the prefill back, the long prompt's
+            # KV is read from it (new UCX endpoints) and the tokens equal colocated.
+            answer = _served_after_heal(client, router.address)
+            assert _tokens(answer) == expected_long
+            info = answer["body"]["kvtransfer"]
+            assert info["kv_blocks_received"] > 0 and info["num_recomputed_tokens"] == 0, info
+            counters = admin_status(client, decode.address)["counters"]
+            assert counters["kv_loads_failed"] == 1, counters
+            # No KV block left in use: the decode gave its blocks back when the load failed;
+            # the prefill, told by nobody while cut off, at the latest when the lease ends.
+            _wait_until_none_used(client, [prefill, decode], READ_EXTRA["kv_lease_s"] + 30)
+            assert admin_transfers(client, prefill.address) == []
+        finally:
+            for process in reversed(processes):
+                process.terminate()
+    assert [exit_used_blocks(p) for p in processes[:2]] == [0, 0]
+
+
+def _log(process: ServiceProcess) -> list[str]:
+    return process.log_path.read_text(errors="replace").splitlines()
+
+
+def _long_body() -> dict[str, Any]:
+    return {"prompt": LONG_PROMPT, "max_tokens": MAX_TOKENS}
+
+
+def _unacknowledged(net: Network, prefill: tuple[Host, ServiceProcess], decode_host: Host) -> int:
+    """Bytes the prefill sent to the decode that the decode has not acknowledged, on its TCP
+    sockets to the decode other than its servers' (KV handshake, gRPC, metrics): UCX's, which
+    carry the KV, whichever side dialed them."""
+    host, process = prefill
+    services = _service_ports(process)
+    return sum(
+        c.send_q
+        for c in net.connections(host)
+        if c.peer_address == decode_host.address and c.local_port not in services
+    )
+
+
+def _wait_reading(
+    net: Network,
+    client: Host,
+    decode: ServiceProcess,
+    prefill: tuple[Host, ServiceProcess],
+    decode_host: Host,
+) -> str:
+    """Until the decode lists its load under way ("recv") and the prefill's UCX sockets to it
+    hold `IN_FLIGHT_BYTES` unacknowledged, checked again last (just before the caller cuts):
+    the read is mid-transfer. What was seen, for the log."""
+
+    def reading() -> str | None:
+        # ss first (milliseconds), KVAdmin (a process start) only once KV is on its way.
+        if _unacknowledged(net, prefill, decode_host) < IN_FLIGHT_BYTES:
+            return None
+        loads = [t for t in admin_transfers(client, decode.address) if t["direction"] == "recv"]
+        queued = _unacknowledged(net, prefill, decode_host)
+        if not loads or queued < IN_FLIGHT_BYTES:
+            return None
+        (load,) = loads
+        return f"loading {load['num_blocks']} blocks for {load['age_s']:.2f} s, {queued} B queued"
+
+    return wait_until(reading, "the decode reading the long prompt's KV", 60, interval=0.02)
+
+
+def _served_after_heal(client: Host, url: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The long prompt's first 200 answer. Until then, the only answer allowed is the router's
+    503 for a prefill it ejected during the partition and has not checked healthy again."""
+    last: list[Any] = [None]
+
+    def served() -> dict[str, Any] | None:
+        (answer,) = complete(client, url, [_long_body()])
+        last[0] = answer
+        if answer["status"] == 200:
+            return answer
+        assert answer["status"] == 503, answer
+        assert answer["body"]["error"]["code"] == "no_healthy_daemon", answer
+        return None
+
+    return wait_until(served, lambda: f"served after the heal ({last[0]})", timeout_s, interval=0.5)
