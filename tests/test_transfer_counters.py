@@ -86,6 +86,9 @@ def test_sent_equals_received_across_a_head_split(pair):
     assert received["kv_bytes_received"] - received0["kv_bytes_received"] == (
         blocks * BYTES_PER_BLOCK
     )
+    # The default data plane read every byte one-sided (the prefill served none itself).
+    one_sided = received["kv_bytes_received_one_sided"] - received0["kv_bytes_received_one_sided"]
+    assert one_sided == blocks * BYTES_PER_BLOCK
 
 
 def test_aborts_keep_the_counters_reconciled(pair):

@@ -97,6 +97,8 @@ class PullResult:
     num_messages: int
     payload_bytes: int
     elapsed_s: float
+    # Read one-sided (RMA mode) rather than served by the producer.
+    one_sided: bool = False
 
 
 # A keys request's wait checks its cancel flag and deadline this often.
@@ -377,7 +379,9 @@ class PullClient:
                     raise
                 elapsed = time.perf_counter() - started
                 future.set_result(
-                    PullResult(spec.request_id, spec.num_blocks, len(plans), runs, nbytes, elapsed)
+                    PullResult(
+                        spec.request_id, spec.num_blocks, len(plans), runs, nbytes, elapsed, True
+                    )
                 )
         except BaseException as exc:
             if isinstance(exc, TransferCancelled) and state.closed:

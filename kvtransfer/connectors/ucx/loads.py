@@ -48,6 +48,8 @@ class LoadOutcome:
     num_blocks: int
     num_bytes: int
     elapsed_s: float
+    # Of num_bytes, those read one-sided (RMA mode).
+    one_sided_bytes: int = 0
 
 
 class LoadJob:
@@ -103,7 +105,7 @@ class LoadJob:
         watch = ProducerWatch(spec.remote, self._ask_held)
         try:
             handles = self._start(engine, watch)
-            total = self._wait_all(handles, watch)
+            total, one_sided = self._wait_all(handles, watch)
         except LoadCancelled:
             raise
         except BaseException as exc:
@@ -114,7 +116,9 @@ class LoadJob:
                 # The producer may be gone or restarted: handshake again next time.
                 self._engines.invalidate(engine)
             raise
-        return LoadOutcome(len(spec.local_block_ids), total, time.perf_counter() - started)
+        return LoadOutcome(
+            len(spec.local_block_ids), total, time.perf_counter() - started, one_sided
+        )
 
     def _start(self, engine: RemoteEngine, watch: ProducerWatch) -> list[PullHandle]:
         """Start every pull (a one-sided one runs to completion right here)."""
@@ -154,19 +158,22 @@ class LoadJob:
         with self._lock:
             return list(self._handles)
 
-    def _wait_all(self, handles: list[PullHandle], watch: ProducerWatch) -> int:
+    def _wait_all(self, handles: list[PullHandle], watch: ProducerWatch) -> tuple[int, int]:
+        """(bytes, of which one-sided) of every pull, once all finished."""
         deadline = time.monotonic() + self._timeout_s + _RESULT_GRACE_S
-        total = 0
+        total = one_sided = 0
         for handle in handles:
             while True:
                 try:
-                    total += handle.result(PROBE_INTERVAL_S).payload_bytes
+                    result = handle.result(PROBE_INTERVAL_S)
+                    total += result.payload_bytes
+                    one_sided += result.payload_bytes if result.one_sided else 0
                     break
                 except TimeoutError:
                     if handle.done() or time.monotonic() >= deadline:
                         raise
                 watch.check()
-        return total
+        return total, one_sided
 
     def _check_cancelled(self) -> None:
         with self._lock:

@@ -232,6 +232,7 @@ class UcxWorker:
                 self._add("num_loads", 1)
                 self._add("blocks_received", finished.outcome.num_blocks)
                 self._add("bytes_received", finished.outcome.num_bytes)
+                self._add("bytes_received_one_sided", finished.outcome.one_sided_bytes)
                 self._append("transfer_s", finished.outcome.elapsed_s)
         for req_id in finished_req_ids:
             entry = self._loads.pop(req_id, None)
