@@ -332,7 +332,10 @@ def test_plan_checks_peer_layouts_when_known():
     [
         (torch.zeros(4, 2, 2, 16), r"has shape \(4, 2, 2, 16\); expected \[num_blocks, 2,"),
         (torch.zeros(4, 3, 2, 16, 8), r"has shape \(4, 3, 2, 16, 8\)"),
-        (torch.zeros(4, 2, 2, 16, 16)[..., :8], r"KV cache 'x' must be contiguous in some"),
+        (
+            torch.zeros(4, 1, 2, 16, 8).expand(4, 2, 2, 16, 8),
+            r"KV cache 'x' has elements that share memory",
+        ),
         (torch.zeros(0, 2, 2, 16, 8), r"KV cache 'x' is empty"),
         ([1, 2], r"KV cache 'x' must be a torch.Tensor, got list"),
     ],
