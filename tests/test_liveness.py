@@ -60,6 +60,24 @@ def _warm_and_prefill(pair: DaemonPair, expected: list[list[int]]) -> GenerateRe
     return prefilled
 
 
+def _assert_failed_per_policy(
+    result: object, policy: str, rid: str, expected: list[list[int]], *reasons: str
+) -> None:
+    """A load that failed: ``fail`` ends the request with the reasons, ``recompute`` gives the
+    colocated tokens with tokens recomputed."""
+    assert isinstance(result, GenerateResult), result
+    if policy == "fail":
+        assert result.finish_reason == "error"
+        assert result.error.startswith(f"KV load failed for request {rid} ")
+        for reason in reasons:
+            assert reason in result.error, result.error
+        assert result.token_ids == []
+    else:
+        assert result.finish_reason == "length", result.error
+        assert result.token_ids == expected[2]
+        assert result.metrics.num_recomputed_tokens > 0
+
+
 def test_a_stopped_producer_that_resumes_within_the_lease_still_serves(tmp_path, expected):
     with _pair(tmp_path) as pair:
         prefilled = _warm_and_prefill(pair, expected)
@@ -102,16 +120,8 @@ def test_a_producer_killed_during_the_pull_fails_the_load_in_about_a_second(
         pair.kill("prefill")
         result = decode.result(TRANSFER_TIMEOUT_S + 30)
         elapsed = time.monotonic() - killed
-        assert isinstance(result, GenerateResult), result
-        if policy == "fail":
-            assert result.finish_reason == "error"
-            assert result.error.startswith(f"KV load failed for request {rid} ")
-            assert "ProducerUnreachable" in result.error  # the probes, not the timeout
-            assert result.token_ids == []
-        else:
-            assert result.finish_reason == "length", result.error
-            assert result.token_ids == expected[2]
-            assert result.metrics.num_recomputed_tokens > 0
+        # The probes, not the timeout.
+        _assert_failed_per_policy(result, policy, rid, expected, "ProducerUnreachable")
         assert elapsed < DEAD_WITHIN_S, f"the dead producer was noticed after {elapsed:.1f} s"
         pair.wait_no_blocks_in_use()
         loading = admin(pair.decode.address, "transfers")
@@ -154,16 +164,9 @@ def test_a_killed_producer_fails_the_one_sided_load_at_once(tmp_path, expected, 
         killed = time.monotonic()
         (result,) = pair.run_decode([PROMPT], [prefilled.kv_transfer_params], [rid], MAX_TOKENS)
         elapsed = time.monotonic() - killed
-        assert isinstance(result, GenerateResult), result
-        if policy == "fail":
-            assert result.finish_reason == "error"
-            assert result.error.startswith(f"KV load failed for request {rid} ")
-            assert "PeerUnreachable" in result.error and "the process is gone" in result.error
-            assert result.token_ids == []
-        else:
-            assert result.finish_reason == "length", result.error
-            assert result.token_ids == expected[2]
-            assert result.metrics.num_recomputed_tokens > 0
+        _assert_failed_per_policy(
+            result, policy, rid, expected, "PeerUnreachable", "the process is gone"
+        )
         assert elapsed < DEAD_WITHIN_S, f"the dead producer was noticed after {elapsed:.1f} s"
         pair.wait_no_blocks_in_use()
         failures = pair.failures("decode")

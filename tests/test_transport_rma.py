@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transport_helpers.kv import LayerGroup, empty_caches, in_order, layer_tensor, make_caches
 from transport_helpers.procs import ServerSpec, kv_servers
+from waiting import wait_until
 
 from kvtransfer.transport import (
     AccessDenied,
@@ -192,6 +194,8 @@ def test_a_producer_killed_mid_read_fails_it_typed():
             agent.pull(peer, PullSpec("warm", GROUP.names(), (1,), (1,))).result(WAIT_S)
             assert agent._rma_peers[peer.ucx_address].direct is None  # the network path
             server.process.send_signal(signal.SIGSTOP)
+            stat = Path(f"/proc/{server.process.pid}/stat")
+            wait_until(lambda: stat.read_text().split(")")[1].split()[0] == "T", "frozen")
             probes: list[float] = []
 
             def probe() -> None:
@@ -199,11 +203,15 @@ def test_a_producer_killed_mid_read_fails_it_typed():
                 if len(probes) == 1:
                     server.kill()
 
-            handle = agent.pull(
-                peer, PullSpec("mid", GROUP.names(), range(64), range(64)), on_wait=probe
-            )
-            with pytest.raises((PeerUnreachable, TransferTimeoutError)):
-                handle.result(WAIT_S)
+            try:
+                handle = agent.pull(
+                    peer, PullSpec("mid", GROUP.names(), range(64), range(64)), on_wait=probe
+                )
+                with pytest.raises((PeerUnreachable, TransferTimeoutError)):
+                    handle.result(WAIT_S)
+            finally:
+                if server.process.poll() is None:
+                    server.kill()
             assert probes, "the read never waited: it was not in flight"
             # The agent still serves (its endpoint to the dead peer was reset).
             assert not agent.closed
