@@ -342,9 +342,11 @@ def run_tp(model: str, logs: Path) -> None:
     engine sums in another order than a TP 1 engine (fp32), so each P/D run is compared with
     both single-instance references and says which it matches; it must match one.
 
-    Not run by default: on this 2-core VM the TP 2 -> TP 1 decode's load is refused on both
-    data planes with "lease ... has ended" (the producer's workers revoked the grant before
-    the decode asked): the failure issue 22 describes, reproduced, not yet diagnosed."""
+    Not run by default: on this 2-core VM, with other heavy work running, the TP 2 -> TP 1
+    decode's load was refused on both data planes with "lease ... has ended" (the failure issue
+    22 describes: reproduced twice, not yet explained); on an otherwise idle machine both
+    pairings passed (grants reached both producer workers at once, the decode's release came
+    5-16 s later)."""
     # OpenMP teams busy-wait after each step by default: a TP 2 engine's two teams on both
     # cores starved the other server's UCX and loader threads (a UCX endpoint took over 5 s to
     # be created). Waiting passively costs a few microseconds per parallel region.
@@ -395,7 +397,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--logs", type=Path, default=Path("vllm-stage-logs"))
-    # Not in CI yet: both pairings fail here (see run_tp's docstring).
+    # Not in CI yet: they fail under CPU load here (see run_tp's docstring).
     parser.add_argument("--tp", action="store_true", help="also run the TP 2 pairings")
     parser.add_argument("--tp-only", action="store_true", help="only the TP 2 pairings")
     parser.add_argument("--data-plane", choices=("rma", "tagged"), default="rma")
