@@ -441,13 +441,7 @@ class PullClient:
             ) from exc
         try:
             while not done.wait(_KEYS_POLL_S):
-                if control.cancelled():
-                    raise TransferCancelled(f"keys request to {peer.name} was cancelled")
-                if time.monotonic() >= control.deadline:
-                    raise TransferTimeoutError(
-                        f"{peer.name} did not answer a keys request within {timeout_s} s"
-                    )
-                control.probe()
+                control.check(f"keys request to {peer.name}")
         except BaseException:
             # Frees the receives still posted for an answer that may never come.
             self._reset_peer(peer)

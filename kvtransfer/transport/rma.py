@@ -295,6 +295,14 @@ class ReadControl:
     grant_wait_s: float = 5.0
     _probe_at: float = 0.0
 
+    def check(self, what: str) -> None:
+        """Raise if ``what`` was cancelled or ran past its deadline; else run the probe."""
+        if self.cancelled():
+            raise TransferCancelled(f"{what} was cancelled")
+        if time.monotonic() >= self.deadline:
+            raise TransferTimeoutError(f"{what} timed out after {self.timeout_s} s")
+        self.probe()
+
     def probe(self) -> None:
         """Run ``on_wait`` if it has not run for `_WAIT_HOOK_S` (it may raise)."""
         now = time.monotonic()
@@ -435,13 +443,7 @@ def _wait(gets: Gets, control: ReadControl, what: str) -> None:
         spins += 1
         if spins < _SPINS:
             continue
-        if control.cancelled():
-            raise TransferCancelled(f"{what} was cancelled")
-        if time.monotonic() >= control.deadline:
-            raise TransferTimeoutError(
-                f"{what} timed out after {control.timeout_s} s (one-sided read not completed)"
-            )
-        control.probe()
+        control.check(f"{what} (one-sided read)")
         time.sleep(_NAP_S)
 
 

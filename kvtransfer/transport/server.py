@@ -73,6 +73,14 @@ class _Rejected(Exception):
         self.code = code
 
 
+def _refusal(error: Exception, what: str) -> PullResponseHeader:
+    """The answer to a request that failed: its typed code, or INTERNAL (logged) for a bug."""
+    if isinstance(error, AccessDenied | WireFormatError | _Rejected):
+        return PullResponseHeader(error.code, 0, str(error))
+    logger.exception("%s request failed on the server", what)
+    return PullResponseHeader(ErrorCode.INTERNAL, 0, f"{type(error).__name__}: {error}")
+
+
 def _names(names: list[str]) -> str:
     shown = ", ".join(repr(n) for n in names[:_NAMES_IN_ERRORS])
     more = len(names) - _NAMES_IN_ERRORS
@@ -246,11 +254,8 @@ class KVServer:
             buffer, payload = self._gather_leased(request, access)
             checksum = payload_checksum(payload) if self._checksum else None
             header = PullResponseHeader(ErrorCode.OK, payload.numel(), checksum=checksum)
-        except (AccessDenied, WireFormatError, _Rejected) as exc:
-            header = PullResponseHeader(exc.code, 0, str(exc))
         except Exception as exc:
-            logger.exception("pull request failed on the server")
-            header = PullResponseHeader(ErrorCode.INTERNAL, 0, f"{type(exc).__name__}: {exc}")
+            header = _refusal(exc, "pull")
         self._count(header, keys=False)
         self._reply(envelope.reply_address, envelope.reply_tag, header, buffer, payload)
 
@@ -276,11 +281,8 @@ class KVServer:
                 self._grants.authenticate(access)
             payload = torch.frombuffer(bytearray(self._rma_keys), dtype=torch.uint8)
             header = PullResponseHeader(ErrorCode.OK, payload.numel())
-        except (AccessDenied, WireFormatError, _Rejected) as exc:
-            header = PullResponseHeader(exc.code, 0, str(exc))
         except Exception as exc:
-            logger.exception("keys request failed on the server")
-            header = PullResponseHeader(ErrorCode.INTERNAL, 0, f"{type(exc).__name__}: {exc}")
+            header = _refusal(exc, "keys")
         self._count(header, keys=True)
         self._reply(envelope.reply_address, envelope.reply_tag, header, None, payload)
 
