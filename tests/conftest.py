@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from kvtransfer.connector.factory import KVConnectorFactory
+from kvtransfer.serve.launcher import log_tail
 
 
 @pytest.fixture(autouse=True)
@@ -57,3 +58,16 @@ def _unit_tests_stay_in_process(request, monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a child process"))
     monkeypatch.setattr(grpc, "server", _refuse("a gRPC server"))
     monkeypatch.setattr(grpc.aio, "server", _refuse("a gRPC server"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the last lines of every daemon log it left in its ``tmp_path``: a
+    child that died (CI gives no other view of it) explains the failure there."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if not report.failed or tmp_path is None:
+        return
+    for log in sorted(tmp_path.rglob("*.log")):
+        report.sections.append((f"log {log.relative_to(tmp_path)}", log_tail(log, 40)))
