@@ -670,7 +670,7 @@ def test_forged_keep_alives_cannot_hold_blocks_beyond_the_lease(pair, plane, exp
         # the decode has no keys of this producer yet, so it asks for them with that lease,
         # and the producer refuses as it refuses a tagged pull.
         result = run_decode(decode, "victim-short", "short-victim", victim)
-        ended = "lease 'victim-short' has ended"
+        ended = "lease 'victim-short' expired: no keep-alive from its consumer within"
         assert_load_refused(
             decode,
             result,

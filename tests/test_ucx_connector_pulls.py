@@ -322,7 +322,10 @@ def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
         assert run_load(c, spec) == {(0, 0): ({"late"}, {"late"}, set(LOCAL_IDS))}
     if pool.data_plane == "tagged":
         # The producer refuses the read itself.
-        assert "(ACCESS_DENIED): lease 'expired' has ended: its KV cannot be read" in caplog.text
+        assert (
+            "(ACCESS_DENIED): lease 'expired' has ended (its consumer released it): its KV "
+            "cannot be read" in caplog.text
+        )
     else:
         # No row for the lease in the producer's table, and the liveness probe's "still
         # held?" says no: the read never starts.

@@ -121,7 +121,8 @@ class LeaseGrants:
         self.grant_wait_s = grant_wait_s
         self._cond = threading.Condition()
         self._grants: dict[str, _Grant] = {}
-        self._revoked: OrderedDict[str, None] = OrderedDict()
+        # Ended leases and why they ended, for the refusal of a late pull.
+        self._revoked: OrderedDict[str, str] = OrderedDict()
         self._table: LeaseTable | None = None
 
     def publish_to(self, table: LeaseTable) -> None:
@@ -181,13 +182,14 @@ class LeaseGrants:
             grant = self._grants.get(lease_id)
             return grant is not None and grant.pending.isdisjoint(layer_names)
 
-    def revoke(self, lease_ids: Iterable[str]) -> None:
-        """End these leases; returns once no gather of them is running."""
+    def revoke(self, lease_ids: Iterable[str], why: str = "has ended") -> None:
+        """End these leases (``why`` completes "lease X ..." in a late pull's refusal); returns
+        once no gather of them is running."""
         deadline = time.monotonic() + _REVOKE_WAIT_S
         with self._cond:
             ended = []
             for lease_id in lease_ids:
-                self._revoked[lease_id] = None
+                self._revoked[lease_id] = why
                 self._revoked.move_to_end(lease_id)
                 grant = self._grants.pop(lease_id, None)
                 if grant is not None:
@@ -224,7 +226,7 @@ class LeaseGrants:
         with self._cond:
             grant = self._grants.get(access.lease_id)
             if grant is None:
-                state = "has ended" if access.lease_id in self._revoked else "is unknown"
+                state = self._revoked.get(access.lease_id, "is unknown")
                 raise AccessDenied(f"lease {access.lease_id!r} {state}: its KV cannot be read")
             if not hmac.compare_digest(grant.digest, secret_digest(access.secret)):
                 raise AccessDenied(f"wrong secret for lease {access.lease_id!r}")

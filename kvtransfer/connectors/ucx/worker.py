@@ -156,9 +156,17 @@ class UcxWorker:
                 grant.prompt_digest,
                 pending_layers=layers if grant.streaming else (),
             )
-        if metadata.releases:
-            # Returns once no pull reads these blocks: they are freed after this step.
-            self._grants.revoke(release.req_id for release in metadata.releases)
+        # Each returns once no pull reads these blocks: they are freed after this step.
+        ended = [r.req_id for r in metadata.releases if not r.expired]
+        if ended:
+            self._grants.revoke(ended, "has ended (its consumer released it)")
+        expired = [r.req_id for r in metadata.releases if r.expired]
+        if expired:
+            self._grants.revoke(
+                expired,
+                f"expired: no keep-alive from its consumer within the {self._ucx.lease_s:g} s "
+                "lease",
+            )
         for release in metadata.releases:
             self._released.append(release.req_id)
             self._add("num_leases_expired" if release.expired else "num_sends", 1)
