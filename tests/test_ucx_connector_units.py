@@ -21,7 +21,7 @@ from kvtransfer.connector.metadata import (
 )
 from kvtransfer.connectors.ucx import RemotePrefill, UcxConfig, UcxConnector, UcxHandshakeMetadata
 from kvtransfer.connectors.ucx.identity import WorkerIdentity, parse_layer_name
-from kvtransfer.connectors.ucx.leases import LeaseBook, LeaseSecretMismatch
+from kvtransfer.connectors.ucx.leases import STALL_S, LeaseBook, LeaseSecretMismatch
 from kvtransfer.connectors.ucx.metadata import Release, UcxLayer
 from kvtransfer.connectors.ucx.notify import (
     KEEP_ALIVE,
@@ -197,6 +197,62 @@ def test_lease_book_releases_finished_then_expired_requests():
     assert len(book) == 0
     with pytest.raises(ValueError, match="lease_s must be > 0, got 0"):
         LeaseBook(0)
+
+
+def _tick_until(book: LeaseBook, clock: Clock, end: float, every: float = 0.25) -> None:
+    """The keep-alive server runs on time until ``end``."""
+    while clock.now + every <= end:
+        clock.now += every
+        book.heard()
+    clock.now = end
+
+
+def test_a_lease_counts_only_the_time_its_server_could_hear_keep_alives():
+    """The server is starved from 101 to 140 (no tick): those 39 s do not count, except the
+    first STALL_S; the lease expires once 10 s of serving time passed."""
+    clock = Clock()
+    book = LeaseBook(10.0, clock, max_stall_s=100.0)
+    book.heard()
+    book.hold("starved", "s")
+    _tick_until(book, clock, 101.0)
+    clock.now = 140.0  # 39 s without a tick: nobody could have delivered a keep-alive
+    assert book.take() == []
+    book.heard()  # it runs again: 1 s before the stall + STALL_S of it have counted
+    _tick_until(book, clock, 140.0 + 10.0 - 1.0 - STALL_S - 0.25)
+    assert book.take() == []
+    _tick_until(book, clock, 140.0 + 10.0 - 1.0 - STALL_S)
+    assert book.take() == [Release("starved", expired=True)]
+
+
+def test_a_lease_of_a_starved_server_still_ends_at_its_hard_limit():
+    """A consumer that went away while the server was starved does not pin the blocks past
+    lease_s + max_stall_s of wall time; a keep-alive heard moves both limits."""
+    clock = Clock()
+    book = LeaseBook(10.0, clock, max_stall_s=20.0)
+    book.heard()
+    book.hold("gone", "g")
+    book.hold("kept", "k")
+    clock.now = 115.0
+    book.heard()
+    assert book.extend([("kept", "k")]) == ["kept"]  # hard limit of "kept" now 145
+    clock.now = 129.99  # no tick since 115: the heard clock stands at 102
+    assert book.take() == []
+    clock.now = 130.0
+    assert book.take() == [Release("gone", expired=True)]
+    clock.now = 145.0
+    assert book.take() == [Release("kept", expired=True)]
+    with pytest.raises(ValueError, match="max_stall_s must be >= 0, got -1"):
+        LeaseBook(1.0, max_stall_s=-1)
+
+
+def test_a_lease_book_without_a_ticking_server_keeps_wall_clock_time():
+    clock = Clock()
+    book = LeaseBook(10.0, clock, max_stall_s=0.0)
+    book.hold("a", "a")
+    clock.now = 109.99
+    assert book.take() == []
+    clock.now = 110.0
+    assert book.take() == [Release("a", expired=True)]
 
 
 def test_lease_book_refuses_reports_with_another_secret():

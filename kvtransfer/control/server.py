@@ -268,7 +268,9 @@ class ControlServerThread:
     """`start_control_server` for synchronous code: a private event loop in a daemon thread.
 
     ``start()`` blocks until the server is bound and returns its address; ``stop()`` shuts it
-    down and joins the thread. Also a context manager.
+    down and joins the thread. Also a context manager. ``on_tick`` is called from the server's
+    loop every ``tick_s`` while it serves: a caller learns when the loop could not run (see
+    `kvtransfer.connectors.ucx.leases`).
     """
 
     def __init__(
@@ -284,7 +286,10 @@ class ControlServerThread:
         services: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
         tls: TLSFiles | None = None,
         admin_token: str | None = None,
+        on_tick: Callable[[], None] | None = None,
+        tick_s: float = 0.25,
     ) -> None:
+        self._on_tick, self._tick_s = on_tick, tick_s
         self._kwargs: dict[str, Any] = dict(
             services=services,
             tls=tls,
@@ -338,6 +343,11 @@ class ControlServerThread:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    async def _tick_forever(self, on_tick: Callable[[], None]) -> None:
+        while True:
+            on_tick()
+            await asyncio.sleep(self._tick_s)
+
     def _run(self, ready: concurrent.futures.Future[ControlServer]) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
@@ -349,7 +359,11 @@ class ControlServerThread:
                 ready.set_exception(exc)
                 return
             ready.set_result(server)
+            if self._on_tick is not None:
+                ticking = loop.create_task(self._tick_forever(self._on_tick))
             loop.run_forever()
+            if self._on_tick is not None:
+                ticking.cancel()
         finally:
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()

@@ -28,7 +28,10 @@ from kvtransfer.transport.netdev import kv_net_devices
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_LEASE_S = 30.0
+# Long enough to ride out a consumer whose keep-alives stall: on an oversubscribed 2-core host a
+# TP 2 vLLM decode's first gRPC connection to its producer took 20-30 s (gRPC's 20 s connect
+# timeout, then a retry), and a 30 s lease expired under a live consumer. vLLM's NIXL waits 480 s.
+DEFAULT_LEASE_S = 120.0
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 DEFAULT_MAX_CONCURRENT_LOADS = 4

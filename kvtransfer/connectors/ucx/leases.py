@@ -7,6 +7,13 @@ hold blocks forever. Consumers extend the lease while they wait for a handshake 
 Every report names the request and presents its secret: a report with another secret is refused
 and changes nothing, so nobody can free or pin another request's KV. The control-plane thread
 records reports; the step thread takes what may be freed.
+
+Lease time is the time the producer could hear keep-alives. The server that hears them ticks
+(`heard`); while its ticks stall (its process starved of CPU or of the GIL: a TP 2 vLLM engine
+steps continuously while it holds KV for a consumer, on the same cores as everything else) the
+lease clock stops, so a consumer that kept sending keep-alives nobody could receive never sees
+its lease expire. A hard limit (``lease_s + max_stall_s`` without a keep-alive, wall clock) still
+frees the blocks of a consumer that really went away while the server was starved.
 """
 
 from __future__ import annotations
@@ -29,21 +36,39 @@ class LeaseSecretMismatch(PermissionError):
         self.req_ids = req_ids
 
 
+# Ticks further apart than this mean the server could not run: the lease clock stops.
+STALL_S = 1.0
+
+
 @dataclass
 class _Lease:
-    deadline: float
+    deadline: float  # on the heard clock
+    hard_deadline: float  # on the wall clock
     digest: bytes = field(repr=False)
     done: int | None = None  # blocks the consumer read, once it reported done
 
 
 class LeaseBook:
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_stall_s: float | None = None,
+    ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.lease_s = lease_s
+        self.max_stall_s = 3 * lease_s if max_stall_s is None else max_stall_s
+        if self.max_stall_s < 0:
+            raise ValueError(f"max_stall_s must be >= 0, got {self.max_stall_s}")
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
+        # The heard clock: its value and the wall time at the server's last tick (None: no
+        # server ticks, the heard clock is the wall clock).
+        self._heard = 0.0
+        self._heard_at: float | None = None
         # Called after a consumer reported done, so the engine frees the blocks without a poll.
         self.on_finish: Callable[[], None] | None = None
 
@@ -51,9 +76,28 @@ class LeaseBook:
         with self._lock:
             return len(self._leases)
 
-    def hold(self, req_id: str, secret: str) -> None:
+    def heard(self) -> None:
+        """The server that hears keep-alives ran just now (called from its loop, often)."""
+        now = self._clock()
         with self._lock:
-            self._leases[req_id] = _Lease(self._clock() + self.lease_s, secret_digest(secret))
+            self._heard = self._heard_now(now)
+            self._heard_at = now
+
+    def _heard_now(self, now: float) -> float:
+        if self._heard_at is None:
+            return now
+        # Between timely ticks the heard clock keeps pace with the wall clock; past STALL_S
+        # without a tick it stops until the server runs again.
+        return self._heard + min(now - self._heard_at, STALL_S)
+
+    def hold(self, req_id: str, secret: str) -> None:
+        now = self._clock()
+        with self._lock:
+            self._leases[req_id] = _Lease(
+                self._heard_now(now) + self.lease_s,
+                now + self.lease_s + self.max_stall_s,
+                secret_digest(secret),
+            )
 
     def _check(self, claims: Iterable[tuple[str, str]]) -> list[tuple[str, _Lease]]:
         """The held leases among ``claims`` (id, secret); raises if any secret is wrong."""
@@ -75,9 +119,13 @@ class LeaseBook:
         now = self._clock()
         known = []
         with self._lock:
+            heard = self._heard_now(now)
             for req_id, lease in self._check(claims):
                 if lease.done is None:
-                    lease.deadline = max(lease.deadline, now + self.lease_s)
+                    lease.deadline = max(lease.deadline, heard + self.lease_s)
+                    lease.hard_deadline = max(
+                        lease.hard_deadline, now + self.lease_s + self.max_stall_s
+                    )
                     known.append(req_id)
         return known
 
@@ -99,6 +147,7 @@ class LeaseBook:
         """Requests whose blocks may be freed now: finished ones, then expired ones."""
         now = self._clock()
         with self._lock:
+            heard = self._heard_now(now)
             released = [
                 Release(req_id, lease.done)
                 for req_id, lease in self._leases.items()
@@ -107,7 +156,7 @@ class LeaseBook:
             expired = [
                 Release(req_id, expired=True)
                 for req_id, lease in self._leases.items()
-                if lease.done is None and lease.deadline <= now
+                if lease.done is None and (lease.deadline <= heard or lease.hard_deadline <= now)
             ]
             for release in (*released, *expired):
                 del self._leases[release.req_id]

@@ -205,6 +205,7 @@ class UcxScheduler:
             book=book,
             handlers=[notify_handler(self._config.engine_id, book.generation, self._leases)],
             tls=self._ucx.server_tls,
+            on_tick=self._leases.heard,
         )
         server.start()
         self._book, self._server = book, server
