@@ -58,7 +58,7 @@ def test_config_defaults_and_overrides():
     assert UcxConfig.from_transfer_config(_config()) == UcxConfig(
         host="127.0.0.1",
         port=0,
-        lease_s=30.0,
+        lease_s=120.0,
         transfer_timeout_s=30.0,
         handshake_timeout_s=5.0,
         max_concurrent_loads=4,
