@@ -199,7 +199,7 @@ class Server:
 DATA_PLANE = {"value": "rma"}
 
 
-def kv_config(role: str, policy: str = "fail") -> dict:
+def kv_config(role: str, policy: str = "fail", transfer_timeout_s: float = 10) -> dict:
     return {
         "kv_connector": "UcxConnector",
         "kv_connector_module_path": "kvtransfer.integrations.vllm",
@@ -208,7 +208,7 @@ def kv_config(role: str, policy: str = "fail") -> dict:
         "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {
             "kv_ip": "127.0.0.1",
-            "transfer_timeout_s": 10,
+            "transfer_timeout_s": transfer_timeout_s,
             "data_plane": DATA_PLANE["value"],
         },
     }
@@ -342,26 +342,30 @@ def run_tp(model: str, logs: Path) -> None:
     engine sums in another order than a TP 1 engine (fp32), so each P/D run is compared with
     both single-instance references and says which it matches; it must match one.
 
-    Not run by default: on this 2-core VM, with other heavy work running, the TP 2 -> TP 1
-    decode's load was refused on both data planes with "lease ... has ended" (the failure issue
-    22 describes: reproduced twice, not yet explained); on an otherwise idle machine both
-    pairings passed (grants reached both producer workers at once, the decode's release came
-    5-16 s later)."""
+    Under heavy CPU load (load average 9 on 2 cores) the TP 2 -> TP 1 decode's load was once
+    refused because its lease expired: the decode's keep-alives reached the producer 25-30 s
+    late (a stalled first gRPC connection), past the former 30 s default lease. The lease is
+    120 s now and the producer's lease clock stops while its keep-alive server cannot run
+    (docs/operations.md, "Leases under CPU starvation")."""
     # OpenMP teams busy-wait after each step by default: a TP 2 engine's two teams on both
     # cores starved the other server's UCX and loader threads (a UCX endpoint took over 5 s to
     # be created). Waiting passively costs a few microseconds per parallel region.
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}
     both = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **passive}
     tp2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+    # The default transfer timeout: these runs check TP, not how fast a dead peer is noticed
+    # (the 10 s of the TP 1 checks was once too short for a TP 2 engine's first UCX endpoint on
+    # an oversubscribed host: a typed TransferTimeoutError, but not what this run checks).
+    timeout = {"transfer_timeout_s": 30}
     for producer_tp, consumer_tp in ((2, 1), (1, 2)):
         label = f"TP {producer_tp} -> TP {consumer_tp}"
         p = Server(
-            f"tp{producer_tp}-prefill", model, logs, kv_config("kv_producer"),
+            f"tp{producer_tp}-prefill", model, logs, kv_config("kv_producer", **timeout),
             *(tp2 if producer_tp == 2 else ()), core=None if producer_tp == 2 else 0,
             env=both if producer_tp == 2 else passive,
         )  # fmt: skip
         d = Server(
-            f"tp{consumer_tp}-decode", model, logs, kv_config("kv_consumer"),
+            f"tp{consumer_tp}-decode", model, logs, kv_config("kv_consumer", **timeout),
             *(tp2 if consumer_tp == 2 else ()), core=None if consumer_tp == 2 else 1,
             env=both if consumer_tp == 2 else passive,
         )  # fmt: skip
@@ -397,7 +401,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--logs", type=Path, default=Path("vllm-stage-logs"))
-    # Not in CI yet: they fail under CPU load here (see run_tp's docstring).
     parser.add_argument("--tp", action="store_true", help="also run the TP 2 pairings")
     parser.add_argument("--tp-only", action="store_true", help="only the TP 2 pairings")
     parser.add_argument("--data-plane", choices=("rma", "tagged"), default="rma")

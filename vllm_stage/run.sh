@@ -42,4 +42,5 @@ fi
 mkdir -p "$work"
 HF_HUB_OFFLINE=1 "$venv/bin/python" vllm_stage/make_tiny_llama.py "$work/tiny-llama" >/dev/null 2>&1 \
   || fail "cannot build the tiny Llama checkpoint"
-exec "$venv/bin/python" vllm_stage/check_pd.py --model "$work/tiny-llama" --logs "$work/logs"
+# TP 1 servers, then the TP 2 -> TP 1 and TP 1 -> TP 2 pairings (about 3.5 minutes more).
+exec "$venv/bin/python" vllm_stage/check_pd.py --model "$work/tiny-llama" --logs "$work/logs" --tp
