@@ -29,6 +29,7 @@ from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorStats, canonical_kv_caches
 from kvtransfer.connectors.ucx.config import UcxConfig
 from kvtransfer.connectors.ucx.identity import WorkerIdentity
+from kvtransfer.connectors.ucx.layer_ready import LayerReadiness, cuda_event
 from kvtransfer.connectors.ucx.loads import LoadCancelled, LoadJob, LoadOutcome
 from kvtransfer.connectors.ucx.metadata import (
     LoadSpec,
@@ -70,9 +71,8 @@ class UcxWorker:
         self._grants = LeaseGrants()
         # Leases granted this step while their KV is computed: served layer by layer.
         self._streaming: list[str] = []
-        # On a GPU a layer's kernels may still run when save_kv_layer is called: its KV is
-        # served once the step ended (the runner synchronized to sample) instead.
-        self._per_layer_ready = True
+        # Host caches until registered (a GPU's layers wait for their CUDA event).
+        self._readiness = LayerReadiness(self._grants)
         self._load_errors: set[int] = set()
         self._failure_reasons: dict[str, str] = {}
         self._stats_lock = threading.Lock()
@@ -125,7 +125,8 @@ class UcxWorker:
             raise
         self._identity, self._agent = identity, agent
         self._bytes_per_block = sum(t[0].numel() * t.element_size() for t in kv_caches.values())
-        self._per_layer_ready = all(t.device.type == "cpu" for t in kv_caches.values())
+        if any(t.device.type == "cuda" for t in kv_caches.values()):
+            self._readiness = LayerReadiness(self._grants, cuda_event)
         self._engines = RemoteEngines(
             identity,
             agent,
@@ -145,7 +146,7 @@ class UcxWorker:
 
     def start_load_kv(self, metadata: UcxConnectorMetadata) -> None:
         # The previous step ran every layer: whatever it did not report saved is complete.
-        self._grants.layer_ready(self._streaming)
+        self._readiness.step_done(self._streaming)
         self._streaming = [g.req_id for g in metadata.grants if g.streaming]
         layers = tuple(self._agent.kv_caches) if self._agent is not None else ()
         for grant in metadata.grants:
@@ -260,8 +261,7 @@ class UcxWorker:
 
     def save_kv_layer(self, layer_name: str) -> None:
         """This step's KV of ``layer_name`` is written: streaming leases serve it from now."""
-        if self._streaming and self._per_layer_ready:
-            self._grants.layer_ready(self._streaming, layer_name)
+        self._readiness.saved(self._streaming, layer_name)
 
     def set_completion_callback(self, callback: Callable[[], None]) -> bool:
         return self._results.set_callback(callback)
@@ -317,6 +317,7 @@ class UcxWorker:
             self._agent.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        self._readiness.close()
         self._notifier.close()
 
 
