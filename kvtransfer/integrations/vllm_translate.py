@@ -26,6 +26,63 @@ from kvtransfer.transport.spec import dtype_name
 KV_SPLITS = ("rows", "last_axis", "heads")
 # The views handed to our connectors are B2HND-indexed whatever vLLM's physical layout.
 VLLM_KV_ORDER = "B2HND"
+# kvtransfer connectors whose transfers never depend on vLLM's per-layer hooks (which a full
+# CUDA graph does not replay): they load in start_load_kv and save in wait_for_save or on
+# background threads. UcxConnector's save_kv_layer only makes a streaming lease's layer
+# servable early on CPU caches; on a GPU the layer is served from the next start_load_kv.
+# SharedStorageConnector has no layer hooks.
+LAYER_HOOK_FREE = frozenset({"UcxConnector", "SharedStorageConnector"})
+
+
+def check_deployment(vllm_config: Any) -> None:
+    """`ValueError` at start-up, naming the limit, for what the adapter cannot serve right:
+
+    * ``kv_buffer_device`` "cpu" with caches on an accelerator: vLLM then expects the connector
+      to stage KV through host buffers with the copy op of ``set_host_xfer_buffer_ops``; ours
+      register the device caches themselves and keep no host mirror, so a pull would read (and
+      a load write) memory vLLM never copies back;
+    * context parallelism (prefill or decode): each rank then holds a slice of the tokens (and
+      vLLM files a rank's handshake under ``tp_rank + pcp_rank * tp_size``), which kvtransfer's
+      head-sliced transfers do not describe."""
+    kv_buffer_device = vllm_config.kv_transfer_config.kv_buffer_device
+    device = str(vllm_config.device_config.device_type)
+    if kv_buffer_device == "cpu" and device != "cpu":
+        raise ValueError(
+            f"kv_buffer_device 'cpu' (KV staged through host buffers) is not supported by "
+            f"kvtransfer connectors in vLLM: the KV caches are on {device} and are registered "
+            f"where they are, with no host copy; set kv_buffer_device to {device!r} (the "
+            "default)"
+        )
+    parallel = vllm_config.parallel_config
+    pcp = int(parallel.prefill_context_parallel_size)
+    dcp = int(parallel.decode_context_parallel_size)
+    if pcp > 1 or dcp > 1:
+        raise ValueError(
+            f"context parallelism (prefill {pcp}, decode {dcp}) is not supported by kvtransfer "
+            "connectors in vLLM: its ranks hold slices of the tokens' KV, which the connectors "
+            "do not transfer; run with prefill and decode context parallel size 1"
+        )
+
+
+def needs_piecewise_cudagraph(name: str | None, extra_config: Mapping[str, Any] | None) -> bool:
+    """Whether vLLM must capture CUDA graphs piecewise for the kvtransfer connector ``name``
+    (configured by ``extra_config``): a full graph skips ``wait_for_layer_load`` and
+    ``save_kv_layer``. False only for connectors known not to need those hooks
+    (`LAYER_HOOK_FREE`), and for a MultiConnector all of whose children are; any other
+    connector (a third party's may stream layer by layer) or a malformed child list: True,
+    which costs speed, never correctness."""
+    if name == "MultiConnector":
+        children = (extra_config or {}).get("connectors")
+        if not isinstance(children, list) or not children:
+            return True
+        return any(
+            not isinstance(child, Mapping)
+            or needs_piecewise_cudagraph(
+                child.get("kv_connector"), child.get("kv_connector_extra_config")
+            )
+            for child in children
+        )
+    return name not in LAYER_HOOK_FREE
 
 
 def vllm_kv_cache_layout(
