@@ -124,6 +124,8 @@ def test_status_table(capsys, target):
         "TP x PP                        2 x 1",
         "blocks free                    59",
         "blocks used                    5",
+        "requests running               0",
+        "requests waiting               0",
         "counters.kv_blocks_received    12",
         "counters.kv_bytes_received     49152",
         "counters.kv_tokens_recomputed  0",
@@ -142,6 +144,8 @@ def test_status_json(capsys, target):
         "pp_size": 1,
         "num_free_blocks": 59,
         "num_used_blocks": 5,
+        "num_running_requests": 0,
+        "num_waiting_requests": 0,
         "counters": {
             "kv_blocks_received": 12,
             "kv_bytes_received": 49152,

@@ -102,13 +102,17 @@ def test_max_num_seqs_limits_the_running_set():
     runner = ScriptedRunner()
     for rid, max_tokens in (("a", 1), ("b", 3), ("c", 1)):
         sched.add_request(make_request(rid, prompt_of(5, ord(rid)), max_tokens=max_tokens))
+    # What KVAdmin reports as load (a router reads it): nothing runs before the first step.
+    assert (sched.num_running_requests, sched.num_waiting_requests) == (0, 3)
     so, outs = step(sched, runner)
     assert dict(so.num_scheduled_tokens) == {"a": 5, "b": 5}
     assert [o.req_id for o in outs if o.finished] == ["a"]
+    assert (sched.num_running_requests, sched.num_waiting_requests) == (1, 1)
     so, _ = step(sched, runner)
     assert dict(so.num_scheduled_tokens) == {"b": 1, "c": 5}
     assert so.finished_req_ids == {"a"}
     run_to_completion(sched, runner)
+    assert (sched.num_running_requests, sched.num_waiting_requests) == (0, 0)
     sched.block_manager.check_no_leaks()
 
 

@@ -264,6 +264,8 @@ def _status_text(args: argparse.Namespace, status: EngineStatus) -> str:
         ("blocks free", str(status.num_free_blocks)),
         ("blocks used", str(status.num_used_blocks)),
         ("uptime", _duration(status.uptime_s)),
+        ("requests running", str(status.num_running_requests)),
+        ("requests waiting", str(status.num_waiting_requests)),
     ]
     rows += [(f"counters.{name}", str(value)) for name, value in sorted(status.counters.items())]
     width = max(len(key) for key, _ in rows)

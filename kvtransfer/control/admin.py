@@ -43,6 +43,8 @@ class EngineStatus:
     num_used_blocks: int
     uptime_s: float
     counters: Mapping[str, int] = field(default_factory=dict)
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,8 @@ def status_to_proto(status: EngineStatus, api_version: int) -> admin_pb2.GetStat
         num_used_blocks=status.num_used_blocks,
         uptime_s=status.uptime_s,
         counters=dict(status.counters),
+        num_running_requests=status.num_running_requests,
+        num_waiting_requests=status.num_waiting_requests,
     )
 
 
@@ -207,6 +211,8 @@ def status_from_proto(message: admin_pb2.GetStatusResponse) -> EngineStatus:
         num_used_blocks=message.num_used_blocks,
         uptime_s=message.uptime_s,
         counters=dict(message.counters),
+        num_running_requests=message.num_running_requests,
+        num_waiting_requests=message.num_waiting_requests,
     )
 
 

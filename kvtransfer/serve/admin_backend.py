@@ -79,12 +79,17 @@ class EngineAdminBackend:
     def status(self) -> EngineStatus:
         role, engine_id, model = self._identity
 
-        def read(core: EngineCore) -> tuple[int, int, KVTransferTotals | None, tuple[int, int]]:
-            blocks = core.scheduler.block_manager
+        def read(
+            core: EngineCore,
+        ) -> tuple[int, int, KVTransferTotals | None, tuple[int, int], tuple[int, int]]:
+            scheduler = core.scheduler
+            blocks = scheduler.block_manager
             split = (core.config.tensor_parallel_size, core.config.pipeline_parallel_size)
-            return blocks.num_free_blocks, blocks.num_used_blocks, connector_totals(core), split
+            requests = (scheduler.num_running_requests, scheduler.num_waiting_requests)
+            totals = connector_totals(core)
+            return blocks.num_free_blocks, blocks.num_used_blocks, totals, split, requests
 
-        free, used, totals, (tp, pp) = self._engine.call(read)
+        free, used, totals, (tp, pp), (running, waiting) = self._engine.call(read)
         counters = self._ledger.counters()
         # The connector's own counts win where it keeps them (bytes that really crossed).
         if totals is not None:
@@ -99,6 +104,8 @@ class EngineAdminBackend:
             num_used_blocks=used,
             uptime_s=time.monotonic() - self._started,
             counters=counters,
+            num_running_requests=running,
+            num_waiting_requests=waiting,
         )
 
     def peers(self) -> list[PeerInfo]:

@@ -131,6 +131,17 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_running_requests(self) -> int:
+        """Requests scheduled in steps now (holding blocks, computing)."""
+        return len(self._running)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Unfinished requests not running: queued, preempted, or parked for remote KV or their
+        first tokens."""
+        return len(self._requests) - len(self._running)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
