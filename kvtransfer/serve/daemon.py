@@ -6,7 +6,8 @@ Life cycle of a daemon:
    one exits 2 naming it.
 2. The engine starts: model, workers (one process per TP x PP rank beyond the first), the KV
    block pool and the connector. A prefill daemon's UcxConnector starts serving its handshake
-   and release notices on ``kv_ip:kv_port``.
+   and release notices on ``kv_ip:kv_port``. With ``--kv-events-endpoint`` the block pool's
+   prefix-cache changes are published from then on (`kvtransfer.serve.kv_events`).
 3. One gRPC server on ``--port`` serves Generation, KVAdmin, grpc.health.v1 and reflection
    (and KVHandshake from the book of the connector's control endpoint, a prefill's UCX book,
    the same as on ``kv_port``); status counters come from its transfer totals. Metrics go to
@@ -45,6 +46,7 @@ from kvtransfer.logs import configure_logging
 from kvtransfer.serve.admin_backend import EngineAdminBackend, connector_totals, held_kv
 from kvtransfer.serve.engine_thread import EngineThread
 from kvtransfer.serve.generation import GenerationService, ServiceContext
+from kvtransfer.serve.kv_events import KVEventPublisher
 from kvtransfer.serve.launcher import EXIT_BLOCKS_MARKER, EXIT_BLOCKS_PREFIX
 from kvtransfer.serve.ledger import ServingLedger
 from kvtransfer.serve.metrics import DaemonMetrics
@@ -70,6 +72,7 @@ class Daemon:
         self._server: ControlServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._totals_seen = KVTransferTotals()
+        self._kv_events: KVEventPublisher | None = None
         self.metrics_port: int | None = None
 
     # ------------------------------------------------------------------ start
@@ -82,6 +85,15 @@ class Daemon:
         # Loading the model and spawning workers blocks for seconds: keep the loop free.
         self._llm = await asyncio.to_thread(LLM, settings.engine_config())
         core = self._llm.engine
+        if settings.kv_events_endpoint is not None:
+            self._kv_events = KVEventPublisher(
+                settings.kv_events_endpoint,
+                replay_endpoint=settings.kv_events_replay_endpoint,
+                topic=settings.kv_events_topic,
+            )
+            self._kv_events.start()
+            # Before the engine thread starts: from then on only that thread calls the sink.
+            core.scheduler.block_manager.event_sink = self._kv_events
         self._engine = EngineThread(core, after_step=self._after_step)
         self._engine.start()
         bytes_per_block = kv_bytes_per_block(
@@ -154,6 +166,8 @@ class Daemon:
             "grpc": self.address,
             "kv_handshake": endpoint.address if endpoint is not None else None,
             "metrics_port": self.metrics_port,
+            "kv_events": self._kv_events.endpoint if self._kv_events else None,
+            "kv_events_replay": self._kv_events.replay_endpoint if self._kv_events else None,
         }
 
     # ------------------------------------------------------------------ drain and stop
@@ -210,6 +224,8 @@ class Daemon:
             self._engine.stop()
         if self._llm is not None:
             await asyncio.to_thread(self._llm.shutdown)
+        if self._kv_events is not None:
+            await asyncio.to_thread(self._kv_events.close)
         self.metrics.close()
 
     # ------------------------------------------------------------------ per step

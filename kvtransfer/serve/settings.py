@@ -17,7 +17,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvtransfer.connector.config import KVTransferConfig
@@ -67,6 +74,23 @@ class DaemonSettings(BaseModel):
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
+    # KV cache events in vLLM's format (`kvtransfer.serve.kv_events`); off when unset.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"{value!r} is not a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
+        return value
+
+    @model_validator(mode="after")
+    def _replay_needs_events(self) -> DaemonSettings:
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return self
 
     @field_validator("kv_transfer_config", mode="before")
     @classmethod
@@ -190,6 +214,16 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
         help=f"largest request, as the router's flag (default {DEFAULT_MAX_REQUEST_BYTES}); "
         "the gRPC server accepts it plus 1 MiB of headroom",
     )
+    add(
+        "--kv-events-endpoint",
+        help="publish KV cache events (vLLM's format) on this ZeroMQ PUB address, bound: "
+        "tcp://*:5557, tcp://127.0.0.1:0 (any free port); unset: off",
+    )
+    add(
+        "--kv-events-replay-endpoint",
+        help="ZeroMQ ROUTER address answering replay requests for missed events (bound)",
+    )
+    add("--kv-events-topic", help="topic of the KV event messages (default empty, as vLLM's)")
     add("--log-level", help="DEBUG | INFO | WARNING | ERROR")
     add("--log-format", help="text | json")
     return parser

@@ -7,6 +7,12 @@ drops their hash (LRU eviction).
 
 A block's hash covers its parent's hash and its own token ids (SHA-256, chained), so two
 blocks with equal hashes hold the KV of equal prefixes, never merely equal block contents.
+
+What enters and leaves the prefix cache is told to ``event_sink`` (a `KVCacheEventSink`; none
+by default), on the thread that calls the block manager: a block is *stored* when it gets its
+hash, *removed* when the hash is dropped (eviction, a corrupt block), and every hash goes at once
+with `reset_prefix_cache`. The daemons publish these as KV cache events
+(`kvtransfer.serve.kv_events`).
 """
 
 from __future__ import annotations
@@ -15,12 +21,45 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvtransfer.engine.scheduler.request import Request
 
 BlockHash = bytes
 
 _ROOT_HASH: BlockHash = b""
+
+
+class KVCacheEventSink(Protocol):
+    """Told what enters and leaves the prefix cache; must return at once (the engine waits)."""
+
+    def blocks_stored(
+        self,
+        block_hashes: Sequence[BlockHash],
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        """Consecutive full blocks of one request became cacheable; ``parent_hash`` is the
+        hash of the block before the first (``None``: the first is a prompt's first block),
+        ``token_ids`` their tokens, ``block_size`` per block."""
+
+    def blocks_removed(self, block_hashes: Sequence[BlockHash]) -> None:
+        """These hashes left the cache (the blocks may be reused for other content)."""
+
+    def all_blocks_cleared(self) -> None:
+        """Every hash left the cache."""
+
+
+class _NoEvents:
+    def blocks_stored(self, block_hashes, parent_hash, token_ids, block_size) -> None:
+        pass
+
+    def blocks_removed(self, block_hashes) -> None:
+        pass
+
+    def all_blocks_cleared(self) -> None:
+        pass
 
 
 class BlockLeakError(RuntimeError):
@@ -56,6 +95,7 @@ class BlockManager:
         # Leading blocks of each table already published (or taken from) the prefix cache.
         self._num_published: dict[str, int] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
+        self.event_sink: KVCacheEventSink = _NoEvents()
 
     # ------------------------------------------------------------------ queries
 
@@ -133,6 +173,7 @@ class BlockManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
+        run_start = start  # the run of blocks newly cached that ends at i
         for i in range(start, num_full):
             block_id = table[i]
             block_hash = hashes[i]
@@ -141,7 +182,21 @@ class BlockManager:
             if self._block_hash[block_id] is None and block_hash not in self._cached:
                 self._block_hash[block_id] = block_hash
                 self._cached[block_hash] = block_id
+            else:
+                self._tell_stored(request, hashes, run_start, i)
+                run_start = i + 1
+        self._tell_stored(request, hashes, run_start, num_full)
         self._num_published[request.request_id] = num_full
+
+    def _tell_stored(self, request: Request, hashes: list[BlockHash], start: int, end: int) -> None:
+        if start < end:
+            bs = self.block_size
+            self.event_sink.blocks_stored(
+                hashes[start:end],
+                hashes[start - 1] if start else None,
+                request.all_token_ids[start * bs : end * bs],
+                bs,
+            )
 
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop these blocks from the prefix cache (their content is not trustworthy)."""
@@ -152,6 +207,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every hash; tables keep their blocks and may republish them later."""
         self._cached.clear()
+        self.event_sink.all_blocks_cleared()
         self._block_hash = [None] * self.num_blocks
         self._num_published = dict.fromkeys(self._num_published, 0)
 
@@ -162,6 +218,7 @@ class BlockManager:
         self._block_hash[block_id] = None
         if self._cached.get(block_hash) == block_id:
             del self._cached[block_hash]
+            self.event_sink.blocks_removed((block_hash,))
 
     def _check_block_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
