@@ -655,7 +655,7 @@ def test_config_is_checked_up_front(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "the following arguments are required: --prefill, --decode"),
+        ([], "at least one prefill daemon is required (HOST:PORT or dns:NAME:PORT), unless"),
         (["--prefill", "x", "--decode", "h:1"], "argument --prefill: 'x' is not HOST:PORT"),
         (["--prefill", "h:1", "--decode", "h:1", "--port", "70000"], "port must be in"),
         (["--prefill", "h:1", "--decode", "h:1", "--request-timeout-s", "0"], "must be > 0"),

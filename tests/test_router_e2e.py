@@ -1,14 +1,16 @@
 """End to end through the router, with real daemons as separate processes: completions equal the
 colocated `kvtransfer generate` output (JSON and SSE, 1P1D, 2P1D, TP/PP differing across the
-sides); bad requests get 400 naming the field, bodies over the shared limit 413; a dead decode
-daemon is ejected, nothing is prefilled for it, and KV prefilled for a decode that failed is
-released at once (not after its lease); a restarted daemon is re-admitted."""
+sides, the decode loading every prompt's KV); a short token prompt decoded alone; bad requests
+get 400 naming the field, bodies over the shared limit 413; a dead decode daemon is ejected,
+nothing is prefilled for it, and KV prefilled for a decode that failed is released at once (not
+after its lease); a restarted daemon is re-admitted."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 from serve_helpers.daemons import (
@@ -246,15 +248,69 @@ def test_parallelism_differs_across_the_sides(tmp_path, expected, prefill_flags,
     decode = start_daemon("decode", tmp_path, *decode_flags)
     router = start_router(tmp_path, [prefill], [decode])
     with running(router, decode, prefill):
+        received = []
         for index, prompt in enumerate(PROMPTS):
-            assert complete(router.address, prompt)["kvtransfer"]["token_ids"] == expected[index]
+            info = complete(router.address, prompt)["kvtransfer"]
+            assert info["token_ids"] == expected[index]
+            received.append(info["kv_blocks_received"])
         status = admin(decode.address, "status")
         assert (status.tp_size, status.pp_size) == (
             int(decode_flags[1]) if decode_flags[0] == "--tp" else 1,
             int(decode_flags[1]) if decode_flags[0] == "--pp" else 1,
         )
+        # The KV came over from the other layout (every request loaded blocks, the decode's
+        # counter adds them up), and nothing was computed again in its place.
+        assert all(blocks > 0 for blocks in received), received
+        assert status.counters["kv_blocks_received"] == sum(received)
+        assert status.counters["kv_tokens_received"] > 0
         assert status.counters["kv_tokens_recomputed"] == 0
     assert exit_used_blocks(prefill) == exit_used_blocks(decode) == 0
+
+
+def test_a_short_token_prompt_runs_on_the_decode_daemon_alone(one_to_one, expected, tmp_path):
+    """--disagg-min-prompt-tokens: a prompt given as token ids and shorter than the threshold
+    skips the prefill; the decode daemon computes it as a colocated engine would. The router's
+    /workers shows each daemon's own report of its load."""
+    _, prefill, decode = one_to_one
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("adm1n\n")
+    router = start_router(
+        tmp_path,
+        [prefill],
+        [decode],
+        "--disagg-min-prompt-tokens",
+        "1000",
+        "--admin-token-file",
+        str(token_file),
+        name="router-decode-alone",
+    )
+    with running(router):
+        before = {d: admin(d.address, "status").counters for d in (prefill, decode)}
+        body = complete(router.address, list(PROMPTS[1].encode()))
+        info = body["kvtransfer"]
+        assert info["token_ids"] == expected[1]
+        assert info["decode"] == decode.address and "prefill" not in info
+        assert (info["kv_blocks_received"], info["num_recomputed_tokens"]) == (0, 0)
+        assert body["usage"]["prompt_tokens"] == len(PROMPTS[1].encode())
+        after = {d: admin(d.address, "status").counters for d in (prefill, decode)}
+        assert after[prefill]["requests_started"] == before[prefill]["requests_started"]
+        for counter in ("kv_blocks_received", "kv_tokens_recomputed"):
+            assert after[decode][counter] == before[decode][counter], counter
+        # A text prompt's length is unknown here (no tokenizer): prefill then decode.
+        assert complete(router.address, PROMPTS[1])["kvtransfer"]["prefill"] == prefill.address
+
+        request = urllib.request.Request(
+            f"{router.address}/workers", headers={"Authorization": "Bearer adm1n"}
+        )
+
+        def loads() -> dict | None:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                workers = json.loads(response.read())["workers"]
+            found = {w["role"]: w["load"] for w in workers}
+            return found if all(found.values()) else None
+
+        found = wait_until(loads, "both daemons' load read", RELEASED_WITHIN_S)
+        assert found["prefill"]["kv_blocks_total"] == found["decode"]["kv_blocks_total"] == 96
 
 
 def test_tls_and_admin_token_end_to_end(tmp_path, expected, capsys):

@@ -492,7 +492,7 @@ def test_daemons_with_a_smaller_limit_than_the_router_get_one_clear_413():
                 await fake.stop()
                 fake.max_request_bytes = daemon_limit
                 await fake.restart()
-            await c.router.handlers.upstream.prefill.check(1.0)
+            await c.router.handlers.fleet.check()
             status, answer = await c.post(raw=body_of(daemon_limit + GRPC_HEADROOM_BYTES + 1))
             assert status == 413, answer
             message = answer["error"]["message"]

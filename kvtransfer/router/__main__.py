@@ -3,7 +3,10 @@ daemons.
 
 Prints ``router listening on http://HOST:PORT`` once serving (the real port when ``--port 0``).
 SIGTERM or SIGINT: stop accepting, let in-flight requests finish (``--shutdown-timeout-s``),
-exit 0. Bad flags or files: ``error: ...`` on stderr, exit 2.
+exit 0. Bad flags or files: ``error: ...`` on stderr, exit 2. The admin token comes from
+``--admin-token-file`` or ``KVTRANSFER_ROUTER_ADMIN_TOKEN``, the daemons' (to read their load)
+from ``--daemon-admin-token-file`` or ``KVTRANSFER_ADMIN_TOKEN``: never from a flag's value,
+which any local user could read in the process list.
 """
 
 from __future__ import annotations
@@ -11,21 +14,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvtransfer.logs import configure_logging
-from kvtransfer.router.config import RouterConfig, check_address
+from kvtransfer.router.config import RouterConfig, check_target
+from kvtransfer.router.policy import LEAST_LOAD, POLICY_NAMES
 from kvtransfer.router.server import RouterServer
 
 logger = logging.getLogger("kvtransfer.router")
 
+ADMIN_TOKEN_ENV = "KVTRANSFER_ROUTER_ADMIN_TOKEN"
+DAEMON_ADMIN_TOKEN_ENV = "KVTRANSFER_ADMIN_TOKEN"
 
-def _address(value: str) -> str:
+
+def _target(value: str) -> str:
     try:
-        return check_address(value)
+        return check_target(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -33,18 +42,22 @@ def _address(value: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtransfer-router",
-        description="OpenAI-compatible HTTP router over prefill and decode daemons: "
-        "/v1/completions (JSON and SSE), /v1/models, /health, /metrics.",
+        description="OpenAI-compatible HTTP router over a fleet of prefill and decode daemons: "
+        "/v1/completions and /v1/chat/completions (JSON and SSE), /v1/models, /health, "
+        "/metrics, and the admin API /workers.",
     )
-    daemons = "HOST:PORT of a %s daemon's gRPC server; repeat for more (round-robin over the "
-    daemons += "healthy ones)"
+    daemons = (
+        "a %s daemon's gRPC address, HOST:PORT, or dns:NAME:PORT for one per address NAME "
+        "resolves to (re-resolved every --dns-interval-s: a headless Kubernetes Service); "
+        "repeat for more. None: the admin API adds them (POST /workers)"
+    )
     for role in ("prefill", "decode"):
         parser.add_argument(
             f"--{role}",
             action="append",
-            required=True,
-            type=_address,
-            metavar="HOST:PORT",
+            default=[],
+            type=_target,
+            metavar="HOST:PORT|dns:NAME:PORT",
             help=daemons % role,
         )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
@@ -89,6 +102,74 @@ def _parser() -> argparse.ArgumentParser:
         help="call the decode daemon while the prefill computes, its KV streamed layer by "
         "layer (default on; --no-kv-stream: only once the prefill returned)",
     )
+    parser.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        default=LEAST_LOAD,
+        help=f"how an instance of either role is picked (default {LEAST_LOAD})",
+    )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-policy",
+            choices=POLICY_NAMES,
+            help=f"the {role} role's policy, overriding --policy",
+        )
+    parser.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        help="a prefill or decode that failed having sent nothing is retried on up to this "
+        "many other instances (default 2)",
+    )
+    parser.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=5,
+        help="consecutive failed calls that open an instance's circuit breaker (0: never; "
+        "default 5)",
+    )
+    parser.add_argument(
+        "--breaker-cooldown-s",
+        type=float,
+        default=30.0,
+        help="how long an open breaker keeps its instance out before one trial call (default 30)",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=1024,
+        help="requests run at once; more wait for a slot (0: no limit; default 1024)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests waiting for a slot; the next gets 429 (default 1024)",
+    )
+    parser.add_argument(
+        "--dns-interval-s",
+        type=float,
+        default=5.0,
+        help="how often dns:NAME:PORT names are resolved again (default 5)",
+    )
+    parser.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=0,
+        help="a prompt whose token ids are known and with fewer uncached tokens runs on a "
+        "decode daemon alone (0: always prefill then decode; default 0)",
+    )
+    parser.add_argument(
+        "--admin-token-file",
+        metavar="FILE",
+        help=f"turns on the admin API (/workers) with this bearer token (or {ADMIN_TOKEN_ENV})",
+    )
+    parser.add_argument(
+        "--daemon-admin-token-file",
+        metavar="FILE",
+        help="the daemons' admin token, to read their load when they require one (or "
+        f"{DAEMON_ADMIN_TOKEN_ENV})",
+    )
     parser.add_argument("--tls-ca", metavar="FILE", help="CA that verifies the daemons (TLS)")
     parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (mTLS daemons)")
     parser.add_argument("--tls-key", metavar="FILE", help="its private key")
@@ -99,8 +180,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> RouterConfig:
     """Raises ``ValueError`` for values argparse cannot check alone (ranges, files)."""
+    environ = os.environ if environ is None else environ
     return RouterConfig(
         prefill=tuple(args.prefill),
         decode=tuple(args.decode),
@@ -116,7 +200,34 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         kv_stream=args.kv_stream,
+        policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        max_retries=args.max_retries,
+        breaker_failures=args.breaker_failures,
+        breaker_cooldown_s=args.breaker_cooldown_s,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_requests=args.max_queued_requests,
+        dns_interval_s=args.dns_interval_s,
+        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        admin_token=_token(args.admin_token_file, environ.get(ADMIN_TOKEN_ENV)),
+        daemon_admin_token=_token(
+            args.daemon_admin_token_file, environ.get(DAEMON_ADMIN_TOKEN_ENV)
+        ),
     )
+
+
+def _token(path: str | None, from_env: str | None) -> str | None:
+    """The token in the file at ``path`` (trailing newline dropped), else ``from_env``."""
+    if path is None:
+        return from_env or None
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the token file {path}: {exc}") from None
+    if not token:
+        raise ValueError(f"the token file {path} is empty")
+    return token
 
 
 async def serve(config: RouterConfig) -> int:
@@ -130,10 +241,13 @@ async def serve(config: RouterConfig) -> int:
     try:
         print(f"router listening on {server.url}", flush=True)
         logger.info(
-            "routing to prefill %s, decode %s (%s)",
-            ", ".join(config.prefill),
-            ", ".join(config.decode),
+            "routing to prefill %s, decode %s (%s; policies: prefill %s, decode %s; admin API %s)",
+            ", ".join(config.prefill) or "(none yet)",
+            ", ".join(config.decode) or "(none yet)",
             "TLS" if config.uses_tls else "plaintext",
+            config.policy_for("prefill"),
+            config.policy_for("decode"),
+            "on" if config.admin_token is not None else "off",
         )
         await stop.wait()
         logger.info("stopping: no new requests, in-flight ones may finish")

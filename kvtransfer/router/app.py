@@ -1,5 +1,6 @@
 """The router's HTTP app: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` in front of
-prefill and decode daemons.
+a fleet of prefill and decode daemons (`fleet.Fleet`), plus its admin API (``/workers``,
+`admin_api`).
 
 Life cycle of a request:
 
@@ -14,25 +15,32 @@ Life cycle of a request:
    tools, images, penalties) is answered 400 naming the field, an unknown model 404. Nothing
    reaches a daemon. Every error, 404 and 405 for unknown paths included, is OpenAI's error
    shape ``{"error": {"message", "type", "param", "code"}}``.
-3. Choices: the request becomes one `Choice` per prompt and sample (``prompts x n``, index
+3. Admit (`admission.Admission`): at most ``max_concurrent_requests`` run at once; the next
+   ``max_queued_requests`` wait for a slot in arrival order (within the deadline: else 503);
+   beyond them the request is answered 429, both with ``Retry-After``. The slot is held until
+   the answer is complete.
+4. Choices: the request becomes one `Choice` per prompt and sample (``prompts x n``, index
    ``prompt * n + sample``); sample ``j`` of a seeded request is seeded ``seed + j``, an
    unseeded random one gets a drawn seed, shared by its prefill and decode. A single choice is
-   known to the daemons by the request's id, several by ``<id>-<index>``.
-4. Run: each choice is one prefill and one decode (`choice.ChoiceRunner`: picking daemons,
-   the KV handover, releasing KV nobody decoded); several run concurrently. The first choice
-   that fails fails the request; the others are cancelled and their KV released.
-5. Answer: one JSON body (choices in index order, ``usage``, and a ``kvtransfer`` object: route,
+   known to the daemons by the request's id, several by ``<id>-<index>``; each gets a
+   `policy.RouteContext` (that id, and its prompt's token ids when known).
+5. Run: each choice is one prefill and one decode, or a decode alone for a short uncached
+   prompt (`choice.ChoiceRunner`: picking instances by each role's policy, retries on another
+   instance, the KV handover, releasing KV nobody decoded); several run concurrently. The first
+   choice that fails fails the request; the others are cancelled and their KV released.
+6. Answer: one JSON body (choices in index order, ``usage``, and a ``kvtransfer`` object: route,
    token ids, ttft, KV transfer metrics; per choice when there are several), or server-sent
    events: each choice's pieces as they come (its first token as soon as its prefill returned),
    its last chunk with the finish reason and its ``kvtransfer`` object, with
    ``stream_options.include_usage`` a last chunk with ``usage`` and no choices, then
    ``data: [DONE]``.
-6. Errors: a daemon failure becomes an `UpstreamError` whose status is answered as an OpenAI
-   error body naming the daemon (role and address); see `upstream` for the table. Once SSE bytes
-   are out, an error is sent as ``data: {"error": ...}`` then ``data: [DONE]``. Every gRPC call
-   carries the remaining deadline. A client that disconnects cancels the handler (the runner
-   is built with ``handler_cancellation``), which cancels the gRPC calls: the daemons abort the
-   requests and free their blocks, and KV a prefill already handed over is released.
+7. Errors: a daemon failure becomes an `UpstreamError` whose status is answered as an OpenAI
+   error body naming the daemon (role and address); see `upstream` for the table. No instance
+   of a role to pick is 503 with ``Retry-After``. Once SSE bytes are out, an error is sent as
+   ``data: {"error": ...}`` then ``data: [DONE]``. Every gRPC call carries the remaining
+   deadline. A client that disconnects cancels the handler (the runner is built with
+   ``handler_cancellation``), which cancels the gRPC calls: the daemons abort the requests and
+   free their blocks, and KV a prefill already handed over is released.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -50,8 +59,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvtransfer.router.admin_api import AdminApi
+from kvtransfer.router.admission import Admission, QueueFull, QueueTimeout
 from kvtransfer.router.choice import ChoiceRunner, Delta, Exchange
 from kvtransfer.router.config import RouterConfig
+from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
+from kvtransfer.router.fleet import ROLES, DnsTarget, Fleet, Resolver, resolve_host
 from kvtransfer.router.metrics import CLIENT_CLOSED, RouterMetrics
 from kvtransfer.router.openai_api import (
     Choice,
@@ -70,13 +83,13 @@ from kvtransfer.router.openai_responses import (
     ResponseFormat,
     usage,
 )
-from kvtransfer.router.upstream import (
-    Daemon,
-    DaemonPool,
-    NoHealthyDaemon,
-    Upstream,
-    UpstreamError,
+from kvtransfer.router.policy import (
+    PromptTokenizer,
+    RouteContext,
+    create_policy,
+    token_ids_of,
 )
+from kvtransfer.router.upstream import Upstream
 
 logger = logging.getLogger("kvtransfer.router")
 
@@ -91,13 +104,21 @@ _SSE_DONE = b"data: [DONE]\n\n"
 Parser = Callable[[Any], SamplingRequest]
 
 
-def make_app(config: RouterConfig) -> web.Application:
-    """The aiohttp app; its gRPC channels open on startup and close on cleanup.
+def make_app(
+    config: RouterConfig,
+    *,
+    resolver: Resolver = resolve_host,
+    tokenizer: PromptTokenizer = token_ids_of,
+) -> web.Application:
+    """The aiohttp app; its fleet (gRPC channels, health checks, DNS) starts on startup and
+    closes on cleanup.
 
     Serve it with ``web.AppRunner(app, handler_cancellation=True)`` (as `RouterServer` does)
-    so that a client that disconnects cancels the upstream calls.
+    so that a client that disconnects cancels the upstream calls. ``resolver`` resolves the
+    ``dns:`` names; ``tokenizer`` gives the policies a prompt's token ids (by default only a
+    prompt given as token ids is known).
     """
-    router = RouterHandlers(config)
+    router = RouterHandlers(config, resolver=resolver, tokenizer=tokenizer)
     # aiohttp's 1 MiB default is too small for long prompts; see kvtransfer.clients.limits.
     app = web.Application(client_max_size=config.max_request_bytes, middlewares=[_openai_errors])
     app[ROUTER] = router
@@ -107,6 +128,7 @@ def make_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/v1/models", router.models)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.prometheus)
+    AdminApi(config.admin_token, lambda: router.fleet).add_routes(app)
     return app
 
 
@@ -155,10 +177,21 @@ class RouterHandlers:
     """The endpoints, sharing one `ChoiceRunner` (opened in `channels`) and one metrics
     registry."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        resolver: Resolver = resolve_host,
+        tokenizer: PromptTokenizer = token_ids_of,
+    ) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        self._resolver = resolver
+        self._tokenizer = tokenizer
         self._runner: ChoiceRunner | None = None
+        self.admission = Admission(
+            config.max_concurrent_requests, config.max_queued_requests, self._admission_changed
+        )
 
     @property
     def releases_in_flight(self) -> int:
@@ -178,26 +211,41 @@ class RouterHandlers:
             raise RuntimeError("the router app has stopped (no gRPC channels)")
         return upstream
 
+    @property
+    def fleet(self) -> Fleet:
+        return self.upstream.fleet
+
     async def channels(self, app: web.Application) -> AsyncIterator[None]:
         # grpc.aio channels belong to the loop that creates them: open them on the app's loop.
         config = self.config
-        credentials = config.channel_credentials()
-        pools = [
-            DaemonPool(
-                role,
-                addresses,
-                credentials,
-                options=config.channel_options(),
-                on_health=self._health_changed,
-            )
-            for role, addresses in (("prefill", config.prefill), ("decode", config.decode))
-        ]
-        upstream = Upstream(*pools)
+        fleet = Fleet(
+            {role: create_policy(config.policy_for(role), role, config) for role in ROLES},
+            credentials=config.channel_credentials(),
+            options=config.channel_options(),
+            health_interval_s=config.health_interval_s,
+            health_timeout_s=config.health_timeout_s,
+            breaker_failures=config.breaker_failures,
+            breaker_cooldown_s=config.breaker_cooldown_s,
+            daemon_admin_token=config.daemon_admin_token,
+            dns_targets=[
+                DnsTarget(role, name, port)
+                for role in ROLES
+                for name, port in config.dns_names(role)
+            ],
+            dns_interval_s=config.dns_interval_s,
+            resolver=self._resolver,
+            listener=self.metrics,
+        )
+        self.metrics.watch_instances(fleet.instances)
         try:
-            await upstream.start(config.health_interval_s, config.health_timeout_s)
+            for role in ROLES:
+                for address in config.addresses(role):
+                    fleet.add(role, address)
+            await fleet.start()
         except BaseException:
-            await upstream.close()
+            await fleet.close()
             raise
+        upstream = Upstream(fleet)
         runner = self._runner = ChoiceRunner(config, self.metrics, upstream)
         try:
             yield
@@ -206,10 +254,11 @@ class RouterHandlers:
             # (release_timeout_s), so waiting for them is bounded.
             await runner.close()
             self._runner = None
-            await upstream.close()
+            await fleet.close()
 
-    def _health_changed(self, daemon: Daemon, healthy: bool, state: str, first: bool) -> None:
-        self.metrics.daemon_health(daemon.role, daemon.address, healthy, state, first)
+    def _admission_changed(self, running: int, queued: int) -> None:
+        self.metrics.requests_running.set(running)
+        self.metrics.requests_queued.set(queued)
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -218,15 +267,11 @@ class RouterHandlers:
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """The pool as the last health checks and calls left it: 200 while at least one
+        """The fleet as the last health checks and calls left it: 200 while at least one
         prefill and one decode daemon may be picked, else 503; no daemon is called."""
-        prefill, decode = self.upstream.prefill, self.upstream.decode
-        ok = prefill.any_healthy() and decode.any_healthy()
-        body = {
-            "status": "ok" if ok else "unavailable",
-            "prefill": prefill.states(),
-            "decode": decode.states(),
-        }
+        fleet = self.fleet
+        ok = all(fleet.any_pickable(role) for role in ROLES)
+        body = {"status": "ok" if ok else "unavailable"} | {r: fleet.states(r) for r in ROLES}
         return web.json_response(body, status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -300,7 +345,14 @@ class RouterHandlers:
         answer = _Answer(fmt, request_id, int(time.time()), model, parsed, choices, started)
         deadline = started + self.config.request_timeout_s
         exchanges = [
-            Exchange(rid, choice, started, deadline, _choice_log(log, rid))
+            Exchange(
+                rid,
+                choice,
+                started,
+                deadline,
+                _choice_log(log, rid),
+                self._route_context(rid, choice),
+            )
             for choice, rid in zip(choices, _choice_ids(request_id, len(choices)), strict=True)
         ]
         log.info(
@@ -310,11 +362,30 @@ class RouterHandlers:
             parsed.stream,
         )
         try:
-            if parsed.stream:
-                return await self._stream(request, answer, exchanges)
-            return await self._collect(answer, exchanges)
+            async with self.admission.slot(deadline):
+                if parsed.stream:
+                    return await self._stream(request, answer, exchanges)
+                return await self._collect(answer, exchanges)
         except UpstreamError as exc:
             return self._upstream_failure(request_id, log, exc)
+        except QueueFull as exc:
+            log.info("rejected (429): %s", exc)
+            return _error(
+                request_id,
+                429,
+                str(exc),
+                kind="rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+        except QueueTimeout as exc:
+            log.warning("failed (503): %s", exc)
+            headers = {"Retry-After": "1"}
+            return _error(request_id, 503, str(exc), kind="upstream_error", headers=headers)
+
+    def _route_context(self, request_id: str, choice: Choice) -> RouteContext:
+        token_ids = self._tokenizer(choice.prompt)
+        return RouteContext(request_id, None if token_ids is None else tuple(token_ids))
 
     async def _deltas(self, answer: _Answer, exchanges: Sequence[Exchange]) -> AsyncIterator[Delta]:
         """Every choice's deltas as they come; the first failure ends them all (raised)."""
@@ -429,8 +500,13 @@ class RouterHandlers:
         self, request_id: str, log: logging.LoggerAdapter[logging.Logger], exc: UpstreamError
     ) -> web.Response:
         self._count_failure(request_id, exc)
-        code = exc.reason if isinstance(exc, NoHealthyDaemon) else None
-        return _error(request_id, exc.status, str(exc), kind=_error_kind(exc.status), code=code)
+        code, headers = None, None
+        if isinstance(exc, NoHealthyDaemon):
+            # A health check or a DNS resolution may change that: try again after one.
+            code = exc.reason
+            headers = {"Retry-After": str(max(1, math.ceil(self.config.health_interval_s)))}
+        kind = _error_kind(exc.status)
+        return _error(request_id, exc.status, str(exc), kind=kind, code=code, headers=headers)
 
     def _count_failure(self, request_id: str, exc: UpstreamError) -> None:
         logger.warning("failed (%d): %s", exc.status, exc, extra={"request_id": request_id})
@@ -521,9 +597,11 @@ def _error(
     kind: str = "invalid_request_error",
     param: str | None = None,
     code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
     body = error_body(message, kind, param, code)
-    return web.json_response(body, status=status, headers={"x-request-id": request_id})
+    headers = {"x-request-id": request_id, **(headers or {})}
+    return web.json_response(body, status=status, headers=headers)
 
 
 class _SseWriter:

@@ -1,65 +1,84 @@
 """One choice of a request, from its prefill to its decode's last token: `ChoiceRunner.run`.
 
-Life cycle of a choice (steps 3 to 6 and 9 of a request, see `kvtransfer.router.app`):
+Life cycle of a choice (step 4 of a request, see `kvtransfer.router.app`):
 
-1. Pick daemons, healthy ones only (`upstream.DaemonPool`). With no healthy decode daemon the
-   choice fails 503 naming each decode daemon's state, before any prefill: KV prefilled for
-   nobody would only be held until its lease ran out. Then the next healthy prefill daemon in
-   turn; the decode daemon is the next healthy one in turn (two round-robin counters).
-2. Prefill: ``Generate`` with the prompt (a chat is rendered there, by the daemon's template),
+1. Route: the choice's `RouteContext` holds its id and, when the router knows them, its
+   prompt's token ids. With ``disagg_min_prompt_tokens`` N > 0 and the token ids known, a
+   prompt whose uncached part is below N (the decode policy's estimate when it makes one,
+   `policy.UncachedEstimator`; else the whole prompt) runs on a decode instance alone (step 7).
+2. Pick (`fleet.Fleet.pick`, each role's policy over its healthy instances whose breaker lets
+   calls through): the decode instance first. With none the choice fails 503 before any
+   prefill: KV prefilled for nobody would only be held until its lease ran out. Then the
+   prefill instance. Each is leased (counted in flight) until its part is over.
+3. Prefill: ``Generate`` with the prompt (a chat is rendered there, by the daemon's template),
    ``max_tokens=1``, every sampling option (stop strings included) and, unless the client asked
    for one token, ``kv_transfer_params={"do_remote_decode": true, "kv_stream": true}``. A
    prefill that streams announces its params in a message before it computes the prompt's last
-   part: the decode daemon is called at once with them and ``await_generated_tokens``, and
-   pulls each layer as it is computed (`_EarlyDecode`). Its final message holds the first token.
-3. First token: it is the choice's first `Delta` (SSE: sent at once, before the decode answers).
+   part: the decode instance is called at once with them and ``await_generated_tokens``, and
+   pulls each layer as it is computed (`_DecodeLeg`, its messages read as they come). Its final
+   message holds the first token. A prefill that fails before announcing anything (nothing of
+   it reached the client or a decode) is retried on another prefill instance, up to
+   ``max_retries`` times with a growing back-off. While the prefill computes, the early decode
+   is watched: when it ends first (its KV load failed, its daemon died), the prefill is
+   abandoned (step 6) and the choice ends with the decode's outcome, unless the decode failed
+   before answering anything and another decode instance takes over with the same params.
+4. First token: it is the choice's first `Delta` (SSE: sent at once, before the decode answers).
    When it ended the choice (``max_tokens`` 1, a stop string, the end of sequence) the choice
-   ends here; KV held anyway is released (step 5). A final ``finish_reason`` "error", or a
+   ends here; KV held anyway is released (step 6). A final ``finish_reason`` "error", or a
    "length" finish without ``kv_transfer_params_json``, is a 502.
-4. Decode: called early, it gets the first token through ``Continue``; otherwise ``Generate``
-   on the decode daemon now, with the same id, the prompt (a chat as the tokens the prefill
+5. Decode: called early, it gets the first token through ``Continue``; otherwise ``Generate``
+   on the decode instance now, with the same id, the prompt (a chat as the tokens the prefill
    rendered), every sampling option, the prefill's params verbatim and its first token as
    ``generated_token_ids``. It holds the KV of every prompt token and continues after that
    token; each of its messages becomes a `Delta`, the last with the finish reason and the
-   ``kvtransfer`` object. A prefill that fails after announcing its params leaves the decode to
-   its load-failure policy (``Continue`` without a token: it computes the first token itself).
-5. Release: once the prefill returned its params, a decode that does not finish with "length"
+   ``kvtransfer`` object. A decode call that fails before its first message is retried on
+   another decode instance with the same params and first token (the prefill still holds the
+   KV), within the same ``max_retries``. A prefill that fails after announcing its params
+   leaves the decode to its load-failure policy (``Continue`` without a token: it computes the
+   first token itself).
+6. Release: once the prefill returned its params, a decode that does not finish with "length"
    or "stop" (no healthy decode left, the call failed, an error or abort finish, the client
    went away, a sibling choice failed) makes the router call ``ReleaseKV`` on that prefill
    daemon with exactly those params, so the KV is freed now rather than at the end of its
    lease. The call runs in a task of its own with ``release_timeout_s``: nobody waits for it
    and cancellation does not reach it; ``kvtransfer_router_kv_releases_total`` counts the
-   outcomes. A choice abandoned during its prefill gives that call ``PREFILL_GRACE_S`` to
-   deliver a final message already on its way (then its KV is released the same way); a
-   prefill still computing after that is cancelled, and the daemon gives back its KV itself.
+   outcomes. A prefill abandoned while it runs (the client left, a sibling failed, its early
+   decode ended) gets ``PREFILL_GRACE_S`` to deliver a final message already on its way (then
+   its KV is released the same way); a prefill still computing after that is cancelled, and
+   the daemon gives back its KV itself. Either way the other leg is cancelled too: its daemon
+   aborts the request and lets go of what it held.
+7. Decode alone: ``Generate`` on the decode instance with the prompt, every sampling option and
+   no ``kv_transfer_params``: it computes the prompt as a colocated engine would. Retried like
+   a decode (step 5); nothing to release.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransfer.router.config import RouterConfig
+from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
+from kvtransfer.router.fleet import Instance
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.openai_api import Choice
-from kvtransfer.router.upstream import (
-    CallStream,
-    Daemon,
-    PrefillResult,
-    Upstream,
-    UpstreamError,
-)
+from kvtransfer.router.policy import RouteContext, UncachedEstimator, whole_prompt_uncached
+from kvtransfer.router.upstream import CallStream, PrefillResult, Upstream
 from kvtransfer.v1 import generation_pb2
 
 # How long a prefill call whose client left may take to deliver a final message already sent.
 PREFILL_GRACE_S = 0.5
 # Decode outcomes after which the decode engine has pulled, or let go of, the prefill's KV.
 _CLEAN_FINISHES = frozenset({"length", "stop"})
+# Back-off before retry n: RETRY_BACKOFF_S * 2**(n-1), at most RETRY_MAX_BACKOFF_S, +-20%.
+RETRY_BACKOFF_S = 0.05
+RETRY_MAX_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +105,8 @@ class Exchange:
     started: float
     deadline: float
     log: logging.LoggerAdapter[logging.Logger]
+    # What the policies see of it: its id, and its prompt's token ids when known.
+    context: RouteContext
     route: dict[str, str] = field(default_factory=dict)
     # Set once the decode stream ended with "length" or "stop": its KV load is settled.
     decoded: bool = False
@@ -170,7 +191,8 @@ class ChoiceRunner:
         self.config = config
         self.metrics = metrics
         self.upstream: Upstream | None = upstream
-        # ReleaseKV calls in flight: they outlive their choices, not the channels.
+        # ReleaseKV calls and abandoned prefills in flight: they outlive their choices, not
+        # the channels.
         self.releases: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
@@ -182,40 +204,60 @@ class ChoiceRunner:
         """The choice's deltas; raises `UpstreamError` when it fails. Closing the iterator
         early (the client left, a sibling failed) cancels its calls and releases its KV."""
         upstream = self._require_upstream()
-        decode: Daemon | None = None
+        if self._goes_alone(upstream, exchange):
+            self.metrics.route_mode("decode_only")
+            async with aclosing(self._run_alone(upstream, exchange)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
+        self.metrics.route_mode("disaggregated")
+        leg: _DecodeLeg | None = None
         if exchange.choice.max_tokens > 1:
             # KV prefilled for no decode daemon would only wait out its lease.
-            upstream.decode.require_healthy()
-            decode = upstream.pick_decode()
-        early = _EarlyDecode(upstream, decode, exchange)
+            leg = _DecodeLeg(upstream, exchange, self._lease(upstream, "decode", exchange))
         try:
-            streams = decode is not None and self.config.kv_stream
-            prefill = await self._prefill(upstream, exchange, early.start if streams else None)
+            async with aclosing(self._run_legs(upstream, exchange, leg)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            if leg is not None:
+                await leg.close()
+
+    async def _run_legs(
+        self, upstream: Upstream, exchange: Exchange, leg: _DecodeLeg | None
+    ) -> AsyncIterator[Delta]:
+        try:
+            prefill = await self._prefill(upstream, exchange, leg)
+        except _DecodeEndedFirst as ended:
+            # The early decode ended while the prefill computed: its outcome is the choice's.
+            exchange.log.warning("decode ended before the prefill returned; prefill abandoned")
+            if leg is None:  # only a started leg ends first; narrows the type
+                raise RuntimeError("unreachable: no decode leg") from None
+            exchange.route = {"prefill": ended.prefill_address, "decode": leg.address}
+            async with aclosing(self._follow(exchange, _Decoded(), leg)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
         except UpstreamError as exc:
-            if decode is None or early.replies is None:
+            if leg is None or not leg.started_early:
                 raise
             # The prefill failed after announcing its KV: the decode, already loading it, goes
             # on under its kv_load_failure_policy and computes the first token itself.
             exchange.log.warning("prefill failed mid-stream (%s); decode goes on alone", exc)
             self.metrics.upstream_error(exc.role, exc.reason)
-            exchange.route = {"prefill": exc.address, "decode": decode.address}
-            replies = await early.continue_with(None)
-            async with (
-                aclosing(replies),
-                aclosing(self._follow(exchange, _Decoded(), replies)) as deltas,
-            ):
+            exchange.route = {"prefill": exc.address, "decode": leg.address}
+            await leg.continue_with(None)
+            async with aclosing(self._follow(exchange, _Decoded(), leg)) as deltas:
                 async for delta in deltas:
                     yield delta
             return
-        except BaseException:
-            await early.close()
-            raise
         exchange.route = {"prefill": prefill.daemon.address}
         decoded = _Decoded()
         decoded.seed(prefill.final)
-        if not prefill.continues or decode is None:
+        if not prefill.continues or leg is None:
             # The first token ended the choice (max_tokens 1, a stop, the end of sequence).
-            await early.close()
+            if leg is not None:
+                await leg.close()
             decoded.final = prefill.final
             exchange.decoded = True
             if prefill.kv_transfer_params_json:
@@ -223,44 +265,77 @@ class ChoiceRunner:
             yield self._last(exchange, decoded, prefill.final, prefill.final.text)
             return
         try:
-            exchange.route["decode"] = decode.address
+            exchange.route["decode"] = leg.address
             # The first token goes out now, before the decode daemon answers.
             yield _delta(exchange, prefill.final)
-            replies = await early.continue_with(prefill)
+            await leg.continue_with(prefill)
             exchange.log.info(
                 "prefilled on %s; decoding on %s%s",
                 prefill.daemon.address,
-                decode.address,
-                " (called while the prefill computed)" if early.started_early else "",
+                leg.address,
+                " (called while the prefill computed)" if leg.started_early else "",
             )
-            # aclosing: leaving early (error, client gone) closes the stream, cancelling it.
-            async with (
-                aclosing(replies),
-                aclosing(self._follow(exchange, decoded, replies)) as deltas,
-            ):
-                async for delta in deltas:
-                    yield delta
+            while True:
+                try:
+                    async with aclosing(self._follow(exchange, decoded, leg)) as deltas:
+                        async for delta in deltas:
+                            yield delta
+                    break
+                except UpstreamError as exc:
+                    if leg.answered:
+                        raise
+                    # Nothing of this decode reached anyone: another instance takes over,
+                    # with the same params and first token (the prefill still holds the KV).
+                    lease = await self._retry_lease(upstream, exchange, leg.tried, exc)
+                    leg.restart(lease, prefill)
+                    exchange.route["decode"] = leg.address
         except BaseException as exc:
             self._release_unless_decoded(exchange, prefill, _release_trigger(exc))
             raise
         # A decode that failed after its first message ends here too.
         self._release_unless_decoded(exchange, prefill, "decode_failed")
 
+    async def _run_alone(self, upstream: Upstream, exchange: Exchange) -> AsyncIterator[Delta]:
+        """Step 7: the whole choice on one decode instance, retried before its first message."""
+        leg = _DecodeLeg(upstream, exchange, self._lease(upstream, "decode", exchange))
+        try:
+            leg.start_alone()
+            exchange.route = {"decode": leg.address}
+            exchange.log.info("decoding alone on %s (short uncached prompt)", leg.address)
+            while True:
+                try:
+                    async with aclosing(self._follow(exchange, _Decoded(), leg)) as deltas:
+                        async for delta in deltas:
+                            yield delta
+                    return
+                except UpstreamError as exc:
+                    if leg.answered:
+                        raise
+                    leg.restart(await self._retry_lease(upstream, exchange, leg.tried, exc))
+                    exchange.route = {"decode": leg.address}
+        finally:
+            await leg.close()
+
     async def _follow(
-        self, exchange: Exchange, decoded: _Decoded, replies: CallStream
+        self, exchange: Exchange, decoded: _Decoded, leg: _DecodeLeg
     ) -> AsyncIterator[Delta]:
         """The decode stream's deltas, the last one with the finish reason."""
-        async for reply in replies:
+        async for reply in leg.messages():
             if not decoded.absorb(reply):
                 continue
             if decoded.final is None and (reply.text or reply.token_ids):
                 yield _delta(exchange, reply)
-        failure = decoded.failure(exchange.route.get("decode", exchange.route["prefill"]))
+        failure = decoded.failure(leg.address)
         if failure is not None:
+            # An error finish on a P/D decode is mostly its KV load failing (the producer's
+            # doing): only a decode that computed everything itself is blamed for one.
+            if failure.reason != "finish_error" or leg.alone:
+                leg.instance.failed()
             raise failure
         final = decoded.final
         if final is None:  # failure() above rules this out; narrows the type
             raise RuntimeError("unreachable: a decode stream without a final message")
+        leg.instance.succeeded()
         exchange.decoded = decoded.clean
         yield self._last(exchange, decoded, final, final.text)
 
@@ -294,38 +369,138 @@ class ChoiceRunner:
             raise RuntimeError("the router is closed (no gRPC channels)")
         return self.upstream
 
-    # ------------------------------------------------------------------ releasing KV
+    # ------------------------------------------------------------------ routing
+
+    def _goes_alone(self, upstream: Upstream, exchange: Exchange) -> bool:
+        """Conditional disaggregation: a known prompt with fewer uncached tokens than
+        ``disagg_min_prompt_tokens`` is not worth a prefill and a KV transfer."""
+        threshold = self.config.disagg_min_prompt_tokens
+        route = exchange.context
+        if threshold <= 0 or route.token_ids is None:
+            return False
+        fleet = upstream.fleet
+        candidates = [i for i in fleet.instances("decode") if i.pickable()]
+        policy = fleet.policies["decode"]
+        if isinstance(policy, UncachedEstimator):
+            uncached = policy.uncached_tokens(candidates, route)
+        else:
+            uncached = whole_prompt_uncached(candidates, route)
+        return uncached < threshold
+
+    def _lease(
+        self, upstream: Upstream, role: str, exchange: Exchange, tried: Sequence[Instance] = ()
+    ) -> _Lease:
+        instance = upstream.fleet.pick(role, exchange.context, exclude=tried)
+        return _Lease(upstream, instance)
+
+    async def _retry_lease(
+        self, upstream: Upstream, exchange: Exchange, tried: list[Instance], exc: UpstreamError
+    ) -> _Lease:
+        """Another instance of ``exc``'s role for a phase that failed having sent nothing, after
+        a back-off; raises ``exc`` when it is not retryable, the retries are spent, or no
+        untried instance is available."""
+        attempt = len(tried)
+        if not exc.retryable or attempt > self.config.max_retries:
+            raise exc
+        delay = min(RETRY_MAX_BACKOFF_S, RETRY_BACKOFF_S * 2 ** (attempt - 1))
+        delay *= random.uniform(0.8, 1.2)
+        await asyncio.sleep(max(0.0, min(delay, exchange.deadline - time.monotonic())))
+        try:
+            lease = self._lease(upstream, exc.role, exchange, tried)
+        except NoHealthyDaemon:
+            raise exc from None
+        exchange.log.warning(
+            "%s; retry %d on %s daemon %s", exc, attempt, exc.role, lease.instance.address
+        )
+        self.metrics.upstream_error(exc.role, exc.reason)
+        self.metrics.retry(exc.role, exc.reason)
+        tried.append(lease.instance)
+        return lease
+
+    # ------------------------------------------------------------------ the prefill
 
     async def _prefill(
-        self,
-        upstream: Upstream,
-        exchange: Exchange,
-        on_params: Callable[[generation_pb2.GenerateResponse], None] | None = None,
+        self, upstream: Upstream, exchange: Exchange, leg: _DecodeLeg | None
     ) -> PrefillResult:
-        """The prefill call, shielded from the client leaving at the very moment it ends.
+        """The prefill on the first instance that takes it (step 3)."""
+        lease = self._lease(upstream, "prefill", exchange)
+        tried = [lease.instance]
+        while True:
+            try:
+                return await self._prefill_once(upstream, exchange, lease, leg)
+            except UpstreamError as exc:
+                if leg is not None and leg.started_early:
+                    raise  # announced: the decode holds its params and goes on
+                lease = await self._retry_lease(upstream, exchange, tried, exc)
 
-        If the choice is cancelled, the call gets `PREFILL_GRACE_S` more to deliver a final
-        message that may already be on its way (the daemon finished, the RPC completed, only
-        this side has not read it yet), and that KV is released; a prefill still computing is
-        cancelled, and the daemon then gives its KV back itself.
-        """
+    async def _prefill_once(
+        self, upstream: Upstream, exchange: Exchange, lease: _Lease, leg: _DecodeLeg | None
+    ) -> PrefillResult:
+        """One prefill call, its early decode watched; shielded from the client leaving at the
+        very moment it ends (the call then gets `PREFILL_GRACE_S` to deliver a final message
+        already on its way, whose KV is released; a prefill still computing is cancelled, and
+        the daemon gives its KV back itself)."""
+        on_params = leg.start_early if leg is not None and self.config.kv_stream else None
         call = asyncio.ensure_future(
-            upstream.run_prefill(exchange.request_id, exchange.choice, exchange.deadline, on_params)
+            upstream.run_prefill(
+                lease.instance,
+                exchange.request_id,
+                exchange.choice,
+                exchange.deadline,
+                on_params,
+            )
         )
+        call.add_done_callback(lambda _: lease.end())
         try:
-            return await asyncio.shield(call)
+            while True:
+                watched: set[asyncio.Future[Any]] = {call}
+                if leg is not None and not leg.ended.done():
+                    watched.add(leg.ended)
+                await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                if call.done():
+                    return call.result()
+                if leg is None:  # only a leg's end wakes this up; narrows the type
+                    raise RuntimeError("unreachable: woken without a decode leg")
+                failure = leg.failure_before_answer()
+                if failure is not None:
+                    try:
+                        leg.restart(await self._retry_lease(upstream, exchange, leg.tried, failure))
+                        continue
+                    except UpstreamError:
+                        pass  # no other decode: the choice ends with this one's failure
+                self._abandon(exchange, lease, call, "decode_failed")
+                raise _DecodeEndedFirst(lease.instance.address)
         except asyncio.CancelledError:
-            self._spawn(self._release_late(exchange, call))
+            self._abandon(exchange, lease, call, "client_gone")
             raise
 
-    async def _release_late(self, exchange: Exchange, call: asyncio.Future[PrefillResult]) -> None:
+    # ------------------------------------------------------------------ releasing KV
+
+    def _abandon(
+        self,
+        exchange: Exchange,
+        lease: _Lease,
+        call: asyncio.Future[PrefillResult],
+        trigger: str,
+    ) -> None:
+        """Nobody waits for this prefill any more: give it the grace, release what it
+        returns, cancel it past the grace."""
+        if call.done():
+            if not call.cancelled() and call.exception() is None:
+                self._release_soon(exchange, call.result(), trigger)
+            return
+        self._spawn(lease.instance, self._release_late(exchange, call, trigger))
+
+    async def _release_late(
+        self, exchange: Exchange, call: asyncio.Future[PrefillResult], trigger: str
+    ) -> None:
         try:
             prefill = await asyncio.wait_for(call, PREFILL_GRACE_S)
         except (TimeoutError, asyncio.CancelledError, UpstreamError):
             return  # cancelled while computing (the daemon releases), or failed: nothing held
         upstream = self.upstream
         if upstream is not None:
-            await self._release(upstream, exchange, prefill, "client_gone")
+            await self._release(upstream, exchange, prefill, trigger)
 
     def _release_unless_decoded(
         self, exchange: Exchange, prefill: PrefillResult, trigger: str
@@ -340,12 +515,20 @@ class ChoiceRunner:
         upstream = self.upstream
         if upstream is None:  # closed: the lease frees the KV instead
             return
-        self._spawn(self._release(upstream, exchange, prefill, trigger))
+        self._spawn(prefill.daemon, self._release(upstream, exchange, prefill, trigger))
 
-    def _spawn(self, release: Any) -> None:
+    def _spawn(self, instance: Instance, release: Any) -> None:
+        upstream = self._require_upstream()
+        # The instance's channel stays open for the call, even if it leaves the fleet now.
+        upstream.fleet.call_started(instance)
         task = asyncio.get_running_loop().create_task(release)
         self.releases.add(task)
-        task.add_done_callback(self.releases.discard)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self.releases.discard(task)
+            upstream.fleet.call_ended(instance)
+
+        task.add_done_callback(done)
 
     async def _release(
         self, upstream: Upstream, exchange: Exchange, prefill: PrefillResult, trigger: str
@@ -356,6 +539,28 @@ class ChoiceRunner:
         self.metrics.kv_release(trigger, outcome)
         log = exchange.log.info if outcome in ("released", "not_held") else exchange.log.warning
         log("KV release on %s (%s): %s", prefill.daemon.address, trigger, outcome)
+
+
+class _DecodeEndedFirst(Exception):
+    """The early decode ended while the prefill on ``prefill_address`` still ran."""
+
+    def __init__(self, prefill_address: str) -> None:
+        super().__init__(f"the decode ended before the prefill on {prefill_address}")
+        self.prefill_address = prefill_address
+
+
+class _Lease:
+    """An instance picked for one leg, counted in its ``in_flight`` until `end` (idempotent)."""
+
+    def __init__(self, upstream: Upstream, instance: Instance) -> None:
+        self._upstream = upstream
+        self.instance = instance
+        self._ended = False
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._upstream.fleet.release(self.instance)
 
 
 def _delta(exchange: Exchange, message: generation_pb2.GenerateResponse) -> Delta:
@@ -390,64 +595,184 @@ def _kvtransfer_info(exchange: Exchange, decoded: _Decoded) -> dict[str, Any]:
     }
 
 
-class _EarlyDecode:
-    """The decode call of one choice, started as soon as the prefill announces its params
-    (its KV is being computed and streamed), before the first token is known; or, if the
-    prefill announced none, started once the prefill returned."""
+_END = object()
 
-    def __init__(self, upstream: Upstream, decode: Daemon | None, exchange: Exchange) -> None:
+
+class _DecodeLeg:
+    """The decode call of one choice and the instance it is leased on.
+
+    Started early (`start_early`: the prefill announced its params, its KV is being computed),
+    after the prefill returned (`continue_with`), or alone (`start_alone`). A task reads the
+    call's messages into a queue as they come, so the runner sees the call end (``ended``)
+    while it still waits for the prefill; `messages` hands them on. `restart` moves the leg to
+    another instance after a call that failed before answering."""
+
+    def __init__(self, upstream: Upstream, exchange: Exchange, lease: _Lease) -> None:
         self._upstream = upstream
-        self._decode = decode
         self._exchange = exchange
-        self.replies: CallStream | None = None
+        self._lease = lease
+        self.tried: list[Instance] = [lease.instance]
         self.started_early = False
+        self.alone = False
+        # The prefill's stream when it announced its params (an early start's input).
+        self._announced: generation_pb2.GenerateResponse | None = None
+        self._stream: CallStream | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        # How the current call failed, once it did; why none could be started.
+        self._failure: UpstreamError | None = None
+        self._unstarted: UpstreamError | None = None
+        # Done when the current call's messages end (the call ended or failed).
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def start(self, prefill_so_far: generation_pb2.GenerateResponse) -> None:
-        if self._decode is None or self.replies is not None:
+    @property
+    def instance(self) -> Instance:
+        return self._lease.instance
+
+    @property
+    def address(self) -> str:
+        return self._lease.instance.address
+
+    @property
+    def answered(self) -> bool:
+        """Whether the current call sent a message (a retry would repeat it to the client)."""
+        return self._stream is not None and self._stream.answered
+
+    def start_early(self, prefill_so_far: generation_pb2.GenerateResponse) -> None:
+        if self._stream is not None:
             return
-        exchange = self._exchange
-        try:
-            self.replies = self._upstream.run_decode(
-                self._decode,
-                exchange.request_id,
-                exchange.choice,
-                prefill_so_far,
-                exchange.deadline,
-                None,
-            )
-            self.started_early = True
-        except UpstreamError as exc:  # the deadline ran out: the sequential path reports it
-            exchange.log.info("decode not started early: %s", exc)
+        self._announced = prefill_so_far
+        self.started_early = self._open(self._decode_call(prefill_so_far, None))
 
-    async def continue_with(self, prefill: PrefillResult | None) -> CallStream:
-        """The decode stream, continuing after the prefill's first token (``None``: the
-        prefill failed after the decode was called; it computes its first token itself)."""
-        if self._decode is None:
-            raise RuntimeError("no decode daemon was picked")
+    def start_alone(self) -> None:
         exchange = self._exchange
-        if self.replies is None:
+        self.alone = True
+        started = self._open(
+            lambda: self._upstream.run_alone(
+                self.instance, exchange.request_id, exchange.choice, exchange.deadline
+            )
+        )
+        if not started:
+            raise self._not_started()
+
+    async def continue_with(self, prefill: PrefillResult | None) -> None:
+        """Go on after the prefill's first token (``None``: the prefill failed after the decode
+        was called; it computes its first token itself). Raises `UpstreamError` when the
+        request's deadline ran out before a decode call could start."""
+        exchange = self._exchange
+        if self._stream is None:
             if prefill is None:
                 raise RuntimeError("no decode call was started early")
-            return self._upstream.run_decode(
-                self._decode,
-                exchange.request_id,
-                exchange.choice,
-                prefill.final,
-                exchange.deadline,
-                prefill.final.token_ids,
-            )
+            if not self._open(self._decode_call(prefill.final, prefill.final.token_ids)):
+                raise self._not_started()
+            return
         tokens = () if prefill is None else prefill.final.token_ids
         problem = await self._upstream.continue_decode(
-            self._decode, exchange.request_id, tokens, exchange.deadline
+            self.instance, exchange.request_id, tokens, exchange.deadline
         )
         if problem is not None:
             # The decode stream says what became of the request (e.g. its load failed).
-            exchange.log.info("Continue on %s: %s", self._decode.address, problem)
-        return self.replies
+            exchange.log.info("Continue on %s: %s", self.address, problem)
+
+    def restart(self, lease: _Lease, prefill: PrefillResult | None = None) -> None:
+        """Drop the current call (it failed before answering) and its lease; call ``lease``'s
+        instance instead: continuing after ``prefill``'s first token, or early from the
+        announcement while the prefill still runs, or alone."""
+        self._drop()
+        self._lease.end()
+        self._lease = lease
+        self._queue = asyncio.Queue()
+        self.ended = asyncio.get_running_loop().create_future()
+        if self.alone:
+            self.start_alone()
+        elif prefill is not None:
+            if not self._open(self._decode_call(prefill.final, prefill.final.token_ids)):
+                raise self._not_started()
+        elif self._announced is not None:
+            self._open(self._decode_call(self._announced, None))
+
+    def failure_before_answer(self) -> UpstreamError | None:
+        """The retryable failure of the current call, if it failed without sending a message
+        (`messages` still raises it)."""
+        failure = self._failure
+        if failure is None or self.answered or not failure.retryable:
+            return None
+        return failure
+
+    async def messages(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The current call's messages; raises its failure."""
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     async def close(self) -> None:
-        """Cancel a decode started early that will not be continued (its daemon aborts it and
-        lets go of the producer's KV)."""
-        replies, self.replies = self.replies, None
-        if replies is not None:
-            await replies.aclose()
+        """Cancel the call if it still runs (its daemon aborts the request and lets go of the
+        producer's KV) and end the lease."""
+        reader, stream = self._reader, self._stream
+        self._drop()
+        if reader is not None:
+            await asyncio.gather(reader, return_exceptions=True)
+        if stream is not None:
+            await stream.aclose()
+        self._lease.end()
+
+    # ------------------------------------------------------------------
+
+    def _decode_call(
+        self, prefill: generation_pb2.GenerateResponse, generated: Sequence[int] | None
+    ) -> Any:
+        exchange = self._exchange
+        return lambda: self._upstream.run_decode(
+            self.instance,
+            exchange.request_id,
+            exchange.choice,
+            prefill,
+            exchange.deadline,
+            generated,
+        )
+
+    def _open(self, start: Any) -> bool:
+        """Start the call; False when the request's deadline ran out first."""
+        try:
+            stream: CallStream = start()
+        except UpstreamError as exc:
+            self._exchange.log.info("decode not started: %s", exc)
+            self._unstarted = exc
+            return False
+        self._stream, self._failure = stream, None
+        reading = self._read(stream, self._queue, self.ended)
+        self._reader = asyncio.get_running_loop().create_task(reading)
+        return True
+
+    def _not_started(self) -> UpstreamError:
+        if self._unstarted is None:
+            raise RuntimeError("unreachable: a decode call neither started nor refused")
+        return self._unstarted
+
+    async def _read(
+        self, stream: CallStream, queue: asyncio.Queue[Any], ended: asyncio.Future[None]
+    ) -> None:
+        try:
+            async for message in stream:
+                queue.put_nowait(message)
+            queue.put_nowait(_END)
+        except UpstreamError as exc:
+            if stream is self._stream:
+                self._failure = exc
+            queue.put_nowait(exc)
+        finally:
+            if not ended.done():
+                ended.set_result(None)
+
+    def _drop(self) -> None:
+        reader, self._reader = self._reader, None
+        stream, self._stream = self._stream, None
+        if reader is not None:
+            reader.cancel()
+        if stream is not None:
+            # Cancel the call now; the reader's own unwinding closes the generator.
+            stream.cancel()

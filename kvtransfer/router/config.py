@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -12,11 +12,13 @@ from kvtransfer.clients.limits import (
     check_max_request_bytes,
     grpc_message_options,
 )
+from kvtransfer.router.policy import LEAST_LOAD, check_policy_name
 
 _MAX_PORT = 65535
 # gRPC waits 1 s, then up to 120 s, between reconnection attempts to a daemon that went away;
 # a restarted daemon would stay unreachable that long whatever the health checks say.
 _MIN_RECONNECT_BACKOFF_MS = 100
+DNS_PREFIX = "dns:"
 
 
 def check_address(address: str) -> str:
@@ -27,20 +29,59 @@ def check_address(address: str) -> str:
     return address
 
 
+def check_target(target: str) -> str:
+    """``HOST:PORT`` or ``dns:NAME:PORT``; returns it unchanged or raises ``ValueError``."""
+    if target.startswith(DNS_PREFIX):
+        parse_dns(target)
+        return target
+    try:
+        return check_address(target)
+    except ValueError:
+        raise ValueError(f"{target!r} is not HOST:PORT or dns:NAME:PORT") from None
+
+
+def parse_dns(target: str) -> tuple[str, int]:
+    """``dns:NAME:PORT`` -> (NAME, PORT)."""
+    name, sep, port = target.removeprefix(DNS_PREFIX).rpartition(":")
+    if not sep or not name or not port.isdigit() or not 0 < int(port) <= _MAX_PORT:
+        raise ValueError(f"{target!r} is not dns:NAME:PORT")
+    return name, int(port)
+
+
+def check_token(token: str, what: str) -> str:
+    """A bearer token: printable ASCII, no spaces (it travels in a header)."""
+    if not token or not all("!" <= char <= "~" for char in token):
+        raise ValueError(f"{what} must be non-empty printable ASCII without spaces")
+    return token
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    """The daemons to route to and how to serve HTTP.
+    """The daemons to route to, how to pick among them and how to serve HTTP.
 
-    ``port`` 0 binds a free port (`RouterServer.port` tells which). ``request_timeout_s`` bounds
-    a whole request, prefill and decode together: it becomes the gRPC deadlines.
-    ``health_interval_s`` is how often every daemon's health is checked (each check's deadline
-    ``health_timeout_s``); an ejected daemon is re-admitted at the first check that finds it
-    SERVING. ``release_timeout_s`` is the deadline of a ``ReleaseKV`` call. ``max_request_bytes``
-    is the largest HTTP body accepted (413 above it); give the daemons the same value
-    (`kvtransfer.clients.limits`). ``shutdown_timeout_s`` is how long in-flight requests may run
-    on after a stop. ``tls_ca``/``tls_cert``/``tls_key`` are PEM files; none of them means
-    plaintext gRPC. ``kv_stream``: ask prefills to announce their KV while computing it and
-    call the decode daemon then (off: the decode is called once the prefill returned).
+    ``prefill``/``decode``: each entry ``HOST:PORT`` (one instance) or ``dns:NAME:PORT`` (an
+    instance per address NAME resolves to, re-resolved every ``dns_interval_s``). A role may be
+    empty only when the admin API is on (``admin_token``), which adds instances at run time.
+    ``policy`` picks instances of both roles, ``prefill_policy``/``decode_policy`` override it
+    per role (`kvtransfer.router.policy`). ``port`` 0 binds a free port (`RouterServer.port`
+    tells which). ``request_timeout_s`` bounds a whole request, prefill and decode together (and
+    any wait for admission): it becomes the gRPC deadlines. ``health_interval_s`` is how often
+    every daemon's health and load are read (each check's deadline ``health_timeout_s``); an
+    ejected daemon is re-admitted at the first check that finds it SERVING.
+    ``daemon_admin_token`` reads the daemons' load when they guard KVAdmin with a token.
+    ``max_retries``: how many other instances a phase that failed having sent nothing may be
+    retried on. ``breaker_failures`` consecutive failed calls open an instance's circuit
+    breaker (0: never) for ``breaker_cooldown_s``. At most ``max_concurrent_requests``
+    requests run at once (0: no limit), ``max_queued_requests`` more wait for a slot; beyond
+    that, 429. ``disagg_min_prompt_tokens``: a prompt whose token ids are known and whose
+    uncached part is shorter runs on a decode daemon alone (0: always disaggregate).
+    ``admin_token`` turns on the admin API (``/workers``). ``release_timeout_s`` is the
+    deadline of a ``ReleaseKV`` call. ``max_request_bytes`` is the largest HTTP body accepted
+    (413 above it); give the daemons the same value (`kvtransfer.clients.limits`).
+    ``shutdown_timeout_s`` is how long in-flight requests may run on after a stop.
+    ``tls_ca``/``tls_cert``/``tls_key`` are PEM files; none of them means plaintext gRPC.
+    ``kv_stream``: ask prefills to announce their KV while computing it and call the decode
+    daemon then (off: the decode is called once the prefill returned).
     """
 
     prefill: tuple[str, ...]
@@ -58,17 +99,34 @@ class RouterConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     kv_stream: bool = True
+    policy: str = LEAST_LOAD
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    max_retries: int = 2
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 30.0
+    max_concurrent_requests: int = 1024
+    max_queued_requests: int = 1024
+    dns_interval_s: float = 5.0
+    disagg_min_prompt_tokens: int = 0
+    admin_token: str | None = field(default=None, repr=False)
+    daemon_admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples so the config stays hashable and immutable.
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(self.decode))
         for role in ("prefill", "decode"):
-            addresses = getattr(self, role)
-            if not addresses:
-                raise ValueError(f"at least one {role} daemon is required")
-            for address in addresses:
-                check_address(address)
+            targets = getattr(self, role)
+            if not targets and self.admin_token is None:
+                raise ValueError(
+                    f"at least one {role} daemon is required (HOST:PORT or dns:NAME:PORT), "
+                    "unless the admin API adds them (an admin token: --admin-token-file)"
+                )
+            for target in targets:
+                check_target(target)
+            if len(set(targets)) != len(targets):
+                raise ValueError(f"{role}: a daemon is listed twice")
         if not 0 <= self.port <= _MAX_PORT:
             raise ValueError(f"port must be in [0, {_MAX_PORT}], got {self.port}")
         if not self.model_name:
@@ -79,16 +137,50 @@ class RouterConfig:
             "health_interval_s",
             "release_timeout_s",
             "shutdown_timeout_s",
+            "breaker_cooldown_s",
+            "dns_interval_s",
         ):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        for name in (
+            "max_retries",
+            "breaker_failures",
+            "max_concurrent_requests",
+            "max_queued_requests",
+            "disagg_min_prompt_tokens",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for role in ("prefill", "decode"):
+            check_policy_name(self.policy_for(role))
         check_max_request_bytes(self.max_request_bytes)
+        if self.admin_token is not None:
+            check_token(self.admin_token, "the router's admin token")
+        if self.daemon_admin_token is not None:
+            check_token(self.daemon_admin_token, "the daemons' admin token")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("the TLS certificate and key go together (--tls-cert, --tls-key)")
         for path in (self.tls_ca, self.tls_cert, self.tls_key):
             if path is not None:
                 _read_pem(path)
+        both = sorted(set(self.prefill) & set(self.decode))
+        if both:
+            raise ValueError(f"{', '.join(both)}: listed as both a prefill and a decode daemon")
+
+    def policy_for(self, role: str) -> str:
+        """The policy name of ``role``: its own override, else ``policy``."""
+        override = self.prefill_policy if role == "prefill" else self.decode_policy
+        return override or self.policy
+
+    def addresses(self, role: str) -> tuple[str, ...]:
+        """The fixed ``HOST:PORT`` instances of ``role``."""
+        return tuple(t for t in getattr(self, role) if not t.startswith(DNS_PREFIX))
+
+    def dns_names(self, role: str) -> tuple[tuple[str, int], ...]:
+        """The ``(NAME, PORT)`` of each ``dns:`` entry of ``role``."""
+        return tuple(parse_dns(t) for t in getattr(self, role) if t.startswith(DNS_PREFIX))
 
     @property
     def uses_tls(self) -> bool:

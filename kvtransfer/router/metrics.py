@@ -1,12 +1,21 @@
 """The router's Prometheus metrics, on a registry of its own.
 
 A registry per app (not prometheus_client's global one) lets several routers live in one
-process, as tests run them, without "duplicated timeseries" errors.
+process, as tests run them, without "duplicated timeseries" errors. Per-instance series
+(``kvtransfer_router_instance_*``) are read from the fleet at each scrape (`InstanceView`), so
+an instance that leaves the fleet leaves them too.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtransfer.router.policy import InstanceLoad
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -70,6 +79,43 @@ class RouterMetrics:
             ["role", "address"],
             registry=self.registry,
         )
+        self._retries = Counter(
+            "kvtransfer_router_retries",
+            "Phases retried on another instance after a failure that sent nothing, by role and "
+            "the failure's reason",
+            ["role", "reason"],
+            registry=self.registry,
+        )
+        self._routes = Counter(
+            "kvtransfer_router_routes",
+            "Choices by route: disaggregated (prefill then decode) or decode_only (a short "
+            "uncached prompt, --disagg-min-prompt-tokens)",
+            ["mode"],
+            registry=self.registry,
+        )
+        self._fleet_changes = Counter(
+            "kvtransfer_router_fleet_changes",
+            "Instances added to or removed from the fleet, by role, change and source (static, "
+            "admin, dns:NAME:PORT)",
+            ["role", "change", "source"],
+            registry=self.registry,
+        )
+        self._breaker_transitions = Counter(
+            "kvtransfer_router_breaker_transitions",
+            "Circuit breaker state changes per instance, by the state entered",
+            ["role", "address", "state"],
+            registry=self.registry,
+        )
+        self.requests_running = Gauge(
+            "kvtransfer_router_requests_running",
+            "Completion requests admitted and not finished",
+            registry=self.registry,
+        )
+        self.requests_queued = Gauge(
+            "kvtransfer_router_requests_queued",
+            "Completion requests waiting for admission (--max-concurrent-requests)",
+            registry=self.registry,
+        )
         self._releases = Counter(
             "kvtransfer_router_kv_releases",
             "ReleaseKV calls to prefill daemons, by trigger (decode_failed, client_gone, error) "
@@ -92,10 +138,10 @@ class RouterMetrics:
     def upstream_error(self, role: str, reason: str) -> None:
         self._upstream_errors.labels(role=role, reason=reason).inc()
 
-    def daemon_health(
+    def instance_health(
         self, role: str, address: str, healthy: bool, state: str, first: bool
     ) -> None:
-        """A daemon's health became known (``first``) or flipped."""
+        """An instance's health became known (``first``) or flipped."""
         self._daemon_healthy.labels(role=role, address=address).set(1 if healthy else 0)
         if first:
             return
@@ -106,3 +152,88 @@ class RouterMetrics:
 
     def kv_release(self, trigger: str, outcome: str) -> None:
         self._releases.labels(trigger=trigger, outcome=outcome).inc()
+
+    def retry(self, role: str, reason: str) -> None:
+        self._retries.labels(role=role, reason=reason).inc()
+
+    def route_mode(self, mode: str) -> None:
+        self._routes.labels(mode=mode).inc()
+
+    def instance_breaker(self, role: str, address: str, state: str) -> None:
+        self._breaker_transitions.labels(role=role, address=address, state=state).inc()
+
+    def instance_membership(self, role: str, address: str, source: str, change: str) -> None:
+        """An instance joined or left the fleet; a removed one's health series goes too."""
+        self._fleet_changes.labels(role=role, change=change, source=source).inc()
+        if change == "removed":
+            # KeyError: removed before its first check.
+            with contextlib.suppress(KeyError):
+                self._daemon_healthy.remove(role, address)
+
+    def watch_instances(self, instances: Callable[[], Iterable[InstanceView]]) -> None:
+        """Serve the per-instance series of ``instances()`` (called at each scrape)."""
+        self.registry.register(_InstanceCollector(instances))
+
+
+class InstanceView(Protocol):
+    """What the per-instance series read of an instance (`fleet.Instance`)."""
+
+    role: str
+    address: str
+    in_flight: int
+    picks: int
+    load: InstanceLoad | None
+
+    @property
+    def breaker_state(self) -> str: ...
+
+
+BREAKER_STATES = ("closed", "open", "half_open")
+
+
+class _InstanceCollector:
+    def __init__(self, instances: Callable[[], Iterable[InstanceView]]) -> None:
+        self._instances = instances
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "address"]
+        picks = CounterMetricFamily(
+            "kvtransfer_router_instance_picks",
+            "Times the role's policy picked this instance (retries included)",
+            labels=labels,
+        )
+        in_flight = GaugeMetricFamily(
+            "kvtransfer_router_instance_in_flight",
+            "Requests this router routed to the instance that have not finished",
+            labels=labels,
+        )
+        requests = GaugeMetricFamily(
+            "kvtransfer_router_instance_requests",
+            "The instance's own report of its requests (KVAdmin GetStatus), by state: running, "
+            "waiting",
+            labels=[*labels, "state"],
+        )
+        blocks = GaugeMetricFamily(
+            "kvtransfer_router_instance_kv_blocks",
+            "The instance's own report of its KV blocks, by kind: used, total",
+            labels=[*labels, "kind"],
+        )
+        breaker = GaugeMetricFamily(
+            "kvtransfer_router_instance_breaker_state",
+            "1 for the instance's circuit breaker state (closed, open, half_open), else 0",
+            labels=[*labels, "state"],
+        )
+        for instance in self._instances():
+            names = [instance.role, instance.address]
+            picks.add_metric(names, instance.picks)
+            in_flight.add_metric(names, instance.in_flight)
+            load = instance.load
+            if load is not None:
+                requests.add_metric([*names, "running"], load.running)
+                requests.add_metric([*names, "waiting"], load.waiting)
+                blocks.add_metric([*names, "used"], load.kv_blocks_used)
+                blocks.add_metric([*names, "total"], load.kv_blocks_total)
+            state = instance.breaker_state
+            for name in BREAKER_STATES:
+                breaker.add_metric([*names, name], 1 if name == state else 0)
+        yield from (picks, in_flight, requests, blocks, breaker)

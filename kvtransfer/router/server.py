@@ -16,12 +16,22 @@ from aiohttp import web
 
 from kvtransfer.router.app import ROUTER, RouterHandlers, make_app
 from kvtransfer.router.config import RouterConfig
+from kvtransfer.router.fleet import Resolver, resolve_host
+from kvtransfer.router.policy import PromptTokenizer, token_ids_of
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig) -> None:
+    """``resolver`` and ``tokenizer``: see `make_app`."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        resolver: Resolver = resolve_host,
+        tokenizer: PromptTokenizer = token_ids_of,
+    ) -> None:
         self.config = config
-        self.app = make_app(config)
+        self.app = make_app(config, resolver=resolver, tokenizer=tokenizer)
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
 

@@ -1,17 +1,11 @@
-"""The router's gRPC side: healthy daemons picked round-robin, prefill then decode, errors typed.
+"""The router's gRPC calls to the daemons: prefill, decode, decode alone, Continue, ReleaseKV;
+every call has a deadline and every failure is typed.
 
-Health. Each role's daemons form a `DaemonPool`. A daemon is picked only while healthy: its last
-grpc.health.v1 ``Check`` answered SERVING and no call failed at the transport level since. A
-call that fails with UNAVAILABLE (refused, reset, draining), or a ``Generate`` call that fails
-with DEADLINE_EXCEEDED before the daemon sent anything, ejects the daemon at once; a background
-task checks every daemon each ``health_interval_s`` (deadline ``health_timeout_s``) and
-re-admits it once it answers SERVING; while any daemon is out, checks run every
-``RECOVERY_INTERVAL_S`` (0.2 s) instead, so a false ejection, a restart or a resumed daemon costs
-a fraction of a second once the daemon is ready. NOT_SERVING
-(draining) daemons are not picked. A daemon's state is ``SERVING``, ``NOT_SERVING``,
-``SERVICE_UNKNOWN`` or ``UNREACHABLE (<code>)`` (its last check or call failed with that gRPC
-code); ``NOT_CHECKED`` only before the first check, which runs before the router serves.
-Ejections and re-admissions are logged and counted.
+Which daemon runs a call is the caller's pick from the `fleet.Fleet` (health, breaker, policy
+are there). A call that fails at the transport level (UNAVAILABLE, or DEADLINE_EXCEEDED before
+the daemon sent anything) ejects its instance from the pool (`Fleet.eject`); every failure of
+the daemon's own (any 5xx below) counts against its circuit breaker, and a usable answer for
+it.
 
 Everything that goes wrong upstream becomes an `UpstreamError` carrying the HTTP status to
 answer, the role and address of the daemon at fault, and a short ``reason`` label (metrics):
@@ -36,26 +30,28 @@ a stream that ended without a final message   502
 any other gRPC status (INTERNAL, ...)         502
 ============================================  ======  ============================================
 
-``Upstream.release_kv`` gives a prefill's KV back (``Generation.ReleaseKV``) when no decode will
-pull it; it answers an outcome label and never raises.
+A 5xx other than a deadline is `UpstreamError.retryable`: the caller may ask another instance
+(`kvtransfer.router.choice`). ``Upstream.release_kv`` gives a prefill's KV back
+(``Generation.ReleaseKV``) when no decode will pull it; it answers an outcome label and never
+raises.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtransfer.clients.generation import generate_request as build_generate_request
+from kvtransfer.router.errors import UpstreamError
+from kvtransfer.router.fleet import Fleet, Instance
 from kvtransfer.router.openai_api import ChatMessages, Choice
-from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
+from kvtransfer.v1 import generation_pb2
 
 logger = logging.getLogger("kvtransfer.router.upstream")
 
@@ -63,8 +59,6 @@ logger = logging.getLogger("kvtransfer.router.upstream")
 # computed, so the decode daemon is called while the prefill still computes.
 PREFILL_PARAMS_JSON = json.dumps({"do_remote_decode": True, "kv_stream": True})
 PREFILL_PARAMS_NO_STREAM_JSON = json.dumps({"do_remote_decode": True})
-SERVING = "SERVING"
-NOT_CHECKED = "NOT_CHECKED"
 
 _STATUS_FOR_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -75,187 +69,12 @@ _STATUS_FOR_CODE = {
 # gRPC's own words when a message exceeds max_send/receive_message_length (either side).
 _SIZE_LIMIT_DETAILS = "message larger than max"
 
-HealthListener = Callable[["Daemon", bool, str, bool], None]
-"""``(daemon, healthy, state, first)``: called when a daemon's health is first known and each
-time it flips; ``first`` marks the start-up check."""
-
-# Health-check pace while some daemon is out of the pool (at most the configured interval).
-RECOVERY_INTERVAL_S = 0.2
-
-
-class UpstreamError(RuntimeError):
-    """A daemon failed the request: ``status`` is the HTTP status to answer with."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        role: str,
-        address: str,
-        reason: str = "error",
-        *,
-        text: str | None = None,
-    ) -> None:
-        super().__init__(text or f"{role} daemon {address}: {message}")
-        self.status = status
-        self.message = message
-        self.role = role
-        self.address = address
-        self.reason = reason
-
-
-class NoHealthyDaemon(UpstreamError):
-    """No daemon of ``role`` is healthy: 503 at once, naming each daemon and its state."""
-
-    def __init__(self, role: str, states: Mapping[str, str]) -> None:
-        listed = "; ".join(f"{address}: {state}" for address, state in states.items())
-        message = f"no {role} daemon is healthy ({listed})"
-        super().__init__(503, message, role, ", ".join(states), "no_healthy_daemon", text=message)
-
-
-@dataclass(frozen=True)
-class Daemon:
-    role: str
-    address: str
-    channel: grpc.aio.Channel
-    stub: generation_pb2_grpc.GenerationStub
-
-
-@dataclass
-class _Health:
-    state: str = NOT_CHECKED
-    healthy: bool = False
-    # time.monotonic() of the last ejection by a failed call: a check that began before it
-    # saw the daemon earlier and must not re-admit it.
-    ejected_at: float = float("-inf")
-
-
-class DaemonPool:
-    """The daemons of one role: one channel each, reused by every request; ``pick`` is
-    round-robin over the healthy ones (one asyncio loop, so no lock)."""
-
-    def __init__(
-        self,
-        role: str,
-        addresses: Sequence[str],
-        credentials: grpc.ChannelCredentials | None,
-        *,
-        options: Sequence[tuple[str, int | str]] = (),
-        on_health: HealthListener | None = None,
-    ) -> None:
-        if not addresses:
-            raise ValueError(f"at least one {role} daemon is required")
-        self.role = role
-        self.daemons = tuple(_connect(role, a, credentials, options) for a in addresses)
-        self._health = {d.address: _Health() for d in self.daemons}
-        self._on_health = on_health
-        self._next = 0
-        self._probing: asyncio.Task[None] | None = None
-
-    def pick(self) -> Daemon:
-        """The next healthy daemon in turn; `NoHealthyDaemon` when there is none."""
-        for _ in self.daemons:
-            daemon = self.daemons[self._next]
-            self._next = (self._next + 1) % len(self.daemons)
-            if self._health[daemon.address].healthy:
-                return daemon
-        raise NoHealthyDaemon(self.role, self.states())
-
-    def require_healthy(self) -> None:
-        """Raises `NoHealthyDaemon` unless some daemon may be picked."""
-        if not self.any_healthy():
-            raise NoHealthyDaemon(self.role, self.states())
-
-    def any_healthy(self) -> bool:
-        return any(h.healthy for h in self._health.values())
-
-    def states(self) -> dict[str, str]:
-        """address -> state (see the module docstring), as last seen; no call is made."""
-        return {address: health.state for address, health in self._health.items()}
-
-    def eject(self, daemon: Daemon, code: grpc.StatusCode, details: str) -> None:
-        """A call to ``daemon`` failed at the transport level: stop picking it now."""
-        self._health[daemon.address].ejected_at = time.monotonic()
-        self._set(daemon, False, f"UNREACHABLE ({code.name})", f"a call failed: {details}")
-
-    async def check(self, timeout_s: float) -> None:
-        """Health-check every daemon concurrently and apply the answers."""
-        started = time.monotonic()
-        states = await asyncio.gather(*(_check(d, timeout_s) for d in self.daemons))
-        for daemon, state in zip(self.daemons, states, strict=True):
-            if state == SERVING and self._health[daemon.address].ejected_at >= started:
-                continue
-            self._set(daemon, state == SERVING, state, "health check")
-
-    def start_checking(self, interval_s: float, timeout_s: float) -> None:
-        """Check every ``interval_s`` in the background, until `close`."""
-        if self._probing is None:
-            self._probing = asyncio.create_task(self._check_forever(interval_s, timeout_s))
-
-    async def close(self) -> None:
-        probing, self._probing = self._probing, None
-        if probing is not None:
-            probing.cancel()
-            await asyncio.gather(probing, return_exceptions=True)
-        await asyncio.gather(*(d.channel.close() for d in self.daemons))
-
-    async def _check_forever(self, interval_s: float, timeout_s: float) -> None:
-        while True:
-            # A daemon out of the pool is looked at more often, so one that restarted or
-            # resumed serves again within a fraction of a second of being ready.
-            healthy = all(h.healthy for h in self._health.values())
-            await asyncio.sleep(interval_s if healthy else min(interval_s, RECOVERY_INTERVAL_S))
-            try:
-                await self.check(timeout_s)
-            except Exception:  # a bug here must not silently end health checking
-                logger.exception("%s health check failed", self.role)
-
-    def _set(self, daemon: Daemon, healthy: bool, state: str, why: str) -> None:
-        health = self._health[daemon.address]
-        first = health.state == NOT_CHECKED
-        flipped = health.healthy != healthy
-        health.state, health.healthy = state, healthy
-        name = f"{self.role} daemon {daemon.address}"
-        if first:
-            if healthy:
-                logger.info("%s: %s at start-up", name, state)
-            else:
-                logger.warning("%s: %s at start-up, not picked until SERVING", name, state)
-        elif flipped and healthy:
-            logger.info("%s re-admitted: %s", name, state)
-        elif flipped:
-            logger.warning("%s ejected: %s (%s)", name, state, why)
-        if (first or flipped) and self._on_health is not None:
-            self._on_health(daemon, healthy, state, first)
-
-
-def _connect(
-    role: str,
-    address: str,
-    credentials: grpc.ChannelCredentials | None,
-    options: Sequence[tuple[str, int | str]],
-) -> Daemon:
-    if credentials is None:
-        channel = grpc.aio.insecure_channel(address, options=list(options))
-    else:
-        channel = grpc.aio.secure_channel(address, credentials, options=list(options))
-    return Daemon(role, address, channel, generation_pb2_grpc.GenerationStub(channel))
-
-
-async def _check(daemon: Daemon, timeout_s: float) -> str:
-    stub = health_pb2_grpc.HealthStub(daemon.channel)
-    try:
-        answer = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-    except grpc.aio.AioRpcError as exc:
-        return f"UNREACHABLE ({exc.code().name})"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
-
 
 @dataclass(frozen=True)
 class PrefillResult:
     """A prefill call's outcome: its final message holds the request's first token."""
 
-    daemon: Daemon
+    daemon: Instance
     final: generation_pb2.GenerateResponse
 
     @property
@@ -272,30 +91,19 @@ class PrefillResult:
 
 @dataclass
 class Upstream:
-    """Prefill then decode for one request, on daemons it picks; every call has a deadline."""
+    """The calls of a request, on instances of ``fleet`` the caller picked."""
 
-    prefill: DaemonPool
-    decode: DaemonPool
-    _pools: dict[str, DaemonPool] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._pools = {self.prefill.role: self.prefill, self.decode.role: self.decode}
-
-    async def start(self, interval_s: float, timeout_s: float) -> None:
-        """Check every daemon once (so the first request sees real health), then keep
-        checking in the background."""
-        await asyncio.gather(self.prefill.check(timeout_s), self.decode.check(timeout_s))
-        self.prefill.start_checking(interval_s, timeout_s)
-        self.decode.start_checking(interval_s, timeout_s)
+    fleet: Fleet
 
     async def run_prefill(
         self,
+        daemon: Instance,
         request_id: str,
         request: Choice,
         deadline: float,
         on_params: Callable[[generation_pb2.GenerateResponse], None] | None = None,
     ) -> PrefillResult:
-        """The prompt and the request's first token on the next prefill daemon.
+        """The prompt and the request's first token on ``daemon``.
 
         ``deadline`` is a `time.monotonic` instant. The prefill samples with every option of
         the request (stop strings included: a stop in the first token ends the request, as it
@@ -304,7 +112,6 @@ class Upstream:
         a chat) when the daemon announces its params before its final message (its KV is
         being computed).
         """
-        daemon = self.prefill.pick()
         message = generate_request(request_id, request, request.prompt, max_tokens=1)
         if request.max_tokens > 1:
             message.kv_transfer_params_json = (
@@ -312,7 +119,7 @@ class Upstream:
             )
         final: generation_pb2.GenerateResponse | None = None
         first = generation_pb2.GenerateResponse()
-        async with contextlib.aclosing(_call(self.prefill, daemon, message, deadline)) as replies:
+        async with contextlib.aclosing(_call(self.fleet, daemon, message, deadline)) as replies:
             async for reply in replies:
                 if final is not None:
                     continue
@@ -341,14 +148,12 @@ class Upstream:
         if isinstance(request.prompt, ChatMessages) and not first.prompt_token_ids:
             message = "no prompt_token_ids for a chat prompt (a daemon older than the router?)"
             raise _fault(daemon, message, "no_prompt_tokens")
+        daemon.succeeded()
         return result
-
-    def pick_decode(self) -> Daemon:
-        return self.decode.pick()
 
     def run_decode(
         self,
-        daemon: Daemon,
+        daemon: Instance,
         request_id: str,
         request: Choice,
         prefill: generation_pb2.GenerateResponse,
@@ -371,10 +176,20 @@ class Upstream:
             message.await_generated_tokens = True
         else:
             message.generated_token_ids.extend(generated_token_ids)
-        return _call(self.decode, daemon, message, deadline)
+        return _call(self.fleet, daemon, message, deadline)
+
+    def run_alone(
+        self, daemon: Instance, request_id: str, request: Choice, deadline: float
+    ) -> CallStream:
+        """The whole request on one (decode) daemon: no kv_transfer_params, so it computes the
+        prompt itself, as a colocated engine would."""
+        message = generate_request(
+            request_id, request, request.prompt, max_tokens=request.max_tokens
+        )
+        return _call(self.fleet, daemon, message, deadline)
 
     async def continue_decode(
-        self, daemon: Daemon, request_id: str, token_ids: Sequence[int], deadline: float
+        self, daemon: Instance, request_id: str, token_ids: Sequence[int], deadline: float
     ) -> str | None:
         """Give a decode started early its first token(s); None on success, else why not
         (the decode stream then says what happened to the request)."""
@@ -391,7 +206,8 @@ class Upstream:
         """``ReleaseKV`` on the prefill daemon that returned ``prefill``'s params, verbatim.
 
         Returns the outcome: "released", "not_held" (already pulled, released or expired), or
-        the gRPC code's name. Never raises: nobody waits for it but the metrics.
+        the gRPC code's name. Never raises: nobody waits for it but the metrics. The caller
+        holds the daemon's channel open around it (`Fleet.call_started`).
         """
         daemon = prefill.daemon
         message = generation_pb2.ReleaseKVRequest(
@@ -403,16 +219,13 @@ class Upstream:
             # Not DEADLINE_EXCEEDED: the release waits for the engine's current step, which may
             # outlast release_timeout_s on a healthy daemon; the health checks judge liveness.
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._pools[daemon.role].eject(daemon, exc.code(), exc.details() or "")
+                self.fleet.eject(daemon, exc.code(), exc.details() or "")
             return exc.code().name
         return "released" if answer.released else "not_held"
 
-    async def close(self) -> None:
-        await asyncio.gather(self.prefill.close(), self.decode.close())
-
 
 def _call(
-    pool: DaemonPool, daemon: Daemon, message: generation_pb2.GenerateRequest, deadline: float
+    fleet: Fleet, daemon: Instance, message: generation_pb2.GenerateRequest, deadline: float
 ) -> CallStream:
     """Start the call now (it is sent as soon as the event loop runs, even before the first
     message is awaited) and stream its answer."""
@@ -421,16 +234,18 @@ def _call(
         reason = grpc.StatusCode.DEADLINE_EXCEEDED.name
         text = f"{reason}: the request timeout ran out before this call"
         raise UpstreamError(503, text, daemon.role, daemon.address, reason)
-    return CallStream(pool, daemon, daemon.stub.Generate(message, timeout=timeout_s))
+    return CallStream(fleet, daemon, daemon.stub.Generate(message, timeout=timeout_s))
 
 
 class CallStream:
     """A started Generate call's messages; `aclose` (e.g. through ``contextlib.aclosing``)
-    cancels the call, also when it was never iterated."""
+    cancels the call, also when it was never iterated. ``answered``: a message came."""
 
-    def __init__(self, pool: DaemonPool, daemon: Daemon, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, fleet: Fleet, daemon: Instance, call: grpc.aio.UnaryStreamCall) -> None:
+        self.daemon = daemon
+        self.answered = False
         self._call = call
-        self._messages = _stream(pool, daemon, call)
+        self._messages = self._stream(fleet)
 
     def __aiter__(self) -> CallStream:
         return self
@@ -442,32 +257,35 @@ class CallStream:
         await self._messages.aclose()
         self._call.cancel()
 
+    def cancel(self) -> None:
+        """Cancel the call now (its daemon aborts the request); whoever iterates the messages
+        gets the end."""
+        self._call.cancel()
 
-async def _stream(
-    pool: DaemonPool, daemon: Daemon, call: grpc.aio.UnaryStreamCall
-) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-    answered = False
-    try:
-        async for reply in call:
-            answered = True
-            yield reply
-    except grpc.aio.AioRpcError as exc:
-        raise _call_failed(pool, daemon, exc, answered) from None
-    finally:
-        # Reached on cancellation (the HTTP client went away) and on early close: cancelling
-        # the call makes the daemon abort the request and free its blocks.
-        call.cancel()
+    async def _stream(self, fleet: Fleet) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        call = self._call
+        try:
+            async for reply in call:
+                self.answered = True
+                yield reply
+        except grpc.aio.AioRpcError as exc:
+            raise _call_failed(fleet, self.daemon, exc, self.answered) from None
+        finally:
+            # Reached on cancellation (the HTTP client went away) and on early close:
+            # cancelling the call makes the daemon abort the request and free its blocks.
+            call.cancel()
 
 
 def _call_failed(
-    pool: DaemonPool, daemon: Daemon, exc: grpc.aio.AioRpcError, answered: bool
+    fleet: Fleet, daemon: Instance, exc: grpc.aio.AioRpcError, answered: bool
 ) -> UpstreamError:
     code, details = exc.code(), exc.details() or ""
     # A deadline hit while the daemon was streaming is the request's length, not a dead daemon.
-    if code == grpc.StatusCode.UNAVAILABLE or (
+    dead = code == grpc.StatusCode.UNAVAILABLE or (
         code == grpc.StatusCode.DEADLINE_EXCEEDED and not answered
-    ):
-        pool.eject(daemon, code, details)
+    )
+    if dead:
+        fleet.eject(daemon, code, details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _SIZE_LIMIT_DETAILS in details.lower():
         message = (
             f"{code.name}: the request is larger than this daemon's gRPC message limit "
@@ -475,10 +293,13 @@ def _call_failed(
         )
         return UpstreamError(413, message, daemon.role, daemon.address, "message_too_large")
     status = _STATUS_FOR_CODE.get(code, 502)
+    if status >= 500 and (dead or code != grpc.StatusCode.DEADLINE_EXCEEDED):
+        daemon.failed()
     return UpstreamError(status, f"{code.name}: {details}", daemon.role, daemon.address, code.name)
 
 
-def _fault(daemon: Daemon, message: str, reason: str) -> UpstreamError:
+def _fault(daemon: Instance, message: str, reason: str) -> UpstreamError:
+    daemon.failed()
     return UpstreamError(502, message, daemon.role, daemon.address, reason)
 
 

@@ -20,12 +20,16 @@ import aiohttp
 from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig, RouterServer
+from kvtransfer.router.fleet import Resolver, resolve_host
+from kvtransfer.router.policy import PromptTokenizer, token_ids_of
 from router_helpers.fakes import Behaviour, FakeDaemon
 
 # A safety net so a bug shows as a failure instead of a stuck run; no test relies on timing.
 SCENARIO_TIMEOUT_S = 30.0
 # Below the safety net, so a wait that fails names what it waited for.
 WAIT_S = 20.0
+# The admin token of routers whose config turns the admin API on (admin_token=ADMIN_TOKEN).
+ADMIN_TOKEN = "r0uter-admin"
 
 
 @dataclass
@@ -57,6 +61,21 @@ class Cluster:
             text = await response.text()
             return response.status, (json.loads(text) if path != "/metrics" else text)
 
+    async def admin(
+        self, method: str, path: str, token: str | None = ADMIN_TOKEN, body: Any = None
+    ) -> tuple[int, Any]:
+        """An admin API call with ``token`` as its bearer token (None: no header)."""
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        data = None if body is None else json.dumps(body).encode()
+        async with self.http.request(method, path, data=data, headers=headers) as response:
+            return response.status, await response.json()
+
+    async def workers(self) -> dict[str, dict[str, Any]]:
+        """``GET /workers`` as address -> worker."""
+        status, body = await self.admin("GET", "/workers")
+        assert status == 200, body
+        return {w["address"]: w for w in body["workers"]}
+
 
 @asynccontextmanager
 async def cluster(
@@ -64,10 +83,13 @@ async def cluster(
     decodes: Sequence[Behaviour | None] = (None,),
     extra_prefill: Sequence[str] = (),
     extra_decode: Sequence[str] = (),
+    resolver: Resolver = resolve_host,
+    tokenizer: PromptTokenizer = token_ids_of,
     **config: Any,
 ) -> AsyncIterator[Cluster]:
     """Fake daemons (default behaviour: a good prefill / decode) and a router in front of them;
-    ``extra_*`` are addresses added to the router's lists (e.g. where nothing listens)."""
+    ``extra_*`` are entries added to the router's lists (e.g. where nothing listens, or
+    ``dns:NAME:PORT``); ``resolver`` and ``tokenizer`` go to the `RouterServer`."""
     # A test that fails with a request in flight should not wait out the default 60 s drain.
     config.setdefault("shutdown_timeout_s", 2.0)
     p = [await FakeDaemon("prefill", b).start() for b in prefills]
@@ -79,7 +101,7 @@ async def cluster(
             **config,
         )
         async with (
-            RouterServer(router_config) as router,
+            RouterServer(router_config, resolver=resolver, tokenizer=tokenizer) as router,
             aiohttp.ClientSession(base_url=router.url) as http,
         ):
             yield Cluster(router, http, p, d)
@@ -120,7 +142,7 @@ async def wait_for_health(
 
     async def healthy() -> dict[str, Any] | None:
         _, body = await c.get("/health")
-        if body["status"] == status and (role is None or body[role][address] == state):
+        if body["status"] == status and (role is None or body[role].get(address) == state):
             return body
         return None
 

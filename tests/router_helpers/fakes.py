@@ -6,12 +6,18 @@ daemon runs ``behaviour`` for every call (swap it between requests). Every call 
 and sets ``cancelled_event``. ``ReleaseKV`` calls are recorded in ``releases`` (and set
 ``released``), then answered by ``release_behaviour`` (default: released=true). Health is
 SERVING from the start (`set_health` changes it); `stop` then `restart` brings the daemon back
-on the same address. Message limits are the real daemons' (`kvtransfer.clients.limits`).
+on the same address. KVAdmin ``GetStatus`` answers ``status`` (UNIMPLEMENTED while it is
+``None``, as a daemon without KVAdmin). A decode called with ``await_generated_tokens`` sends
+no token before its ``Continue``, as a real one (`continued`): the good behaviours wait for it,
+failures (``fail``, an error finish without tokens) come at once. ``host`` is the loopback
+address it listens on (fakes on 127.0.0.1, 127.0.0.2, ... can share a port: what one DNS name
+with one port gives). Message limits are the real daemons' (`kvtransfer.clients.limits`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES, grpc_message_options
-from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
+from kvtransfer.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 Reply = generation_pb2.GenerateResponse
 Behaviour = Callable[
@@ -65,6 +71,17 @@ def params_for(address: str, request_id: str) -> str:
     )
 
 
+# The fake serving the call a behaviour runs for (behaviours only get the request and context).
+_SERVING: contextvars.ContextVar[FakeDaemon] = contextvars.ContextVar("fake_daemon")
+
+
+async def continued(request: generation_pb2.GenerateRequest) -> None:
+    """Returns once a decode called with await_generated_tokens got its Continue (at once for
+    any other call)."""
+    if request.await_generated_tokens:
+        await _SERVING.get().continued_event(request.request_id).wait()
+
+
 def prefill_ok(address: str, *, with_params: bool = True) -> Behaviour:
     async def behaviour(request, context):
         yield Reply(request_id=request.request_id, num_prompt_tokens=5)
@@ -103,12 +120,27 @@ def prefill_streaming(address: str, finish_reason: str = "length") -> Behaviour:
     return behaviour
 
 
+def prefill_announces_then_hangs(address: str) -> Behaviour:
+    """A prefill that announces its params (a decode may start pulling), then never finishes:
+    a wedged engine, a frozen host."""
+
+    async def behaviour(request, context):
+        params = params_for(address, request.request_id)
+        yield Reply(request_id=request.request_id, num_prompt_tokens=5)
+        yield Reply(request_id=request.request_id, kv_transfer_params_json=params)
+        await asyncio.Event().wait()
+        yield Reply()
+
+    return behaviour
+
+
 def decode_ok(
     pieces: Sequence[tuple[list[int], str]] = DECODE_PIECES,
     finish_reason: str = "length",
     num_prompt_tokens: int = 5,
 ) -> Behaviour:
     async def behaviour(request, context):
+        await continued(request)
         for index, (ids, text) in enumerate(pieces):
             reply = Reply(request_id=request.request_id, token_ids=ids, text=text)
             if index == 0:
@@ -123,9 +155,12 @@ def decode_ok(
 
 
 def finish_error(error: str, pieces: Sequence[tuple[list[int], str]] = ()) -> Behaviour:
-    """Sends ``pieces``, then a final message with finish_reason "error"."""
+    """Sends ``pieces``, then a final message with finish_reason "error" (without pieces, at
+    once: a KV load that failed before any token)."""
 
     async def behaviour(request, context):
+        if pieces:
+            await continued(request)
         for ids, text in pieces:
             yield Reply(request_id=request.request_id, token_ids=ids, text=text)
         yield Reply(
@@ -147,6 +182,8 @@ def hang(pieces: Sequence[tuple[list[int], str]] = ()) -> Behaviour:
     """Sends ``pieces``, then waits until the call is cancelled."""
 
     async def behaviour(request, context):
+        if pieces:
+            await continued(request)
         for ids, text in pieces:
             yield Reply(request_id=request.request_id, token_ids=ids, text=text)
         await asyncio.Event().wait()
@@ -202,31 +239,39 @@ class FakeDaemon:
     continues: list[generation_pb2.ContinueRequest] = field(default_factory=list)
     release_behaviour: ReleaseBehaviour = field(default_factory=release_answer)
     address: str = ""
+    host: str = "127.0.0.1"
+    status: admin_pb2.GetStatusResponse | None = None
 
     def __post_init__(self) -> None:
         self.received = asyncio.Event()
         self.cancelled_event = asyncio.Event()
         self.released = asyncio.Event()
         self._server: grpc.aio.Server | None = None
+        self._continued: dict[str, asyncio.Event] = {}
         self._health = health.aio.HealthServicer()
         self._status: int = health_pb2.HealthCheckResponse.SERVING
 
     async def start(self, port: int = 0) -> FakeDaemon:
         server = grpc.aio.server(options=grpc_message_options(self.max_request_bytes))
         generation_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), server)
+        admin_pb2_grpc.add_KVAdminServicer_to_server(_Admin(self), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self.credentials is None:
-            port = server.add_insecure_port(f"127.0.0.1:{port}")
+            port = server.add_insecure_port(f"{self.host}:{port}")
         else:
-            port = server.add_secure_port(f"127.0.0.1:{port}", self.credentials)
+            port = server.add_secure_port(f"{self.host}:{port}", self.credentials)
         await server.start()
         await self.set_health(self._status)
         self._server = server
-        self.address = f"127.0.0.1:{port}"
+        self.address = f"{self.host}:{port}"
         if self.behaviour is None:
             self.behaviour = prefill_ok(self.address) if self.role == "prefill" else decode_ok()
         return self
+
+    def continued_event(self, request_id: str) -> asyncio.Event:
+        """Set once a Continue for ``request_id`` came."""
+        return self._continued.setdefault(request_id, asyncio.Event())
 
     async def restart(self) -> FakeDaemon:
         """Serve again on the same address after `stop` (a daemon restarted in place)."""
@@ -244,12 +289,33 @@ class FakeDaemon:
             self._server = None
 
 
+def load_status(running: int = 0, waiting: int = 0, used: int = 0, free: int = 64):
+    """A KVAdmin status reporting that load."""
+    return admin_pb2.GetStatusResponse(
+        num_running_requests=running,
+        num_waiting_requests=waiting,
+        num_used_blocks=used,
+        num_free_blocks=free,
+    )
+
+
+class _Admin(admin_pb2_grpc.KVAdminServicer):
+    def __init__(self, daemon: FakeDaemon) -> None:
+        self._daemon = daemon
+
+    async def GetStatus(self, request, context):
+        if self._daemon.status is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no KVAdmin here")
+        return self._daemon.status
+
+
 class _Servicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, daemon: FakeDaemon) -> None:
         self._daemon = daemon
 
     async def Continue(self, request, context):
         self._daemon.continues.append(request)
+        self._daemon.continued_event(request.request_id).set()
         return generation_pb2.ContinueResponse()
 
     async def ReleaseKV(self, request, context):
@@ -275,6 +341,7 @@ class _Servicer(generation_pb2_grpc.GenerationServicer):
                 daemon.cancelled_event.set()
 
         context.add_done_callback(on_done)
+        _SERVING.set(daemon)
         try:
             async for reply in daemon.behaviour(request, context):
                 yield reply

@@ -1,0 +1,56 @@
+"""The router's upstream failures: what went wrong on a daemon, as the HTTP status to answer.
+
+The table of statuses is in `kvtransfer.router.upstream`; `retryable` says which failures
+another instance may be asked to redo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# A deadline is the request's whole budget: a retry would only hit it again.
+_NOT_RETRYABLE_REASONS = frozenset({"DEADLINE_EXCEEDED"})
+
+
+class UpstreamError(RuntimeError):
+    """A daemon failed the request: ``status`` is the HTTP status to answer with."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        role: str,
+        address: str,
+        reason: str = "error",
+        *,
+        text: str | None = None,
+    ) -> None:
+        super().__init__(text or f"{role} daemon {address}: {message}")
+        self.status = status
+        self.message = message
+        self.role = role
+        self.address = address
+        self.reason = reason
+
+    @property
+    def retryable(self) -> bool:
+        """Whether another instance of the role may succeed where this one failed: a 5xx of
+        the daemon's own (not a refusal of the input, not the request's deadline)."""
+        return self.status >= 500 and self.reason not in _NOT_RETRYABLE_REASONS
+
+
+class NoHealthyDaemon(UpstreamError):
+    """No daemon of ``role`` may be picked: 503 at once, naming each daemon and its state (or
+    saying the role has none yet, while DNS or the admin API will add them)."""
+
+    def __init__(self, role: str, states: Mapping[str, str]) -> None:
+        if states:
+            listed = "; ".join(f"{address}: {state}" for address, state in states.items())
+            message = f"no {role} daemon is healthy ({listed})"
+        else:
+            message = f"no {role} daemon is healthy (the fleet has no {role} daemon yet)"
+        super().__init__(503, message, role, ", ".join(states), "no_healthy_daemon", text=message)
+
+    @property
+    def retryable(self) -> bool:
+        return False
