@@ -3,7 +3,8 @@
 Whatever moment the client cancels at (before admission, mid-prompt, just as the engine finishes,
 after the final message was written), nobody will pull that KV: the daemon aborts the request
 if it still runs and releases the KV it holds. The lease here is a minute, so blocks that come
-back within seconds came back through that path.
+back within seconds came back through that path; the test never releases or aborts a cancelled
+call's request itself, it only watches the daemon's status.
 """
 
 from __future__ import annotations
@@ -64,15 +65,15 @@ def test_a_cancelled_prefill_call_holds_no_kv(prefill, delay_s):
             assert final_params is not None
             assert held == [request_id]
             assert client.release_kv(request_id, final_params) is True
-        elif held:
-            # Either the daemon is giving it back (it saw the cancel), or it finished and sent
-            # the params just before the client cancelled without reading them: no server can
-            # tell that apart from a delivery, so the lease (or an operator's abort) ends it.
-            assert held == [request_id]
-            admin(prefill.address, "abort", request_id)
+        else:
+            # Cancelled: nobody will pull this KV. If it is still listed, the daemon is giving
+            # it back; nothing here helps it (no release, no abort): the test only watches.
+            assert held in ([], [request_id])
     wait_until(
-        lambda: admin(prefill.address, "status").num_used_blocks == 0,
-        "the cancelled call's blocks given back",
+        lambda: (
+            admin(prefill.address, "status").num_used_blocks == 0
+            and not admin(prefill.address, "transfers")
+        ),
+        "the cancelled call's blocks given back by the daemon itself",
         BACK_WITHIN_S,
     )
-    assert admin(prefill.address, "abort", request_id) is False

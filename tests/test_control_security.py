@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,7 @@ from kvtransfer.control.security import (
     channel_options,
     server_credentials,
 )
+from kvtransfer.control.server import DEFAULT_LOG_LEVEL_LOGGER
 
 pytestmark = pytest.mark.integration
 
@@ -246,9 +248,38 @@ def test_missing_and_wrong_token_are_refused_naming_the_problem(token_server):
         admin_call(token_server.address, token=TOKEN + "x")
 
 
+class RecordingBackend(BasicAdminBackend):
+    """Writes down every backend method the server runs."""
+
+    def __init__(self) -> None:
+        super().__init__(role="kv_producer", engine_id=ENGINE_ID, model="m", num_blocks=8)
+        self.calls: list[str] = []
+
+    def status(self):
+        self.calls.append("status")
+        return super().status()
+
+    def peers(self):
+        self.calls.append("peers")
+        return super().peers()
+
+    def transfers(self):
+        self.calls.append("transfers")
+        return super().transfers()
+
+    def abort(self, request_id: str) -> bool:
+        self.calls.append("abort")
+        return super().abort(request_id)
+
+    def drain(self) -> int:
+        self.calls.append("drain")
+        return super().drain()
+
+
 @pytest.mark.parametrize(
     ("method", "args"),
     [
+        ("status", ()),
         ("peers", ()),
         ("transfers", ()),
         ("abort", ("req-1",)),
@@ -257,11 +288,20 @@ def test_missing_and_wrong_token_are_refused_naming_the_problem(token_server):
     ],
 )
 def test_every_admin_method_is_guarded_and_never_runs_unauthenticated(method, args):
-    backend = make_backend()
+    backend = RecordingBackend()
+    logger = logging.getLogger(DEFAULT_LOG_LEVEL_LOGGER)
+    level = logger.level
     with serve(admin=backend, admin_token=TOKEN) as server:
-        with pytest.raises(AdminAuthError, match="missing admin token"):
-            admin_call(server.address, method, *args)
-        assert not backend.draining
+        for token in (None, "wrong"):
+            with pytest.raises(AdminAuthError, match="admin token"):
+                admin_call(server.address, method, *args, token=token)
+        # Nothing ran: no backend method, and the log level (the server's own) is unchanged.
+        assert backend.calls == []
+        assert logger.level == level
+        # The recorder works: an authenticated call is written down.
+        admin_call(server.address, method, *args, token=TOKEN)
+        assert backend.calls == ([] if method == "set_log_level" else [method])
+    logger.setLevel(level)
 
 
 def test_token_guards_only_kvadmin(token_server):
