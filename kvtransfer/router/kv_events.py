@@ -15,8 +15,9 @@ How a subscriber keeps the instance's precise set a subset of what the engine ho
    a replay); higher is a gap: missed messages are asked from the replay socket. If the replay
    does not start at ``next`` (gone from the buffer), fails, or times out, or there is no replay
    socket, the precise set is cleared and rebuilt from the messages at hand on.
-3. A sequence lower than the last live one means the publisher restarted (its engine's cache
-   is empty): the instance's index is cleared (both sets) and replayed from 0.
+3. The publisher restarted (its engine's cache is empty) when a live sequence number is not
+   above the last live one, or when a resync's replay ends below the highest number applied
+   before (or is empty): the instance's index is cleared (both sets) and replayed from 0.
 4. A message it cannot decode is a gap that cannot be filled: the precise set is cleared.
 5. The SUB socket losing its connection takes the instance out of sync (its approximate set
    answers for it); on every (re)connection (TCP/IPC handshake) it resyncs as in 1 after
@@ -150,7 +151,7 @@ class ReplayRequest:
 
 
 class EventStream:
-    """The sequence rules of one instance's events (module docstring, 2 to 4), without I/O:
+    """The sequence rules of one instance's events (module docstring, 1 to 5), without I/O:
     `on_message` applies a live message or asks for a replay, `on_replay` applies the replay's
     answer (``None``: it failed) and then the live message that asked for it."""
 
@@ -159,15 +160,22 @@ class EventStream:
         self.address = address
         self.has_replay = has_replay
         self.next_seq: int | None = None  # None: the next message starts the run
-        self.last_live: int | None = None
+        self.last_live: int | None = None  # live messages only: they never go back
+        self.high_seq: int | None = None  # the highest applied since the publisher started
         self.num_gaps = 0
         self.num_unfilled = 0
         self.num_restarts = 0
         self.num_undecodable = 0
 
     def start(self) -> ReplayRequest | None:
-        """In sync from nothing; with replay, first fetch what the publisher buffered."""
+        """Attach to the index and `resync`."""
         self.index.attach_events(self.address)
+        return self.resync()
+
+    def resync(self) -> ReplayRequest | None:
+        """Start a run from an empty precise set; with replay, from what the publisher kept."""
+        self.index.events_synced(self.address, False)
+        self.index.clear_precise(self.address)
         self.next_seq = None
         if self.has_replay:
             return ReplayRequest(0)
@@ -177,22 +185,12 @@ class EventStream:
     def on_disconnect(self) -> None:
         self.index.events_synced(self.address, False)
 
-    def resync(self) -> ReplayRequest | None:
-        """After a (re)connection: clear the precise set, then as `start`."""
-        self.index.clear_precise(self.address)
-        self.last_live = None
-        return self.start()
-
     def on_message(self, seq: int, payload: bytes) -> ReplayRequest | None:
         restarted = self.last_live is not None and seq <= self.last_live
         self.last_live = seq
         if restarted:
-            self.num_restarts += 1
-            logger.info("KV events of %s: the publisher restarted (seq %d)", self.address, seq)
-            self.index.forget(self.address)
-            self.next_seq = None
+            self._restarted(seq)
             if self.has_replay:
-                self.index.events_synced(self.address, False)
                 return ReplayRequest(0)
         if self.next_seq is not None and seq > self.next_seq:
             self.num_gaps += 1
@@ -212,15 +210,26 @@ class EventStream:
     ) -> None:
         """Apply a replay's answer from ``request.start_seq`` (``None``: it failed), then the
         live message that asked for it."""
-        if items is None:
-            items = ()
-        if self.next_seq is not None and (not items or items[0][0] != self.next_seq):
-            self._unfilled(self.next_seq, items[0][0] if items else None)
-        for seq, payload in items:
+        # A resync's replay: a publisher whose messages now end below what was applied before
+        # (or that kept none) restarted since, with an empty cache.
+        resync = self.next_seq is None and items is not None and self.high_seq is not None
+        if resync and (items[-1][0] if items else -1) < self.high_seq:
+            self._restarted(items[-1][0] if items else -1)
+            # Live messages the replay holds too may still be queued: not restarts.
+            self.last_live = None
+        # A replay that does not start where asked (or failed) leaves a hole `_take` sees.
+        for seq, payload in items or ():
             self._take(seq, payload)
         if live is not None:
             self._take(*live)
         self.index.events_synced(self.address, True)
+
+    def _restarted(self, seq: int) -> None:
+        self.num_restarts += 1
+        logger.info("KV events of %s: the publisher restarted (at seq %d)", self.address, seq)
+        self.index.forget(self.address)
+        self.index.events_synced(self.address, False)
+        self.next_seq = self.high_seq = None
 
     def _take(self, seq: int, payload: bytes) -> None:
         """Message ``seq`` of the run: skipped if applied already; after a hole, the run
@@ -232,6 +241,7 @@ class EventStream:
             if seq > self.next_seq:
                 self._unfilled(self.next_seq, seq)
         self._apply(seq, payload)
+        self.high_seq = seq if self.high_seq is None else max(self.high_seq, seq)
 
     def _unfilled(self, missing_from: int, resumed_at: int | None) -> None:
         self.num_unfilled += 1
