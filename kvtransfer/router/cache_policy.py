@@ -1,0 +1,155 @@
+"""``cache_aware``: send a prompt where most of its prefix is cached, within a share of the load.
+
+`CacheAwarePolicy.choose`, for a request whose token ids are known:
+
+1. The prefix index (`kvtransfer.router.prefix_index`) tells how many leading full blocks of
+   the prompt each candidate holds.
+2. The load guard: with ``n`` candidates carrying ``total`` requests (`policy.load_score`: this
+   router's in flight plus other routers' share from the instances' reports), a candidate may
+   be preferred for its cache only if taking this request keeps it within
+   ``max(balance_share * (total + 1) / n, balance_floor)`` requests, and its KV cache is used
+   below ``max_kv_usage``. One hot prefix therefore never piles more than ``balance_share``
+   times the fair share on one instance; the overflow goes to the least loaded, which then
+   learns the prefix too.
+3. Among the candidates the guard allows, the one holding the most blocks (at least
+   ``min_match_blocks``) wins; ties go to the lower load, then the lower KV use.
+4. Otherwise (no tokens, nothing cached, or the guard ruled the holders out) the least loaded
+   candidate wins; ties go to the lower KV use, the most blocks held, then to a choice fixed by
+   the prompt's first block (the same prefix lands on the same instance while loads tie,
+   different ones spread), or in turn when the prompt is unknown.
+
+The same rule serves both roles: a prefill instance holding the prefix computes only the rest;
+a decode instance holding it pulls only the blocks it lacks. `observe` teaches the index the
+chosen instance (its approximate set). `uncached_tokens` (the `policy.UncachedEstimator` that
+conditional disaggregation asks) is the prompt tokens the instance `choose` would pick must
+compute (at least the last one: an engine never serves a whole prompt from its cache).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtransfer.router.policy import CACHE_AWARE, Candidate, RouteContext, load_score
+from kvtransfer.router.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from kvtransfer.router.config import RouterConfig
+
+
+@dataclass(frozen=True)
+class CacheAwareSettings:
+    balance_share: float = 1.5
+    balance_floor: int = 4
+    max_kv_usage: float = 0.95
+    min_match_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.balance_share < 1:
+            raise ValueError(f"balance_share must be >= 1, got {self.balance_share}")
+        if self.balance_floor < 1 or self.min_match_blocks < 1:
+            raise ValueError("balance_floor and min_match_blocks must be >= 1")
+        if not 0 < self.max_kv_usage <= 1:
+            raise ValueError(f"max_kv_usage must be in (0, 1], got {self.max_kv_usage}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why `choose` picked what it picked (the last one is kept, for logs and tests)."""
+
+    address: str
+    reason: str  # "cache", "least_load" (nothing cached), "balance" (the guard overruled)
+    cached_blocks: int
+
+
+class CacheAwarePolicy:
+    name = CACHE_AWARE
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        role: str,
+        settings: CacheAwareSettings | None = None,
+    ) -> None:
+        self.index = index
+        self.role = role
+        self.settings = settings or CacheAwareSettings()
+        self.last_decision: Decision | None = None
+        self.decisions: Counter[str] = Counter()
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Candidate], route: RouteContext) -> Candidate:
+        chosen, decision = self._decide(candidates, route.token_ids)
+        self.last_decision = decision
+        self.decisions[decision.reason] += 1
+        if route.token_ids is None:
+            self._turn += 1
+        return chosen
+
+    def observe(self, chosen: Candidate, route: RouteContext) -> None:
+        if route.token_ids:
+            self.index.observe(chosen.address, route.token_ids)
+
+    def uncached_tokens(self, candidates: Sequence[Candidate], route: RouteContext) -> int:
+        tokens = route.token_ids or ()
+        if not candidates or not tokens:
+            return len(tokens)
+        _, decision = self._decide(candidates, tokens)
+        block_size = self.index.block_size(decision.address)
+        return _uncached(len(tokens), decision.cached_blocks, block_size)
+
+    def candidate_uncached_tokens(self, candidate: Candidate, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` that ``candidate`` would compute (at least 1)."""
+        blocks = self.index.cached_blocks(candidate.address, token_ids)
+        return _uncached(len(token_ids), blocks, self.index.block_size(candidate.address))
+
+    def _decide(
+        self, candidates: Sequence[Candidate], token_ids: Sequence[int] | None
+    ) -> tuple[Candidate, Decision]:
+        if not candidates:
+            raise ValueError("no candidates to choose from")
+        settings = self.settings
+        loads = [load_score(c) for c in candidates]
+        usages = [c.load.kv_usage if c.load is not None else 0.0 for c in candidates]
+        cached = self.index.match(token_ids) if token_ids else {}
+        blocks = [cached.get(c.address, 0) for c in candidates]
+        if max(blocks) >= settings.min_match_blocks:
+            fair = (sum(loads) + 1) / len(candidates)
+            cap = max(settings.balance_share * fair, settings.balance_floor)
+            allowed = [
+                i
+                for i in range(len(candidates))
+                if loads[i] + 1 <= cap and usages[i] < settings.max_kv_usage
+            ]
+            best = max(allowed, key=lambda i: (blocks[i], -loads[i], -usages[i]), default=None)
+            if best is not None and blocks[best] >= settings.min_match_blocks:
+                return candidates[best], Decision(candidates[best].address, "cache", blocks[best])
+            reason = "balance"
+        else:
+            reason = "least_load"
+        lowest = min(zip(loads, usages, strict=True))
+        tied = [i for i in range(len(candidates)) if (loads[i], usages[i]) == lowest]
+        most = max(blocks[i] for i in tied)
+        tied = [i for i in tied if blocks[i] == most]
+        if len(tied) == 1:
+            pick = tied[0]
+        elif token_ids:
+            first = tuple(token_ids[: self.index.block_size(candidates[tied[0]].address)])
+            pick = max(tied, key=lambda i: hash((first, candidates[i].address)))
+        else:
+            pick = tied[self._turn % len(tied)]
+        return candidates[pick], Decision(candidates[pick].address, reason, blocks[pick])
+
+
+def _uncached(num_tokens: int, cached_blocks: int, block_size: int) -> int:
+    return num_tokens - min(cached_blocks * block_size, max(num_tokens - 1, 0))
+
+
+def create_policy(role: str, config: RouterConfig) -> CacheAwarePolicy:
+    """The ``cache_aware`` policy of ``role`` with its own prefix index (``policy.index``: feed
+    it KV events with `kvtransfer.router.kv_events.KVEventSubscribers`). The router's config
+    carries no cache-aware settings yet: the defaults of `CacheAwareSettings` apply."""
+    return CacheAwarePolicy(PrefixIndex(), role=role)
