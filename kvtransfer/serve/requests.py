@@ -42,7 +42,7 @@ def parse_generate_request(
 ) -> ParsedRequest:
     if not request.request_id:
         raise RequestError("request_id must not be empty")
-    prompt = _prompt_ids(request, tokenizer, vocab_size, chat_template)
+    prompt = prompt_token_ids(request, tokenizer, vocab_size, chat_template)
     if not request.HasField("sampling"):
         raise RequestError("sampling is required (at least sampling.max_tokens)")
     sampling = request.sampling
@@ -95,12 +95,14 @@ def _generated_ids(request: generation_pb2.GenerateRequest, vocab_size: int) -> 
     return ids
 
 
-def _prompt_ids(
+def prompt_token_ids(
     request: generation_pb2.GenerateRequest,
     tokenizer: Any,
     vocab_size: int,
     chat_template: ChatTemplate | None,
 ) -> tuple[int, ...]:
+    """The engine's prompt for ``request``'s text, token ids or chat (the router tokenizes with
+    this too, `kvtransfer.router.tokens`); `RequestError` names a bad field."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestError("prompt: set text, token_ids or chat")
