@@ -98,7 +98,12 @@ class FakeVllmKVConnectorOutput:
 
 
 def test_from_vllm_carries_vllm_fields_and_moves_kv_ip_out_of_extra():
-    extra = {"kv_ip": "10.1.2.3", "kvtransfer_connector": "UcxConnector", "backends": ["UCX"]}
+    extra = {
+        "kv_ip": "10.1.2.3",
+        "kvtransfer_connector": "UcxConnector",
+        "vllm_kv_split": "heads",
+        "backends": ["UCX"],
+    }
     source = vllm_kv_transfer_config(
         engine_id="engine-7",
         kv_role="kv_consumer",
@@ -119,6 +124,7 @@ def test_from_vllm_carries_vllm_fields_and_moves_kv_ip_out_of_extra():
     assert extra == {
         "kv_ip": "10.1.2.3",
         "kvtransfer_connector": "UcxConnector",
+        "vllm_kv_split": "heads",
         "backends": ["UCX"],
     }
 

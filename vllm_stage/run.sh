@@ -39,6 +39,12 @@ fi
 # Bytes first: kvtransfer between caches built by vLLM's own view builder, every KV layout.
 "$venv/bin/python" vllm_stage/check_layouts.py \
   || fail "kvtransfer moved wrong KV bytes between vLLM cache layouts (see above)"
+# The adapter under PP (and TP x PP) with vLLM's own factory, views and handshake keying.
+"$venv/bin/python" vllm_stage/check_adapter_pp.py \
+  || fail "the adapter under PP moved wrong KV or mis-keyed handshakes (see above)"
+# Our KV event payloads as vLLM's own decoder reads them, and the router indexing vLLM's.
+"$venv/bin/python" vllm_stage/check_kv_events.py \
+  || fail "kvtransfer's KV events are not vLLM's wire format (see above)"
 mkdir -p "$work"
 HF_HUB_OFFLINE=1 "$venv/bin/python" vllm_stage/make_tiny_llama.py "$work/tiny-llama" >/dev/null 2>&1 \
   || fail "cannot build the tiny Llama checkpoint"

@@ -75,11 +75,13 @@ class KVTransferConfig(BaseModel):
 
         vLLM refuses a top-level ``kv_ip``, so the handshake host comes from
         ``kv_connector_extra_config.kv_ip``; ``kvtransfer_connector`` there (the generic
-        adapter's choice of connector) is vLLM-side only and dropped.
+        adapter's choice of connector) and ``vllm_kv_split`` (how vLLM's backend lays K and V
+        in a block) are vLLM-side only and dropped.
         """
         extra = dict(getattr(vllm_config, "kv_connector_extra_config", None) or {})
         kv_ip = extra.pop("kv_ip", None)
         extra.pop("kvtransfer_connector", None)
+        extra.pop("vllm_kv_split", None)
         device = getattr(vllm_config, "kv_buffer_device", None)
         return cls.from_dict(
             {

@@ -49,6 +49,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
+import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1 as VllmConnectorBase,
@@ -73,6 +74,7 @@ from kvtransfer.integrations.vllm_translate import (
     SchedulerStep,
     check_deployment,
     connector_output,
+    kv_split_for,
     needs_piecewise_cudagraph,
     single_group_block_ids,
     vllm_kv_cache_layout,
@@ -116,6 +118,10 @@ class KVTransferConnector(VllmConnectorBase):
                 "name of the kvtransfer connector to host"
             )
         self._config = KVTransferConfig.from_vllm(vllm_kv, name)
+        # The backend's K/V convention when the device does not tell it (FlashInfer's "heads").
+        self._kv_split = (vllm_kv.kv_connector_extra_config or {}).get("vllm_kv_split")
+        if self._kv_split is not None:
+            kv_split_for(torch.device("cpu"), self._kv_split)  # an unknown name fails here
         is_scheduler = role == VllmRole.SCHEDULER
         self._layout = vllm_kv_cache_layout(
             vllm_config, kv_cache_config, None if is_scheduler else _worker_rank()
@@ -136,7 +142,7 @@ class KVTransferConnector(VllmConnectorBase):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._inner.register_kv_caches(vllm_kv_views(kv_caches, self._layout))
+        self._inner.register_kv_caches(vllm_kv_views(kv_caches, self._layout, self._kv_split))
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         # vLLM hands every connector its d2h/h2d block copy after `register_kv_caches`. Unused:
