@@ -52,6 +52,7 @@ ROOT_KEY = 0
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_APPROX_CAPACITY_BLOCKS = 65_536
 DEFAULT_MAX_EVENT_LAG_S = 3.0
+_REUSE_MATCH_S = 0.01
 
 
 def block_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -135,6 +136,10 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._by_slot: dict[int, str] = {}
+        # Bumped by every change: the last look-up is reused for the same prompt object until
+        # then (a router asks twice per decision: conditional disaggregation, then the pick).
+        self._version = 0
+        self._last_match: tuple[tuple[int, ...], int, float, dict[str, int]] | None = None
 
     # ------------------------------------------------------------------ instances
 
@@ -146,6 +151,7 @@ class PrefixIndex:
         approx_capacity_blocks: int | None = None,
     ) -> None:
         """Register ``address`` (idempotent); a new block size forgets what it knew."""
+        self._version += 1
         block_size = block_size or self.default_block_size
         capacity = approx_capacity_blocks or self.approx_capacity_blocks
         if block_size < 1 or capacity < 1:
@@ -175,6 +181,7 @@ class PrefixIndex:
         return self._next_slot - 1
 
     def remove_instance(self, address: str) -> None:
+        self._version += 1
         inst = self._instances.pop(address, None)
         if inst is None:
             return
@@ -196,6 +203,7 @@ class PrefixIndex:
 
     def forget(self, address: str) -> None:
         """The instance's cache is empty (it restarted, or said so): drop both sets."""
+        self._version += 1
         inst = self._instances.get(address)
         if inst is not None:
             self._clear_precise(inst)
@@ -207,8 +215,16 @@ class PrefixIndex:
         """Address -> how many leading full blocks of ``token_ids`` it holds (as far as the
         index knows); an instance holding none is left out."""
         tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
-        result: dict[str, int] = {}
         now = self._clock()
+        last = self._last_match
+        if (
+            last is not None
+            and last[0] is tokens
+            and last[1] == self._version
+            and 0 <= now - last[2] < _REUSE_MATCH_S
+        ):
+            return dict(last[3])
+        result: dict[str, int] = {}
         by_slot = self._by_slot
         for group in self._groups.values():
             bs = group.block_size
@@ -221,24 +237,14 @@ class PrefixIndex:
                 if self._mode(inst, now) == "precise":
                     precise_mask |= inst.bit
             approx_mask = group.members & ~precise_mask
-            precise_get = group.precise.get
-            approx_get = group.approx.get
-            alive = group.members
-            key = ROOT_KEY
-            # depth: how many blocks every instance still alive holds before this one
-            for depth, start in enumerate(range(0, limit, bs)):
-                key = hash((key, tokens[start : start + bs]))
-                held = (precise_get(key, 0) & precise_mask) | (approx_get(key, 0) & approx_mask)
-                lost = alive & ~held
-                if lost:
-                    if depth:
-                        _record(result, lost, depth, by_slot)
-                    alive &= held
-                    if not alive:
-                        break
+            if not approx_mask or not precise_mask:
+                # Every instance answers from the same set: one look-up per block.
+                masks = group.precise if precise_mask else group.approx
+                _walk_one(result, tokens, bs, masks.get, group.members, by_slot)
             else:
-                _record(result, alive, len(tokens) // bs, by_slot)
-        return result
+                _walk_mixed(result, tokens, bs, group, precise_mask, approx_mask, by_slot)
+        self._last_match = (tokens, self._version, now, result)
+        return dict(result)
 
     def cached_blocks(self, address: str, token_ids: Sequence[int]) -> int:
         return self.match(token_ids).get(address, 0)
@@ -263,6 +269,7 @@ class PrefixIndex:
     def observe(self, address: str, token_ids: Sequence[int]) -> None:
         """A request with ``token_ids`` was routed to ``address``: its full blocks are likely
         cached there now (approximate set); with events attached, events are expected."""
+        self._version += 1
         if address not in self._instances:
             self.add_instance(address)
         inst = self._instances[address]
@@ -296,6 +303,7 @@ class PrefixIndex:
 
     def attach_events(self, address: str) -> None:
         """A subscriber now feeds this instance's events (not yet in sync)."""
+        self._version += 1
         if address not in self._instances:
             self.add_instance(address)
         inst = self._instances[address]
@@ -303,6 +311,7 @@ class PrefixIndex:
         inst.synced = False
 
     def detach_events(self, address: str) -> None:
+        self._version += 1
         inst = self._instances.get(address)
         if inst is not None:
             inst.events_attached = False
@@ -313,12 +322,14 @@ class PrefixIndex:
 
     def events_synced(self, address: str, synced: bool) -> None:
         """The subscriber applies an unbroken run of events (True), or lost track (False)."""
+        self._version += 1
         inst = self._instances.get(address)
         if inst is not None:
             inst.synced = synced
 
     def message_received(self, address: str, *, heartbeat: bool = False) -> None:
         """Any message (a heartbeat too) from the instance's publisher."""
+        self._version += 1
         inst = self._instances.get(address)
         if inst is not None:
             inst.last_message_at = self._clock()
@@ -327,12 +338,14 @@ class PrefixIndex:
 
     def clear_precise(self, address: str) -> None:
         """Start the precise set again from nothing (a run of events broke)."""
+        self._version += 1
         inst = self._instances.get(address)
         if inst is not None:
             self._clear_precise(inst)
 
     def apply(self, address: str, events: Iterable[KVCacheEvent]) -> None:
         """Apply one batch of the instance's events, in order."""
+        self._version += 1
         inst = self._instances.get(address)
         if inst is None:
             return
@@ -445,6 +458,58 @@ class PrefixIndex:
             )
             for inst in self._instances.values()
         ]
+
+
+def _walk_one(
+    result: dict[str, int],
+    tokens: tuple[int, ...],
+    bs: int,
+    get: Callable[[int, int], int],
+    alive: int,
+    by_slot: dict[int, str],
+) -> None:
+    """Record in ``result`` how many leading blocks of ``tokens`` each instance of ``alive``
+    holds per ``get`` (key -> mask); stops at the first block none holds."""
+    key = ROOT_KEY
+    for start in range(0, len(tokens) - bs + 1, bs):
+        key = hash((key, tokens[start : start + bs]))
+        held = get(key, 0)
+        lost = alive & ~held
+        if lost:
+            if start:
+                _record(result, lost, start // bs, by_slot)
+            alive &= held
+            if not alive:
+                return
+    _record(result, alive, len(tokens) // bs, by_slot)
+
+
+def _walk_mixed(
+    result: dict[str, int],
+    tokens: tuple[int, ...],
+    bs: int,
+    group: _Group,
+    precise_mask: int,
+    approx_mask: int,
+    by_slot: dict[int, str],
+) -> None:
+    """`_walk_one` with the instances of ``precise_mask`` answering from their precise sets
+    and the others from their approximate ones."""
+    precise_get = group.precise.get
+    approx_get = group.approx.get
+    alive = group.members
+    key = ROOT_KEY
+    for start in range(0, len(tokens) - bs + 1, bs):
+        key = hash((key, tokens[start : start + bs]))
+        held = (precise_get(key, 0) & precise_mask) | (approx_get(key, 0) & approx_mask)
+        lost = alive & ~held
+        if lost:
+            if start:
+                _record(result, lost, start // bs, by_slot)
+            alive &= held
+            if not alive:
+                return
+    _record(result, alive, len(tokens) // bs, by_slot)
 
 
 def _indexed_tier(medium: str | None, group_idx: int | None) -> bool:
