@@ -1,6 +1,7 @@
 """End to end through the router, with real daemons as separate processes: completions equal the
 colocated `kvtransfer generate` output (JSON and SSE, 1P1D, 2P1D, TP/PP differing across the
-sides, the decode loading every prompt's KV); a short token prompt decoded alone; bad requests
+sides, the decode loading every prompt's KV); a short token prompt decoded alone; a wedged
+prefill that does not hold back its decode's failure; bad requests
 get 400 naming the field, bodies over the shared limit 413; a dead decode daemon is ejected,
 nothing is prefilled for it, and KV prefilled for a decode that failed is released at once (not
 after its lease); a restarted daemon is re-admitted."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -21,6 +23,13 @@ from serve_helpers.daemons import (
     running,
     start_daemon,
     start_router,
+)
+from serve_helpers.layer_times import (
+    HOLD_BOUND_S,
+    arm_hold,
+    read_events,
+    timed_env,
+    timed_kv_config,
 )
 from serve_helpers.probes import get, post, started, used_blocks
 from waiting import seconds_until, wait_until
@@ -311,6 +320,51 @@ def test_a_short_token_prompt_runs_on_the_decode_daemon_alone(one_to_one, expect
 
         found = wait_until(loads, "both daemons' load read", RELEASED_WITHIN_S)
         assert found["prefill"]["kv_blocks_total"] == found["decode"]["kv_blocks_total"] == 96
+
+
+def test_a_wedged_prefill_does_not_hold_back_the_decodes_failure(tmp_path):
+    """The prefill announced its KV, then its engine stops before the last layer (held there up
+    to `HOLD_BOUND_S`, as a wedged engine): the decode gives up on that layer after its transfer
+    timeout and fails (policy "fail"), and the router answers that failure then, while the
+    prefill is still stuck, instead of waiting for the prefill; the abandoned prefill request
+    is cancelled and both sides end with no block in use."""
+    times = {role: tmp_path / f"{role}-times.jsonl" for role in ("prefill", "decode")}
+    hold = tmp_path / "hold"
+    kv = {
+        "kv_connector_extra_config": {"kv_stream_min_tokens": 0, "transfer_timeout_s": 2},
+        "kv_load_failure_policy": "fail",
+        **timed_kv_config(),
+    }
+    env = {role: timed_env(times[role]) for role in times}
+    prefill = start_daemon(
+        "prefill", tmp_path, "--engine-id", "p", kv=kv, env=timed_env(times["prefill"], hold)
+    )
+    decode = start_daemon("decode", tmp_path, "--engine-id", "d", kv=kv, env=env["decode"])
+    router = start_router(tmp_path, [prefill], [decode])
+    with running(router, decode, prefill):
+        since = time.monotonic()
+        # Held until a pull shows in a log nobody writes: only the hold's bound ends it.
+        arm_hold(hold, tmp_path / "nobody.jsonl", since)
+        status, text = post(router.address, {"prompt": PROMPTS[2], "max_tokens": 4})
+        still_held = not any(e["event"] == "held" for e in read_events(times["prefill"], since))
+        assert status == 502, text
+        message = json.loads(text)["error"]["message"]
+        assert message.startswith(f"decode daemon {decode.address}: "), message
+        assert "KV load failed" in message, message
+        assert still_held, "the answer waited for the prefill"
+        # The prefill's engine (and so its KVAdmin status) answers again once the hold ends.
+        wait_until(
+            lambda: any(e["event"] == "held" for e in read_events(times["prefill"], since)),
+            "the prefill's hold over",
+            HOLD_BOUND_S + RELEASED_WITHIN_S,
+        )
+        wait_until(
+            lambda: used_blocks(prefill) == used_blocks(decode) == 0,
+            "both sides free",
+            RELEASED_WITHIN_S,
+        )
+        assert admin(prefill.address, "status").counters["requests_aborted"] == 1
+    assert exit_used_blocks(prefill) == exit_used_blocks(decode) == 0
 
 
 def test_tls_and_admin_token_end_to_end(tmp_path, expected, capsys):
