@@ -298,15 +298,41 @@ def test_publisher_frames_sequence_heartbeats_and_replay(context):
         publisher.close()
 
 
-def test_replay_keeps_only_the_last_buffer_steps(context):
-    publisher = _publisher(context, "short", buffer_steps=3, heartbeat_s=0.01)
+def _next_events(sub: zmq.Socket, heartbeats_after: int = 0) -> int:
+    """The sequence number of the next batch with events; then waits for some heartbeats."""
+    while True:
+        _, seq, payload = sub.recv_multipart()
+        if decode_batch(payload).events:
+            break
+    seen = 0
+    while seen < heartbeats_after:
+        _, _, payload = sub.recv_multipart()
+        seen += not decode_batch(payload).events
+    return int.from_bytes(seq, "big")
+
+
+def test_replay_keeps_the_last_buffer_steps_batches_and_every_heartbeat_between(context):
+    publisher = _publisher(context, "short", buffer_steps=3, heartbeat_s=0.005)
     publisher.start()
     sub = _subscribe(context, publisher.endpoint)
     try:
-        while int.from_bytes(sub.recv_multipart()[1], "big") < 5:
+        sub.recv_multipart()  # subscribed
+        batches = []
+        for _ in range(4):
+            publisher.all_blocks_cleared()
+            batches.append(_next_events(sub, heartbeats_after=3))
+        replayed = _replay(context, publisher.replay_endpoint, 0)
+        seqs = [seq for _, seq, _ in replayed]
+        assert seqs[0] > 0 and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        with_events = [seq for _, seq, p in replayed if decode_batch(p).events]
+        assert with_events == batches[1:]  # the oldest batch is gone
+        assert len(seqs) > 2 * 3 + 1  # heartbeat runs replayed message by message
+        # A long idle spell pushes no batch of events out.
+        _, seq, _ = sub.recv_multipart()
+        while int.from_bytes(sub.recv_multipart()[1], "big") < int.from_bytes(seq, "big") + 30:
             pass
-        seqs = [seq for _, seq, _ in _replay(context, publisher.replay_endpoint, 0)]
-        assert len(seqs) == 3 and seqs[0] > 0 and seqs == list(range(seqs[0], seqs[0] + 3))
+        again = _replay(context, publisher.replay_endpoint, 0)
+        assert [seq for _, seq, p in again if decode_batch(p).events] == batches[1:]
     finally:
         sub.close()
         publisher.close()

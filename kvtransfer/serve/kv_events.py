@@ -18,8 +18,10 @@ What a subscriber can rely on:
   queue overflows, the events dropped are replaced by an ``AllBlocksCleared`` (consumers forget
   this engine's blocks: they may under-count its cache afterwards, never over-count it).
 * With a replay endpoint (a ROUTER socket), a client sends ``[b"", start_seq (8 bytes)]`` and
-  gets ``[b"", topic, seq, payload]`` for every buffered message from ``start_seq`` on (the last
-  ``buffer_steps``), then ``[b"", b"", -1 (8 bytes, signed), b""]``, as vLLM's replay answers.
+  gets ``[b"", topic, seq, payload]`` for every buffered message from ``start_seq`` on, then
+  ``[b"", b"", -1 (8 bytes, signed), b""]``, as vLLM's replay answers. The buffer holds (at
+  least) the last ``buffer_steps`` batches of events, and the heartbeats between them however
+  long the daemon idled.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ _MAX_QUEUED_EVENTS = 100_000
 _MAX_EVENTS_PER_BATCH = 4096
 _HWM = 100_000
 _TICK_S = 0.02
+_HEARTBEAT_MARK = b""  # in the replay buffer: a run of heartbeats
 
 
 # ---------------------------------------------------------------------- the wire format
@@ -162,7 +165,9 @@ class KVEventPublisher:
         # A plain (blocking) context for the sender thread, even over an asyncio one's sockets.
         self._context = zmq.Context.shadow((context or zmq.Context.instance()).underlying)
         self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue(max_queued_events)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # (first seq, last seq, payload): one entry per batch of events, or per run of
+        # heartbeats (all alike), so an idle spell does not push events out of the replay.
+        self._buffer: deque[tuple[int, int, bytes]] = deque(maxlen=2 * buffer_steps + 1)
         self._overflowed = False
         self._stopping = threading.Event()
         self._bound = threading.Event()
@@ -248,7 +253,11 @@ class KVEventPublisher:
                 payload = encode_batch(batch)
                 seq_bytes = seq.to_bytes(8, "big")
                 pub.send_multipart((self._topic, seq_bytes, payload))
-                self._buffer.append((seq, payload))
+                last = self._buffer[-1] if self._buffer else None
+                if not events and last is not None and last[2] == _HEARTBEAT_MARK:
+                    self._buffer[-1] = (last[0], seq, _HEARTBEAT_MARK)
+                else:
+                    self._buffer.append((seq, seq, payload if events else _HEARTBEAT_MARK))
                 seq += 1
                 self.num_published += 1
                 last_sent = time.monotonic()
@@ -296,8 +305,10 @@ class KVEventPublisher:
             return
         client, empty, start = frames
         start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
+        for first, last, payload in list(self._buffer):
+            if payload == _HEARTBEAT_MARK:
+                payload = encode_batch(EventBatch(time.time(), (), self._dp_rank))
+            for seq in range(max(first, start_seq), last + 1):
                 replay.send_multipart((client, empty, self._topic, seq.to_bytes(8, "big"), payload))
         replay.send_multipart((client, empty, b"", END_OF_REPLAY, b""))
 
