@@ -263,10 +263,17 @@ def test_instances_come_and_go_without_leaving_keys_behind():
 def test_changing_an_instances_block_size_forgets_its_keys():
     index = _index("a")
     index.apply("a", [_stored(P, 0, [b"a0"])])
+    index.add_instance("a")  # nothing given: nothing changes
+    assert index.match(P) == {"a": 1}
     index.add_instance("a", block_size=8)
     assert index.match(P) == {}
     assert index.block_size("a") == 8
-    assert index.stats()[0].events_attached
+    assert index.stats()[0].events_attached and index.mode("a") == "precise"
+    index.add_instance("a")
+    assert index.block_size("a") == 8
+    index.observe("a", tuple(range(100)))
+    index.add_instance("a", approx_capacity_blocks=2)
+    assert index.stats()[0].approx_blocks == 2
 
 
 def test_block_keys_chain_from_the_root():

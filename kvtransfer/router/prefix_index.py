@@ -150,23 +150,30 @@ class PrefixIndex:
         block_size: int | None = None,
         approx_capacity_blocks: int | None = None,
     ) -> None:
-        """Register ``address`` (idempotent); a new block size forgets what it knew."""
+        """Register ``address``, or change an instance's settings (``None``: keep them, or
+        the index's defaults for a new one); a new block size forgets what it knew."""
         self._version += 1
-        block_size = block_size or self.default_block_size
-        capacity = approx_capacity_blocks or self.approx_capacity_blocks
-        if block_size < 1 or capacity < 1:
+        if (block_size is not None and block_size < 1) or (
+            approx_capacity_blocks is not None and approx_capacity_blocks < 1
+        ):
             raise ValueError("block_size and approx_capacity_blocks must be >= 1")
         inst = self._instances.get(address)
         if inst is not None:
-            inst.approx_capacity = capacity
-            if inst.group.block_size == block_size:
+            if approx_capacity_blocks is not None:
+                inst.approx_capacity = approx_capacity_blocks
                 self._trim_approx(inst)
+            if block_size is None or block_size == inst.group.block_size:
                 return
-            events = (inst.events_attached, inst.synced)
+            attached, synced = inst.events_attached, inst.synced
             self.remove_instance(address)
-            self.add_instance(address, block_size=block_size, approx_capacity_blocks=capacity)
-            self._instances[address].events_attached, self._instances[address].synced = events
+            self.add_instance(
+                address, block_size=block_size, approx_capacity_blocks=inst.approx_capacity
+            )
+            self._instances[address].events_attached = attached
+            self._instances[address].synced = synced
             return
+        block_size = block_size or self.default_block_size
+        capacity = approx_capacity_blocks or self.approx_capacity_blocks
         slot = self._free_slots.pop() if self._free_slots else self._take_slot()
         group = self._groups.get(block_size)
         if group is None:
