@@ -279,6 +279,62 @@ def test_subscriber_replays_what_came_before_it_then_follows_live_events():
     asyncio.run(run())
 
 
+def test_a_gap_on_the_wire_is_filled_from_the_publishers_replay_socket():
+    """Our publisher's messages relayed to the subscriber with one left out: the subscriber
+    sees the hole, asks the publisher's replay socket, and ends with the engine's state."""
+
+    async def run() -> None:
+        context = zmq.asyncio.Context()
+        publisher = KVEventPublisher(
+            "inproc://origin",
+            replay_endpoint="inproc://origin-replay",
+            context=context,
+            heartbeat_s=600,  # no heartbeat among the four batches
+        )
+        publisher.start()
+        sync = zmq.Context.shadow(context.underlying)
+        tap = sync.socket(zmq.SUB)
+        tap.setsockopt(zmq.SUBSCRIBE, b"")
+        tap.setsockopt(zmq.RCVTIMEO, 10_000)
+        tap.connect(publisher.endpoint)
+        relay = sync.socket(zmq.XPUB)  # an XPUB tells when the subscription has arrived
+        relay.setsockopt(zmq.RCVTIMEO, 10_000)
+        relay.bind("inproc://relay")
+        index = PrefixIndex(default_block_size=BS)
+        subscriber = KVEventSubscriber(
+            index, EventSource("e", "inproc://relay", publisher.replay_endpoint), context=context
+        )
+        try:
+            await subscriber.start()
+            await asyncio.to_thread(relay.recv)  # the subscriber's subscription
+            frames = []
+            for publish in (
+                lambda: _publish(publisher, A, "a"),
+                lambda: _publish(publisher, B, "b"),
+                lambda: publisher.blocks_removed([b"a0", b"a1", b"a2"]),
+                lambda: _publish(publisher, C, "c"),
+            ):
+                publish()
+                frames.append(await asyncio.to_thread(tap.recv_multipart))  # one batch each
+            assert [int.from_bytes(f[1], "big") for f in frames] == [0, 1, 2, 3]
+            for seq in (0, 1, 3):  # 2, A's removal, is lost
+                relay.send_multipart(frames[seq])
+            await wait_until_async(
+                _async(lambda: index.match(C) == {"e": 3}), "C through the replay", timeout=10
+            )
+            assert index.match(A) == {} and index.match(B) == {"e": 3}
+            assert (subscriber.stream.num_gaps, subscriber.stream.num_unfilled) == (1, 0)
+            assert index.mode("e") == "precise"
+        finally:
+            await subscriber.close()
+            tap.close(linger=0)
+            relay.close(linger=0)
+            publisher.close()
+            context.term()
+
+    asyncio.run(run())
+
+
 def _async(predicate):
     async def check():
         return predicate()
