@@ -160,6 +160,34 @@ def _parser() -> argparse.ArgumentParser:
         "decode daemon alone (0: always prefill then decode; default 0)",
     )
     parser.add_argument(
+        "--tokenizer",
+        metavar="MODEL",
+        help="the daemons' --model (builtin[:preset] or a model directory): the router then "
+        "knows a text prompt's token ids (cache_aware, --disagg-min-prompt-tokens)",
+    )
+    parser.add_argument(
+        "--chat-template", metavar="FILE", help="the daemons' --chat-template, with --tokenizer"
+    )
+    parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        metavar="PORT",
+        help="every instance publishes KV events on this port of its host "
+        "(--kv-events-endpoint tcp://*:PORT): cache_aware policies index them",
+    )
+    parser.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        metavar="PORT",
+        help="their replay port (--kv-events-replay-endpoint), to fill gaps",
+    )
+    parser.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=16,
+        help="the daemons' --block-size, the prefix index's unit (default 16)",
+    )
+    parser.add_argument(
         "--admin-token-file",
         metavar="FILE",
         help=f"turns on the admin API (/workers) with this bearer token (or {ADMIN_TOKEN_ENV})",
@@ -210,6 +238,11 @@ def config_from_args(
         max_queued_requests=args.max_queued_requests,
         dns_interval_s=args.dns_interval_s,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port,
+        kv_block_size=args.kv_block_size,
         admin_token=_token(args.admin_token_file, environ.get(ADMIN_TOKEN_ENV)),
         daemon_admin_token=_token(
             args.daemon_admin_token_file, environ.get(DAEMON_ADMIN_TOKEN_ENV)

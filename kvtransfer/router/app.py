@@ -61,6 +61,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtransfer.router.admin_api import AdminApi
 from kvtransfer.router.admission import Admission, QueueFull, QueueTimeout
+from kvtransfer.router.cache_wiring import CacheIndexWiring
 from kvtransfer.router.choice import ChoiceRunner, Delta, Exchange
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
@@ -108,15 +109,15 @@ def make_app(
     config: RouterConfig,
     *,
     resolver: Resolver = resolve_host,
-    tokenizer: PromptTokenizer = token_ids_of,
+    tokenizer: PromptTokenizer | None = None,
 ) -> web.Application:
     """The aiohttp app; its fleet (gRPC channels, health checks, DNS) starts on startup and
     closes on cleanup.
 
     Serve it with ``web.AppRunner(app, handler_cancellation=True)`` (as `RouterServer` does)
     so that a client that disconnects cancels the upstream calls. ``resolver`` resolves the
-    ``dns:`` names; ``tokenizer`` gives the policies a prompt's token ids (by default only a
-    prompt given as token ids is known).
+    ``dns:`` names; ``tokenizer`` gives the policies a prompt's token ids (None: the model of
+    ``config.tokenizer``, else only a prompt given as token ids is known).
     """
     router = RouterHandlers(config, resolver=resolver, tokenizer=tokenizer)
     # aiohttp's 1 MiB default is too small for long prompts; see kvtransfer.clients.limits.
@@ -182,12 +183,13 @@ class RouterHandlers:
         config: RouterConfig,
         *,
         resolver: Resolver = resolve_host,
-        tokenizer: PromptTokenizer = token_ids_of,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.config = config
         self.metrics = RouterMetrics()
         self._resolver = resolver
-        self._tokenizer = tokenizer
+        self._tokenizer = tokenizer or _config_tokenizer(config)
+        self._index_metrics_registered = False
         self._runner: ChoiceRunner | None = None
         self.admission = Admission(
             config.max_concurrent_requests, config.max_queued_requests, self._admission_changed
@@ -218,8 +220,13 @@ class RouterHandlers:
     async def channels(self, app: web.Application) -> AsyncIterator[None]:
         # grpc.aio channels belong to the loop that creates them: open them on the app's loop.
         config = self.config
+        policies = {role: create_policy(config.policy_for(role), role, config) for role in ROLES}
+        wiring = CacheIndexWiring(policies, config, self.metrics)
+        if self._index_metrics_registered is False:
+            wiring.register_metrics(self.metrics.registry)
+            self._index_metrics_registered = True
         fleet = Fleet(
-            {role: create_policy(config.policy_for(role), role, config) for role in ROLES},
+            policies,
             credentials=config.channel_credentials(),
             options=config.channel_options(),
             health_interval_s=config.health_interval_s,
@@ -234,7 +241,7 @@ class RouterHandlers:
             ],
             dns_interval_s=config.dns_interval_s,
             resolver=self._resolver,
-            listener=self.metrics,
+            listener=wiring,
         )
         self.metrics.watch_instances(fleet.instances)
         try:
@@ -244,6 +251,7 @@ class RouterHandlers:
             await fleet.start()
         except BaseException:
             await fleet.close()
+            await wiring.close()
             raise
         upstream = Upstream(fleet)
         runner = self._runner = ChoiceRunner(config, self.metrics, upstream)
@@ -255,6 +263,7 @@ class RouterHandlers:
             await runner.close()
             self._runner = None
             await fleet.close()
+            await wiring.close()
 
     def _admission_changed(self, running: int, queued: int) -> None:
         self.metrics.requests_running.set(running)
@@ -632,3 +641,11 @@ class _ClientGone(Exception):
     def __init__(self, response: web.StreamResponse) -> None:
         super().__init__("client disconnected")
         self.response = response
+
+
+def _config_tokenizer(config: RouterConfig) -> PromptTokenizer:
+    if config.tokenizer is None:
+        return token_ids_of
+    from kvtransfer.router.tokens import RouteTokenizer
+
+    return RouteTokenizer(config.tokenizer, config.chat_template).route_tokens

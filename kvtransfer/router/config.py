@@ -81,7 +81,12 @@ class RouterConfig:
     ``shutdown_timeout_s`` is how long in-flight requests may run on after a stop.
     ``tls_ca``/``tls_cert``/``tls_key`` are PEM files; none of them means plaintext gRPC.
     ``kv_stream``: ask prefills to announce their KV while computing it and call the decode
-    daemon then (off: the decode is called once the prefill returned).
+    daemon then (off: the decode is called once the prefill returned). ``tokenizer``: the
+    daemons' ``--model`` (and ``chat_template`` their ``--chat-template``), so the router knows
+    a text prompt's token ids (cache-aware choice, ``disagg_min_prompt_tokens``).
+    ``kv_events_port`` (and ``kv_events_replay_port``): every instance publishes KV events on
+    that port of its host; cache-aware policies subscribe (`cache_wiring`). ``kv_block_size``:
+    the daemons' block size, the unit of the prefix index.
     """
 
     prefill: tuple[str, ...]
@@ -109,6 +114,11 @@ class RouterConfig:
     max_queued_requests: int = 1024
     dns_interval_s: float = 5.0
     disagg_min_prompt_tokens: int = 0
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_block_size: int = 16
     admin_token: str | None = field(default=None, repr=False)
     daemon_admin_token: str | None = field(default=None, repr=False)
 
@@ -165,6 +175,18 @@ class RouterConfig:
         for path in (self.tls_ca, self.tls_cert, self.tls_key):
             if path is not None:
                 _read_pem(path)
+        if self.tokenizer == "":
+            raise ValueError("tokenizer must name a model (the daemons' --model) or be unset")
+        if self.chat_template is not None and self.tokenizer is None:
+            raise ValueError("a chat template goes with a tokenizer (--tokenizer)")
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= _MAX_PORT:
+                raise ValueError(f"{name} must be in [1, {_MAX_PORT}], got {value}")
+        if self.kv_events_replay_port is not None and self.kv_events_port is None:
+            raise ValueError("kv_events_replay_port needs kv_events_port")
+        if isinstance(self.kv_block_size, bool) or self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size!r}")
         both = sorted(set(self.prefill) & set(self.decode))
         if both:
             raise ValueError(f"{', '.join(both)}: listed as both a prefill and a decode daemon")

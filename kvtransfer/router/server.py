@@ -17,7 +17,7 @@ from aiohttp import web
 from kvtransfer.router.app import ROUTER, RouterHandlers, make_app
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.fleet import Resolver, resolve_host
-from kvtransfer.router.policy import PromptTokenizer, token_ids_of
+from kvtransfer.router.policy import PromptTokenizer
 
 
 class RouterServer:
@@ -28,7 +28,7 @@ class RouterServer:
         config: RouterConfig,
         *,
         resolver: Resolver = resolve_host,
-        tokenizer: PromptTokenizer = token_ids_of,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.config = config
         self.app = make_app(config, resolver=resolver, tokenizer=tokenizer)
