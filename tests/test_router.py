@@ -119,6 +119,7 @@ def test_prefill_then_decode_json_body(caplog):
                     "prompt_tokens": 5,
                     "completion_tokens": len(DECODE_IDS),
                     "total_tokens": 5 + len(DECODE_IDS),
+                    "prompt_tokens_details": {"cached_tokens": 0},
                 },
             }
             ttft = info.pop("ttft_s")

@@ -102,6 +102,8 @@ def test_completions_equal_colocated_json_and_stream(one_to_one, expected):
             "prompt_tokens": len(prompt.encode()),
             "completion_tokens": MAX_TOKENS,
             "total_tokens": len(prompt.encode()) + MAX_TOKENS,
+            # The first time this prompt is seen: nothing came from a prefix cache.
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
         assert info["kv_blocks_received"] > 0 and info["num_recomputed_tokens"] == 0
         phases = info["phases"]
@@ -126,6 +128,36 @@ def test_completions_equal_colocated_json_and_stream(one_to_one, expected):
         assert chunks[-1]["kvtransfer"]["token_ids"] == expected[index]
         assert all(c["id"] == chunks[0]["id"] for c in chunks)
     assert admin(decode.address, "status").counters["kv_tokens_recomputed"] == 0
+
+
+def test_cached_tokens_are_the_prefills_prefix_hit_json_and_stream(one_to_one):
+    """``usage.prompt_tokens_details.cached_tokens``: 0 for a new prompt; the full blocks the
+    prefill found in its prefix cache when it comes again, streamed or not (the KV the decode
+    pulled was computed, so it does not count)."""
+    url, _, _ = one_to_one
+    prompt = "Cached tokens are counted where the prompt was not computed again. " * 2
+    size = len(prompt.encode())  # the built-in tokenizer is byte-level
+    block = 16  # serve_helpers.daemons.COMMON_FLAGS
+    first = complete(url, prompt)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = complete(url, prompt)
+    # Every full block but the one holding the last token, which is always computed.
+    hit = (size - 1) // block * block
+    assert hit > 0
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}
+    assert again["kvtransfer"]["token_ids"] == first["kvtransfer"]["token_ids"]
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    status, text = post(url, body)
+    assert status == 200, text
+    events = [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n")[:-2]]
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}
+    assert events[-1]["usage"]["prompt_tokens"] == size
 
 
 def test_token_id_prompt_and_stop(one_to_one, expected):

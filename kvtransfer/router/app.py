@@ -531,15 +531,17 @@ class _TokenCount:
     def __init__(self, choices: Sequence[Choice]) -> None:
         self._choices = choices
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.completion_tokens = 0
 
     def add(self, delta: Delta) -> None:
         self.completion_tokens += len(delta.token_ids)
         if delta.finish_reason is not None and self._choices[delta.index].sample == 0:
             self.prompt_tokens += delta.num_prompt_tokens
+            self.cached_tokens += delta.num_cached_tokens
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.completion_tokens)
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
 def _choice_ids(request_id: str, count: int) -> list[str]:

@@ -94,6 +94,8 @@ class Delta:
     finish_reason: str | None = None
     info: dict[str, Any] | None = None
     num_prompt_tokens: int = 0
+    # On the last delta: prompt tokens no engine computed for this request (a prefix-cache hit).
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -152,6 +154,15 @@ class _Decoded:
         if reply.finished:
             self.final = reply
         return True
+
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens served from a prefix cache instead of computed: the prefill's hit when
+        a prefill computed the prompt (the KV a decode then pulls was computed, not cached),
+        else the decode's own (a request that skipped the prefill hop)."""
+        for message in (self.prefill, self.final):
+            if message is not None and message.HasField("metrics"):
+                return int(message.metrics.num_cached_tokens)
+        return 0
 
     def phases(self) -> dict[str, float]:
         """Where the time went, in seconds: each daemon's own measurements, joined, plus the
@@ -362,6 +373,7 @@ class ChoiceRunner:
             finish_reason=final.finish_reason,
             info=_kvtransfer_info(exchange, decoded),
             num_prompt_tokens=decoded.num_prompt_tokens,
+            num_cached_tokens=decoded.cached_prompt_tokens(),
         )
 
     def _require_upstream(self) -> Upstream:
