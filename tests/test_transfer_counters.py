@@ -32,10 +32,18 @@ REMOTE_DECODE = {"do_remote_decode": True}
 BYTES_PER_BLOCK = 4 * 2 * 2 * BLOCK_SIZE * 16 * 4
 
 
+LEASE_S = 10
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("counters")
-    with daemon_pair(logs, ["--engine-id", "p-tp2", "--tp", "2"], ["--engine-id", "d-tp1"]) as pair:
+    # A call cancelled before the decode saw it leaves the prefill's KV to its lease (the router
+    # would release it); a short one keeps _settled's wait short.
+    kv = {"kv_connector_extra_config": {"kv_stream_min_tokens": 0, "kv_lease_s": LEASE_S}}
+    with daemon_pair(
+        logs, ["--engine-id", "p-tp2", "--tp", "2"], ["--engine-id", "d-tp1"], kv=kv
+    ) as pair:
         yield pair
 
 

@@ -76,12 +76,16 @@ def running(*processes: ServiceProcess) -> Iterator[None]:
 
 @contextlib.contextmanager
 def daemon_pair(
-    log_dir: Path, prefill_flags: Sequence[str], decode_flags: Sequence[str]
+    log_dir: Path,
+    prefill_flags: Sequence[str],
+    decode_flags: Sequence[str],
+    kv: dict[str, Any] | None = None,
 ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
-    """A prefill and a decode daemon; both must stop with no KV block in use."""
-    prefill = start_daemon("prefill", log_dir, *prefill_flags)
+    """A prefill and a decode daemon (``kv``: both sides' KV transfer config, as
+    `start_daemon`); both must stop with no KV block in use."""
+    prefill = start_daemon("prefill", log_dir, *prefill_flags, kv=kv)
     try:
-        decode = start_daemon("decode", log_dir, *decode_flags)
+        decode = start_daemon("decode", log_dir, *decode_flags, kv=kv)
     except BaseException:
         prefill.terminate()
         raise
