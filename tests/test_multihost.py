@@ -146,6 +146,9 @@ def cluster(tmp_path_factory, data_plane) -> Iterator[Cluster]:
                 [decode],
                 "--request-timeout-s",
                 str(REQUEST_DEADLINE_S),
+                # The tests spread concurrent requests over every prefill by taking turns.
+                "--policy",
+                "round_robin",
             )
             processes.append(router)
             yield Cluster(
