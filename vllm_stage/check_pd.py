@@ -397,6 +397,16 @@ def run_tp(model: str, logs: Path) -> None:
             p.stop()
 
 
+def report_failure(failure: StageFailure, logs: Path) -> None:
+    """The failure, then what each server logged about errors (and about kvtransfer)."""
+    print(f"FAILED: {failure}", file=sys.stderr)
+    for log in sorted(logs.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        errors = [line for line in lines if re.search(r"Error|Traceback|kvtransfer", line)]
+        print(f"--- {log.name}: last lines mentioning errors ---", file=sys.stderr)
+        print("\n".join(errors[-15:]), file=sys.stderr)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -413,12 +423,7 @@ def main() -> int:
         if args.tp or args.tp_only:
             run_tp(args.model, args.logs)
     except StageFailure as failure:
-        print(f"FAILED: {failure}", file=sys.stderr)
-        for log in sorted(args.logs.glob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()
-            errors = [line for line in lines if re.search(r"Error|Traceback|kvtransfer", line)]
-            print(f"--- {log.name}: last lines mentioning errors ---", file=sys.stderr)
-            print("\n".join(errors[-15:]), file=sys.stderr)
+        report_failure(failure, args.logs)
         return 1
     print("vLLM stage passed", flush=True)
     return 0

@@ -214,12 +214,7 @@ def main() -> int:
         else:
             run(args)
     except StageFailure as failure:
-        print(f"FAILED: {failure}", file=sys.stderr)
-        for log in sorted(args.logs.glob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()
-            errors = [line for line in lines if re.search(r"Error|Traceback|kvtransfer", line)]
-            print(f"--- {log.name}: last lines mentioning errors ---", file=sys.stderr)
-            print("\n".join(errors[-15:]), file=sys.stderr)
+        check_pd.report_failure(failure, args.logs)
         return 1
     print("GPU check passed", flush=True)
     return 0
