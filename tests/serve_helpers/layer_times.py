@@ -4,8 +4,9 @@ when each pull lands, for the layer-wise streaming test. Daemons load it through
 
 Every worker appends one JSON line per event to the file named by ``KVT_LAYER_TIMES``:
 
-* ``{"event": "saved", "layer": name, "t": ...}``: ``save_kv_layer`` returned, so this step's
-  KV of that layer is written and a streaming lease serves it from now on;
+* ``{"event": "saved", "layer": name, "t": ...}``: ``save_kv_layer`` was called (``t``: when),
+  so this step's KV of that layer is written, and a streaming lease serves it once the call
+  returns;
 * ``{"event": "forward_done", "t": ...}``: ``wait_for_save``, the step's forward is over;
 * ``{"event": "pulled", "layers": [...], "t": ...}``: a pull this worker started completed
   (its blocks are in this worker's cache). Written by a thread waiting on the pull's handle, so
@@ -84,8 +85,9 @@ class _Log:
         self._lock = threading.Lock()
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
 
-    def write(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"event": event, "t": time.monotonic(), "pid": os.getpid(), **fields})
+    def write(self, event: str, t: float | None = None, **fields: Any) -> None:
+        t = time.monotonic() if t is None else t
+        line = json.dumps({"event": event, "t": t, "pid": os.getpid(), **fields})
         with self._lock:
             self._file.write(line + "\n")
 
@@ -126,9 +128,12 @@ class TimedUcxConnector(UcxConnector):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
         if self._hold is not None and layer_name == self._last_layer:
             self._held()
+        # The layer's KV is written when save_kv_layer is called: stamp it then, since a
+        # one-sided read may land before this thread runs again after marking it servable.
+        written = time.monotonic()
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
         if self._times is not None:
-            self._times.write("saved", layer=layer_name)
+            self._times.write("saved", t=written, layer=layer_name)
 
     def wait_for_save(self) -> None:
         super().wait_for_save()
