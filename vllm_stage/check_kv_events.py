@@ -301,6 +301,21 @@ async def _feed_from_vllm() -> None:
     tokens = list(range(1000, 1016))
     hashes = [b"%02d" % i * 16 for i in range(4)]
     try:
+
+        async def subscribed() -> tuple[PrefixIndex, KVEventSubscriber]:
+            """A fresh index fed by vLLM's publisher (replay first), once connected."""
+            index = PrefixIndex(default_block_size=4)
+            source = EventSource(
+                "vllm-0",
+                f"tcp://127.0.0.1:{pub_port}",
+                f"tcp://127.0.0.1:{replay_port}",
+                topic="vllm",
+            )
+            subscriber = KVEventSubscriber(index, source)
+            await subscriber.start()
+            await asyncio.wait_for(subscriber.connected.wait(), 10)
+            return index, subscriber
+
         publisher.publish(
             KVEventBatch(
                 ts=time.time(),
@@ -308,18 +323,7 @@ async def _feed_from_vllm() -> None:
             )
         )
         time.sleep(0.3)  # published before anyone listens: only the replay has it
-        index = PrefixIndex(default_block_size=4)
-        subscriber = KVEventSubscriber(
-            index,
-            EventSource(
-                "vllm-0",
-                f"tcp://127.0.0.1:{pub_port}",
-                f"tcp://127.0.0.1:{replay_port}",
-                topic="vllm",
-            ),
-        )
-        await subscriber.start()
-        await asyncio.wait_for(subscriber.connected.wait(), 10)
+        index, subscriber = await subscribed()
         await _until(lambda: index.match(tuple(tokens)).get("vllm-0") == 2, "replayed blocks")
         check(index.mode("vllm-0") == "precise", "vLLM's replay fills the index: 2 blocks")
         publisher.publish(
@@ -347,18 +351,7 @@ async def _feed_from_vllm() -> None:
             )
         )
         time.sleep(0.3)
-        index = PrefixIndex(default_block_size=4)
-        subscriber = KVEventSubscriber(
-            index,
-            EventSource(
-                "vllm-0",
-                f"tcp://127.0.0.1:{pub_port}",
-                f"tcp://127.0.0.1:{replay_port}",
-                topic="vllm",
-            ),
-        )
-        await subscriber.start()
-        await asyncio.wait_for(subscriber.connected.wait(), 10)
+        index, subscriber = await subscribed()
         await _until(lambda: index.match(tuple(tokens)).get("vllm-0") == 1, "rebuilt index")
         check(
             index.mode("vllm-0") == "precise",
