@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvtransfer.logs import configure_logging
-from kvtransfer.router.config import RouterConfig, check_target
+from kvtransfer.router.config import ENGINES, KVTRANSFER, RouterConfig, check_target
 from kvtransfer.router.policy import LEAST_LOAD, POLICY_NAMES
 from kvtransfer.router.server import RouterServer
 
@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
             metavar="HOST:PORT|dns:NAME:PORT",
             help=daemons % role,
         )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=KVTRANSFER,
+        help="what the instances are: kvtransfer daemons (gRPC addresses) or vLLM OpenAI "
+        "servers (HTTP addresses; vLLM's kv_transfer_params flow). Default kvtransfer",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--model-name", default="builtin", help="the model /v1/models lists")
@@ -243,6 +250,7 @@ def config_from_args(
         kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port,
         kv_block_size=args.kv_block_size,
+        engine=args.engine,
         admin_token=_token(args.admin_token_file, environ.get(ADMIN_TOKEN_ENV)),
         daemon_admin_token=_token(
             args.daemon_admin_token_file, environ.get(DAEMON_ADMIN_TOKEN_ENV)

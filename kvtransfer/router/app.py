@@ -51,7 +51,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -64,8 +64,8 @@ from kvtransfer.router.admission import Admission, QueueFull, QueueTimeout
 from kvtransfer.router.cache_wiring import CacheIndexWiring
 from kvtransfer.router.choice import ChoiceRunner, Delta, Exchange
 from kvtransfer.router.config import RouterConfig
-from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import ROLES, DnsTarget, Fleet, Resolver, resolve_host
+from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
+from kvtransfer.router.fleet import ROLES, VLLM, DnsTarget, Fleet, Resolver, resolve_host
 from kvtransfer.router.metrics import CLIENT_CLOSED, RouterMetrics
 from kvtransfer.router.openai_api import (
     Choice,
@@ -91,6 +91,7 @@ from kvtransfer.router.policy import (
     token_ids_of,
 )
 from kvtransfer.router.upstream import Upstream
+from kvtransfer.router.vllm_upstream import VllmCall, VllmProxy, check_vllm_body
 
 logger = logging.getLogger("kvtransfer.router")
 
@@ -191,6 +192,7 @@ class RouterHandlers:
         self._tokenizer = tokenizer or _config_tokenizer(config)
         self._index_metrics_registered = False
         self._runner: ChoiceRunner | None = None
+        self._vllm: VllmProxy | None = None
         self.admission = Admission(
             config.max_concurrent_requests, config.max_queued_requests, self._admission_changed
         )
@@ -242,6 +244,7 @@ class RouterHandlers:
             dns_interval_s=config.dns_interval_s,
             resolver=self._resolver,
             listener=wiring,
+            engine=config.engine,
         )
         self.metrics.watch_instances(fleet.instances)
         try:
@@ -255,9 +258,12 @@ class RouterHandlers:
             raise
         upstream = Upstream(fleet)
         runner = self._runner = ChoiceRunner(config, self.metrics, upstream)
+        if config.engine == VLLM:
+            self._vllm = VllmProxy(config, self.metrics, fleet)
         try:
             yield
         finally:
+            self._vllm = None
             # Handlers are done by now; the releases they started each have a deadline
             # (release_timeout_s), so waiting for them is bounded.
             await runner.close()
@@ -302,11 +308,12 @@ class RouterHandlers:
         request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         log = logging.LoggerAdapter(logger, {"request_id": request_id})
         status = 500
+        complete = self._complete if self._vllm is None else self._complete_on_vllm
         try:
-            response = await self._complete(request, fmt, parse, request_id, started, log)
+            response = await complete(request, fmt, parse, request_id, started, log)
             status = response.status
             return response
-        except _ClientGone as gone:
+        except ClientGone as gone:
             status = CLIENT_CLOSED
             log.info("client disconnected mid-stream: upstream calls cancelled")
             # Already prepared: aiohttp's write_eof meets the closed connection and lets go.
@@ -336,20 +343,12 @@ class RouterHandlers:
             parsed = parse(parse_json_body(await request.read()))
             choices = parsed.choices()
         except web.HTTPRequestEntityTooLarge:
-            message = (
-                f"the request body is larger than {request.client_max_size} bytes, "
-                "this router's limit (--max-request-bytes)"
-            )
-            log.info("rejected (413): %s", message)
-            return _error(request_id, 413, message, code="request_too_large")
+            return self._too_large(request_id, log, request)
         except InvalidRequest as exc:
             log.info("rejected (400): %s", exc)
             return _error(request_id, 400, str(exc), param=exc.param)
         if parsed.model is not None and parsed.model != self.config.model_name:
-            log.info("rejected (404): unknown model %r", parsed.model)
-            message = f"model {parsed.model!r} does not exist (this router serves "
-            message += f"{self.config.model_name!r})"
-            return _error(request_id, 404, message, param="model", code="model_not_found")
+            return self._unknown_model(request_id, log, parsed.model)
         model = self.config.model_name
         answer = _Answer(fmt, request_id, int(time.time()), model, parsed, choices, started)
         deadline = started + self.config.request_timeout_s
@@ -370,11 +369,66 @@ class RouterHandlers:
             choices[0].max_tokens,
             parsed.stream,
         )
+
+        async def run() -> web.StreamResponse:
+            if parsed.stream:
+                return await self._stream(request, answer, exchanges)
+            return await self._collect(answer, exchanges)
+
+        return await self._admitted(request_id, log, deadline, run)
+
+    async def _complete_on_vllm(
+        self,
+        request: web.Request,
+        fmt: ResponseFormat,
+        parse: Parser,
+        request_id: str,
+        started: float,
+        log: logging.LoggerAdapter[logging.Logger],
+    ) -> web.StreamResponse:
+        """A request on a fleet of vLLM servers (`vllm_upstream`): the body goes on as it came,
+        checked here only for what the flow needs."""
+        proxy = self._vllm
+        if proxy is None:
+            raise RuntimeError("the router app has stopped")
+        try:
+            body = check_vllm_body(parse_json_body(await request.read()))
+        except web.HTTPRequestEntityTooLarge:
+            return self._too_large(request_id, log, request)
+        except InvalidRequest as exc:
+            log.info("rejected (400): %s", exc)
+            return _error(request_id, 400, str(exc), param=exc.param)
+        model = body.get("model")
+        if model is not None and model != self.config.model_name:
+            return self._unknown_model(request_id, log, model)
+        deadline = started + self.config.request_timeout_s
+        route = RouteContext(request_id, self._vllm_token_ids(body, parse))
+        call = VllmCall(request, request_id, body, route, started, deadline, log)
+        log.info("received for vLLM: stream=%s", body.get("stream") is True)
+        return await self._admitted(request_id, log, deadline, lambda: proxy.serve(call))
+
+    def _vllm_token_ids(self, body: dict[str, Any], parse: Parser) -> tuple[int, ...] | None:
+        """The prompt's token ids when this router's parser and tokenizer understand the body
+        (vLLM may take more than the parser does: then the route knows no tokens)."""
+        try:
+            prompt = parse(body).choices()[0].prompt
+        except (InvalidRequest, IndexError):
+            return None
+        token_ids = self._tokenizer(prompt)
+        return None if token_ids is None else tuple(token_ids)
+
+    async def _admitted(
+        self,
+        request_id: str,
+        log: logging.LoggerAdapter[logging.Logger],
+        deadline: float,
+        run: Callable[[], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """``run()`` once admitted (`admission.Admission`); its upstream failure, a full queue
+        or a wait past ``deadline`` become the answer."""
         try:
             async with self.admission.slot(deadline):
-                if parsed.stream:
-                    return await self._stream(request, answer, exchanges)
-                return await self._collect(answer, exchanges)
+                return await run()
         except UpstreamError as exc:
             return self._upstream_failure(request_id, log, exc)
         except QueueFull as exc:
@@ -391,6 +445,24 @@ class RouterHandlers:
             log.warning("failed (503): %s", exc)
             headers = {"Retry-After": "1"}
             return _error(request_id, 503, str(exc), kind="upstream_error", headers=headers)
+
+    def _unknown_model(
+        self, request_id: str, log: logging.LoggerAdapter[logging.Logger], model: object
+    ) -> web.Response:
+        log.info("rejected (404): unknown model %r", model)
+        message = f"model {model!r} does not exist (this router serves "
+        message += f"{self.config.model_name!r})"
+        return _error(request_id, 404, message, param="model", code="model_not_found")
+
+    def _too_large(
+        self, request_id: str, log: logging.LoggerAdapter[logging.Logger], request: web.Request
+    ) -> web.Response:
+        message = (
+            f"the request body is larger than {request.client_max_size} bytes, "
+            "this router's limit (--max-request-bytes)"
+        )
+        log.info("rejected (413): %s", message)
+        return _error(request_id, 413, message, code="request_too_large")
 
     def _route_context(self, request_id: str, choice: Choice) -> RouteContext:
         token_ids = self._tokenizer(choice.prompt)
@@ -442,7 +514,7 @@ class RouterHandlers:
         except ConnectionResetError:
             if sse.response is None:
                 raise
-            raise _ClientGone(sse.response) from None
+            raise ClientGone(sse.response) from None
         if sse.response is None:  # _stream_into always writes: narrows the type
             raise RuntimeError("unreachable: a stream that wrote nothing")
         return sse.response
@@ -635,14 +707,6 @@ class _SseWriter:
             raise RuntimeError("done() before any event")
         await self.response.write(_SSE_DONE)
         await self.response.write_eof()
-
-
-class _ClientGone(Exception):
-    """The client closed the connection while its stream was being written."""
-
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("client disconnected")
-        self.response = response
 
 
 def _config_tokenizer(config: RouterConfig) -> PromptTokenizer:

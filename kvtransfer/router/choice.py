@@ -65,7 +65,7 @@ from typing import Any
 
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import Instance
+from kvtransfer.router.fleet import Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.openai_api import Choice
 from kvtransfer.router.policy import RouteContext, UncachedEstimator, whole_prompt_uncached
@@ -79,6 +79,28 @@ _CLEAN_FINISHES = frozenset({"length", "stop"})
 # Back-off before retry n: RETRY_BACKOFF_S * 2**(n-1), at most RETRY_MAX_BACKOFF_S, +-20%.
 RETRY_BACKOFF_S = 0.05
 RETRY_MAX_BACKOFF_S = 1.0
+
+
+def goes_alone(fleet: Fleet, threshold: int, route: RouteContext) -> bool:
+    """Conditional disaggregation: a known prompt with fewer uncached tokens than
+    ``threshold`` (``disagg_min_prompt_tokens``; 0: never) is not worth a prefill and a KV
+    transfer."""
+    if threshold <= 0 or route.token_ids is None:
+        return False
+    candidates = [i for i in fleet.instances("decode") if i.pickable()]
+    policy = fleet.policies["decode"]
+    if isinstance(policy, UncachedEstimator):
+        uncached = policy.uncached_tokens(candidates, route)
+    else:
+        uncached = whole_prompt_uncached(candidates, route)
+    return uncached < threshold
+
+
+async def retry_pause(attempt: int, deadline: float) -> None:
+    """The back-off before retry ``attempt`` (1, 2, ...), never past ``deadline``."""
+    delay = min(RETRY_MAX_BACKOFF_S, RETRY_BACKOFF_S * 2 ** (attempt - 1))
+    delay *= random.uniform(0.8, 1.2)
+    await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
 
 @dataclass(frozen=True)
@@ -384,20 +406,7 @@ class ChoiceRunner:
     # ------------------------------------------------------------------ routing
 
     def _goes_alone(self, upstream: Upstream, exchange: Exchange) -> bool:
-        """Conditional disaggregation: a known prompt with fewer uncached tokens than
-        ``disagg_min_prompt_tokens`` is not worth a prefill and a KV transfer."""
-        threshold = self.config.disagg_min_prompt_tokens
-        route = exchange.context
-        if threshold <= 0 or route.token_ids is None:
-            return False
-        fleet = upstream.fleet
-        candidates = [i for i in fleet.instances("decode") if i.pickable()]
-        policy = fleet.policies["decode"]
-        if isinstance(policy, UncachedEstimator):
-            uncached = policy.uncached_tokens(candidates, route)
-        else:
-            uncached = whole_prompt_uncached(candidates, route)
-        return uncached < threshold
+        return goes_alone(upstream.fleet, self.config.disagg_min_prompt_tokens, exchange.context)
 
     def _lease(
         self, upstream: Upstream, role: str, exchange: Exchange, tried: Sequence[Instance] = ()
@@ -414,9 +423,7 @@ class ChoiceRunner:
         attempt = len(tried)
         if not exc.retryable or attempt > self.config.max_retries:
             raise exc
-        delay = min(RETRY_MAX_BACKOFF_S, RETRY_BACKOFF_S * 2 ** (attempt - 1))
-        delay *= random.uniform(0.8, 1.2)
-        await asyncio.sleep(max(0.0, min(delay, exchange.deadline - time.monotonic())))
+        await retry_pause(attempt, exchange.deadline)
         try:
             lease = self._lease(upstream, exc.role, exchange, tried)
         except NoHealthyDaemon:

@@ -19,6 +19,10 @@ _MAX_PORT = 65535
 # a restarted daemon would stay unreachable that long whatever the health checks say.
 _MIN_RECONNECT_BACKOFF_MS = 100
 DNS_PREFIX = "dns:"
+# What the instances are: kvtransfer daemons (gRPC) or vLLM OpenAI servers (HTTP).
+KVTRANSFER = "kvtransfer"
+VLLM = "vllm"
+ENGINES = (KVTRANSFER, VLLM)
 
 
 def check_address(address: str) -> str:
@@ -86,7 +90,9 @@ class RouterConfig:
     a text prompt's token ids (cache-aware choice, ``disagg_min_prompt_tokens``).
     ``kv_events_port`` (and ``kv_events_replay_port``): every instance publishes KV events on
     that port of its host; cache-aware policies subscribe (`cache_wiring`). ``kv_block_size``:
-    the daemons' block size, the unit of the prefix index.
+    the daemons' block size, the unit of the prefix index. ``engine``: what every instance is,
+    kvtransfer daemons (``kvtransfer``: their gRPC address) or vLLM OpenAI servers (``vllm``:
+    their HTTP address; `vllm_upstream`).
     """
 
     prefill: tuple[str, ...]
@@ -119,6 +125,7 @@ class RouterConfig:
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     kv_block_size: int = 16
+    engine: str = KVTRANSFER
     admin_token: str | None = field(default=None, repr=False)
     daemon_admin_token: str | None = field(default=None, repr=False)
 
@@ -187,6 +194,13 @@ class RouterConfig:
             raise ValueError("kv_events_replay_port needs kv_events_port")
         if isinstance(self.kv_block_size, bool) or self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == VLLM and self.uses_tls:
+            raise ValueError(
+                "TLS (--tls-ca/--tls-cert/--tls-key) is for kvtransfer daemons' gRPC; the "
+                "router calls vLLM servers over plain HTTP (put them on a private network)"
+            )
         both = sorted(set(self.prefill) & set(self.decode))
         if both:
             raise ValueError(f"{', '.join(both)}: listed as both a prefill and a decode daemon")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from aiohttp import web
+
 # A deadline is the request's whole budget: a retry would only hit it again.
 _NOT_RETRYABLE_REASONS = frozenset({"DEADLINE_EXCEEDED"})
 
@@ -54,3 +56,11 @@ class NoHealthyDaemon(UpstreamError):
     @property
     def retryable(self) -> bool:
         return False
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its stream was being written."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client disconnected")
+        self.response = response

@@ -40,6 +40,7 @@ breaker, a failure opens it again. Refusals of the input (4xx) count neither way
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import socket
@@ -48,12 +49,15 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtransfer.control.security import admin_token_metadata
+from kvtransfer.router.config import ENGINES, KVTRANSFER, VLLM
 from kvtransfer.router.errors import NoHealthyDaemon
 from kvtransfer.router.policy import InstanceLoad, Policy, RouteContext
+from kvtransfer.router.vllm_endpoint import VllmEndpoint
 from kvtransfer.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 
 logger = logging.getLogger("kvtransfer.router.fleet")
@@ -177,15 +181,16 @@ class _Health:
 
 
 class Instance:
-    """One daemon: its channel (reused by every request), health, breaker and load. It is a
-    `policy.Candidate` (``address``, ``in_flight``, ``load``)."""
+    """One daemon: its channel (reused by every request; a `VllmEndpoint` for a vLLM server),
+    health, breaker and load. It is a `policy.Candidate` (``address``, ``in_flight``,
+    ``load``)."""
 
     def __init__(
         self,
         role: str,
         address: str,
         source: str,
-        channel: grpc.aio.Channel,
+        channel: grpc.aio.Channel | VllmEndpoint,
         breaker: tuple[int, float],
         on_breaker: Callable[[Instance, str], None],
     ) -> None:
@@ -193,8 +198,14 @@ class Instance:
         self.address = address
         self.source = source
         self.channel = channel
-        self.stub = generation_pb2_grpc.GenerationStub(channel)
-        self.admin = admin_pb2_grpc.KVAdminStub(channel)
+        self._stubs = (
+            None
+            if isinstance(channel, VllmEndpoint)
+            else (
+                generation_pb2_grpc.GenerationStub(channel),
+                admin_pb2_grpc.KVAdminStub(channel),
+            )
+        )
         self.breaker = CircuitBreaker(*breaker, on_change=lambda state: on_breaker(self, state))
         self.health = _Health()
         self.in_flight = 0
@@ -206,6 +217,21 @@ class Instance:
         self.channel_closing = False
         # The last reason GetStatus gave no load (logged once per reason).
         self.load_problem: str | None = None
+
+    @property
+    def stub(self) -> generation_pb2_grpc.GenerationStub:
+        return self._grpc_stubs()[0]
+
+    @property
+    def admin(self) -> admin_pb2_grpc.KVAdminStub:
+        return self._grpc_stubs()[1]
+
+    def _grpc_stubs(
+        self,
+    ) -> tuple[generation_pb2_grpc.GenerationStub, admin_pb2_grpc.KVAdminStub]:
+        if self._stubs is None:
+            raise TypeError(f"{self.name} is a vLLM server: it is called over HTTP, not gRPC")
+        return self._stubs
 
     @property
     def name(self) -> str:
@@ -284,8 +310,14 @@ class Fleet:
         dns_interval_s: float = 5.0,
         resolver: Resolver = resolve_host,
         listener: FleetListener | None = None,
+        engine: str = KVTRANSFER,
     ) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.policies = policies
+        self.engine = engine
+        # vLLM servers' HTTP connections, opened at the first vLLM instance (inside the loop).
+        self._http: aiohttp.ClientSession | None = None
         self._credentials = credentials
         self._options = list(options)
         self._interval_s = health_interval_s
@@ -318,7 +350,10 @@ class Fleet:
         present = self._instances.get(address)
         if present is not None:
             raise InstancePresent(f"{address} is in the fleet already (as a {present.role})")
-        if self._credentials is None:
+        channel: grpc.aio.Channel | VllmEndpoint
+        if self.engine == VLLM:
+            channel = VllmEndpoint(self.http_session(), address)
+        elif self._credentials is None:
             channel = grpc.aio.insecure_channel(address, options=self._options)
         else:
             channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
@@ -328,6 +363,14 @@ class Fleet:
         if self._listener is not None:
             self._listener.instance_membership(role, address, source, "added")
         return instance
+
+    def http_session(self) -> aiohttp.ClientSession:
+        """The session every vLLM instance is called over (no cap on connections: admission
+        bounds the requests)."""
+        if self._http is None:
+            connector = aiohttp.TCPConnector(limit=0)
+            self._http = aiohttp.ClientSession(connector=connector)
+        return self._http
 
     def remove(self, address: str) -> Instance:
         """Out of the fleet now; its channel closes once its last request ended.
@@ -456,10 +499,20 @@ class Fleet:
         instances = [*self._instances.values(), *retired]
         await asyncio.gather(*(i.channel.close() for i in instances))
         await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
     async def _check(self, instance: Instance) -> str:
-        health = health_pb2_grpc.HealthStub(instance.channel)
         before = instance.in_flight
+        if isinstance(instance.channel, VllmEndpoint):
+            state, load = await instance.channel.check(self._timeout_s)
+            if load is not None:
+                in_flight = max(before, instance.in_flight)
+                load = dataclasses.replace(load, router_in_flight=in_flight)
+            instance.load = load
+            return state
+        health = health_pb2_grpc.HealthStub(instance.channel)
         answers = await asyncio.gather(
             health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout_s),
             instance.admin.GetStatus(

@@ -1,0 +1,88 @@
+"""`VllmEndpoint`: how the fleet reaches one vLLM OpenAI server (``--engine vllm``) in place of a
+daemon's gRPC channel: its base URL, its health and its load.
+
+Health is ``GET /health`` (200: ``SERVING``; another status: ``NOT_SERVING (HTTP n)``; no
+answer: ``UNREACHABLE (...)``). Load is read from ``GET /metrics``, vLLM's own Prometheus
+gauges over its engines: ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``
+(summed), ``vllm:kv_cache_usage_perc`` (averaged). vLLM exports its KV use as a fraction, not
+in blocks: the load reports it per `KV_USAGE_SCALE` "blocks", so the policies' share of KV in
+use is right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtransfer.router.policy import InstanceLoad
+
+SERVING = "SERVING"
+KV_USAGE_SCALE = 10_000
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+class VllmEndpoint:
+    """One vLLM OpenAI server at ``address`` (HOST:PORT), reached over ``session`` (the
+    fleet's, shared by every instance)."""
+
+    def __init__(self, session: aiohttp.ClientSession, address: str) -> None:
+        self.session = session
+        self.base_url = f"http://{address}"
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    async def close(self) -> None:
+        """Nothing of its own to close: the session is the fleet's."""
+
+    async def check(self, timeout_s: float) -> tuple[str, InstanceLoad | None]:
+        """Its health state, and its load when ``/metrics`` answered with vLLM's gauges."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        health, metrics = await asyncio.gather(
+            self._get("/health", timeout), self._get("/metrics", timeout), return_exceptions=True
+        )
+        load = None
+        if isinstance(metrics, tuple) and metrics[0] == 200:
+            load = parse_vllm_load(metrics[1])
+        if isinstance(health, BaseException):
+            if not isinstance(health, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
+                raise health
+            return f"UNREACHABLE ({type(health).__name__})", load
+        status = health[0]
+        return (SERVING if status == 200 else f"NOT_SERVING (HTTP {status})"), load
+
+    async def _get(self, path: str, timeout: aiohttp.ClientTimeout) -> tuple[int, str]:
+        async with self.session.get(self.url(path), timeout=timeout) as response:
+            return response.status, await response.text()
+
+
+def parse_vllm_load(text: str) -> InstanceLoad | None:
+    """The load in vLLM's ``/metrics`` text; ``None`` when it has neither request gauge (not a
+    vLLM server, or one too old to export them)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
+        return None
+    for family in families:
+        for sample in family.samples:
+            if sample.name in (_RUNNING, _WAITING, _KV_USAGE):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+                counts[sample.name] = counts.get(sample.name, 0) + 1
+    if _RUNNING not in sums and _WAITING not in sums:
+        return None
+    # Requests add up over a data-parallel server's engines; their KV pools are alike, so the
+    # share in use is their mean.
+    usage = sums.get(_KV_USAGE, 0.0) / counts.get(_KV_USAGE, 1)
+    usage = min(1.0, max(0.0, usage))
+    return InstanceLoad(
+        running=int(sums.get(_RUNNING, 0)),
+        waiting=int(sums.get(_WAITING, 0)),
+        kv_blocks_used=round(usage * KV_USAGE_SCALE) if _KV_USAGE in sums else 0,
+        kv_blocks_total=KV_USAGE_SCALE if _KV_USAGE in sums else 0,
+    )

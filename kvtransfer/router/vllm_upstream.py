@@ -1,0 +1,360 @@
+"""The router in front of vLLM OpenAI servers (``--engine vllm``): vLLM's own P/D flow, with this
+router's choice, health, retries, circuit breakers, admission and metrics.
+
+Every instance is a vLLM OpenAI server (HOST:PORT of ``vllm serve``) running a KV connector
+(kvtransfer's UcxConnector, vLLM's NixlConnector, any other that speaks ``kv_transfer_params``):
+the prefills as ``kv_producer`` or ``kv_both``, the decodes as ``kv_consumer`` or ``kv_both``.
+The client's body goes to vLLM as it came (vLLM checks it and answers its own errors); only what
+the flow needs is changed.
+
+Life cycle of a request (after the app's steps 1-3: the id, the body's size, JSON and model
+checked, admission):
+
+1. Route: the prompt's token ids when the router knows them (its tokenizer and request parser
+   understood the body), for ``cache_aware`` and ``disagg_min_prompt_tokens``.
+2. Pick the decode instance first: with none, 503 before any prefill holds KV for nobody. A
+   prompt with fewer uncached tokens than ``disagg_min_prompt_tokens`` goes to it alone (step 5
+   without params). Otherwise a prefill instance is picked too.
+3. Prefill: the client's path and body with ``max_tokens`` 1, ``stream`` false, no
+   ``max_completion_tokens``, ``min_tokens``, ``stream_options`` or log-probability options, and
+   ``kv_transfer_params`` ``{"do_remote_decode": true, "do_remote_prefill": false}``; header
+   ``X-Request-Id`` the router's request id. A 4xx is vLLM refusing the input: the client gets
+   it as vLLM wrote it. No answer, or a 5xx: another prefill, after a back-off, up to
+   ``max_retries`` times.
+4. Its answer's ``kv_transfer_params`` go verbatim into the decode's body. An answer without them
+   (its first token ended the request, a stop) leaves the decode to compute the prompt alone.
+5. Decode: the client's body with those params, the same ``X-Request-Id``; vLLM's answer is
+   passed through as it comes (server-sent events or JSON). No answer or a 5xx before its first
+   byte: another decode with the same params (the producer still holds the KV). A stream cut
+   after bytes went out ends with an SSE error event naming the decode, then ``[DONE]``.
+6. KV nobody read: vLLM has no HTTP call that frees a producer's KV, so KV prefilled for a
+   decode that failed, or for a client that left, is freed by the producer's own timeout
+   (NixlConnector's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, kvtransfer's ``kv_lease_s``).
+
+``n`` (or ``best_of``) above 1 is refused (400): one request's samples would share one
+``kv_transfer_params`` in vLLM's answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import grpc
+from aiohttp import web
+
+from kvtransfer.router.choice import goes_alone, retry_pause
+from kvtransfer.router.config import RouterConfig
+from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
+from kvtransfer.router.fleet import Fleet, Instance
+from kvtransfer.router.metrics import RouterMetrics
+from kvtransfer.router.openai_api import InvalidRequest, error_body
+from kvtransfer.router.policy import RouteContext
+from kvtransfer.router.vllm_endpoint import VllmEndpoint
+
+# Options of the client's body that have no place in a prefill of one token.
+_PREFILL_DROPS = (
+    "max_completion_tokens",
+    "min_tokens",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+)
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+REQUEST_ID_HEADER = "X-Request-Id"
+# vLLM's answer headers that describe the bytes passed through (the rest are hop-by-hop or
+# aiohttp's own).
+_PASSED_HEADERS = ("Content-Type", "Cache-Control")
+
+
+def check_vllm_body(body: Any) -> dict[str, Any]:
+    """The client's body as far as the flow needs it: a JSON object asking for one sample."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object", None)
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is not None and value != 1:
+            raise InvalidRequest(
+                f"{name} must be 1 behind a P/D router of vLLM servers (got {value!r}): the "
+                "samples of one request would share one kv_transfer_params; send one request "
+                "per sample",
+                name,
+            )
+    return body
+
+
+@dataclass
+class VllmCall:
+    """One request on a vLLM fleet."""
+
+    request: web.Request
+    request_id: str
+    body: dict[str, Any]
+    route: RouteContext
+    started: float
+    deadline: float
+    log: logging.LoggerAdapter[logging.Logger]
+
+    @property
+    def path(self) -> str:
+        return self.request.path
+
+
+class VllmProxy:
+    """Runs `VllmCall` s on ``fleet`` (whose instances are `VllmEndpoint` s)."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, fleet: Fleet) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.fleet = fleet
+
+    async def serve(self, call: VllmCall) -> web.StreamResponse:
+        """The client's answer: the decode's, passed through; raises `UpstreamError` when no
+        instance of a role could do its part (the app answers it)."""
+        fleet = self.fleet
+        decode = fleet.pick("decode", call.route)
+        tried = [decode]
+        try:
+            params: dict[str, Any] | None = None
+            if goes_alone(fleet, self.config.disagg_min_prompt_tokens, call.route):
+                self.metrics.route_mode("decode_only")
+            else:
+                self.metrics.route_mode("disaggregated")
+                prefilled = await self._prefill(call)
+                if isinstance(prefilled, web.Response):
+                    return prefilled
+                params = prefilled
+            while True:
+                try:
+                    return await self._decode_once(call, tried[-1], params)
+                except UpstreamError as exc:
+                    await self._retry(call, tried, exc)
+        finally:
+            for instance in tried:
+                fleet.release(instance)
+
+    # ------------------------------------------------------------------ the prefill
+
+    async def _prefill(self, call: VllmCall) -> dict[str, Any] | web.Response | None:
+        """The prefill's ``kv_transfer_params`` (None: it gave none), or vLLM's refusal of the
+        input as the client's answer."""
+        body = {k: v for k, v in call.body.items() if k not in _PREFILL_DROPS}
+        body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_PARAMS}
+        tried = [self.fleet.pick("prefill", call.route)]
+        try:
+            while True:
+                instance = tried[-1]
+                try:
+                    status, raw, headers = await self._post(call, instance, body)
+                except UpstreamError as exc:
+                    await self._retry(call, tried, exc)
+                    continue
+                if status >= 500:
+                    exc = _vllm_error(instance, status, raw)
+                    instance.failed()
+                    await self._retry(call, tried, exc)
+                    continue
+                if status != 200:
+                    return _passed_through(call.request_id, status, raw, headers)
+                instance.succeeded()
+                return _kv_transfer_params(instance, raw, call.log)
+        finally:
+            for instance in tried:
+                self.fleet.release(instance)
+
+    # ------------------------------------------------------------------ the decode
+
+    async def _decode_once(
+        self, call: VllmCall, instance: Instance, params: dict[str, Any] | None
+    ) -> web.StreamResponse:
+        body = dict(call.body)
+        if params is not None:
+            body["kv_transfer_params"] = params
+        endpoint = _endpoint(instance)
+        try:
+            upstream = await endpoint.session.post(
+                endpoint.url(call.path),
+                json=body,
+                headers={REQUEST_ID_HEADER: call.request_id},
+                timeout=self._timeout(call),
+            )
+        except TimeoutError:  # an OSError too: first
+            raise _deadline(instance) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise self._unreachable(instance, exc) from None
+        async with upstream:
+            if upstream.status >= 500:
+                raw = await _read_or_empty(upstream)
+                instance.failed()
+                raise _vllm_error(instance, upstream.status, raw)
+            if upstream.status != 200 or "text/event-stream" not in upstream.content_type:
+                try:
+                    raw = await upstream.read()
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    instance.failed()
+                    raise _cut(instance, exc) from None
+                if upstream.status == 200:
+                    instance.succeeded()
+                    self.metrics.first_token(time.monotonic() - call.started)
+                return _passed_through(call.request_id, upstream.status, raw, upstream.headers)
+            return await self._stream(call, instance, upstream)
+
+    async def _stream(
+        self, call: VllmCall, instance: Instance, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        """vLLM's events as they come; the client's response opens at the first byte, so a
+        decode that fails before it is still retried."""
+        response: web.StreamResponse | None = None
+        try:
+            async for chunk in upstream.content.iter_any():
+                if response is None:
+                    response = web.StreamResponse(headers=_answer_headers(call, upstream.headers))
+                    await response.prepare(call.request)
+                    self.metrics.first_token(time.monotonic() - call.started)
+                try:
+                    await response.write(chunk)
+                except ConnectionResetError:
+                    # Leaving closes the decode's connection: vLLM aborts the request.
+                    raise ClientGone(response) from None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            instance.failed()
+            failure = _cut(instance, exc)
+            if response is None:
+                raise failure from None
+            self.metrics.upstream_error(failure.role, failure.reason)
+            call.log.warning("failed mid-stream: %s", failure)
+            event = json.dumps(error_body(str(failure), "upstream_error"))
+            await response.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+            return response
+        if response is None:
+            instance.failed()
+            raise _vllm_error(instance, 502, b"the stream ended before any event")
+        instance.succeeded()
+        await response.write_eof()
+        return response
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _post(
+        self, call: VllmCall, instance: Instance, body: dict[str, Any]
+    ) -> tuple[int, bytes, Mapping[str, str]]:
+        endpoint = _endpoint(instance)
+        try:
+            async with endpoint.session.post(
+                endpoint.url(call.path),
+                json=body,
+                headers={REQUEST_ID_HEADER: call.request_id},
+                timeout=self._timeout(call),
+            ) as response:
+                return response.status, await response.read(), response.headers
+        except TimeoutError:  # an OSError too: first
+            raise _deadline(instance) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise self._unreachable(instance, exc) from None
+
+    async def _retry(self, call: VllmCall, tried: list[Instance], exc: UpstreamError) -> None:
+        """Another instance of ``exc``'s role appended to ``tried`` after a back-off; raises
+        ``exc`` when it is not retryable, the retries are spent, or none is left to try."""
+        attempt = len(tried)
+        if not exc.retryable or attempt > self.config.max_retries:
+            raise exc
+        await retry_pause(attempt, call.deadline)
+        try:
+            instance = self.fleet.pick(exc.role, call.route, exclude=tried)
+        except NoHealthyDaemon:
+            raise exc from None
+        call.log.warning("%s; retry %d on %s %s", exc, attempt, exc.role, instance.address)
+        self.metrics.upstream_error(exc.role, exc.reason)
+        self.metrics.retry(exc.role, exc.reason)
+        tried.append(instance)
+
+    def _timeout(self, call: VllmCall) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=max(0.001, call.deadline - time.monotonic()))
+
+    def _unreachable(self, instance: Instance, exc: BaseException) -> UpstreamError:
+        """No answer at all: the instance leaves the pool until a health check finds it."""
+        detail = str(exc) or type(exc).__name__
+        self.fleet.eject(instance, grpc.StatusCode.UNAVAILABLE, detail)
+        instance.failed()
+        return UpstreamError(503, f"unreachable: {detail}", instance.role, instance.address)
+
+
+def _endpoint(instance: Instance) -> VllmEndpoint:
+    channel = instance.channel
+    if not isinstance(channel, VllmEndpoint):
+        raise TypeError(f"{instance.name} is not a vLLM server (the router's --engine)")
+    return channel
+
+
+def _kv_transfer_params(
+    instance: Instance, raw: bytes, log: logging.LoggerAdapter[logging.Logger]
+) -> dict[str, Any] | None:
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        raise _vllm_error(instance, 502, b"the prefill's answer is not JSON") from None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if params is None:
+        log.info("%s gave no kv_transfer_params: the decode computes the prompt", instance.name)
+        return None
+    if not isinstance(params, dict):
+        raise _vllm_error(instance, 502, b"kv_transfer_params in its answer is not an object")
+    return params
+
+
+def _vllm_error(instance: Instance, status: int, raw: bytes) -> UpstreamError:
+    """A 5xx of vLLM's own (or an unusable answer): 502, worth another instance."""
+    message = raw.decode(errors="replace").strip()[:300] or "(empty body)"
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        message = json.loads(raw)["error"]["message"]
+    return UpstreamError(
+        502, f"HTTP {status}: {message}", instance.role, instance.address, f"http_{status}"
+    )
+
+
+def _cut(instance: Instance, exc: BaseException) -> UpstreamError:
+    detail = str(exc) or type(exc).__name__
+    return UpstreamError(
+        502, f"its answer was cut: {detail}", instance.role, instance.address, "cut"
+    )
+
+
+def _deadline(instance: Instance) -> UpstreamError:
+    return UpstreamError(
+        503,
+        "no answer within the request deadline (--request-timeout-s)",
+        instance.role,
+        instance.address,
+        "DEADLINE_EXCEEDED",
+    )
+
+
+async def _read_or_empty(response: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await response.read()
+    except (TimeoutError, aiohttp.ClientError):
+        return b""
+
+
+def _answer_headers(call: VllmCall, upstream: Mapping[str, str]) -> dict[str, str]:
+    headers = {name: upstream[name] for name in _PASSED_HEADERS if name in upstream}
+    headers["x-request-id"] = call.request_id
+    # Reverse proxies (nginx) would otherwise buffer a stream and defeat it.
+    headers["X-Accel-Buffering"] = "no"
+    return headers
+
+
+def _passed_through(
+    request_id: str, status: int, raw: bytes, upstream: Mapping[str, str]
+) -> web.Response:
+    headers = {name: upstream[name] for name in _PASSED_HEADERS if name in upstream}
+    headers["x-request-id"] = request_id
+    return web.Response(status=status, body=raw, headers=headers)

@@ -1,0 +1,336 @@
+"""The router in front of vLLM OpenAI servers (``engine="vllm"``), against stand-ins that record
+what they are sent (`router_helpers.fake_vllm`): vLLM's kv_transfer_params flow (a one-token
+prefill, its params verbatim to the decode, one ``X-Request-Id`` on both), answers passed
+through as vLLM wrote them (JSON, events, refusals), retries on another instance before the
+first byte, a stream cut after it, health and load from vLLM's own endpoints, conditional
+disaggregation. Real vLLM servers behind the router: vllm_stage/check_pd.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from router_helpers.cluster import ADMIN_TOKEN, WAIT_S, run, sse_events
+from router_helpers.fake_vllm import (
+    DECODE_JSON,
+    PARAMS,
+    SSE_CHUNKS,
+    SSE_DONE,
+    FakeVllm,
+    VllmBehaviour,
+    decode_cut,
+    prefill_ok,
+    prefill_without_params,
+    status,
+    vllm_metrics,
+)
+from waiting import wait_until_async
+
+from kvtransfer.router import RouterConfig, RouterServer
+from kvtransfer.router.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
+
+pytestmark = pytest.mark.integration
+
+BODY = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
+
+
+@dataclass
+class VllmCluster:
+    router: RouterServer
+    http: aiohttp.ClientSession
+    prefills: list[FakeVllm]
+    decodes: list[FakeVllm]
+
+    async def post(self, body: Any, path: str = "/v1/completions") -> tuple[int, bytes, Any]:
+        async with self.http.post(path, json=body) as response:
+            return response.status, await response.read(), response.headers
+
+    async def workers(self) -> dict[str, dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with self.http.get("/workers", headers=headers) as response:
+            assert response.status == 200
+            return {w["address"]: w for w in (await response.json())["workers"]}
+
+
+@asynccontextmanager
+async def vllm_cluster(
+    prefills: Sequence[VllmBehaviour],
+    decodes: Sequence[VllmBehaviour],
+    extra_prefill: Sequence[str] = (),
+    extra_decode: Sequence[str] = (),
+    **config: Any,
+) -> AsyncIterator[VllmCluster]:
+    config.setdefault("shutdown_timeout_s", 2.0)
+    config.setdefault("admin_token", ADMIN_TOKEN)
+    p = [await FakeVllm(b).start() for b in prefills]
+    d = [await FakeVllm(b).start() for b in decodes]
+    try:
+        router_config = RouterConfig(
+            prefill=(*extra_prefill, *(f.address for f in p)),
+            decode=(*extra_decode, *(f.address for f in d)),
+            engine="vllm",
+            model_name="tiny",
+            **config,
+        )
+        async with (
+            RouterServer(router_config) as router,
+            aiohttp.ClientSession(base_url=router.url) as http,
+        ):
+            yield VllmCluster(router, http, p, d)
+    finally:
+        for fake in (*p, *d):
+            await fake.stop()
+
+
+def prefill() -> VllmBehaviour:
+    return VllmBehaviour(completions=prefill_ok)
+
+
+def decode() -> VllmBehaviour:
+    return VllmBehaviour()
+
+
+def test_the_prefill_gets_one_token_and_its_params_go_verbatim_to_the_decode() -> None:
+    async def scenario() -> None:
+        async with vllm_cluster([prefill()], [decode()]) as c:
+            body = {**BODY, "min_tokens": 4, "logprobs": 2, "echo": True}
+            code, raw, headers = await c.post(body)
+            assert code == 200
+            assert json.loads(raw) == DECODE_JSON
+            request_id = headers["x-request-id"]
+            [sent_p] = c.prefills[0].seen
+            [sent_d] = c.decodes[0].seen
+            assert sent_p.path == sent_d.path == "/v1/completions"
+            assert sent_p.request_id == sent_d.request_id == request_id
+            assert sent_p.body == {
+                "model": "tiny",
+                "prompt": "Hello",
+                "temperature": 0,
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+            }
+            assert sent_d.body == {**body, "kv_transfer_params": PARAMS}
+
+    run(scenario)
+
+
+def test_a_stream_passes_through_byte_for_byte_and_chat_keeps_its_path() -> None:
+    async def scenario() -> None:
+        async with vllm_cluster([prefill()], [decode()]) as c:
+            body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+            body |= {"max_completion_tokens": 5, "stream_options": {"include_usage": True}}
+            code, raw, headers = await c.post(body, "/v1/chat/completions")
+            assert code == 200
+            assert headers["Content-Type"].startswith("text/event-stream")
+            assert raw == b"".join((*SSE_CHUNKS, SSE_DONE))
+            [sent_p] = c.prefills[0].seen
+            [sent_d] = c.decodes[0].seen
+            assert sent_p.path == sent_d.path == "/v1/chat/completions"
+            assert "max_completion_tokens" not in sent_p.body
+            assert "stream_options" not in sent_p.body
+            assert (sent_p.body["max_tokens"], sent_p.body["stream"]) == (1, False)
+            assert sent_d.body == {**body, "kv_transfer_params": PARAMS}
+
+    run(scenario)
+
+
+def test_vllm_refusing_the_input_is_passed_to_the_client_and_no_decode_runs() -> None:
+    refusal = "This model's maximum context length is 32 tokens"
+
+    async def scenario() -> None:
+        bad = VllmBehaviour(completions=status(400, refusal))
+        async with vllm_cluster([bad], [decode()]) as c:
+            code, raw, _ = await c.post(BODY)
+            assert code == 400
+            assert json.loads(raw)["error"]["message"] == refusal
+            assert c.decodes[0].seen == []
+            assert len(c.prefills[0].seen) == 1  # a refusal is not retried
+
+    run(scenario)
+
+
+def test_an_unreachable_prefill_is_ejected_and_another_one_prefills() -> None:
+    async def scenario() -> None:
+        # Round robin, two instances: the first pick is the first one (it dies after its
+        # health check, and none follows before the request).
+        async with vllm_cluster(
+            [prefill(), prefill()], [decode()], policy="round_robin", health_interval_s=600
+        ) as c:
+            dies, good = c.prefills
+            await dies.stop()
+            code, raw, _ = await c.post(BODY)
+            assert code == 200, raw
+            assert len(good.seen) == 1
+            assert c.decodes[0].seen[0].body["kv_transfer_params"] == PARAMS
+            gone = (await c.workers())[dies.address]
+            assert (gone["healthy"], gone["state"]) == (False, "UNREACHABLE (UNAVAILABLE)")
+
+    run(scenario)
+
+
+def test_a_prefill_answering_5xx_is_retried_on_another_and_counts_on_its_breaker() -> None:
+    async def scenario() -> None:
+        broken = VllmBehaviour(completions=status(500, "engine dead"))
+        async with vllm_cluster(
+            [broken, prefill()], [decode()], policy="round_robin", breaker_failures=1
+        ) as c:
+            code, raw, _ = await c.post(BODY)
+            assert code == 200, raw
+            assert [len(p.seen) for p in c.prefills] == [1, 1]
+            assert c.decodes[0].seen[0].body["kv_transfer_params"] == PARAMS
+            assert (await c.workers())[c.prefills[0].address]["breaker"] == "open"
+
+    run(scenario)
+
+
+def test_no_prefill_left_is_a_typed_503_naming_the_instances() -> None:
+    async def scenario() -> None:
+        broken = VllmBehaviour(completions=status(500, "engine dead"))
+        async with vllm_cluster([broken, broken], [decode()], max_retries=1) as c:
+            code, raw, _ = await c.post(BODY)
+            error = json.loads(raw)["error"]
+            assert code == 502
+            assert "HTTP 500: engine dead" in error["message"]
+            assert error["message"].startswith("prefill daemon 127.0.0.1:")
+            assert c.decodes[0].seen == []
+
+    run(scenario)
+
+
+def test_a_decode_that_fails_before_its_first_byte_is_retried_with_the_same_params() -> None:
+    async def scenario() -> None:
+        broken = VllmBehaviour(completions=status(503, "overloaded"))
+        async with vllm_cluster([prefill()], [broken, decode()], policy="round_robin") as c:
+            code, raw, _ = await c.post({**BODY, "stream": True})
+            assert code == 200
+            assert raw == b"".join((*SSE_CHUNKS, SSE_DONE))
+            [first] = c.decodes[0].seen
+            [second] = c.decodes[1].seen
+            assert first.body == second.body
+            assert second.body["kv_transfer_params"] == PARAMS
+            assert first.request_id == second.request_id
+            assert len(c.prefills[0].seen) == 1  # the KV is prefilled once
+
+    run(scenario)
+
+
+def test_a_stream_cut_after_its_first_byte_ends_with_an_error_event() -> None:
+    async def scenario() -> None:
+        cut = VllmBehaviour(completions=decode_cut)
+        async with vllm_cluster([prefill()], [cut, decode()], policy="round_robin") as c:
+            code, raw, _ = await c.post({**BODY, "stream": True})
+            assert code == 200
+            events = sse_events(raw.decode())
+            assert events[0] == SSE_CHUNKS[0].decode().removeprefix("data: ").strip()
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["message"].startswith(f"decode daemon {c.decodes[0].address}:")
+            assert "cut" in error["message"]
+            assert c.decodes[1].seen == []  # bytes were out: no retry
+
+    run(scenario)
+
+
+def test_a_prefill_without_params_leaves_the_decode_to_compute_alone() -> None:
+    async def scenario() -> None:
+        first_stops = VllmBehaviour(completions=prefill_without_params)
+        async with vllm_cluster([first_stops], [decode()]) as c:
+            code, _, _ = await c.post(BODY)
+            assert code == 200
+            assert c.decodes[0].seen[0].body == BODY
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("body", "status_code", "needle"),
+    [
+        ({**BODY, "n": 2}, 400, "n must be 1"),
+        ({**BODY, "best_of": 3}, 400, "best_of must be 1"),
+        ([1, 2], 400, "must be a JSON object"),
+        ({**BODY, "model": "other"}, 404, "does not exist"),
+    ],
+)
+def test_bad_requests_are_refused_before_any_instance(
+    body: Any, status_code: int, needle: str
+) -> None:
+    async def scenario() -> None:
+        async with vllm_cluster([prefill()], [decode()]) as c:
+            code, raw, _ = await c.post(body)
+            assert code == status_code
+            assert needle in json.loads(raw)["error"]["message"]
+            assert c.prefills[0].seen == c.decodes[0].seen == []
+
+    run(scenario)
+
+
+def test_health_and_load_come_from_vllm_endpoints() -> None:
+    async def scenario() -> None:
+        loaded = VllmBehaviour(metrics=vllm_metrics(running=3, waiting=2, kv_usage=0.25))
+        draining = VllmBehaviour(health_status=503)
+        async with vllm_cluster([prefill(), draining], [loaded]) as c:
+            workers = await c.workers()
+            load = workers[c.decodes[0].address]["load"]
+            assert load == {
+                "running": 3,
+                "waiting": 2,
+                "kv_blocks_used": KV_USAGE_SCALE // 4,
+                "kv_blocks_total": KV_USAGE_SCALE,
+            }
+            sick = workers[c.prefills[1].address]
+            assert (sick["state"], sick["pickable"]) == ("NOT_SERVING (HTTP 503)", False)
+            for _ in range(4):
+                code, _, _ = await c.post(BODY)
+                assert code == 200
+            assert c.prefills[1].seen == []
+            assert len(c.prefills[0].seen) == 4
+
+            c.prefills[1].behaviour.health_status = 200
+
+            async def readmitted() -> bool:
+                return (await c.workers())[c.prefills[1].address]["pickable"] is True
+
+            await wait_until_async(readmitted, "the prefill back in the pool", WAIT_S)
+
+    run(scenario)
+
+
+def test_a_short_known_prompt_skips_the_prefill() -> None:
+    async def scenario() -> None:
+        async with vllm_cluster([prefill()], [decode()], disagg_min_prompt_tokens=8) as c:
+            short = {**BODY, "prompt": [1, 2, 3]}
+            code, _, _ = await c.post(short)
+            assert code == 200
+            assert c.prefills[0].seen == []
+            assert c.decodes[0].seen[0].body == short
+            long = {**BODY, "prompt": list(range(1, 20))}
+            code, _, _ = await c.post(long)
+            assert code == 200
+            assert len(c.prefills[0].seen) == 1
+            assert c.decodes[0].seen[1].body == {**long, "kv_transfer_params": PARAMS}
+
+    run(scenario)
+
+
+def test_vllm_load_text_parses_to_sums_and_mean_usage() -> None:
+    load = parse_vllm_load(vllm_metrics(running=5, waiting=1, kv_usage=0.5))
+    assert load is not None
+    assert (load.running, load.waiting) == (5, 1)
+    assert load.kv_usage == 0.5
+    assert parse_vllm_load("# nothing of vLLM's\nprocess_cpu_seconds_total 3\n") is None
+    assert parse_vllm_load("not prometheus {{{") is None
+
+
+def test_tls_is_refused_for_vllm_servers(tmp_path: Any) -> None:
+    pem = tmp_path / "ca.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(ValueError, match="plain HTTP"):
+        RouterConfig(prefill=("h:1",), decode=("h:2",), engine="vllm", tls_ca=str(pem))
+    with pytest.raises(ValueError, match="engine must be one of kvtransfer, vllm"):
+        RouterConfig(prefill=("h:1",), decode=("h:2",), engine="sglang")
