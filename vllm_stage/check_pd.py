@@ -73,7 +73,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
+class _Http:
+    """An OpenAI server on 127.0.0.1 (vLLM's, or the router in front of them)."""
+
+    name: str
+    port: int
+    model: str
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def post(self, path: str, body: dict) -> tuple[int, dict | str]:
+        request = urllib.request.Request(
+            self.url(path), json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                raw = response.read().decode()
+                is_json = response.headers.get_content_type() == "application/json"
+                return response.status, json.loads(raw) if is_json else raw
+        except urllib.error.HTTPError as error:
+            return error.code, {"error": error.read().decode(errors="replace")}
+
+    def complete(
+        self, prompt: str, max_tokens: int, params: dict | None = None, **extra: object
+    ) -> tuple[int, dict]:
+        body = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True, **extra,
+        }  # fmt: skip
+        if params is not None:
+            body["kv_transfer_params"] = params
+        status, answer = self.post("/v1/completions", body)
+        if not isinstance(answer, dict):
+            raise StageFailure(f"{self.name} answered {status} with no JSON: {answer[:200]!r}")
+        return status, answer
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples with ``labels``; `StageFailure` when the server
+        exports no such sample (a missing metric must not read as 0)."""
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as response:
+            text = response.read().decode()
+        total, found = 0.0, False
+        for line in text.splitlines():
+            if not line.startswith(name + "{"):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        if not found:
+            raise StageFailure(f"{self.name} exports no {name} sample with {labels}")
+        return total
+
+
+class Server(_Http):
     def __init__(
         self,
         name: str,
@@ -121,9 +174,6 @@ class Server:
             start_new_session=True,
         )
 
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
     def wait_healthy(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -143,42 +193,6 @@ class Server:
         except (urllib.error.URLError, OSError):
             return False
 
-    def complete(
-        self, prompt: str, max_tokens: int, params: dict | None = None
-    ) -> tuple[int, dict]:
-        body = {
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "return_token_ids": True,
-        }  # fmt: skip
-        if params is not None:
-            body["kv_transfer_params"] = params
-        request = urllib.request.Request(
-            self.url("/v1/completions"),
-            json.dumps(body).encode(),
-            {"content-type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=120) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, {"error": error.read().decode(errors="replace")}
-
-    def metric(self, name: str, **labels: str) -> float:
-        """The sum of ``name``'s samples with ``labels``; `StageFailure` when the server
-        exports no such sample (a missing metric must not read as 0)."""
-        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as response:
-            text = response.read().decode()
-        total, found = 0.0, False
-        for line in text.splitlines():
-            if not line.startswith(name + "{"):
-                continue
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-        if not found:
-            raise StageFailure(f"{self.name} exports no {name} sample with {labels}")
-        return total
-
     def kill(self) -> None:
         """SIGKILL the whole server (API, engine and worker processes)."""
         with contextlib.suppress(ProcessLookupError):
@@ -194,6 +208,104 @@ class Server:
             self.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)  # stragglers of the group
+
+
+class Router(_Http):
+    """kvtransfer's router in front of vLLM servers (``--engine vllm``), round robin over them."""
+
+    def __init__(self, model: str, logs: Path, prefills: list[Server], decodes: list[Server]):
+        self.name = "router"
+        self.model = model
+        self.port = free_port()
+        command = [
+            sys.executable, "-m", "kvtransfer.router", "--engine", "vllm",
+            "--port", str(self.port), "--model-name", model, "--policy", "round_robin",
+            *(f"--prefill=127.0.0.1:{server.port}" for server in prefills),
+            *(f"--decode=127.0.0.1:{server.port}" for server in decodes),
+        ]  # fmt: skip
+        self.log = logs / "router.log"
+        self.process = subprocess.Popen(
+            command, stdout=self.log.open("w"), stderr=subprocess.STDOUT
+        )
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        def up() -> bool:
+            if self.process.poll() is not None:
+                raise StageFailure(f"the router exited ({self.process.returncode}); see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=5) as response:
+                    return response.status == 200
+            except (urllib.error.URLError, OSError):
+                return False
+
+        wait_for(up, "the router to find a healthy prefill and decode", timeout_s)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def check_router(
+    model: str, logs: Path, p: Server, decodes: list[Server], reference: dict[str, list[int]]
+) -> None:
+    """kvtransfer's router in front of these vLLM servers: vLLM's kv_transfer_params flow
+    through it gives the single instance's tokens, JSON and streamed, each decode pulling the
+    KV of every prompt token; vLLM's own refusal reaches the client; every instance is picked."""
+    router = Router(model, logs, [p], decodes)
+    source = "vllm:prompt_tokens_by_source_total"
+
+    def tokens_by(kind: str) -> float:
+        return sum(d.metric(source, source=kind) for d in decodes)
+
+    try:
+        router.wait_healthy()
+        for prompt in PROMPTS:
+            pulled, hit = tokens_by("external_kv_transfer"), tokens_by("local_cache_hit")
+            status, answer = router.complete(prompt, MAX_TOKENS)
+            check(
+                status == 200 and tokens(answer) == reference[prompt],
+                f"router (--engine vllm): tokens equal the single instance for {prompt[:30]!r}...",
+            )
+            prompt_tokens = answer["usage"]["prompt_tokens"]
+            pulled = tokens_by("external_kv_transfer") - pulled
+            hit = tokens_by("local_cache_hit") - hit
+            # A decode with prefix caching that decoded this prompt before pulls only the rest.
+            check(
+                pulled > 0 and pulled + hit == prompt_tokens,
+                f"router: the decode received the KV of the {prompt_tokens} prompt tokens it "
+                f"lacked ({pulled:.0f} transferred, {hit:.0f} from its own prefix cache)",
+            )
+        status, whole = router.complete(PROMPTS[1], MAX_TOKENS)
+        check(status == 200, "router: a JSON answer for the streamed prompt's reference")
+        body = {
+            "model": model, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True,
+        }  # fmt: skip
+        status, raw = router.post("/v1/completions", body)
+        events = [e.removeprefix("data: ") for e in str(raw).split("\n\n") if e.strip()]
+        check(status == 200 and events[-1] == "[DONE]", "router: a stream through it ends [DONE]")
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if "choices" in e)
+        check(
+            text == whole["choices"][0]["text"],
+            "router: the streamed text equals the JSON answer's",
+        )
+        # Longer than --max-model-len: the prefill refuses it, nothing is held for a decode.
+        status, answer = router.complete("hello " * 3000, MAX_TOKENS)
+        check(
+            status == 400 and "context length" in json.dumps(answer),
+            f"router: vLLM's refusal of a too-long prompt reaches the client (HTTP {status})",
+        )
+        for server in (p, *decodes):
+            picks = router.metric(
+                "kvtransfer_router_instance_picks_total", address=f"127.0.0.1:{server.port}"
+            )
+            check(picks > 0, f"router: {server.name} was picked ({picks:.0f} times)")
+        check(router.process.poll() is None, "the router is still serving")
+    finally:
+        router.stop()
 
 
 DATA_PLANE = {"value": "rma"}
@@ -296,6 +408,7 @@ def run(model: str, logs: Path) -> None:
             0 < pulled < BLOCK_SIZE,
             f"and transferred only the tokens beyond the hit (0 < {pulled:.0f} < one block)",
         )
+        check_router(model, logs, p, [d1, d2], reference)
         # Our transfer stats reach vLLM's /metrics on both sides.
         received = d1.metric("vllm:kvtransfer_bytes_received_total")
         sent = p.metric("vllm:kvtransfer_bytes_sent_total")
