@@ -170,12 +170,16 @@ def test_decode_role_prefers_the_instance_holding_most_of_the_prefix():
     assert policy.candidate_uncached_tokens(d1, PROMPT) == len(PROMPT) - 2 * BS
 
 
-def test_uncached_tokens_never_below_one_and_whole_prompt_when_unknown():
+def test_uncached_tokens_count_a_hit_as_the_engines_do_and_whole_prompt_when_unknown():
     policy = _policy()
     a = Instance("a")
-    exact = PROMPT[:40]  # exactly 10 blocks, all cached: the last token is still computed
+    # Exactly 10 blocks, all cached: the last token must still be computed, and engines reuse
+    # whole blocks only, so the last block is computed again (what they report as cached).
+    exact = PROMPT[:40]
     _cache(policy, "a", exact, 10)
-    assert policy.uncached_tokens([a], _route(exact)) == 1
+    assert policy.uncached_tokens([a], _route(exact)) == BS
+    # One token more: all 10 blocks are used, the new token alone is computed.
+    assert policy.uncached_tokens([a], _route(PROMPT[:41])) == 1
     assert policy.uncached_tokens([Instance("b")], _route(PROMPT)) == len(PROMPT)
     assert policy.uncached_tokens([a], _route(None)) == 0
     assert policy.uncached_tokens([], _route(PROMPT)) == len(PROMPT)

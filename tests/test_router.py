@@ -146,6 +146,7 @@ def test_prefill_then_decode_json_body(caplog):
                 "kv_blocks_received": DECODE_METRICS.kv_blocks_received,
                 "kv_bytes_received": DECODE_METRICS.kv_bytes_received,
                 "num_recomputed_tokens": 0,
+                "predicted_cached_tokens": None,  # round robin keeps no prefix index
             }
             assert c.prefill.cancelled == c.decode.cancelled == []
             return request_id

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "builtin"
 HOSTS = ("127.0.0.21", "127.0.0.22")
+BLOCK_SIZE = 16  # the daemons' default, and the router's --kv-block-size default
 TEXT = "Cache-aware routing sends a prompt where its prefix blocks already are. " * 4
 MAX_TOKENS = 4
 
@@ -59,16 +60,21 @@ def _prefill(tmp_path, host: str, events: int, replay: int, name: str):
     )  # fmt: skip
 
 
-def _indexed_blocks(url: str, address: str, source: str) -> float:
-    """The router's index size for ``address`` (its /metrics), 0 before it is listed."""
+def _metric(url: str, pattern: str) -> float:
+    """The first sample of the router's /metrics that ``pattern`` matches, 0 when none does."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    pattern = (
-        r'kvtransfer_router_index_blocks\{address="' + re.escape(address) + r'",role="prefill",'
-        r'source="' + source + r'"\} (\S+)'
-    )
-    match = re.search(pattern, text)
+    match = re.search(pattern + r" (\S+)", text)
     return float(match.group(1)) if match else 0.0
+
+
+def _indexed_blocks(url: str, address: str, source: str) -> float:
+    """The router's index size for ``address`` (its /metrics), 0 before it is listed."""
+    return _metric(
+        url,
+        r'kvtransfer_router_index_blocks\{address="' + re.escape(address) + r'",role="prefill",'
+        r'source="' + source + r'"\}',
+    )
 
 
 def _complete(url: str, prompt: str) -> dict:
@@ -110,7 +116,14 @@ def test_cache_aware_choice_follows_kv_events_from_the_command_line(tmp_path):
             if not suffix:
                 assert answer["kvtransfer"]["token_ids"] == expected
             assert answer["kvtransfer"]["prefill"] == holder.address
+            # The router's prediction at the pick is what the engine then found cached.
+            cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 4 * BLOCK_SIZE
+            assert answer["kvtransfer"]["predicted_cached_tokens"] == cached
         # The other prefill never computed it: its routed (approximate) side learned nothing.
         assert _indexed_blocks(router.address, prefills[0].address, "routed") == 0
+        predictions = r'kvtransfer_router_cache_predictions_total\{outcome="(\w+)",role="prefill"\}'
+        assert _metric(router.address, predictions.replace(r"(\w+)", "exact")) == 3
+        assert _metric(router.address, predictions.replace(r"(\w+)", "over")) == 0
     for daemon in (*prefills, decode):
         assert exit_used_blocks(daemon) == 0

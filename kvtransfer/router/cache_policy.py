@@ -145,7 +145,10 @@ class CacheAwarePolicy:
 
 
 def _uncached(num_tokens: int, cached_blocks: int, block_size: int) -> int:
-    return num_tokens - min(cached_blocks * block_size, max(num_tokens - 1, 0))
+    # As the engines (ours, vLLM) count a hit: whole blocks only, and never the prompt's last
+    # token (it must be computed to sample the next one).
+    usable = min(cached_blocks, max(num_tokens - 1, 0) // block_size)
+    return num_tokens - usable * block_size
 
 
 def create_policy(role: str, config: RouterConfig) -> CacheAwarePolicy:

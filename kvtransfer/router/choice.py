@@ -380,6 +380,11 @@ class ChoiceRunner:
         text: str,
     ) -> Delta:
         self.metrics.phases(decoded.phases())
+        cached = decoded.cached_prompt_tokens()
+        role = "decode" if decoded.prefill is None else "prefill"
+        predicted = exchange.context.predicted_cached_tokens.get(role)
+        if predicted is not None:
+            self.metrics.cache_prediction(role, predicted, cached)
         exchange.log.info(
             "done (%s): %d tokens, %d KV blocks received, %.1f ms",
             final.finish_reason,
@@ -395,7 +400,7 @@ class ChoiceRunner:
             finish_reason=final.finish_reason,
             info=_kvtransfer_info(exchange, decoded),
             num_prompt_tokens=decoded.num_prompt_tokens,
-            num_cached_tokens=decoded.cached_prompt_tokens(),
+            num_cached_tokens=cached,
         )
 
     def _require_upstream(self) -> Upstream:
@@ -610,6 +615,11 @@ def _kvtransfer_info(exchange: Exchange, decoded: _Decoded) -> dict[str, Any]:
         "kv_blocks_received": metrics.kv_blocks_received if metrics is not None else 0,
         "kv_bytes_received": metrics.kv_bytes_received if metrics is not None else 0,
         "num_recomputed_tokens": metrics.num_recomputed_tokens if metrics is not None else 0,
+        # The policy's expectation at the pick (None: no prefix index, or prompt tokens
+        # unknown), for the role that computed the prompt.
+        "predicted_cached_tokens": exchange.context.predicted_cached_tokens.get(
+            "decode" if decoded.prefill is None else "prefill"
+        ),
         "phases": decoded.phases(),
     }
 

@@ -56,7 +56,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtransfer.control.security import admin_token_metadata
 from kvtransfer.router.config import ENGINES, KVTRANSFER, VLLM
 from kvtransfer.router.errors import NoHealthyDaemon
-from kvtransfer.router.policy import InstanceLoad, Policy, RouteContext
+from kvtransfer.router.policy import CandidateEstimator, InstanceLoad, Policy, RouteContext
 from kvtransfer.router.vllm_endpoint import VllmEndpoint
 from kvtransfer.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 
@@ -401,6 +401,11 @@ class Fleet:
             raise RuntimeError(f"policy {policy.name!r} chose something that was not offered")
         instance.in_flight += 1
         instance.picks += 1
+        tokens = route.token_ids
+        if tokens and isinstance(policy, CandidateEstimator):
+            # Before `observe`: the prediction is what the index held, not this pick.
+            uncached = policy.candidate_uncached_tokens(instance, tokens)
+            route.predicted_cached_tokens[role] = len(tokens) - uncached
         policy.observe(instance, route)
         return instance
 

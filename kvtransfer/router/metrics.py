@@ -116,6 +116,21 @@ class RouterMetrics:
             "Completion requests waiting for admission (--max-concurrent-requests)",
             registry=self.registry,
         )
+        self._cached_tokens = Counter(
+            "kvtransfer_router_cached_tokens",
+            "Prompt tokens served from a prefix cache, by role (the one that computed the "
+            "prompt) and source: predicted by its cache-aware policy at the pick, or reported "
+            "by the engine (usage.prompt_tokens_details.cached_tokens)",
+            ["role", "source"],
+            registry=self.registry,
+        )
+        self._predictions = Counter(
+            "kvtransfer_router_cache_predictions",
+            "Choices whose cached-token prediction was exact, over (the router expected more "
+            "cached than the engine found: a route on a stale index) or under",
+            ["role", "outcome"],
+            registry=self.registry,
+        )
         self._releases = Counter(
             "kvtransfer_router_kv_releases",
             "ReleaseKV calls to prefill daemons, by trigger (decode_failed, client_gone, error) "
@@ -123,6 +138,14 @@ class RouterMetrics:
             ["trigger", "outcome"],
             registry=self.registry,
         )
+
+    def cache_prediction(self, role: str, predicted: int, reported: int) -> None:
+        """A choice ended: the cached prompt tokens its ``role``'s policy predicted at the pick
+        against those the engine that computed the prompt reported."""
+        self._cached_tokens.labels(role=role, source="predicted").inc(predicted)
+        self._cached_tokens.labels(role=role, source="reported").inc(reported)
+        outcome = "exact" if predicted == reported else "over" if predicted > reported else "under"
+        self._predictions.labels(role=role, outcome=outcome).inc()
 
     def request_done(self, status: int, seconds: float) -> None:
         self._requests.labels(status=str(status)).inc()

@@ -37,7 +37,7 @@ import importlib
 import importlib.util
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -87,10 +87,15 @@ class Candidate(Protocol):
 @dataclass(frozen=True)
 class RouteContext:
     """What is known of the request being routed: its id (the one the daemons see) and its
-    prompt's token ids when the router knows them (``None`` otherwise)."""
+    prompt's token ids when the router knows them (``None`` otherwise).
+
+    ``predicted_cached_tokens``: per role, the prompt tokens the role's policy expected the
+    instance it picked last to hold (set at the pick by policies that keep a prefix index),
+    compared with what the engine reports once the request ends."""
 
     request_id: str
     token_ids: tuple[int, ...] | None = None
+    predicted_cached_tokens: dict[str, int] = field(default_factory=dict, compare=False)
 
 
 class Policy(Protocol):
@@ -103,6 +108,16 @@ class Policy(Protocol):
     def observe(self, chosen: Candidate, route: RouteContext) -> None:
         """Called after every pick with the chosen candidate (an approximate index learns
         here)."""
+        ...
+
+
+@runtime_checkable
+class CandidateEstimator(Protocol):
+    """A policy that can tell how much of a prompt one instance would have to compute (its
+    prefix index's view): the prediction compared with the engine's report."""
+
+    def candidate_uncached_tokens(self, candidate: Candidate, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` that ``candidate`` would compute (at least 1)."""
         ...
 
 
