@@ -5,7 +5,11 @@ Kubernetes: the Kustomize base and overlays are rendered without a kustomize bin
 strict mode, and the objects are cross-checked (selectors, ports, probes, references, the
 kv_transfer_config each daemon really receives). Compose, systemd and the Dockerfile are checked
 against the same flag contract. Where the real daemon and router parsers can be imported, the
-rendered command lines are also fed to them.
+rendered command lines are also fed to them, and the router's view of the fleet is checked
+against the daemons': its dns:NAME:PORT targets name headless Services (compose services) that
+reach every daemon of the role on the port it serves, its cache_aware role's KV event ports,
+block size and tokenizer are what those daemons publish and load, its tokens come from the
+Secret.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ DAEMON_FLAGS = {
     "--tls-key",
     "--tls-ca",
     "--admin-token",
+    "--block-size",
+    "--kv-events-endpoint",
+    "--kv-events-replay-endpoint",
 }
 ROUTER_FLAGS = {
     "--prefill",
@@ -69,11 +76,24 @@ ROUTER_FLAGS = {
     "--tls-ca",
     "--tls-cert",
     "--tls-key",
+    "--policy",
+    "--prefill-policy",
+    "--decode-policy",
+    "--dns-interval-s",
+    "--tokenizer",
+    "--kv-block-size",
+    "--kv-events-port",
+    "--kv-events-replay-port",
 }
 REPEATABLE_FLAGS = {"--prefill", "--decode"}
 # KVTRANSFER_<SETTING> variables the manifests may set: every flag, plus `device` (cpu|cuda,
 # kvtransfer/serve/settings.py) for the GPU overlay.
 DAEMON_ENV_SETTINGS = {flag[2:].replace("-", "_") for flag in DAEMON_FLAGS} | {"device"}
+# The router's only variables (kvtransfer/router/__main__.py): its admin API's token and the
+# daemons' token it reads their load with.
+ROUTER_ADMIN_TOKEN_ENV = "KVTRANSFER_ROUTER_ADMIN_TOKEN"
+ROUTER_ENV = {ROUTER_ADMIN_TOKEN_ENV, "KVTRANSFER_ADMIN_TOKEN"}
+ROLES = ("prefill", "decode")
 BINARIES = {
     "kvtransfer-prefill": "prefill",
     "kvtransfer-decode": "decode",
@@ -82,7 +102,14 @@ BINARIES = {
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 DEFAULT_LEASE_S = 30
 FAKE_POD_IP = "10.244.7.9"
-ADDRESS = re.compile(r"^(?P<host>[a-z0-9.-]+):(?P<port>[0-9]+)$")
+# A compose container: its hostname (the container id) and the address /etc/hosts gives it.
+FAKE_CONTAINER_HOSTNAME = "c0ffee5eed01"
+FAKE_CONTAINER_IP = "172.18.0.7"
+# What the operator's shell gives compose's ${VAR} interpolations.
+COMPOSE_SHELL_ENV = {
+    "KVTRANSFER_ADMIN_TOKEN": "sample-admin-token",
+    "KVTRANSFER_ROUTER_ADMIN_TOKEN": "sample-router-token",
+}
 
 
 # ---------------------------------------------------------------------- shared helpers
@@ -139,10 +166,18 @@ def parse_flags(argv: list[str], allowed: set[str], where: str) -> dict[str, lis
     return flags
 
 
-def check_env_names(inv: Invocation) -> None:
+def check_env_names(inv: Invocation, *, shared: bool = False) -> None:
+    """KVTRANSFER_* variables must mean something to the program they are given to (``shared``:
+    one environment file for the daemons and the router, so either's names)."""
     for name in inv.env:
-        if name.startswith("KVTRANSFER_"):
-            setting = name.removeprefix("KVTRANSFER_").lower()
+        if not name.startswith("KVTRANSFER_"):
+            continue
+        setting = name.removeprefix("KVTRANSFER_").lower()
+        if shared:
+            assert name in ROUTER_ENV or setting in DAEMON_ENV_SETTINGS, f"{inv.where}: {name}"
+        elif inv.role == "router":
+            assert name in ROUTER_ENV, f"{inv.where}: the router does not read {name}"
+        else:
             assert setting in DAEMON_ENV_SETTINGS, f"{inv.where}: {name} is no daemon setting"
 
 
@@ -173,6 +208,94 @@ def check_kv_config(inv: Invocation) -> dict[str, Any]:
             f"{inv.where}: kv_ip is also the address decode daemons dial"
         )
         assert isinstance(config.get("kv_port"), int) and config["kv_port"] > 0, inv.where
+    return config
+
+
+def router_config(inv: Invocation):
+    """The `RouterConfig` the real router builds from this command line and environment."""
+    from kvtransfer.router.__main__ import _parser, config_from_args
+
+    assert inv.role == "router", inv.where
+    try:
+        return config_from_args(_parser().parse_args(inv.argv), environ=inv.env)
+    except ValueError as exc:
+        pytest.fail(f"{inv.where}: the router refuses its configuration: {exc}")
+
+
+def daemon_settings(inv: Invocation):
+    """The `DaemonSettings` the real daemon builds from its flags and KVTRANSFER_* variables."""
+    from kvtransfer.serve.settings import load_settings
+
+    assert inv.role in ROLES, inv.where
+    environ = {k: v for k, v in inv.env.items() if k.startswith("KVTRANSFER_")}
+    return load_settings(inv.role, inv.argv, environ=environ)
+
+
+def zmq_tcp_port(endpoint: str, where: str) -> int:
+    """The port of a ``tcp://HOST:PORT`` endpoint a daemon binds; HOST must take every
+    interface, since the router dials the instance's own address (a pod or container IP)."""
+    match = re.fullmatch(r"tcp://(?P<host>[^:/]+):(?P<port>[0-9]+)", endpoint)
+    assert match, f"{where}: {endpoint} is not tcp://HOST:PORT"
+    assert match["host"] in ("*", "0.0.0.0"), (
+        f"{where}: {endpoint} is not reachable from the router"
+    )
+    return int(match["port"])
+
+
+def check_router_follows_daemons(
+    router: Invocation, daemons: list[Invocation], declared_ports=None
+) -> Any:
+    """What the router needs from the daemons it routes to, read with the real parsers.
+
+    A cache_aware role's instances publish KV events on the port the router subscribes to (and
+    replay on its replay port), in blocks of the router's --kv-block-size, and the router
+    tokenizes with the daemons' model. The router reads their load with their admin token.
+    ``declared_ports(inv) -> {name: port}``: where a daemon's ports must also be declared
+    (Kubernetes containerPorts, named ``kv-events`` and ``kv-replay``). Returns the router's
+    `RouterConfig`."""
+    from kvtransfer.connectors.ucx.config import UcxConfig
+
+    config = router_config(router)
+    settings = {id(inv): daemon_settings(inv) for inv in daemons}
+    models = {s.model for s in settings.values()}
+    assert len(models) == 1, f"{router.where}: the daemons load different models {models}"
+    if config.tokenizer is not None:
+        assert config.tokenizer == models.pop(), f"{router.where}: --tokenizer != --model"
+    admin_tokens = {s.admin_token for s in settings.values()}
+    if admin_tokens - {None}:
+        # Otherwise GetStatus is refused: the policies see this router's own count only.
+        assert admin_tokens == {config.daemon_admin_token}, f"{router.where}: daemons' token"
+    for inv in daemons:
+        daemon = settings[id(inv)]
+        binds = [daemon.port, daemon.metrics_port]
+        if inv.role == "prefill":
+            binds.append(UcxConfig.from_transfer_config(daemon.transfer_config()).port)
+        if config.policy_for(inv.role) == "cache_aware":
+            # Without token ids (a text prompt, no tokenizer) cache_aware has nothing to look up.
+            assert config.tokenizer is not None, f"{router.where}: cache_aware needs --tokenizer"
+            assert daemon.block_size == config.kv_block_size, f"{inv.where}: block size"
+            assert config.kv_events_port is not None, f"{router.where}: no --kv-events-port"
+            assert daemon.kv_events_endpoint, f"{inv.where}: publishes no KV events"
+            events = zmq_tcp_port(daemon.kv_events_endpoint, inv.where)
+            assert events == config.kv_events_port, f"{inv.where}: KV events port"
+            binds.append(events)
+            wanted = {"kv-events": events}
+            replay = daemon.kv_events_replay_endpoint
+            assert (replay is None) == (config.kv_events_replay_port is None), (
+                f"{inv.where}: the router's --kv-events-replay-port and the daemon's replay "
+                "endpoint go together (gaps are filled from it)"
+            )
+            if replay is not None:
+                replay_port = zmq_tcp_port(replay, inv.where)
+                assert replay_port == config.kv_events_replay_port, f"{inv.where}: replay port"
+                binds.append(replay_port)
+                wanted["kv-replay"] = replay_port
+            if declared_ports is not None:
+                declared = declared_ports(inv)
+                for name, port in wanted.items():
+                    assert declared.get(name) == port, f"{inv.where}: port {name} != {port}"
+        bound = [port for port in binds if port]
+        assert len(bound) == len(set(bound)), f"{inv.where}: two sockets on one port {bound}"
     return config
 
 
@@ -461,7 +584,8 @@ def test_k8s_daemons_get_a_coherent_configuration(renders, name, fake_bin, tmp_p
             assert annotations["prometheus.io/port"] == inv.flag("--port"), inv.where
             assert ports.get("http") == int(inv.flag("--port")), inv.where
             continue
-        assert obj["kind"] == "StatefulSet", f"{inv.where}: daemons need per-pod addresses"
+        # Stable pod names (kvtransfer-decode-0.kvtransfer-decode) for `kvtransfer admin`.
+        assert obj["kind"] == "StatefulSet", inv.where
         assert ports.get("grpc") == int(inv.flag("--port")), inv.where
         assert ports.get("metrics") == int(inv.flag("--metrics-port")), inv.where
         assert annotations["prometheus.io/port"] == inv.flag("--metrics-port"), inv.where
@@ -487,38 +611,85 @@ def test_k8s_daemons_get_a_coherent_configuration(renders, name, fake_bin, tmp_p
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
-def test_k8s_router_lists_every_daemon_pod(renders, name, fake_bin, tmp_path):
+def test_k8s_router_reaches_every_daemon_pod_through_dns(renders, name, fake_bin, tmp_path):
+    """The router's targets are dns:SERVICE:PORT of headless Services that select exactly the
+    daemons of that role, on the port each daemon serves: every pod is an instance, whatever the
+    replica count, and pods that come and go need no router change."""
     objects = renders[name]
     found = k8s_invocations(objects, fake_bin, tmp_path)
-    daemons = {obj["metadata"]["name"]: (obj, inv) for obj, _, inv in found if inv.role != "router"}
+    daemons = {obj["metadata"]["name"]: inv for obj, _, inv in found if inv.role != "router"}
     routers = [inv for _, _, inv in found if inv.role == "router"]
     assert routers, name
     for router in routers:
-        for role in ("prefill", "decode"):
-            listed = set()
-            for address in router.flags[f"--{role}"]:
-                match = ADDRESS.match(address)
-                assert match, f"{router.where}: bad address {address}"
-                pod, _, service = match["host"].partition(".")
-                workload, _, ordinal = pod.rpartition("-")
-                assert workload in daemons, f"{router.where}: {address}: no StatefulSet"
-                obj, inv = daemons[workload]
-                assert inv.role == role, f"{router.where}: {address} is a {inv.role} daemon"
-                assert obj["spec"]["serviceName"] == service, f"{router.where}: {address}"
-                assert int(ordinal) < obj["spec"].get("replicas", 1), (
-                    f"{router.where}: {address}: no such pod"
-                )
-                assert inv.flag("--port") == match["port"], f"{router.where}: {address}: port"
-                svc = find(objects, "Service", service)
-                assert int(match["port"]) in {p["port"] for p in svc["spec"]["ports"]}, address
-                listed.add(pod)
-            expected = {
-                f"{wname}-{i}"
-                for wname, (obj, inv) in daemons.items()
-                if inv.role == role
-                for i in range(obj["spec"].get("replicas", 1))
-            }
-            assert listed == expected, f"{router.where}: --{role} must list every pod"
+        config = router_config(router)
+        for role in ROLES:
+            # A static HOST:PORT would be one pod (or one virtual IP): not a fleet.
+            assert config.addresses(role) == (), f"{router.where}: --{role} must be dns:NAME:PORT"
+            reached = set()
+            for host, port in config.dns_names(role):
+                where = f"{router.where}: dns:{host}:{port}"
+                # The base is namespace-less: a short name resolves in the router's namespace.
+                assert "." not in host, f"{where}: names a namespace"
+                svc = find(objects, "Service", host)
+                assert svc is not None, f"{where}: no such Service"
+                # A ClusterIP Service resolves to one virtual IP, i.e. one instance.
+                assert svc["spec"].get("clusterIP") == "None", f"{where}: not headless"
+                # Loading and draining pods stay instances; the router's health checks decide.
+                assert svc["spec"].get("publishNotReadyAddresses") is True, where
+                selected = selected_workloads(objects, svc["spec"]["selector"])
+                assert selected, f"{where}: selects no pod"
+                for obj in selected:
+                    inv = daemons.get(obj["metadata"]["name"])
+                    assert inv is not None and inv.role == role, (
+                        f"{where}: selects {obj['kind']}/{obj['metadata']['name']}, "
+                        f"not a {role} daemon"
+                    )
+                    # DNS gives pod IPs: the router dials PORT on the pod itself, no targetPort.
+                    assert int(inv.flag("--port")) == port, f"{where}: {inv.where} serves elsewhere"
+                    reached.add(obj["metadata"]["name"])
+            expected = {wname for wname, inv in daemons.items() if inv.role == role}
+            assert reached == expected, f"{router.where}: --{role} misses {expected - reached}"
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_k8s_router_policies_match_what_the_daemons_publish(renders, name, fake_bin, tmp_path):
+    found = k8s_invocations(renders[name], fake_bin, tmp_path)
+    containers = {id(inv): container for _, container, inv in found}
+    daemons = [inv for _, _, inv in found if inv.role != "router"]
+    for router in (inv for _, _, inv in found if inv.role == "router"):
+        config = check_router_follows_daemons(
+            router, daemons, lambda inv: container_ports(containers[id(inv)])
+        )
+        # docs/router.md: the prefill's cost is its uncached prompt, the decode's its batch.
+        assert config.policy_for("prefill") == "cache_aware", router.where
+        assert config.policy_for("decode") == "least_load", router.where
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_k8s_router_tokens_come_from_the_secret(renders, name, fake_bin, tmp_path):
+    objects = renders[name]
+    found = k8s_invocations(objects, fake_bin, tmp_path)
+
+    def secret_ref(container: dict, variable: str) -> tuple[str, str]:
+        entry = next((e for e in container.get("env", []) if e["name"] == variable), None)
+        assert entry is not None, f"{container['name']}: no {variable}"
+        ref = entry.get("valueFrom", {}).get("secretKeyRef")
+        assert ref, f"{container['name']}: {variable} must come from a Secret, not a literal"
+        return ref["name"], ref["key"]
+
+    daemon_refs = {
+        secret_ref(container, "KVTRANSFER_ADMIN_TOKEN")
+        for _, container, inv in found
+        if inv.role != "router"
+    }
+    assert len(daemon_refs) == 1, daemon_refs
+    for _, container, router in ((o, c, i) for o, c, i in found if i.role == "router"):
+        config = router_config(router)
+        assert config.admin_token is not None, f"{router.where}: the admin API is off"
+        admin_ref = secret_ref(container, ROUTER_ADMIN_TOKEN_ENV)
+        # Managing the router's fleet is not the power to drain daemons: another key.
+        assert admin_ref not in daemon_refs, f"{router.where}: admin token = daemons' token"
+        assert {secret_ref(container, "KVTRANSFER_ADMIN_TOKEN")} == daemon_refs, router.where
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
@@ -544,17 +715,19 @@ def test_k8s_security_and_resources(renders, name):
 
 def test_k8s_secret_is_a_visible_placeholder(renders):
     secret = find(renders["base"], "Secret", "kvtransfer-admin")
-    assert "CHANGE-ME" in secret["stringData"]["token"]
+    assert set(secret["stringData"]) == {"token", "router-token"}
+    for value in secret["stringData"].values():
+        assert "CHANGE-ME" in value
 
 
-def test_k8s_xpyd_overlay(renders, fake_bin, tmp_path):
-    objects = renders["overlays/xpyd"]
-    for role in ("prefill", "decode"):
-        assert find(objects, "StatefulSet", f"kvtransfer-{role}")["spec"]["replicas"] == 2
-    router = next(
-        inv for _, _, inv in k8s_invocations(objects, fake_bin, tmp_path) if inv.role == "router"
-    )
-    assert len(router.flags["--prefill"]) == 2 and len(router.flags["--decode"]) == 2
+def test_k8s_xpyd_overlay_scales_without_touching_the_router(renders):
+    base, xpyd = renders["base"], renders["overlays/xpyd"]
+    for role in ROLES:
+        name = f"kvtransfer-{role}"
+        assert find(base, "StatefulSet", name)["spec"]["replicas"] == 1
+        assert find(xpyd, "StatefulSet", name)["spec"]["replicas"] == 2
+    router = find(base, "Deployment", "kvtransfer-router")
+    assert find(xpyd, "Deployment", "kvtransfer-router") == router
 
 
 def test_k8s_gpu_overlay(renders, fake_bin, tmp_path):
@@ -580,15 +753,94 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE_FILE.read_text())
 
 
-def compose_invocations(compose: dict) -> dict[str, Invocation]:
+_COMPOSE_VARIABLE = re.compile(
+    r"\$(?:(?P<escaped>\$)|(?P<named>[A-Za-z_][A-Za-z0-9_]*)"
+    r"|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|(?P<invalid>))"
+)
+
+
+def interpolate(value: str, environ: dict[str, str], where: str) -> str:
+    """Compose's interpolation: $$ is a literal $, $VAR / ${VAR} / ${VAR:-default} /
+    ${VAR:?error} come from the operator's shell; anything else after a $ (a shell's $(...),
+    say) is an error, as compose makes it."""
+
+    def substitute(match: re.Match) -> str:
+        if match["escaped"]:
+            return "$"
+        if match["invalid"] is not None:
+            raise AssertionError(f"{where}: compose refuses {value!r} (write $$ for a $)")
+        name = match["named"] or match["braced"]
+        current = environ.get(name)
+        op = match["op"]
+        unset = current is None or (current == "" and op and op.startswith(":"))
+        if op and op.endswith("?") and unset:
+            raise AssertionError(f"{where}: compose stops: {name} {match['arg']}")
+        if op and op.endswith("-") and unset:
+            return match["arg"]
+        return current or ""
+
+    return _COMPOSE_VARIABLE.sub(substitute, value)
+
+
+@pytest.fixture(scope="module")
+def compose_bin(fake_bin, tmp_path_factory) -> Path:
+    """The fake binaries plus a `python` that runs its -c code inside a compose container: the
+    hostname is the container id, which /etc/hosts maps to the container's IP."""
+    directory = tmp_path_factory.mktemp("compose-bin")
+    for binary in BINARIES:
+        (directory / binary).symlink_to(fake_bin / binary)
+    python = directory / "python"
+    python.write_text(
+        f"#!{sys.executable}\nimport socket, sys\n"
+        "assert sys.argv[1] == '-c', sys.argv\n"
+        f"hosts = {{{FAKE_CONTAINER_HOSTNAME!r}: {FAKE_CONTAINER_IP!r}}}\n"
+        f"socket.gethostname = lambda: {FAKE_CONTAINER_HOSTNAME!r}\n"
+        "def gethostbyname(name):\n"
+        "    if name not in hosts:\n"
+        "        raise socket.gaierror(socket.EAI_NONAME, name)\n"
+        "    return hosts[name]\n"
+        "socket.gethostbyname = gethostbyname\n"
+        "code, sys.argv = sys.argv[2], ['-c', *sys.argv[3:]]\n"
+        "exec(compile(code, '<string>', 'exec'), {'__name__': '__main__'})\n"
+    )
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return directory
+
+
+def compose_invocations(
+    compose: dict, compose_bin: Path, environ: dict[str, str] | None = None
+) -> dict[str, Invocation]:
+    """What each service's container runs: compose's interpolation with the operator's
+    ``environ``, then a `sh -c` command through a real shell with fake binaries."""
+    environ = COMPOSE_SHELL_ENV if environ is None else environ
     found = {}
     for name, service in compose["services"].items():
+        where = f"compose {name}"
         command = service["command"]
-        assert isinstance(command, list), f"compose {name}: use the exec (list) form"
+        assert isinstance(command, list), f"{where}: use the exec (list) form"
+        command = [interpolate(token, environ, where) for token in command]
+        env = {
+            k: interpolate(str(v), environ, where)
+            for k, v in (service.get("environment") or {}).items()
+        }
+        if command[:2] == ["sh", "-c"]:
+            script = command[2]
+            # The daemon must replace the shell: SIGTERM goes to the shell's PID.
+            assert re.search(r"(^|&& )exec kvtransfer-", script), f"{where}: no exec"
+            result = subprocess.run(
+                ["sh", "-c", script, *command[3:]],
+                env={"PATH": f"{compose_bin}:/usr/bin:/bin", **env},
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            assert result.returncode == 0, f"{where}: {result.stderr}"
+            started = json.loads(result.stdout)
+            command = [started["binary"], *started["argv"]]
         binary = command[0]
-        assert binary in BINARIES, f"compose {name}: unknown binary {binary}"
-        env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
-        found[name] = Invocation(f"compose {name}", BINARIES[binary], command[1:], env)
+        assert binary in BINARIES, f"{where}: unknown binary {binary}"
+        found[name] = Invocation(where, BINARIES[binary], command[1:], env)
     return found
 
 
@@ -598,8 +850,16 @@ def seconds(text: str) -> float:
     return int(match[1]) * (60 if match[2] == "m" else 1)
 
 
-def test_compose_services_follow_the_contract(compose):
-    invocations = compose_invocations(compose)
+def published(port: str) -> tuple[str, str, int]:
+    """Compose's short port syntax -> (host IP, host port or "", container port)."""
+    parts = str(port).split(":")
+    assert 1 <= len(parts) <= 3, port
+    parts = [""] * (3 - len(parts)) + parts
+    return parts[0], parts[1], int(parts[2])
+
+
+def test_compose_services_follow_the_contract(compose, compose_bin):
+    invocations = compose_invocations(compose, compose_bin)
     roles = sorted(inv.role for inv in invocations.values())
     assert roles == ["decode", "prefill", "router"]
     networks = set(compose["networks"])
@@ -607,7 +867,6 @@ def test_compose_services_follow_the_contract(compose):
         service = compose["services"][name]
         check_env_names(inv)
         assert set(service["networks"]) <= networks, name
-        assert service.get("hostname") == name, f"compose {name}: hostname = service name"
         assert service.get("healthcheck", {}).get("test"), f"compose {name}: no healthcheck"
         assert inv.flag("--host") == "0.0.0.0", name
         if inv.role == "router":
@@ -621,21 +880,74 @@ def test_compose_services_follow_the_contract(compose):
         # The healthcheck asks the daemon's own gRPC port.
         assert f"127.0.0.1:{inv.flag('--port')}" in " ".join(service["healthcheck"]["test"])
         if inv.role == "prefill":
-            # kv_ip is bound and advertised: the container's name on the shared network.
-            assert config["kv_ip"] == service["hostname"], name
+            # kv_ip is bound and advertised: this container's own address, not the service
+            # name, which resolves to every replica.
+            assert config["kv_ip"] == FAKE_CONTAINER_IP, name
 
 
-def test_compose_router_reaches_the_daemons(compose):
-    invocations = compose_invocations(compose)
+def test_compose_daemons_scale(compose, compose_bin):
+    """A daemon service can run several containers (deploy.replicas, --scale): nothing in it
+    may be one per host or the same in every replica."""
+    for name, inv in compose_invocations(compose, compose_bin).items():
+        if inv.role == "router":
+            continue
+        service = compose["services"][name]
+        where = f"compose {name}"
+        assert service.get("deploy", {}).get("replicas", 1) >= 1, where
+        # A container name is unique; a shared hostname gives every replica one engine id
+        # (the default is "<role>-<hostname>-<pid>"); so would a fixed --engine-id.
+        for key in ("container_name", "hostname"):
+            assert key not in service, f"{where}: {key} is the same in every replica"
+        assert inv.flag("--engine-id") is None, where
+        assert "engine_id" not in inv.kv_transfer_config(), where
+        bound = {int(inv.flag("--port")), int(inv.flag("--metrics-port"))}
+        for port in service.get("ports", []):
+            host_ip, host_port, container_port = published(port)
+            # A fixed host port is free for one replica only.
+            assert host_port == "", f"{where}: {port} pins a host port"
+            assert host_ip == "127.0.0.1", f"{where}: {port} is not loopback only"
+            assert container_port in bound, f"{where}: {port}: nothing listens there"
+
+
+def test_compose_router_reaches_every_daemon_through_dns(compose, compose_bin):
+    invocations = compose_invocations(compose, compose_bin)
     router = next(inv for inv in invocations.values() if inv.role == "router")
-    for role in ("prefill", "decode"):
-        for address in router.flags[f"--{role}"]:
-            match = ADDRESS.match(address)
-            assert match, address
-            target = invocations.get(match["host"])
-            assert target is not None, f"compose router: no service {match['host']}"
-            assert target.role == role, address
-            assert target.flag("--port") == match["port"], address
+    config = router_config(router)
+    for role in ROLES:
+        assert config.addresses(role) == (), f"compose router: --{role} must be dns:NAME:PORT"
+        reached = set()
+        for host, port in config.dns_names(role):
+            # Docker's DNS resolves a service name to every container of the service.
+            target = invocations.get(host)
+            assert target is not None, f"compose router: no service {host}"
+            assert target.role == role, f"compose router: {host} is a {target.role} daemon"
+            assert int(target.flag("--port")) == port, f"compose router: {host}:{port}"
+            reached.add(host)
+        expected = {name for name, inv in invocations.items() if inv.role == role}
+        assert reached == expected, f"compose router: --{role} misses {expected - reached}"
+    daemons = [inv for inv in invocations.values() if inv.role != "router"]
+    config = check_router_follows_daemons(router, daemons)
+    assert config.policy_for("prefill") == "cache_aware"
+    assert config.policy_for("decode") == "least_load"
+
+
+def test_compose_router_admin_api_follows_its_variable(compose, compose_bin):
+    on = router_config(
+        next(i for i in compose_invocations(compose, compose_bin).values() if i.role == "router")
+    )
+    assert on.admin_token == COMPOSE_SHELL_ENV[ROUTER_ADMIN_TOKEN_ENV]
+    assert on.daemon_admin_token == COMPOSE_SHELL_ENV["KVTRANSFER_ADMIN_TOKEN"]
+    without = {k: v for k, v in COMPOSE_SHELL_ENV.items() if k != ROUTER_ADMIN_TOKEN_ENV}
+    off = router_config(
+        next(
+            i
+            for i in compose_invocations(compose, compose_bin, without).values()
+            if i.role == "router"
+        )
+    )
+    assert off.admin_token is None
+    with pytest.raises(AssertionError, match="compose stops: KVTRANSFER_ADMIN_TOKEN"):
+        compose_invocations(compose, compose_bin, {})
 
 
 # ---------------------------------------------------------------------- systemd
@@ -703,7 +1015,7 @@ def test_systemd_units(unit_name):
     assert service["Restart"] == "on-failure"
     assert service["EnvironmentFile"].lstrip("-") == "/etc/kvtransfer/kvtransfer.env"
     assert service["TimeoutStopSec"].isdigit()
-    check_env_names(inv)
+    check_env_names(inv, shared=True)
     assert inv.flags, f"{unit_name}: no flags"  # parsing asserts each is in the contract
     if inv.role == "router":
         return
@@ -802,11 +1114,11 @@ def test_docker_build_context_has_every_package():
 # ---------------------------------------------------------------------- the real parsers
 
 
-def all_invocations(renders, compose, fake_bin, tmp_path) -> list[Invocation]:
+def all_invocations(renders, compose, fake_bin, compose_bin, tmp_path) -> list[Invocation]:
     found = []
     for name in KUSTOMIZATIONS:
         found += [inv for _, _, inv in k8s_invocations(renders[name], fake_bin, tmp_path / name)]
-    found += compose_invocations(compose).values()
+    found += compose_invocations(compose, compose_bin).values()
     for unit_name in UNITS:
         _, inv = systemd_invocation(unit_name)
         if inv.flag("--config"):
@@ -816,26 +1128,33 @@ def all_invocations(renders, compose, fake_bin, tmp_path) -> list[Invocation]:
     return found
 
 
-def test_real_parsers_accept_every_command_line(renders, compose, fake_bin, tmp_path):
+def test_real_parsers_accept_every_command_line(renders, compose, fake_bin, compose_bin, tmp_path):
     """The contract above, checked against the daemons' and router's own parsers."""
     from kvtransfer.connectors.ucx.config import UcxConfig
-    from kvtransfer.router.__main__ import _parser as router_parser
-    from kvtransfer.serve.settings import load_settings
 
-    for inv in all_invocations(renders, compose, fake_bin, tmp_path):
+    for inv in all_invocations(renders, compose, fake_bin, compose_bin, tmp_path):
         if inv.role == "router":
-            args = router_parser().parse_args(inv.argv)
-            assert args.prefill and args.decode, inv.where
+            config = router_config(inv)
+            assert config.prefill and config.decode, inv.where
             continue
-        # Compose fills ${VAR...} from the operator's shell; stand in a valid value.
-        environ = {
-            k: "sample-admin-token" if v.startswith("${") else v
-            for k, v in inv.env.items()
-            if k.startswith("KVTRANSFER_")
-        }
-        settings = load_settings(inv.role, inv.argv, environ=environ)
-        config = settings.transfer_config()
+        config = daemon_settings(inv).transfer_config()
         assert config.kv_role == KV_ROLES[inv.role], inv.where
         ucx = UcxConfig.from_transfer_config(config)
         if inv.role == "prefill":
             assert ucx.port == 50052, inv.where
+
+
+def test_contract_names_exist_in_the_real_programs():
+    """Every flag and variable the contract allows is one the programs define under exactly
+    that name (argparse would also take an abbreviation, which the contract does not)."""
+    from kvtransfer.router import __main__ as router_main
+    from kvtransfer.serve.settings import DaemonSettings, build_parser
+
+    def options(parser) -> set[str]:
+        return {o for action in parser._actions for o in action.option_strings}
+
+    assert options(router_main._parser()) >= ROUTER_FLAGS
+    for role in ROLES:
+        assert options(build_parser(role)) >= DAEMON_FLAGS, role
+    assert set(DaemonSettings.model_fields) >= DAEMON_ENV_SETTINGS - {"config"}
+    assert {router_main.ADMIN_TOKEN_ENV, router_main.DAEMON_ADMIN_TOKEN_ENV} == ROUTER_ENV
