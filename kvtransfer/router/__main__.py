@@ -61,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
             help=daemons % role,
         )
     parser.add_argument(
+        "--aggregated",
+        action="append",
+        default=[],
+        type=_target,
+        metavar="HOST:PORT|dns:NAME:PORT",
+        help="a daemon that runs whole requests itself (a colocated engine, e.g. a decode "
+        "daemon without a connector): the decode policy weighs it with the decode daemons, "
+        "and it never gets KV from a prefill; repeat for more",
+    )
+    parser.add_argument(
         "--engine",
         choices=ENGINES,
         default=KVTRANSFER,
@@ -251,6 +261,7 @@ def config_from_args(
         kv_events_replay_port=args.kv_events_replay_port,
         kv_block_size=args.kv_block_size,
         engine=args.engine,
+        aggregated=args.aggregated,
         admin_token=_token(args.admin_token_file, environ.get(ADMIN_TOKEN_ENV)),
         daemon_admin_token=_token(
             args.daemon_admin_token_file, environ.get(DAEMON_ADMIN_TOKEN_ENV)
@@ -282,9 +293,11 @@ async def serve(config: RouterConfig) -> int:
     try:
         print(f"router listening on {server.url}", flush=True)
         logger.info(
-            "routing to prefill %s, decode %s (%s; policies: prefill %s, decode %s; admin API %s)",
+            "routing to prefill %s, decode %s%s (%s; policies: prefill %s, decode %s; "
+            "admin API %s)",
             ", ".join(config.prefill) or "(none yet)",
             ", ".join(config.decode) or "(none yet)",
+            f", aggregated {', '.join(config.aggregated)}" if config.aggregated else "",
             "TLS" if config.uses_tls else "plaintext",
             config.policy_for("prefill"),
             config.policy_for("decode"),

@@ -2,9 +2,9 @@
 
 - ``GET /workers``: every instance with its role, source, health state, circuit breaker, in
   flight, picks and last reported load; and each role's policy.
-- ``POST /workers`` with ``{"address": "HOST:PORT", "role": "prefill"|"decode"}``: adds an
-  instance, checks it once (health and load) and answers 201 with it; 400 naming what is wrong
-  with the body, 409 when the address is in the fleet already.
+- ``POST /workers`` with ``{"address": "HOST:PORT", "role": "prefill"|"decode"|"aggregated"}``:
+  adds an instance, checks it once (health and load) and answers 201 with it; 400 naming what
+  is wrong with the body, 409 when the address is in the fleet already.
 - ``DELETE /workers/{address}``: takes the instance out now (no new request picks it; those in
   flight on it finish) and answers 200 with it as it was; 404 when it is not in the fleet. An
   instance that came from DNS comes back at the next resolution that still lists it.
@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvtransfer.router.config import check_address
+from kvtransfer.router.config import WORKER_ROLES, check_address
 from kvtransfer.router.fleet import ADMIN, ROLES, Fleet, InstancePresent
 from kvtransfer.router.openai_api import error_body
 
@@ -114,7 +114,7 @@ class _BadBody(ValueError):
 
 def _worker(raw: bytes) -> tuple[str, str]:
     """(address, role) of a ``POST /workers`` body."""
-    shape = '{"address": "HOST:PORT", "role": "prefill" or "decode"}'
+    shape = '{"address": "HOST:PORT", "role": "prefill", "decode" or "aggregated"}'
     try:
         body: Any = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -130,8 +130,8 @@ def _worker(raw: bytes) -> tuple[str, str]:
         if not isinstance(body[name], str):
             raise _BadBody(f"{name}: must be a string", name)
     address, role = body["address"], body["role"]
-    if role not in ROLES:
-        raise _BadBody(f"role: must be 'prefill' or 'decode', got {role!r}", "role")
+    if role not in WORKER_ROLES:
+        raise _BadBody(f"role: must be 'prefill', 'decode' or 'aggregated', got {role!r}", "role")
     try:
         check_address(address)
     except ValueError as exc:

@@ -63,7 +63,7 @@ from kvtransfer.router.admin_api import AdminApi
 from kvtransfer.router.admission import Admission, QueueFull, QueueTimeout
 from kvtransfer.router.cache_wiring import CacheIndexWiring
 from kvtransfer.router.choice import ChoiceRunner, Delta, Exchange
-from kvtransfer.router.config import RouterConfig
+from kvtransfer.router.config import AGGREGATED, WORKER_ROLES, RouterConfig
 from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
 from kvtransfer.router.fleet import ROLES, VLLM, DnsTarget, Fleet, Resolver, resolve_host
 from kvtransfer.router.metrics import CLIENT_CLOSED, RouterMetrics
@@ -238,7 +238,7 @@ class RouterHandlers:
             daemon_admin_token=config.daemon_admin_token,
             dns_targets=[
                 DnsTarget(role, name, port)
-                for role in ROLES
+                for role in WORKER_ROLES
                 for name, port in config.dns_names(role)
             ],
             dns_interval_s=config.dns_interval_s,
@@ -248,7 +248,7 @@ class RouterHandlers:
         )
         self.metrics.watch_instances(fleet.instances)
         try:
-            for role in ROLES:
+            for role in WORKER_ROLES:
                 for address in config.addresses(role):
                     fleet.add(role, address)
             await fleet.start()
@@ -282,11 +282,16 @@ class RouterHandlers:
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """The fleet as the last health checks and calls left it: 200 while at least one
-        prefill and one decode daemon may be picked, else 503; no daemon is called."""
+        """The fleet as the last health checks and calls left it: 200 while a prefill and a
+        decode daemon, or an aggregated one, may be picked, else 503; no daemon is called."""
         fleet = self.fleet
-        ok = all(fleet.any_pickable(role) for role in ROLES)
-        body = {"status": "ok" if ok else "unavailable"} | {r: fleet.states(r) for r in ROLES}
+        ok = fleet.any_pickable(AGGREGATED) or all(fleet.any_pickable(r) for r in ROLES)
+        states = {kind: fleet.states(kind) for kind in WORKER_ROLES}
+        aggregated = states[AGGREGATED]
+        states["decode"] = {a: s for a, s in states["decode"].items() if a not in aggregated}
+        if not aggregated:
+            del states[AGGREGATED]
+        body = {"status": "ok" if ok else "unavailable"} | states
         return web.json_response(body, status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:

@@ -7,9 +7,11 @@ Life cycle of a choice (step 4 of a request, see `kvtransfer.router.app`):
    prompt whose uncached part is below N (the decode policy's estimate when it makes one,
    `policy.UncachedEstimator`; else the whole prompt) runs on a decode instance alone (step 7).
 2. Pick (`fleet.Fleet.pick`, each role's policy over its healthy instances whose breaker lets
-   calls through): the decode instance first. With none the choice fails 503 before any
-   prefill: KV prefilled for nobody would only be held until its lease ran out. Then the
-   prefill instance. Each is leased (counted in flight) until its part is over.
+   calls through): the decode instance first, among the decode daemons and the aggregated
+   instances (only the latter when no prefill may be picked). With none the choice fails 503
+   before any prefill: KV prefilled for nobody would only be held until its lease ran out. An
+   aggregated instance runs the choice alone (step 7). Then the prefill instance. Each is
+   leased (counted in flight) until its part is over.
 3. Prefill: ``Generate`` with the prompt (a chat is rendered there, by the daemon's template),
    ``max_tokens=1``, every sampling option (stop strings included) and, unless the client asked
    for one token, ``kv_transfer_params={"do_remote_decode": true, "kv_stream": true}``. A
@@ -33,9 +35,9 @@ Life cycle of a choice (step 4 of a request, see `kvtransfer.router.app`):
    token; each of its messages becomes a `Delta`, the last with the finish reason and the
    ``kvtransfer`` object. A decode call that fails before its first message is retried on
    another decode instance with the same params and first token (the prefill still holds the
-   KV), within the same ``max_retries``. A prefill that fails after announcing its params
-   leaves the decode to its load-failure policy (``Continue`` without a token: it computes the
-   first token itself).
+   KV; never an aggregated instance), within the same ``max_retries``. A prefill that fails
+   after announcing its params leaves the decode to its load-failure policy (``Continue``
+   without a token: it computes the first token itself).
 6. Release: once the prefill returned its params, a decode that does not finish with "length"
    or "stop" (no healthy decode left, the call failed, an error or abort finish, the client
    went away, a sibling choice failed) makes the router call ``ReleaseKV`` on that prefill
@@ -65,7 +67,7 @@ from typing import Any
 
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import Fleet, Instance
+from kvtransfer.router.fleet import AGGREGATED, Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.openai_api import Choice
 from kvtransfer.router.policy import RouteContext, UncachedEstimator, whole_prompt_uncached
@@ -237,17 +239,30 @@ class ChoiceRunner:
         """The choice's deltas; raises `UpstreamError` when it fails. Closing the iterator
         early (the client left, a sibling failed) cancels its calls and releases its KV."""
         upstream = self._require_upstream()
-        if self._goes_alone(upstream, exchange):
-            self.metrics.route_mode("decode_only")
-            async with aclosing(self._run_alone(upstream, exchange)) as deltas:
+        fleet = upstream.fleet
+        alone = self._goes_alone(upstream, exchange)
+        lease: _Lease | None = None
+        can_prefill = fleet.any_pickable("prefill")
+        if not alone and (exchange.choice.max_tokens > 1 or not can_prefill):
+            if not can_prefill and not fleet.any_pickable(AGGREGATED):
+                fleet.require_pickable("decode")  # with neither role up, name the decode
+                fleet.require_pickable("prefill")
+            # The decode first: KV prefilled for no decode daemon would only wait out its
+            # lease. Its policy weighs aggregated instances with the others; with no prefill
+            # to pick, only they can serve.
+            lease = self._lease(
+                upstream, "decode", exchange, aggregated=None if can_prefill else True
+            )
+            alone = lease.instance.aggregated
+        if alone:
+            mode = "aggregated" if lease is not None else "decode_only"
+            self.metrics.route_mode(mode)
+            async with aclosing(self._run_alone(upstream, exchange, lease)) as deltas:
                 async for delta in deltas:
                     yield delta
             return
         self.metrics.route_mode("disaggregated")
-        leg: _DecodeLeg | None = None
-        if exchange.choice.max_tokens > 1:
-            # KV prefilled for no decode daemon would only wait out its lease.
-            leg = _DecodeLeg(upstream, exchange, self._lease(upstream, "decode", exchange))
+        leg = None if lease is None else _DecodeLeg(upstream, exchange, lease)
         try:
             async with aclosing(self._run_legs(upstream, exchange, leg)) as deltas:
                 async for delta in deltas:
@@ -319,7 +334,9 @@ class ChoiceRunner:
                         raise
                     # Nothing of this decode reached anyone: another instance takes over,
                     # with the same params and first token (the prefill still holds the KV).
-                    lease = await self._retry_lease(upstream, exchange, leg.tried, exc)
+                    lease = await self._retry_lease(
+                        upstream, exchange, leg.tried, exc, aggregated=False
+                    )
                     leg.restart(lease, prefill)
                     exchange.route["decode"] = leg.address
         except BaseException as exc:
@@ -328,13 +345,17 @@ class ChoiceRunner:
         # A decode that failed after its first message ends here too.
         self._release_unless_decoded(exchange, prefill, "decode_failed")
 
-    async def _run_alone(self, upstream: Upstream, exchange: Exchange) -> AsyncIterator[Delta]:
-        """Step 7: the whole choice on one decode instance, retried before its first message."""
-        leg = _DecodeLeg(upstream, exchange, self._lease(upstream, "decode", exchange))
+    async def _run_alone(
+        self, upstream: Upstream, exchange: Exchange, lease: _Lease | None = None
+    ) -> AsyncIterator[Delta]:
+        """Step 7: the whole choice on one decode instance (``lease``'s, else one picked now),
+        retried before its first message."""
+        leg = _DecodeLeg(upstream, exchange, lease or self._lease(upstream, "decode", exchange))
         try:
             leg.start_alone()
             exchange.route = {"decode": leg.address}
-            exchange.log.info("decoding alone on %s (short uncached prompt)", leg.address)
+            why = "an aggregated instance" if leg.instance.aggregated else "short uncached prompt"
+            exchange.log.info("decoding alone on %s (%s)", leg.address, why)
             while True:
                 try:
                     async with aclosing(self._follow(exchange, _Decoded(), leg)) as deltas:
@@ -414,23 +435,35 @@ class ChoiceRunner:
         return goes_alone(upstream.fleet, self.config.disagg_min_prompt_tokens, exchange.context)
 
     def _lease(
-        self, upstream: Upstream, role: str, exchange: Exchange, tried: Sequence[Instance] = ()
+        self,
+        upstream: Upstream,
+        role: str,
+        exchange: Exchange,
+        tried: Sequence[Instance] = (),
+        aggregated: bool | None = None,
     ) -> _Lease:
-        instance = upstream.fleet.pick(role, exchange.context, exclude=tried)
+        fleet = upstream.fleet
+        instance = fleet.pick(role, exchange.context, exclude=tried, aggregated=aggregated)
         return _Lease(upstream, instance)
 
     async def _retry_lease(
-        self, upstream: Upstream, exchange: Exchange, tried: list[Instance], exc: UpstreamError
+        self,
+        upstream: Upstream,
+        exchange: Exchange,
+        tried: list[Instance],
+        exc: UpstreamError,
+        aggregated: bool | None = None,
     ) -> _Lease:
         """Another instance of ``exc``'s role for a phase that failed having sent nothing, after
         a back-off; raises ``exc`` when it is not retryable, the retries are spent, or no
-        untried instance is available."""
+        untried instance is available. A decode that takes over KV from a prefill must not
+        be an aggregated instance (``aggregated`` False)."""
         attempt = len(tried)
         if not exc.retryable or attempt > self.config.max_retries:
             raise exc
         await retry_pause(attempt, exchange.deadline)
         try:
-            lease = self._lease(upstream, exc.role, exchange, tried)
+            lease = self._lease(upstream, exc.role, exchange, tried, aggregated)
         except NoHealthyDaemon:
             raise exc from None
         exchange.log.warning(
@@ -488,7 +521,10 @@ class ChoiceRunner:
                 failure = leg.failure_before_answer()
                 if failure is not None:
                     try:
-                        leg.restart(await self._retry_lease(upstream, exchange, leg.tried, failure))
+                        lease = await self._retry_lease(
+                            upstream, exchange, leg.tried, failure, aggregated=False
+                        )
+                        leg.restart(lease)
                         continue
                     except UpstreamError:
                         pass  # no other decode: the choice ends with this one's failure

@@ -19,6 +19,9 @@ _MAX_PORT = 65535
 # a restarted daemon would stay unreachable that long whatever the health checks say.
 _MIN_RECONNECT_BACKOFF_MS = 100
 DNS_PREFIX = "dns:"
+# The roles a daemon is listed under: an aggregated daemon runs whole requests itself.
+AGGREGATED = "aggregated"
+WORKER_ROLES = ("prefill", "decode", AGGREGATED)
 # What the instances are: kvtransfer daemons (gRPC) or vLLM OpenAI servers (HTTP).
 KVTRANSFER = "kvtransfer"
 VLLM = "vllm"
@@ -97,6 +100,7 @@ class RouterConfig:
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
+    aggregated: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 0
     model_name: str = "builtin"
@@ -131,14 +135,17 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples so the config stays hashable and immutable.
-        object.__setattr__(self, "prefill", tuple(self.prefill))
-        object.__setattr__(self, "decode", tuple(self.decode))
-        for role in ("prefill", "decode"):
+        for role in WORKER_ROLES:
+            object.__setattr__(self, role, tuple(getattr(self, role)))
+        for role in WORKER_ROLES:
             targets = getattr(self, role)
-            if not targets and self.admin_token is None:
+            if not targets and not self.aggregated and self.admin_token is None:
+                if role == AGGREGATED:
+                    continue
                 raise ValueError(
                     f"at least one {role} daemon is required (HOST:PORT or dns:NAME:PORT), "
-                    "unless the admin API adds them (an admin token: --admin-token-file)"
+                    "unless aggregated daemons serve whole requests (--aggregated) or the "
+                    "admin API adds them (an admin token: --admin-token-file)"
                 )
             for target in targets:
                 check_target(target)
@@ -201,9 +208,15 @@ class RouterConfig:
                 "TLS (--tls-ca/--tls-cert/--tls-key) is for kvtransfer daemons' gRPC; the "
                 "router calls vLLM servers over plain HTTP (put them on a private network)"
             )
-        both = sorted(set(self.prefill) & set(self.decode))
-        if both:
-            raise ValueError(f"{', '.join(both)}: listed as both a prefill and a decode daemon")
+        for i, role in enumerate(WORKER_ROLES):
+            for other in WORKER_ROLES[i + 1 :]:
+                both = sorted(set(getattr(self, role)) & set(getattr(self, other)))
+                if both:
+                    raise ValueError(
+                        f"{', '.join(both)}: listed as both a {role} and an {other} daemon"
+                        if other == AGGREGATED
+                        else f"{', '.join(both)}: listed as both a {role} and a {other} daemon"
+                    )
 
     def policy_for(self, role: str) -> str:
         """The policy name of ``role``: its own override, else ``policy``."""

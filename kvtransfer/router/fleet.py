@@ -54,7 +54,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtransfer.control.security import admin_token_metadata
-from kvtransfer.router.config import ENGINES, KVTRANSFER, VLLM
+from kvtransfer.router.config import AGGREGATED, ENGINES, KVTRANSFER, VLLM, WORKER_ROLES
 from kvtransfer.router.errors import NoHealthyDaemon
 from kvtransfer.router.policy import CandidateEstimator, InstanceLoad, Policy, RouteContext
 from kvtransfer.router.vllm_endpoint import VllmEndpoint
@@ -65,6 +65,8 @@ logger = logging.getLogger("kvtransfer.router.fleet")
 SERVING = "SERVING"
 NOT_CHECKED = "NOT_CHECKED"
 ROLES = ("prefill", "decode")
+# An aggregated daemon runs whole requests itself (a colocated engine): it is in the decode
+# role, picked by its policy among the decodes, and never sent KV from a prefill.
 # Health-check pace while some instance is out of the pool (at most the configured interval).
 RECOVERY_INTERVAL_S = 0.2
 
@@ -193,8 +195,10 @@ class Instance:
         channel: grpc.aio.Channel | VllmEndpoint,
         breaker: tuple[int, float],
         on_breaker: Callable[[Instance, str], None],
+        aggregated: bool = False,
     ) -> None:
         self.role = role
+        self.aggregated = aggregated
         self.address = address
         self.source = source
         self.channel = channel
@@ -234,8 +238,14 @@ class Instance:
         return self._stubs
 
     @property
+    def kind(self) -> str:
+        """Its role as named on the command line and in the admin API: ``aggregated`` for an
+        aggregated instance (whose ``role`` is decode)."""
+        return AGGREGATED if self.aggregated else self.role
+
+    @property
     def name(self) -> str:
-        return f"{self.role} daemon {self.address}"
+        return f"{self.kind} daemon {self.address}"
 
     @property
     def state(self) -> str:
@@ -269,7 +279,7 @@ class Instance:
         load = self.load
         return {
             "address": self.address,
-            "role": self.role,
+            "role": self.kind,
             "source": self.source,
             "state": self.state,
             "healthy": self.healthy,
@@ -337,19 +347,23 @@ class Fleet:
     # ------------------------------------------------------------------ membership
 
     def instances(self, role: str | None = None) -> list[Instance]:
-        """In the order they were added."""
-        return [i for i in self._instances.values() if role is None or i.role == role]
+        """In the order they were added; a role's are those of that ``role`` (decode includes
+        the aggregated ones) or ``kind`` (aggregated)."""
+        return [i for i in self._instances.values() if role is None or role in (i.role, i.kind)]
 
     def get(self, address: str) -> Instance | None:
         return self._instances.get(address)
 
     def add(self, role: str, address: str, source: str = STATIC) -> Instance:
         """A new instance, not checked yet (so not picked before `check_instances`)."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {', '.join(WORKER_ROLES)}, got {role!r}")
+        aggregated = role == AGGREGATED
+        if aggregated:
+            role = "decode"
         present = self._instances.get(address)
         if present is not None:
-            raise InstancePresent(f"{address} is in the fleet already (as a {present.role})")
+            raise InstancePresent(f"{address} is in the fleet already (as a {present.kind})")
         channel: grpc.aio.Channel | VllmEndpoint
         if self.engine == VLLM:
             channel = VllmEndpoint(self.http_session(), address)
@@ -357,7 +371,9 @@ class Fleet:
             channel = grpc.aio.insecure_channel(address, options=self._options)
         else:
             channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
-        instance = Instance(role, address, source, channel, self._breaker, self._breaker_changed)
+        instance = Instance(
+            role, address, source, channel, self._breaker, self._breaker_changed, aggregated
+        )
         self._instances[address] = instance
         logger.info("%s added (%s)", instance.name, source)
         if self._listener is not None:
@@ -387,11 +403,25 @@ class Fleet:
 
     # ------------------------------------------------------------------ picking
 
-    def pick(self, role: str, route: RouteContext, exclude: Iterable[Instance] = ()) -> Instance:
+    def pick(
+        self,
+        role: str,
+        route: RouteContext,
+        exclude: Iterable[Instance] = (),
+        *,
+        aggregated: bool | None = None,
+    ) -> Instance:
         """An instance of ``role`` chosen by its policy among the candidates (not in
-        ``exclude``), leased until `release`; `NoHealthyDaemon` when there is none."""
+        ``exclude``; with ``aggregated`` True or False, only the decode instances that are, or
+        are not, aggregated), leased until `release`; `NoHealthyDaemon` when there is none."""
         excluded = {id(i) for i in exclude}
-        candidates = [i for i in self.instances(role) if i.pickable() and id(i) not in excluded]
+        candidates = [
+            i
+            for i in self.instances(role)
+            if i.pickable()
+            and id(i) not in excluded
+            and (aggregated is None or i.aggregated == aggregated)
+        ]
         if not candidates:
             raise NoHealthyDaemon(role, self.states(role))
         policy = self.policies[role]

@@ -88,8 +88,9 @@ class RouterMetrics:
         )
         self._routes = Counter(
             "kvtransfer_router_routes",
-            "Choices by route: disaggregated (prefill then decode) or decode_only (a short "
-            "uncached prompt, --disagg-min-prompt-tokens)",
+            "Choices by route: disaggregated (prefill then decode), decode_only (a short "
+            "uncached prompt, --disagg-min-prompt-tokens) or aggregated (on an --aggregated "
+            "instance)",
             ["mode"],
             registry=self.registry,
         )

@@ -12,9 +12,11 @@ checked, admission):
 
 1. Route: the prompt's token ids when the router knows them (its tokenizer and request parser
    understood the body), for ``cache_aware`` and ``disagg_min_prompt_tokens``.
-2. Pick the decode instance first: with none, 503 before any prefill holds KV for nobody. A
-   prompt with fewer uncached tokens than ``disagg_min_prompt_tokens`` goes to it alone (step 5
-   without params). Otherwise a prefill instance is picked too.
+2. Pick the decode instance first (the decode policy weighs aggregated instances, ``kv_both``
+   servers listed with ``--aggregated``, with the others; with no prefill to pick, only they
+   can serve): with none, 503 before any prefill holds KV for nobody. An aggregated instance,
+   or a prompt with fewer uncached tokens than ``disagg_min_prompt_tokens``, goes to it alone
+   (step 5 without params). Otherwise a prefill instance is picked too.
 3. Prefill: the client's path and body with ``max_tokens`` 1, ``stream`` false, no
    ``max_completion_tokens``, ``min_tokens``, ``stream_options`` or log-probability options, and
    ``kv_transfer_params`` ``{"do_remote_decode": true, "do_remote_prefill": false}``; header
@@ -52,7 +54,7 @@ from aiohttp import web
 from kvtransfer.router.choice import goes_alone, retry_pause
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import Fleet, Instance
+from kvtransfer.router.fleet import AGGREGATED, Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.openai_api import InvalidRequest, error_body
 from kvtransfer.router.policy import RouteContext
@@ -120,11 +122,17 @@ class VllmProxy:
         """The client's answer: the decode's, passed through; raises `UpstreamError` when no
         instance of a role could do its part (the app answers it)."""
         fleet = self.fleet
-        decode = fleet.pick("decode", call.route)
+        can_prefill = fleet.any_pickable("prefill")
+        if not can_prefill and not fleet.any_pickable(AGGREGATED):
+            fleet.require_pickable("decode")
+            fleet.require_pickable("prefill")
+        decode = fleet.pick("decode", call.route, aggregated=None if can_prefill else True)
         tried = [decode]
         try:
             params: dict[str, Any] | None = None
-            if goes_alone(fleet, self.config.disagg_min_prompt_tokens, call.route):
+            if decode.aggregated:
+                self.metrics.route_mode("aggregated")
+            elif goes_alone(fleet, self.config.disagg_min_prompt_tokens, call.route):
                 self.metrics.route_mode("decode_only")
             else:
                 self.metrics.route_mode("disaggregated")
@@ -136,7 +144,8 @@ class VllmProxy:
                 try:
                     return await self._decode_once(call, tried[-1], params)
                 except UpstreamError as exc:
-                    await self._retry(call, tried, exc)
+                    # KV from a prefill goes only to a decode that pulls it.
+                    await self._retry(call, tried, exc, None if params is None else False)
         finally:
             for instance in tried:
                 fleet.release(instance)
@@ -260,15 +269,22 @@ class VllmProxy:
         except (aiohttp.ClientError, OSError) as exc:
             raise self._unreachable(instance, exc) from None
 
-    async def _retry(self, call: VllmCall, tried: list[Instance], exc: UpstreamError) -> None:
-        """Another instance of ``exc``'s role appended to ``tried`` after a back-off; raises
-        ``exc`` when it is not retryable, the retries are spent, or none is left to try."""
+    async def _retry(
+        self,
+        call: VllmCall,
+        tried: list[Instance],
+        exc: UpstreamError,
+        aggregated: bool | None = None,
+    ) -> None:
+        """Another instance of ``exc``'s role (``aggregated``: see `Fleet.pick`) appended to
+        ``tried`` after a back-off; raises ``exc`` when it is not retryable, the retries are
+        spent, or none is left to try."""
         attempt = len(tried)
         if not exc.retryable or attempt > self.config.max_retries:
             raise exc
         await retry_pause(attempt, call.deadline)
         try:
-            instance = self.fleet.pick(exc.role, call.route, exclude=tried)
+            instance = self.fleet.pick(exc.role, call.route, exclude=tried, aggregated=aggregated)
         except NoHealthyDaemon:
             raise exc from None
         call.log.warning("%s; retry %d on %s %s", exc, attempt, exc.role, instance.address)
