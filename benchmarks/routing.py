@@ -13,12 +13,10 @@ after the other in one run, with the same workload (same seed):
   router subscribes to every daemon's KV cache events (the setup waits until the router's
   index is live, ``kvtransfer_router_index_precise`` 1, for every instance);
 - ``colocated``: the same cores as 2 aggregated daemons (``kvtransfer-decode`` with the no-op
-  connector, each with the KV blocks of a prefill and a decode daemon together) behind a router
-  with only decode instances, ``--tokenizer MODEL --disagg-min-prompt-tokens 1000000000`` (every
-  prompt is shorter: each request runs on a decode daemon alone, which computes its prompt as a
-  colocated engine does; conditional disaggregation in docs/router.md) and
-  ``--policy least_load`` (``--colocated-policy``). The router's prefill role is empty, which
-  it allows with its admin API on.
+  connector, each with the KV blocks of a prefill and a decode daemon together) listed with
+  ``--aggregated`` (each request runs on one of them alone, which computes its prompt as a
+  colocated engine does; aggregated instances in docs/router.md), ``--tokenizer MODEL`` and
+  ``--policy least_load`` (``--colocated-policy``).
 
 One host, one events port: every daemon binds its gRPC server, its ``/metrics`` and its KV
 event sockets on an address of its own in 127.0.0.0/8 (prefill i on 127.0.0.(10+i), decode i on
@@ -102,8 +100,6 @@ from kvtransfer.serve.launcher import (
 
 MODEL_NAME = "routing-bench"
 BLOCK_SIZE = 16
-# More than any prompt: the colocated router sends every request to a decode daemon alone.
-ALWAYS_ALONE = 1_000_000_000
 NOOP_CONNECTOR = {
     "kv_connector": "KVConnectorBase_V1",
     "kv_connector_module_path": "kvtransfer.connector.base",
@@ -393,7 +389,9 @@ class Cluster:
         flags = ["--host", "127.0.0.1", "--port", "0", "--model-name", MODEL_NAME]
         flags += ["--admin-token-file", str(token_file)]
         for daemon in self.daemons:
-            flags += [f"--{daemon.role}", daemon.address]
+            # A colocated daemon is an aggregated instance: it runs whole requests itself.
+            flag = "--aggregated" if self.colocated else f"--{daemon.role}"
+            flags += [flag, daemon.address]
         self.flags = self.router_flags(events, replay)
         flags += self.flags
         log = self.log_dir / f"{_tag(self.setup)}-router.log"
@@ -402,10 +400,7 @@ class Cluster:
     def router_flags(self, events: int, replay: int) -> list[str]:
         model, setup = self.args.model, self.setup
         if setup == "colocated":
-            return [
-                *("--policy", self.args.colocated_policy, "--tokenizer", model),
-                *("--disagg-min-prompt-tokens", str(ALWAYS_ALONE)),
-            ]
+            return ["--policy", self.args.colocated_policy, "--tokenizer", model]
         if setup in ("round_robin", "least_load"):
             return ["--policy", setup]
         flags = ["--policy", "cache_aware", "--tokenizer", model]
