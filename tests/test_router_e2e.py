@@ -279,6 +279,32 @@ def test_two_prefill_daemons_are_used_in_turn_and_a_dead_decode_is_named(tmp_pat
         assert json.loads(text)["decode"][decode.address] == "UNREACHABLE (UNAVAILABLE)"
 
 
+def test_a_decode_that_died_is_replaced_by_another_with_the_same_kv(tmp_path, expected):
+    prefill = start_daemon("prefill", tmp_path, "--engine-id", "p")
+    decodes = [
+        start_daemon("decode", tmp_path, "--engine-id", f"d{i}", name=f"d{i}") for i in (0, 1)
+    ]
+    # No health check after the first: only the failed call tells the router d0 is gone, and
+    # round robin makes d0 the first pick.
+    router = start_router(
+        tmp_path, [prefill], decodes, "--policy", "round_robin", "--health-interval-s", "600"
+    )
+    with running(router, prefill, *decodes):
+        decodes[0].kill()
+        body = complete(router.address, PROMPTS[0])
+        info = body["kvtransfer"]
+        assert info["token_ids"] == expected[0]
+        assert (info["prefill"], info["decode"]) == (prefill.address, decodes[1].address)
+        # The KV the prefill computed once was pulled by the second decode, not recomputed.
+        assert info["kv_blocks_received"] > 0 and info["num_recomputed_tokens"] == 0
+        assert started(prefill) == 1
+        retried = 'kvtransfer_router_retries_total{reason="UNAVAILABLE",role="decode"} 1.0'
+        assert metric(router.address, retried)
+        wait_until(lambda: used_blocks(prefill) == 0, "pulled KV freed", RELEASED_WITHIN_S)
+    for daemon in (prefill, decodes[1]):
+        assert exit_used_blocks(daemon) == 0
+
+
 @pytest.mark.parametrize(
     ("prefill_flags", "decode_flags"),
     [(("--tp", "2"), ("--pp", "2")), (("--pp", "2"), ("--tp", "2"))],
