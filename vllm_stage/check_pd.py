@@ -109,6 +109,17 @@ class _Http:
             raise StageFailure(f"{self.name} answered {status} with no JSON: {answer[:200]!r}")
         return status, answer
 
+    def streamed(self, prompt: str, max_tokens: int) -> tuple[int, str, str]:
+        """A greedy streamed completion: (HTTP status, its last event, the text of its events)."""
+        body = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True,
+        }  # fmt: skip
+        status, raw = self.post("/v1/completions", body)
+        events = [e.removeprefix("data: ") for e in str(raw).split("\n\n") if e.strip()]
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if "choices" in e)
+        return status, events[-1] if events else "", text
+
     def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples with ``labels``; `StageFailure` when the server
         exports no such sample (a missing metric must not read as 0)."""
@@ -280,14 +291,8 @@ def check_router(
             )
         status, whole = router.complete(PROMPTS[1], MAX_TOKENS)
         check(status == 200, "router: a JSON answer for the streamed prompt's reference")
-        body = {
-            "model": model, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": True,
-        }  # fmt: skip
-        status, raw = router.post("/v1/completions", body)
-        events = [e.removeprefix("data: ") for e in str(raw).split("\n\n") if e.strip()]
-        check(status == 200 and events[-1] == "[DONE]", "router: a stream through it ends [DONE]")
-        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if "choices" in e)
+        status, last, text = router.streamed(PROMPTS[1], MAX_TOKENS)
+        check(status == 200 and last == "[DONE]", "router: a stream through it ends [DONE]")
         check(
             text == whole["choices"][0]["text"],
             "router: the streamed text equals the JSON answer's",
