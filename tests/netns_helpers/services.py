@@ -7,6 +7,7 @@ command, so the `ServiceProcess` pid is the daemon itself and SIGTERM reaches it
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from typing import Any
 from serve_helpers.daemons import COMMON_FLAGS
 
 from kvtransfer.serve.launcher import ServiceProcess, daemon_command, router_command
+from netns_helpers.call import TOKEN_ENV
 from netns_helpers.topology import Host
 
 _TESTS_DIR = str(Path(__file__).resolve().parents[1])
@@ -57,14 +59,19 @@ def start_router(
     decodes: Sequence[ServiceProcess],
     *flags: str,
     bind: str | None = None,
+    name: str | None = None,
 ) -> ServiceProcess:
+    """A router on ``bind`` (default: the host's address); ``name`` tells several routers of one
+    test apart (their process names and logs, ``<name>.log``; default ``router.log``)."""
     argv = ["--host", bind or host.address, "--port", "0", *flags]
     for daemon in prefills:
         argv += ["--prefill", daemon.address]
     for daemon in decodes:
         argv += ["--decode", daemon.address]
     return ServiceProcess.start(
-        f"router-{host.name}", host.command(router_command(*argv)), logs / "router.log"
+        name or f"router-{host.name}",
+        host.command(router_command(*argv)),
+        logs / f"{name or 'router'}.log",
     )
 
 
@@ -138,5 +145,44 @@ def admin_transfers(host: Host, target: str) -> list[dict[str, Any]]:
 def _admin(host: Host, target: str, action: str) -> dict[str, Any]:
     argv = [sys.executable, "-m", "kvtransfer", "admin", action, "--target", target, "--json"]
     done = subprocess.run(host.command(argv), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def http_call(
+    host: Host,
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    token: str | None = None,
+) -> tuple[int, Any]:
+    """One HTTP call from inside ``host`` (``body`` sent as JSON; ``token`` as a bearer token):
+    ``(status, answer)``, the answer parsed as JSON when it is JSON, else its text; status 0
+    when no HTTP answer came."""
+    argv = [sys.executable, "-m", "netns_helpers.call", "http", method, url]
+    if body is not None:
+        argv += ["--body", json.dumps(body)]
+    env = {**os.environ, TOKEN_ENV: token} if token is not None else None
+    answer = _call(host, argv, env)
+    return answer["status"], answer["body"]
+
+
+def generate_on(host: Host, target: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """The daemon at ``target`` called directly from inside ``host`` (no router):
+    ``token_ids``, ``finish_reason``, ``error``, ``num_prompt_tokens``."""
+    argv = [sys.executable, "-m", "netns_helpers.call", "generate", target, prompt]
+    return _call(host, [*argv, str(max_tokens)], None)
+
+
+def _call(host: Host, argv: list[str], env: dict[str, str] | None) -> dict[str, Any]:
+    done = subprocess.run(
+        host.command(argv),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=_TESTS_DIR,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
