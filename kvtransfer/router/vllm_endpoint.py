@@ -6,12 +6,18 @@ answer: ``UNREACHABLE (...)``). Load is read from ``GET /metrics``, vLLM's own P
 gauges over its engines: ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``
 (summed), ``vllm:kv_cache_usage_perc`` (averaged). vLLM exports its KV use as a fraction, not
 in blocks: the load reports it per `KV_USAGE_SCALE` "blocks", so the policies' share of KV in
-use is right.
+use is right. A sample that is not a finite, non-negative number is left out (a gauge of
+requests cannot be NaN or below 0), and counts are capped at `MAX_COUNT`.
+
+A redirect is not followed: whatever answers at its target (a login page, another server) does
+not vouch for this instance, so a 3xx is ``NOT_SERVING (HTTP 3xx)``. ``/metrics`` is read up to
+`MAX_METRICS_BYTES`; a larger or undecodable answer gives no load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +26,13 @@ from kvtransfer.router.policy import InstanceLoad
 
 SERVING = "SERVING"
 KV_USAGE_SCALE = 10_000
+# No server runs 2**31 requests: a larger count is nonsense, and capped so that no policy's
+# arithmetic meets a number of 300 digits.
+MAX_COUNT = 2**31 - 1
+# vLLM's /metrics is some 100 KiB per engine (histograms included): far above any real one.
+MAX_METRICS_BYTES = 16 * 2**20
+# /health's body says nothing; reading a small one to its end keeps the connection for reuse.
+_HEALTH_BYTES = 2**16
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -43,11 +56,14 @@ class VllmEndpoint:
         """Its health state, and its load when ``/metrics`` answered with vLLM's gauges."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         health, metrics = await asyncio.gather(
-            self._get("/health", timeout), self._get("/metrics", timeout), return_exceptions=True
+            self._get("/health", timeout, _HEALTH_BYTES),
+            self._get("/metrics", timeout, MAX_METRICS_BYTES),
+            return_exceptions=True,
         )
         load = None
-        if isinstance(metrics, tuple) and metrics[0] == 200:
-            load = parse_vllm_load(metrics[1])
+        if isinstance(metrics, tuple) and metrics[0] == 200 and metrics[1] is not None:
+            # Prometheus' text format is UTF-8; a bad byte spoils at most its own line.
+            load = parse_vllm_load(metrics[1].decode(errors="replace"))
         if isinstance(health, BaseException):
             if not isinstance(health, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
                 raise health
@@ -55,9 +71,14 @@ class VllmEndpoint:
         status = health[0]
         return (SERVING if status == 200 else f"NOT_SERVING (HTTP {status})"), load
 
-    async def _get(self, path: str, timeout: aiohttp.ClientTimeout) -> tuple[int, str]:
-        async with self.session.get(self.url(path), timeout=timeout) as response:
-            return response.status, await response.text()
+    async def _get(
+        self, path: str, timeout: aiohttp.ClientTimeout, limit: int
+    ) -> tuple[int, bytes | None]:
+        """The status and up to ``limit`` bytes of the body (None: more than that)."""
+        async with self.session.get(
+            self.url(path), timeout=timeout, allow_redirects=False
+        ) as response:
+            return response.status, await read_at_most(response, limit)
 
 
 def parse_vllm_load(text: str) -> InstanceLoad | None:
@@ -71,18 +92,37 @@ def parse_vllm_load(text: str) -> InstanceLoad | None:
         return None
     for family in families:
         for sample in family.samples:
-            if sample.name in (_RUNNING, _WAITING, _KV_USAGE):
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+            value = sample.value
+            if sample.name in (_RUNNING, _WAITING, _KV_USAGE) and 0 <= value < math.inf:
+                sums[sample.name] = sums.get(sample.name, 0.0) + value
                 counts[sample.name] = counts.get(sample.name, 0) + 1
     if _RUNNING not in sums and _WAITING not in sums:
         return None
     # Requests add up over a data-parallel server's engines; their KV pools are alike, so the
     # share in use is their mean.
     usage = sums.get(_KV_USAGE, 0.0) / counts.get(_KV_USAGE, 1)
-    usage = min(1.0, max(0.0, usage))
+    usage = min(1.0, max(0.0, usage)) if math.isfinite(usage) else 1.0
     return InstanceLoad(
-        running=int(sums.get(_RUNNING, 0)),
-        waiting=int(sums.get(_WAITING, 0)),
+        running=_count(sums.get(_RUNNING, 0.0)),
+        waiting=_count(sums.get(_WAITING, 0.0)),
         kv_blocks_used=round(usage * KV_USAGE_SCALE) if _KV_USAGE in sums else 0,
         kv_blocks_total=KV_USAGE_SCALE if _KV_USAGE in sums else 0,
     )
+
+
+def _count(value: float) -> int:
+    # A sum of finite samples may still overflow to inf.
+    return MAX_COUNT if not value < MAX_COUNT else int(value)
+
+
+async def read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """``response``'s body, or None (the rest unread) when it is longer than ``limit`` bytes:
+    a server must not make the router buffer gigabytes."""
+    if response.content_length is not None and response.content_length > limit:
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)

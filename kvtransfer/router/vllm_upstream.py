@@ -33,8 +33,17 @@ checked, admission):
    decode that failed, or for a client that left, is freed by the producer's own timeout
    (NixlConnector's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, kvtransfer's ``kv_lease_s``).
 
-``n`` (or ``best_of``) above 1 is refused (400): one request's samples would share one
-``kv_transfer_params`` in vLLM's answer.
+``n`` (or ``best_of``) above 1, and a batch of prompts, are refused (400): vLLM's answer
+carries one ``kv_transfer_params`` (its first sample's, its first prompt's) for all of them. So
+are the client's own ``kv_transfer_params``: they would tell a decode where to pull KV from.
+
+What vLLM answers is held to what a vLLM server would answer: an answer that is not 200 or a
+4xx (a redirect is not followed), a prefill's answer that is not a JSON object with an object
+of ``kv_transfer_params`` (or without them), is the instance's fault (502, retried on another).
+Answers are read up to a bound (the prefill's: ``max_request_bytes``, its params go into the
+decode's body; the rest: `MAX_ANSWER_BYTES`), never whole into memory past it. The request's
+deadline ends a call whenever it comes: 503 before any byte went to the client, else an SSE
+error event saying so.
 """
 
 from __future__ import annotations
@@ -56,9 +65,9 @@ from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
 from kvtransfer.router.fleet import AGGREGATED, Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
-from kvtransfer.router.openai_api import InvalidRequest, error_body
+from kvtransfer.router.openai_api import InvalidRequest, error_body, parse_json_body
 from kvtransfer.router.policy import RouteContext
-from kvtransfer.router.vllm_endpoint import VllmEndpoint
+from kvtransfer.router.vllm_endpoint import VllmEndpoint, read_at_most
 
 # Options of the client's body that have no place in a prefill of one token.
 _PREFILL_DROPS = (
@@ -75,6 +84,13 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # vLLM's answer headers that describe the bytes passed through (the rest are hop-by-hop or
 # aiohttp's own).
 _PASSED_HEADERS = ("Content-Type", "Cache-Control")
+# The most of a JSON answer (a decode's, an error) the router holds in memory to pass on: far
+# above one sample's answer (100,000 tokens with 20 log-probabilities each fit), far below
+# what would hurt the router with many at once.
+MAX_ANSWER_BYTES = 64 * 2**20
+# What of a 5xx's body is read, and of its message goes into the router's error.
+_ERROR_BYTES = 2**20
+_MESSAGE_CHARS = 300
 
 
 def check_vllm_body(body: Any) -> dict[str, Any]:
@@ -90,6 +106,26 @@ def check_vllm_body(body: Any) -> dict[str, Any]:
                 "per sample",
                 name,
             )
+    if body.get("kv_transfer_params") is not None:
+        raise InvalidRequest(
+            "kv_transfer_params is set by this router (a decode's come from its prefill's "
+            "answer): leave it out of the request",
+            "kv_transfer_params",
+        )
+    prompt = body.get("prompt")
+    # A list of token ids is one prompt; a list holding strings or lists is a batch.
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and any(isinstance(p, (str, list)) for p in prompt)
+    ):
+        raise InvalidRequest(
+            f"prompt must be one prompt behind a P/D router of vLLM servers (got a batch of "
+            f"{len(prompt)}): vLLM answers one kv_transfer_params for a batch, so every "
+            "prompt but the first would be decoded with the first one's KV; send one request "
+            "per prompt",
+            "prompt",
+        )
     return body
 
 
@@ -163,18 +199,16 @@ class VllmProxy:
                 instance = tried[-1]
                 try:
                     status, raw, headers = await self._post(call, instance, body)
+                    if 400 <= status < 500:
+                        return _passed_through(call.request_id, status, raw, headers)
+                    if status != 200:
+                        raise _vllm_error(instance, status, raw)
+                    params = _kv_transfer_params(instance, raw, call.log)
                 except UpstreamError as exc:
                     await self._retry(call, tried, exc)
                     continue
-                if status >= 500:
-                    exc = _vllm_error(instance, status, raw)
-                    instance.failed()
-                    await self._retry(call, tried, exc)
-                    continue
-                if status != 200:
-                    return _passed_through(call.request_id, status, raw, headers)
                 instance.succeeded()
-                return _kv_transfer_params(instance, raw, call.log)
+                return params
         finally:
             for instance in tried:
                 self.fleet.release(instance)
@@ -194,26 +228,30 @@ class VllmProxy:
                 json=body,
                 headers={REQUEST_ID_HEADER: call.request_id},
                 timeout=self._timeout(call),
+                allow_redirects=False,
             )
         except TimeoutError:  # an OSError too: first
             raise _deadline(instance) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise self._unreachable(instance, exc) from None
         async with upstream:
-            if upstream.status >= 500:
+            status = upstream.status
+            if status != 200 and not 400 <= status < 500:
                 raw = await _read_or_empty(upstream)
-                instance.failed()
-                raise _vllm_error(instance, upstream.status, raw)
-            if upstream.status != 200 or "text/event-stream" not in upstream.content_type:
+                raise _vllm_error(instance, status, raw)
+            if status != 200 or "text/event-stream" not in upstream.content_type:
                 try:
-                    raw = await upstream.read()
-                except (TimeoutError, aiohttp.ClientError) as exc:
+                    raw = await _read_bounded(upstream, instance, MAX_ANSWER_BYTES)
+                except TimeoutError:
+                    # Its headers came: the request's length, not a dead instance.
+                    raise _deadline(instance) from None
+                except aiohttp.ClientError as exc:
                     instance.failed()
                     raise _cut(instance, exc) from None
-                if upstream.status == 200:
+                if status == 200:
                     instance.succeeded()
                     self.metrics.first_token(time.monotonic() - call.started)
-                return _passed_through(call.request_id, upstream.status, raw, upstream.headers)
+                return _passed_through(call.request_id, status, raw, upstream.headers)
             return await self._stream(call, instance, upstream)
 
     async def _stream(
@@ -234,8 +272,12 @@ class VllmProxy:
                     # Leaving closes the decode's connection: vLLM aborts the request.
                     raise ClientGone(response) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
-            instance.failed()
-            failure = _cut(instance, exc)
+            if isinstance(exc, TimeoutError):
+                # The request's deadline, on a decode that answered: not its fault.
+                failure = _deadline(instance)
+            else:
+                instance.failed()
+                failure = _cut(instance, exc)
             if response is None:
                 raise failure from None
             self.metrics.upstream_error(failure.role, failure.reason)
@@ -244,7 +286,6 @@ class VllmProxy:
             await response.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
             return response
         if response is None:
-            instance.failed()
             raise _vllm_error(instance, 502, b"the stream ended before any event")
         instance.succeeded()
         await response.write_eof()
@@ -255,6 +296,8 @@ class VllmProxy:
     async def _post(
         self, call: VllmCall, instance: Instance, body: dict[str, Any]
     ) -> tuple[int, bytes, Mapping[str, str]]:
+        """The prefill's status, body (at most ``max_request_bytes``: its params go into the
+        decode's body) and headers."""
         endpoint = _endpoint(instance)
         try:
             async with endpoint.session.post(
@@ -262,8 +305,10 @@ class VllmProxy:
                 json=body,
                 headers={REQUEST_ID_HEADER: call.request_id},
                 timeout=self._timeout(call),
+                allow_redirects=False,
             ) as response:
-                return response.status, await response.read(), response.headers
+                raw = await _read_bounded(response, instance, self.config.max_request_bytes)
+                return response.status, raw, response.headers
         except TimeoutError:  # an OSError too: first
             raise _deadline(instance) from None
         except (aiohttp.ClientError, OSError) as exc:
@@ -313,27 +358,63 @@ def _endpoint(instance: Instance) -> VllmEndpoint:
 def _kv_transfer_params(
     instance: Instance, raw: bytes, log: logging.LoggerAdapter[logging.Logger]
 ) -> dict[str, Any] | None:
+    """The params in a prefill's 200 answer; `_unusable` (counted on its breaker) when the
+    answer is not what vLLM writes."""
     try:
-        answer = json.loads(raw)
-    except ValueError:
-        raise _vllm_error(instance, 502, b"the prefill's answer is not JSON") from None
-    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        # The checks of a client's body: UTF-8 JSON, nested no deeper than the router takes
+        # (the params go on into the decode's body).
+        answer = parse_json_body(raw)
+    except InvalidRequest as exc:
+        raise _unusable(instance, str(exc).replace("the request body", "it")) from None
+    if not isinstance(answer, dict):
+        raise _unusable(instance, f"it is a JSON {type(answer).__name__}, not an object")
+    params = answer.get("kv_transfer_params")
     if params is None:
         log.info("%s gave no kv_transfer_params: the decode computes the prompt", instance.name)
         return None
     if not isinstance(params, dict):
-        raise _vllm_error(instance, 502, b"kv_transfer_params in its answer is not an object")
+        raise _unusable(instance, "its kv_transfer_params are not an object")
     return params
 
 
-def _vllm_error(instance: Instance, status: int, raw: bytes) -> UpstreamError:
-    """A 5xx of vLLM's own (or an unusable answer): 502, worth another instance."""
-    message = raw.decode(errors="replace").strip()[:300] or "(empty body)"
-    with contextlib.suppress(ValueError, KeyError, TypeError):
-        message = json.loads(raw)["error"]["message"]
+def _unusable(instance: Instance, why: str) -> UpstreamError:
+    """A 200 answer that is not vLLM's: the instance's fault, worth another one."""
+    instance.failed()
     return UpstreamError(
-        502, f"HTTP {status}: {message}", instance.role, instance.address, f"http_{status}"
+        502, f"its answer is unusable: {why}", instance.role, instance.address, "bad_answer"
     )
+
+
+def _vllm_error(instance: Instance, status: int, raw: bytes) -> UpstreamError:
+    """A 5xx of vLLM's own, or a status vLLM does not answer (a redirect): 502, counted on its
+    breaker, worth another instance."""
+    instance.failed()
+    message: object = raw.decode(errors="replace").strip() or "(empty body)"
+    # RecursionError: a body nested deeper than the parser goes.
+    with contextlib.suppress(ValueError, KeyError, TypeError, RecursionError):
+        message = json.loads(raw)["error"]["message"]
+    text = str(message)
+    if len(text) > _MESSAGE_CHARS:
+        text = text[:_MESSAGE_CHARS] + "..."
+    return UpstreamError(
+        502, f"HTTP {status}: {text}", instance.role, instance.address, f"http_{status}"
+    )
+
+
+class AnswerTooLarge(UpstreamError):
+    """An answer over the router's bound: another instance would answer as much."""
+
+    @property
+    def retryable(self) -> bool:
+        return False
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, instance: Instance, limit: int) -> bytes:
+    raw = await read_at_most(response, limit)
+    if raw is None:
+        message = f"its answer is larger than {limit} bytes, this router's limit"
+        raise AnswerTooLarge(502, message, instance.role, instance.address, "answer_too_large")
+    return raw
 
 
 def _cut(instance: Instance, exc: BaseException) -> UpstreamError:
@@ -354,10 +435,12 @@ def _deadline(instance: Instance) -> UpstreamError:
 
 
 async def _read_or_empty(response: aiohttp.ClientResponse) -> bytes:
+    """An error's body, as far as it can say why (empty when it could not be read)."""
     try:
-        return await response.read()
+        raw = await read_at_most(response, _ERROR_BYTES)
     except (TimeoutError, aiohttp.ClientError):
         return b""
+    return f"(a body over {_ERROR_BYTES} bytes)".encode() if raw is None else raw
 
 
 def _answer_headers(call: VllmCall, upstream: Mapping[str, str]) -> dict[str, str]:
