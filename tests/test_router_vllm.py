@@ -334,3 +334,25 @@ def test_tls_is_refused_for_vllm_servers(tmp_path: Any) -> None:
         RouterConfig(prefill=("h:1",), decode=("h:2",), engine="vllm", tls_ca=str(pem))
     with pytest.raises(ValueError, match="engine must be one of kvtransfer, vllm"):
         RouterConfig(prefill=("h:1",), decode=("h:2",), engine="sglang")
+
+
+def test_the_servers_api_key_goes_on_every_completion_call_never_the_clients() -> None:
+    async def scenario() -> None:
+        async with vllm_cluster([prefill()], [decode()], vllm_api_key="sk-servers") as c:
+            headers = {"Authorization": "Bearer client-secret"}
+            async with c.http.post("/v1/completions", json=BODY, headers=headers) as response:
+                assert response.status == 200
+            [sent_p] = c.prefills[0].seen
+            [sent_d] = c.decodes[0].seen
+            assert sent_p.authorization == sent_d.authorization == "Bearer sk-servers"
+        async with vllm_cluster([prefill()], [decode()]) as c:
+            async with c.http.post("/v1/completions", json=BODY, headers=headers) as response:
+                assert response.status == 200
+            assert [s.authorization for s in (*c.prefills[0].seen, *c.decodes[0].seen)] == [
+                None,
+                None,
+            ]
+
+    run(scenario)
+    with pytest.raises(ValueError, match="a vLLM API key goes with --engine vllm"):
+        RouterConfig(prefill=("h:1",), decode=("h:2",), vllm_api_key="sk")

@@ -30,6 +30,7 @@ logger = logging.getLogger("kvtransfer.router")
 
 ADMIN_TOKEN_ENV = "KVTRANSFER_ROUTER_ADMIN_TOKEN"
 DAEMON_ADMIN_TOKEN_ENV = "KVTRANSFER_ADMIN_TOKEN"
+VLLM_API_KEY_ENV = "KVTRANSFER_VLLM_API_KEY"
 
 
 def _target(value: str) -> str:
@@ -215,6 +216,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the daemons' admin token, to read their load when they require one (or "
         f"{DAEMON_ADMIN_TOKEN_ENV})",
     )
+    parser.add_argument(
+        "--vllm-api-key-file",
+        metavar="FILE",
+        help="with --engine vllm: the API key the vLLM servers were started with (--api-key), "
+        f"sent on every completion call (or {VLLM_API_KEY_ENV})",
+    )
     parser.add_argument("--tls-ca", metavar="FILE", help="CA that verifies the daemons (TLS)")
     parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (mTLS daemons)")
     parser.add_argument("--tls-key", metavar="FILE", help="its private key")
@@ -266,6 +273,7 @@ def config_from_args(
         daemon_admin_token=_token(
             args.daemon_admin_token_file, environ.get(DAEMON_ADMIN_TOKEN_ENV)
         ),
+        vllm_api_key=_token(args.vllm_api_key_file, environ.get(VLLM_API_KEY_ENV)),
     )
 
 

@@ -95,7 +95,9 @@ class RouterConfig:
     that port of its host; cache-aware policies subscribe (`cache_wiring`). ``kv_block_size``:
     the daemons' block size, the unit of the prefix index. ``engine``: what every instance is,
     kvtransfer daemons (``kvtransfer``: their gRPC address) or vLLM OpenAI servers (``vllm``:
-    their HTTP address; `vllm_upstream`).
+    their HTTP address; `vllm_upstream`); ``vllm_api_key``: the key they were started with
+    (``--api-key``), sent as a bearer token on every completion call (the client's own
+    credentials are never forwarded).
     """
 
     prefill: tuple[str, ...]
@@ -132,6 +134,7 @@ class RouterConfig:
     engine: str = KVTRANSFER
     admin_token: str | None = field(default=None, repr=False)
     daemon_admin_token: str | None = field(default=None, repr=False)
+    vllm_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples so the config stays hashable and immutable.
@@ -203,6 +206,10 @@ class RouterConfig:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.vllm_api_key is not None:
+            if self.engine != VLLM:
+                raise ValueError("a vLLM API key goes with --engine vllm")
+            check_token(self.vllm_api_key, "the vLLM servers' API key")
         if self.engine == VLLM and self.uses_tls:
             raise ValueError(
                 "TLS (--tls-ca/--tls-cert/--tls-key) is for kvtransfer daemons' gRPC; the "

@@ -226,7 +226,7 @@ class VllmProxy:
             upstream = await endpoint.session.post(
                 endpoint.url(call.path),
                 json=body,
-                headers={REQUEST_ID_HEADER: call.request_id},
+                headers=self._headers(call),
                 timeout=self._timeout(call),
                 allow_redirects=False,
             )
@@ -303,7 +303,7 @@ class VllmProxy:
             async with endpoint.session.post(
                 endpoint.url(call.path),
                 json=body,
-                headers={REQUEST_ID_HEADER: call.request_id},
+                headers=self._headers(call),
                 timeout=self._timeout(call),
                 allow_redirects=False,
             ) as response:
@@ -336,6 +336,13 @@ class VllmProxy:
         self.metrics.upstream_error(exc.role, exc.reason)
         self.metrics.retry(exc.role, exc.reason)
         tried.append(instance)
+
+    def _headers(self, call: VllmCall) -> dict[str, str]:
+        """One request id on both calls; the servers' own API key, never the client's."""
+        headers = {REQUEST_ID_HEADER: call.request_id}
+        if self.config.vllm_api_key is not None:
+            headers["Authorization"] = f"Bearer {self.config.vllm_api_key}"
+        return headers
 
     def _timeout(self, call: VllmCall) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=max(0.001, call.deadline - time.monotonic()))

@@ -33,6 +33,7 @@ class Seen:
     path: str
     body: dict[str, Any]
     request_id: str | None
+    authorization: str | None = None
 
 
 Handler = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
@@ -117,7 +118,9 @@ class FakeVllm:
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
-        self.seen.append(Seen(request.path, body, request.headers.get("X-Request-Id")))
+        headers = request.headers
+        seen = Seen(request.path, body, headers.get("X-Request-Id"), headers.get("Authorization"))
+        self.seen.append(seen)
         return await self.behaviour.completions(request, body)
 
     async def _health(self, request: web.Request) -> web.Response:
