@@ -231,7 +231,7 @@ class VllmProxy:
                 allow_redirects=False,
             )
         except TimeoutError:  # an OSError too: first
-            raise _deadline(instance) from None
+            raise self._silent(instance) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise self._unreachable(instance, exc) from None
         async with upstream:
@@ -310,7 +310,7 @@ class VllmProxy:
                 raw = await _read_bounded(response, instance, self.config.max_request_bytes)
                 return response.status, raw, response.headers
         except TimeoutError:  # an OSError too: first
-            raise _deadline(instance) from None
+            raise self._silent(instance) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise self._unreachable(instance, exc) from None
 
@@ -346,6 +346,13 @@ class VllmProxy:
 
     def _timeout(self, call: VllmCall) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=max(0.001, call.deadline - time.monotonic()))
+
+    def _silent(self, instance: Instance) -> UpstreamError:
+        """Nothing came back within the request's deadline: as for a daemon (`fleet`), the
+        instance leaves the pool until a health check finds it serving, so a wedged server is
+        not picked again meanwhile."""
+        self.fleet.eject(instance, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time")
+        return _deadline(instance)
 
     def _unreachable(self, instance: Instance, exc: BaseException) -> UpstreamError:
         """No answer at all: the instance leaves the pool until a health check finds it."""
