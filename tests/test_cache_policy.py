@@ -199,3 +199,80 @@ def test_the_router_builds_it_by_name_with_its_own_index_per_role():
     assert isinstance(prefill, CacheAwarePolicy) and prefill.name == "cache_aware"
     assert (prefill.role, decode.role) == ("prefill", "decode")
     assert prefill.index is not decode.index
+
+
+# ---------------------------------------------------------------------- pending picks
+
+
+def _live(policy: CacheAwarePolicy, *addresses: str) -> None:
+    """The instances' events are attached and in sync (nothing stored yet)."""
+    for address in addresses:
+        policy.index.add_instance(address)
+        policy.index.attach_events(address)
+        policy.index.events_synced(address, True)
+
+
+NEW = tuple(range(500, 500 + 40 * BS))  # a new 40-block prefix
+
+
+def test_a_burst_on_a_new_prefix_goes_where_the_first_went_until_the_guard():
+    policy = _policy(balance_share=1.5, balance_floor=4)
+    fleet = [Instance(f"p{n}") for n in range(4)]
+    _live(policy, *(i.address for i in fleet))
+    # 8 requests sharing the prefix within a few ms: no engine has announced it yet.
+    chosen = [_pick(policy, fleet, (*NEW, n, n, n, n), f"r{n}") for n in range(8)]
+    first = chosen[0]
+    assert chosen[:4] == [first] * 4  # the guard's floor: 4 on one instance
+    assert [policy.index.mode(i.address) for i in fleet] == ["precise"] * 4
+    # The guard then sends the 5th to the least loaded, which takes the rest of the burst.
+    second = chosen[4]
+    assert second is not first and chosen[4:] == [second] * 4
+    assert sorted(i.in_flight for i in fleet) == [0, 0, 4, 4]
+    assert policy.decisions["cache"] == 6 and policy.decisions["balance"] == 1
+
+
+def test_without_the_guard_the_whole_burst_shares_one_prefill():
+    policy = _policy(balance_share=1000, balance_floor=1000)
+    fleet = [Instance(f"p{n}") for n in range(4)]
+    _live(policy, *(i.address for i in fleet))
+    chosen = {_pick(policy, fleet, NEW, f"r{n}").address for n in range(20)}
+    assert len(chosen) == 1
+
+
+def test_events_storing_the_prefix_take_over_from_the_pick():
+    policy = _policy()
+    fleet = [Instance("a"), Instance("b")]
+    _live(policy, "a", "b")
+    first = _pick(policy, fleet, NEW, "r0")
+    _cache(policy, first.address, NEW, 40)  # the engine announces it
+    stats = {s.address: s for s in policy.index.stats()}
+    assert stats[first.address].pending_blocks == 0
+    assert stats[first.address].precise_blocks == 40
+    first.in_flight = 0  # done: its events hold the prefix, the pick no longer matters
+    assert _pick(policy, fleet, NEW, "r1") is first
+    assert policy.last_decision.reason == "cache" and policy.last_decision.cached_blocks == 40
+
+
+def test_a_pick_that_ended_or_failed_no_longer_counts():
+    policy = _policy()
+    fleet = [Instance("a"), Instance("b")]
+    _live(policy, "a", "b")
+    first = _pick(policy, fleet, NEW, "r0")
+    other = next(i for i in fleet if i is not first)
+    assert policy.index.match(NEW) == {first.address: 40}
+    # It failed before its engine stored anything: the router tries another instance.
+    first.in_flight -= 1
+    retry = policy.choose([other], _route(NEW, "r0"))
+    other.in_flight += 1
+    policy.observe(retry, _route(NEW, "r0"))
+    assert policy.index.match(NEW) == {other.address: 40}
+    # It ended there without its events showing the prefix (none will now).
+    policy.pick_ended(other, _route(NEW, "r0"))
+    assert policy.index.match(NEW) == {}
+    # The same, learned from the candidates: nothing of the router runs on an instance.
+    _pick(policy, fleet, NEW, "r1")
+    for instance in fleet:
+        instance.in_flight = 0
+    policy.choose(fleet, _route(PROMPT, "r2"))
+    assert policy.index.match(NEW) == {}
+    assert [s.pending_picks for s in policy.index.stats()] == [0, 0]

@@ -162,6 +162,23 @@ def test_a_publisher_restart_forgets_both_sets_and_replays_from_zero():
     assert stream.num_restarts == 1
 
 
+def test_pending_picks_count_until_stored_and_never_survive_a_restart():
+    index, stream = _stream(has_replay=True)
+    stream.on_replay(stream.start(), [])
+    stream.on_message(0, HISTORY[0])  # A stored
+    index.observe("e", C, pick="r1")  # routed there; the engine has not announced C yet
+    assert _claims(index) == {A: 3, C: 3}
+    # The engine restarted before storing C: nothing it held, nothing pending, is claimed.
+    request = stream.on_message(0, _payload())
+    assert stream.num_restarts == 1 and _claims(index) == {}
+    stream.on_replay(request, [(0, _payload())])
+    index.observe("e", C, pick="r2")
+    stream.on_message(1, _payload(_stored(C, "c")))  # stored: the events answer from here on
+    assert index.stats()[0].pending_blocks == 0
+    stream.on_message(2, _payload(_removed("c")))
+    assert _claims(index) == {}
+
+
 def test_a_restart_seen_only_through_a_resync_replay():
     """Reconnected to a restarted publisher: its replay ends below what was applied before."""
     index, stream = _stream(has_replay=True)

@@ -245,9 +245,13 @@ def test_instances_come_and_go_without_leaving_keys_behind():
     index = _index("a", "b")
     index.apply("a", [_stored(P, 0, [b"a0", b"a1", b"a2"])])
     index.apply("b", [_stored(P, 0, [b"b0"])])
-    index.observe("b", Q)
+    index.observe("b", Q, pick="q")
     index.remove_instance("a")
-    assert index.match(P) == {"b": 1}  # b's events are live: its precise set answers
+    # b's events are live: its precise set answers, with Q pending (2 blocks shared with P).
+    assert index.match(P) == {"b": 2}
+    index.pick_ended("b", "q")
+    assert index.match(P) == {"b": 1}
+    index.observe("b", Q, pick="q2")  # pending again: dropped with the events below
     index.detach_events("b")
     assert index.match(P) == {"b": 2}  # now its approximate set (Q shares 2 blocks)
     index.add_instance("c")  # takes a's slot: nothing of a's shows up as c's
@@ -278,8 +282,223 @@ def test_changing_an_instances_block_size_forgets_its_keys():
 
 def test_block_keys_chain_from_the_root():
     assert block_keys(P, BS) == block_keys(list(P), BS)
+    # What the index computes in C: each block's key hashes the previous key and its tokens.
+    key, expected = 0, []
+    for start in range(0, len(P) - BS + 1, BS):
+        key = hash((key, *P[start : start + BS]))
+        expected.append(key)
+    assert block_keys(P, BS) == expected
+    long = tuple(range(10_000))
+    assert block_keys(long, 16)[-1] == _reference_keys(long, 16)[-1]
     keys = block_keys(P, BS)
     assert len(keys) == 3 and len(set(keys)) == 3
     assert block_keys(Q, BS)[:2] == keys[:2] and block_keys(Q, BS)[2] != keys[2]
     # Equal block contents after different prefixes get different keys.
     assert block_keys((9, 9, 9, 9, 1, 2, 3, 4), BS)[1] != block_keys((1, 2, 3, 4), BS)[0]
+
+
+# ---------------------------------------------------------------------- pending picks
+
+
+def _pending(index: PrefixIndex, address: str) -> int:
+    return next(s.pending_blocks for s in index.stats() if s.address == address)
+
+
+def test_a_pick_counts_where_events_are_live_until_they_store_its_blocks():
+    index = _index("a", "b")
+    assert index.match(P) == {}
+    index.observe("a", P, pick="r1")  # routed there; the engine has not announced it yet
+    assert index.mode("a") == "precise"
+    assert index.match(P) == {"a": 3} and index.match(Q) == {"a": 2}
+    assert _pending(index, "a") == 3
+    # The engine stores the first two blocks: confirmed, no longer pending; the third still is.
+    index.apply("a", [_stored(P, 0, [b"a0", b"a1"])])
+    assert _pending(index, "a") == 1 and index.match(P) == {"a": 3}
+    index.apply("a", [_stored(P, 2, [b"a2"], parent=b"a1")])
+    assert _pending(index, "a") == 0 and index.stats()[0].precise_blocks == 3
+    # From here the events alone answer: a removal is not covered up by the old pick.
+    index.apply("a", [BlockRemoved((b"a2",))])
+    assert index.match(P) == {"a": 2}
+    index.pick_ended("a", "r1")  # ended after its blocks were confirmed: nothing to drop
+    assert index.match(P) == {"a": 2}
+
+
+def test_pending_picks_expire_after_their_ttl():
+    clock = Clock()
+    index = _index("a", clock=clock, pending_ttl_s=2.0)
+    index.observe("a", P, pick="r1")
+    clock.now += 1.0
+    index.observe("a", Q, pick="r2")
+    clock.now += 0.9
+    assert index.match(P) == {"a": 3}
+    clock.now += 0.2  # r1 is 2.1 s old: its own block (P's third) goes, Q's two stay r2's
+    assert index.match(P) == {"a": 2} and index.match(Q) == {"a": 3}
+    assert _pending(index, "a") == 3
+    clock.now += 1.0
+    index.message_received("a")  # events still flow (else the approximate set answers)
+    assert index.match(Q) == {} and _pending(index, "a") == 0
+    # 0: no pending picks at all (events alone, as before).
+    off = _index("a", pending_ttl_s=0)
+    off.observe("a", P, pick="r1")
+    assert off.match(P) == {} and _pending(off, "a") == 0
+    with pytest.raises(ValueError, match="pending_ttl_s"):
+        PrefixIndex(pending_ttl_s=-1)
+
+
+def test_all_blocks_cleared_a_restart_or_lost_events_drop_pending_picks():
+    index = _index("a")
+    for how in ("cleared", "forget", "clear_precise", "detach"):
+        index.attach_events("a")
+        index.events_synced("a", True)
+        index.observe("a", P, pick=how)
+        assert index.match(P) == {"a": 3}, how
+        if how == "cleared":
+            index.apply("a", [AllBlocksCleared()])
+        elif how == "forget":
+            index.forget("a")  # the subscriber saw the publisher restart
+        elif how == "clear_precise":
+            index.clear_precise("a")
+        else:
+            index.detach_events("a")
+            index.forget("a")  # (its approximate set would answer now)
+        assert _pending(index, "a") == 0, how
+        index.attach_events("a")
+        index.events_synced("a", True)
+        assert index.match(P) == {}, how
+    assert index._groups[BS].precise == index._groups[BS].pending == {}
+
+
+def test_an_ended_or_retried_pick_drops_only_its_own_claims():
+    index = _index("a", "b")
+    index.observe("a", P, pick="r1")
+    index.observe("a", Q, pick="r2")  # shares P's first two blocks
+    index.pick_ended("b", "r1")  # not where r1 runs: nothing happens
+    assert index.match(P) == {"a": 3}
+    index.pick_ended("a", "r1")
+    assert index.match(P) == {"a": 2} and index.match(Q) == {"a": 3}  # r2's still count
+    # r2 picked again elsewhere: its try on a failed.
+    index.observe("b", Q, pick="r2")
+    assert index.match(Q) == {"b": 3}
+    index.picks_ended("b")  # nothing of the router runs on b any more
+    assert index.match(Q) == {}
+    assert index._groups[BS].pending == {} and index._picks == {}
+
+
+def test_a_claim_made_after_a_block_was_stored_and_dropped_outlives_older_picks():
+    index = _index("a")
+    index.observe("a", P, pick="old")
+    index.apply("a", [_stored(P, 0, [b"a0", b"a1", b"a2"])])  # confirmed...
+    index.apply("a", [BlockRemoved((b"a2",))])  # ...then evicted
+    index.observe("a", P, pick="new")  # pending again, for the new pick only
+    index.pick_ended("a", "old")
+    assert index.match(P) == {"a": 3}
+    index.pick_ended("a", "new")
+    assert index.match(P) == {"a": 2}
+
+
+def test_pending_blocks_are_not_claimed_where_events_are_not_live():
+    clock = Clock()
+    index = PrefixIndex(default_block_size=BS, clock=clock)
+    index.add_instance("a")
+    index.observe("a", P, pick="r1")  # no events: the approximate set learns it, no pick
+    assert _pending(index, "a") == 0 and index.match(P) == {"a": 3}
+    index.attach_events("a")
+    index.events_synced("a", True)
+    index.observe("a", Q, pick="r2")
+    clock.now += index.max_event_lag_s + 0.1  # events lag: the approximate set answers
+    index.observe("a", P, pick="r3")
+    assert index.mode("a") == "approximate" and index.match(P) == {"a": 3}
+
+
+def _reference_keys(tokens, block_size: int) -> list[int]:
+    key, keys = 0, []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        key = hash((key, *tokens[start : start + block_size]))
+        keys.append(key)
+    return keys
+
+
+def _reference_match(index: PrefixIndex, tokens) -> dict[str, int]:
+    """What `match` answers, block by block and instance by instance (the old walk)."""
+    result = {}
+    for address in index.addresses:
+        inst = index._instances[address]
+        if index.mode(address) == "precise":
+            held = set(inst.precise_refs) | set(inst.pending)
+        else:
+            held = set(inst.approx)
+        count = 0
+        for key in _reference_keys(tokens, inst.group.block_size):
+            if key not in held:
+                break
+            count += 1
+        if count:
+            result[address] = count
+    return result
+
+
+@pytest.mark.parametrize("pending_ttl_s", [3.0, 0.0])
+def test_match_equals_a_block_by_block_walk_on_random_prefixes(pending_ttl_s):
+    """Holes included (removals, LRU evictions of leading blocks, mixed modes, two block sizes):
+    the walk in rounds gives what checking every block of every instance gives."""
+    rng = random.Random(7)
+    clock = Clock()
+    index = PrefixIndex(
+        default_block_size=BS, approx_capacity_blocks=60, pending_ttl_s=pending_ttl_s, clock=clock
+    )
+    addresses = [f"i{n}" for n in range(6)]
+    for n, address in enumerate(addresses):
+        index.add_instance(address, block_size=BS if n < 5 else 2 * BS)
+        if n % 3:
+            index.attach_events(address)
+            index.events_synced(address, True)
+    stems = [tuple(rng.randrange(5) for _ in range(rng.randrange(4, 40))) for _ in range(8)]
+    prompts = [s + tuple(rng.randrange(5) for _ in range(rng.randrange(0, 200))) for s in stems]
+    prompts += [p[: rng.randrange(len(p) + 1)] for p in prompts]
+    hashes = iter(range(10**9))
+    for step in range(400):
+        address = rng.choice(addresses)
+        prompt = rng.choice(prompts)
+        bs = index.block_size(address)
+        roll = rng.random()
+        if roll < 0.3:
+            count = len(prompt) // bs
+            index.apply(address, [BlockStored(tuple(next(hashes) for _ in range(count)), None,
+                                              prompt[: count * bs], bs)])  # fmt: skip
+        elif roll < 0.45:
+            engine = index._instances[address].engine_keys
+            if engine:
+                index.apply(address, [BlockRemoved(tuple(rng.sample(list(engine), 1)))])
+        elif roll < 0.8:
+            index.observe(address, prompt, pick=f"r{rng.randrange(30)}")
+        elif roll < 0.85:
+            index.pick_ended(address, f"r{rng.randrange(30)}")
+        elif roll < 0.9:
+            clock.now += rng.choice((0.5, 3.5))  # picks expire; some events lag
+            index.message_received(address)
+        for probe in rng.sample(prompts, 5):
+            clock.now += 0.02  # past the reuse of the last look-up
+            assert index.match(probe) == _reference_match(index, probe), (step, probe)
+            assert index.match(list(probe)) == _reference_match(index, probe)
+
+
+def test_a_chain_that_repeats_a_key_neither_raises_nor_leaves_keys(monkeypatch):
+    """Keys are a non-cryptographic hash: a crafted prompt could make its chain come back to
+    a key it had (a collision). Claims and their ends must not raise on it."""
+    index = _index("a", "b")
+
+    class Repeating:
+        total = 4
+
+        def upto(self, count):
+            return [11, 22, 11, 22]
+
+    monkeypatch.setattr("kvtransfer.router.prefix_index._chain_of", lambda *a, **k: Repeating())
+    for pick in ("r1", "r2"):
+        index.observe("a", P, pick=pick)
+        index.observe("b", P, pick=pick + "b")
+    index.pick_ended("a", "r1")
+    index.pick_ended("a", "r2")
+    index.picks_ended("b")
+    assert index._groups[BS].pending == {} and index._picks == {}
+    assert all(s.pending_blocks == 0 for s in index.stats())

@@ -10,6 +10,7 @@ import random
 import socket
 from dataclasses import dataclass
 
+import grpc
 import pytest
 
 from kvtransfer.router.__main__ import _parser, config_from_args
@@ -23,6 +24,7 @@ from kvtransfer.router.fleet import (
     CircuitBreaker,
     DnsTarget,
     Fleet,
+    Instance,
     InstancePresent,
     host_port,
 )
@@ -312,6 +314,73 @@ def test_a_removed_instance_is_never_picked_and_its_channel_closes_after_its_las
         with pytest.raises(KeyError):
             fleet.remove(a.address)
         await fleet.close()
+
+    asyncio.run(scenario())
+
+
+class _NoMetrics:
+    def instance_health(self, *args) -> None: ...
+
+    def instance_breaker(self, *args) -> None: ...
+
+    def instance_membership(self, *args) -> None: ...
+
+
+def test_cache_aware_picks_count_pending_until_they_end_fail_or_their_instance_goes_out():
+    """Through the fleet: a burst on a new prefix with live events lands on one instance until
+    the load guard; leases ending, an open breaker or an ejection drop what was pending."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtransfer.router.cache_wiring import CacheIndexWiring
+
+    async def scenario():
+        config = RouterConfig(**GOOD, prefill_policy="cache_aware")
+        policy = create_policy("cache_aware", "prefill", config)
+        wiring = CacheIndexWiring({"prefill": policy}, config, _NoMetrics())
+        fleet = make_fleet(policy, listener=wiring)
+        addresses = [f"10.0.0.{n}:1" for n in range(1, 4)]
+        instances = [fleet.add("prefill", address) for address in addresses]
+        healthy(fleet, *addresses)
+        index = policy.index
+        for address in addresses:
+            index.attach_events(address)  # (a subscriber does this with kv_events_port)
+            index.events_synced(address, True)
+        prompt = tuple(range(1000, 1000 + 64 * config.kv_block_size))
+
+        def pick(rid: str) -> Instance:
+            return fleet.pick("prefill", RouteContext(rid, prompt))
+
+        burst = [pick(f"r{n}") for n in range(6)]
+        assert burst[:4] == [burst[0]] * 4 and burst[4:] == [burst[4]] * 2 != burst[:2]
+        registry = CollectorRegistry()
+        wiring.register_metrics(registry)
+
+        def pending(address: str) -> float | None:
+            labels = {"role": "prefill", "address": address, "source": "pending"}
+            return registry.get_sample_value("kvtransfer_router_index_blocks", labels)
+
+        assert pending(burst[0].address) == 64 and pending(burst[4].address) == 64
+        # Every lease ends before the engines announce anything: nothing pending is left.
+        for instance in burst:
+            fleet.release(instance)
+        idle = pick("after")  # the next choice sees nothing of the router running anywhere
+        assert [pending(a) for a in addresses].count(0) == 2
+        fleet.release(idle)
+        # An open breaker fails what ran there; so does an ejection.
+        a = pick("r-breaker")
+        assert pending(a.address) == 64
+        for _ in range(5):
+            a.failed()
+        assert pending(a.address) == 0
+        fleet.release(a)
+        b = pick("r-eject")
+        assert b is not a and pending(b.address) == 64
+        fleet.eject(b, grpc.StatusCode.UNAVAILABLE, "connection reset")
+        assert pending(b.address) == 0
+        fleet.release(b)
+        assert all(not i.in_flight for i in instances)
+        await fleet.close()
+        await wiring.close()
 
     asyncio.run(scenario())
 

@@ -20,9 +20,18 @@
 
 The same rule serves both roles: a prefill instance holding the prefix computes only the rest;
 a decode instance holding it pulls only the blocks it lacks. `observe` teaches the index the
-chosen instance (its approximate set). `uncached_tokens` (the `policy.UncachedEstimator` that
-conditional disaggregation asks) is the prompt tokens the instance `choose` would pick must
-compute (at least the last one: an engine never serves a whole prompt from its cache).
+chosen instance (its approximate set) and, where events are live, makes the prompt's blocks
+that the instance's events do not show yet *pending* there for this request: they count as
+cached on it until its events store them, the request ends there, or a few seconds pass
+(`PrefixIndex`), so a burst of requests on a new prefix lands where the first one went, within
+the load guard, rather than being spread before any engine has announced the prefix. The
+policy learns that a request ended from the candidates it is offered: one with nothing of this
+router in flight runs none of its picks (`pick_ended` says it of one request, for a caller that
+knows). A request picked again, the retry of a failed try, ends its previous pick.
+
+`uncached_tokens` (the `policy.UncachedEstimator` that conditional disaggregation asks) is the
+prompt tokens the instance `choose` would pick must compute (at least the last one: an engine
+never serves a whole prompt from its cache).
 """
 
 from __future__ import annotations
@@ -91,7 +100,12 @@ class CacheAwarePolicy:
 
     def observe(self, chosen: Candidate, route: RouteContext) -> None:
         if route.token_ids:
-            self.index.observe(chosen.address, route.token_ids)
+            self.index.observe(chosen.address, route.token_ids, pick=route.request_id)
+
+    def pick_ended(self, chosen: Candidate, route: RouteContext) -> None:
+        """The request of ``route``, picked on ``chosen``, no longer runs there (it finished
+        or failed): blocks of it that the instance's events have not shown stop counting."""
+        self.index.pick_ended(chosen.address, route.request_id)
 
     def uncached_tokens(self, candidates: Sequence[Candidate], route: RouteContext) -> int:
         tokens = route.token_ids or ()
@@ -112,9 +126,16 @@ class CacheAwarePolicy:
         if not candidates:
             raise ValueError("no candidates to choose from")
         settings = self.settings
+        index = self.index
+        if index.has_picks:
+            for candidate in candidates:
+                if not candidate.in_flight:
+                    # Nothing of this router runs there: every pick it made there ended, and
+                    # what their engine did not announce by now is not coming.
+                    index.picks_ended(candidate.address)
         loads = [load_score(c) for c in candidates]
         usages = [c.load.kv_usage if c.load is not None else 0.0 for c in candidates]
-        cached = self.index.match(token_ids) if token_ids else {}
+        cached = index.match(token_ids) if token_ids else {}
         blocks = [cached.get(c.address, 0) for c in candidates]
         if max(blocks) >= settings.min_match_blocks:
             fair = (sum(loads) + 1) / len(candidates)

@@ -6,7 +6,9 @@ An instance that joins a role whose policy is ``cache_aware`` is added to that p
 compose service gives it), subscribed to; an instance that leaves is unsubscribed and
 forgotten. Without events the index learns from the router's own picks (approximate); with
 them it is precise while they flow and falls back per instance when they stop
-(`kvtransfer.router.prefix_index`).
+(`kvtransfer.router.prefix_index`). An instance taken out of the pool by a failed call (its
+health) or by its circuit breaker fails the requests it was running: the blocks they made
+pending there stop counting at once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvtransfer.router.cache_policy import CacheAwarePolicy
 from kvtransfer.router.config import RouterConfig
-from kvtransfer.router.fleet import FleetListener
+from kvtransfer.router.fleet import OPEN, FleetListener
 from kvtransfer.router.kv_events import EventSource, KVEventSubscribers
 from kvtransfer.router.policy import Policy
 from kvtransfer.router.prefix_index import PrefixIndex
@@ -70,9 +72,15 @@ class CacheIndexWiring:
         self, role: str, address: str, healthy: bool, state: str, first: bool
     ) -> None:
         self._inner.instance_health(role, address, healthy, state, first)
+        index = self._indexes.get(role)
+        if index is not None and not healthy:
+            index.picks_ended(address)
 
     def instance_breaker(self, role: str, address: str, state: str) -> None:
         self._inner.instance_breaker(role, address, state)
+        index = self._indexes.get(role)
+        if index is not None and state == OPEN:
+            index.picks_ended(address)
 
     def instance_membership(self, role: str, address: str, source: str, change: str) -> None:
         self._inner.instance_membership(role, address, source, change)
@@ -128,7 +136,9 @@ class _IndexCollector:
         blocks = GaugeMetricFamily(
             "kvtransfer_router_index_blocks",
             "Prefix blocks the router's index holds for the instance, by source: events (what "
-            "its KV events said it cached) or routed (learned from this router's picks)",
+            "its KV events said it cached), routed (learned from this router's picks) or "
+            "pending (blocks of picks its events have not shown yet, counted with the events' "
+            "until they do, the pick ends or a few seconds pass)",
             labels=[*labels, "source"],
         )
         precise = GaugeMetricFamily(
@@ -147,6 +157,7 @@ class _IndexCollector:
                 key = [role, stats.address]
                 blocks.add_metric([*key, "events"], stats.precise_blocks)
                 blocks.add_metric([*key, "routed"], stats.approx_blocks)
+                blocks.add_metric([*key, "pending"], stats.pending_blocks)
                 precise.add_metric(key, 1.0 if stats.mode == "precise" else 0.0)
                 if stats.seconds_since_message is not None:
                     silence.add_metric(key, stats.seconds_since_message)
