@@ -8,91 +8,30 @@ disaggregation. Real vLLM servers behind the router: vllm_stage/check_pd.py."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import pytest
-from router_helpers.cluster import ADMIN_TOKEN, WAIT_S, run, sse_events
+from router_helpers.cluster import WAIT_S, run, sse_events
 from router_helpers.fake_vllm import (
     DECODE_JSON,
     PARAMS,
     SSE_CHUNKS,
     SSE_DONE,
-    FakeVllm,
     VllmBehaviour,
     decode_cut,
-    prefill_ok,
     prefill_without_params,
     status,
     vllm_metrics,
 )
+from router_helpers.vllm_cluster import decode, prefill, vllm_cluster
 from waiting import wait_until_async
 
-from kvtransfer.router import RouterConfig, RouterServer
+from kvtransfer.router import RouterConfig
 from kvtransfer.router.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
 
 pytestmark = pytest.mark.integration
 
 BODY = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
-
-
-@dataclass
-class VllmCluster:
-    router: RouterServer
-    http: aiohttp.ClientSession
-    prefills: list[FakeVllm]
-    decodes: list[FakeVllm]
-
-    async def post(self, body: Any, path: str = "/v1/completions") -> tuple[int, bytes, Any]:
-        async with self.http.post(path, json=body) as response:
-            return response.status, await response.read(), response.headers
-
-    async def workers(self) -> dict[str, dict[str, Any]]:
-        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        async with self.http.get("/workers", headers=headers) as response:
-            assert response.status == 200
-            return {w["address"]: w for w in (await response.json())["workers"]}
-
-
-@asynccontextmanager
-async def vllm_cluster(
-    prefills: Sequence[VllmBehaviour],
-    decodes: Sequence[VllmBehaviour],
-    extra_prefill: Sequence[str] = (),
-    extra_decode: Sequence[str] = (),
-    **config: Any,
-) -> AsyncIterator[VllmCluster]:
-    config.setdefault("shutdown_timeout_s", 2.0)
-    config.setdefault("admin_token", ADMIN_TOKEN)
-    p = [await FakeVllm(b).start() for b in prefills]
-    d = [await FakeVllm(b).start() for b in decodes]
-    try:
-        router_config = RouterConfig(
-            prefill=(*extra_prefill, *(f.address for f in p)),
-            decode=(*extra_decode, *(f.address for f in d)),
-            engine="vllm",
-            model_name="tiny",
-            **config,
-        )
-        async with (
-            RouterServer(router_config) as router,
-            aiohttp.ClientSession(base_url=router.url) as http,
-        ):
-            yield VllmCluster(router, http, p, d)
-    finally:
-        for fake in (*p, *d):
-            await fake.stop()
-
-
-def prefill() -> VllmBehaviour:
-    return VllmBehaviour(completions=prefill_ok)
-
-
-def decode() -> VllmBehaviour:
-    return VllmBehaviour()
 
 
 def test_the_prefill_gets_one_token_and_its_params_go_verbatim_to_the_decode() -> None:

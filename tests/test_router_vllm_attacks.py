@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 from router_helpers.cluster import ADMIN_TOKEN, WAIT_S, run, sse_events
@@ -30,9 +28,10 @@ from router_helpers.fake_vllm import (
     prefill_ok,
     vllm_metrics,
 )
+from router_helpers.vllm_cluster import VllmCluster, decode, prefill, vllm_cluster
 from waiting import wait_until_async
 
-from kvtransfer.router import RouterConfig, RouterServer, vllm_endpoint, vllm_upstream
+from kvtransfer.router import vllm_endpoint, vllm_upstream
 from kvtransfer.router.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
 
 pytestmark = pytest.mark.integration
@@ -64,81 +63,6 @@ class OddVllm(FakeVllm):
         if self.metrics_raw is not None:
             return web.Response(body=self.metrics_raw, content_type="text/plain")
         return await super()._metrics(request)
-
-
-@dataclass
-class Cluster:
-    router: RouterServer
-    http: aiohttp.ClientSession
-    prefills: list[OddVllm]
-    decodes: list[OddVllm]
-
-    async def post(
-        self, body: Any, path: str = "/v1/completions", headers: dict[str, str] | None = None
-    ) -> tuple[int, bytes, Any]:
-        async with self.http.post(path, json=body, headers=headers) as response:
-            return response.status, await response.read(), response.headers
-
-    async def workers(self) -> dict[str, dict[str, Any]]:
-        async with self.http.get("/workers", headers=HEADERS) as response:
-            assert response.status == 200
-            return {w["address"]: w for w in (await response.json())["workers"]}
-
-    async def wait_idle(self) -> None:
-        """Every lease released: ``in_flight`` back to 0 everywhere, no admission slot held."""
-
-        async def idle() -> bool:
-            workers = await self.workers()
-            admission = self.router.handlers.admission
-            return (
-                all(w["in_flight"] == 0 for w in workers.values())
-                and admission.running == 0
-                and admission.queued == 0
-            )
-
-        await wait_until_async(idle, "every lease and slot released", WAIT_S)
-
-
-@asynccontextmanager
-async def vllm_cluster(
-    prefills: Sequence[VllmBehaviour | OddVllm],
-    decodes: Sequence[VllmBehaviour | OddVllm],
-    **config: Any,
-) -> AsyncIterator[Cluster]:
-    config.setdefault("shutdown_timeout_s", 2.0)
-    config.setdefault("admin_token", ADMIN_TOKEN)
-
-    async def started(b: VllmBehaviour | OddVllm) -> OddVllm:
-        fake = b if isinstance(b, OddVllm) else OddVllm(b)
-        await fake.start()
-        return fake
-
-    p = [await started(b) for b in prefills]
-    d = [await started(b) for b in decodes]
-    try:
-        router_config = RouterConfig(
-            prefill=tuple(f.address for f in p),
-            decode=tuple(f.address for f in d),
-            engine="vllm",
-            model_name="tiny",
-            **config,
-        )
-        async with (
-            RouterServer(router_config) as router,
-            aiohttp.ClientSession(base_url=router.url) as http,
-        ):
-            yield Cluster(router, http, p, d)
-    finally:
-        for fake in (*p, *d):
-            await fake.stop()
-
-
-def prefill() -> VllmBehaviour:
-    return VllmBehaviour(completions=prefill_ok)
-
-
-def decode() -> VllmBehaviour:
-    return VllmBehaviour()
 
 
 def answering(raw: bytes, status: int = 200, content_type: str = "application/json") -> Handler:
@@ -590,7 +514,7 @@ def test_a_stream_that_stalls_after_its_first_event_ends_with_a_deadline_event()
 # ---------------------------------------------------------------------- clients that leave
 
 
-async def raw_post(c: Cluster, body: dict[str, Any]) -> tuple[Any, asyncio.StreamWriter]:
+async def raw_post(c: VllmCluster, body: dict[str, Any]) -> tuple[Any, asyncio.StreamWriter]:
     """POST ``body`` over a bare socket, so the test can hang up mid-way."""
     data = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", c.router.port)
