@@ -9,7 +9,8 @@ rendered command lines are also fed to them, and the router's view of the fleet 
 against the daemons': its dns:NAME:PORT targets name headless Services (compose services) that
 reach every daemon of the role on the port it serves, its cache_aware role's KV event ports,
 block size and tokenizer are what those daemons publish and load, its tokens come from the
-Secret.
+Secret. deploy/k8s/vllm (vLLM servers behind the router's --engine vllm) is checked the same
+way against the servers' vLLM flags, with the router's and our adapter's parsers.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 # kubernetes-validate 1.37.0, the floor tests rely on).
 K8S_VERSION = "1.37.0"
 KUSTOMIZATIONS = ["base", "overlays/xpyd", "overlays/gpu"]
+# vLLM servers behind the router (`--engine vllm`): a base of its own, checked by its own tests
+# below and by the generic ones (schemas, kubectl, Services, references).
+VLLM = "vllm"
+ALL_KUSTOMIZATIONS = [*KUSTOMIZATIONS, VLLM]
 
 # The daemons' and the router's flags, per the deployment contract.
 DAEMON_FLAGS = {
@@ -84,6 +89,7 @@ ROUTER_FLAGS = {
     "--kv-block-size",
     "--kv-events-port",
     "--kv-events-replay-port",
+    "--engine",
 }
 REPEATABLE_FLAGS = {"--prefill", "--decode"}
 # KVTRANSFER_<SETTING> variables the manifests may set: every flag, plus `device` (cpu|cuda,
@@ -304,7 +310,7 @@ def check_router_follows_daemons(
 
 @pytest.fixture(scope="module")
 def renders() -> dict[str, list[dict[str, Any]]]:
-    return {name: render(K8S / name) for name in KUSTOMIZATIONS}
+    return {name: render(K8S / name) for name in ALL_KUSTOMIZATIONS}
 
 
 @pytest.fixture(scope="module")
@@ -450,16 +456,13 @@ def selected_workloads(objects: list[dict], selector: dict[str, str]) -> list[di
     ]
 
 
-@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+@pytest.mark.parametrize("name", ALL_KUSTOMIZATIONS)
 def test_k8s_objects_validate_strictly(renders, name):
     objects = renders[name]
-    assert {obj["kind"] for obj in objects} >= {
-        "ConfigMap",
-        "Secret",
-        "Service",
-        "StatefulSet",
-        "Deployment",
-    }
+    kinds = {"Secret", "Service", "Deployment"} | (
+        {"ConfigMap", "StatefulSet"} if name != VLLM else set()
+    )
+    assert {obj["kind"] for obj in objects} >= kinds
     for obj in objects:
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -482,7 +485,7 @@ def test_emulation_rejects_what_it_does_not_implement(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl to compare with")
-@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+@pytest.mark.parametrize("name", ALL_KUSTOMIZATIONS)
 def test_emulation_matches_kubectl_kustomize(renders, name):
     result = subprocess.run(
         ["kubectl", "kustomize", str(K8S / name)],
@@ -496,7 +499,7 @@ def test_emulation_matches_kubectl_kustomize(renders, name):
     assert {resource_id(o): o for o in renders[name]} == expected
 
 
-@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+@pytest.mark.parametrize("name", ALL_KUSTOMIZATIONS)
 def test_k8s_services_select_pods_and_ports_exist(renders, name):
     objects = renders[name]
     for svc in (obj for obj in objects if obj["kind"] == "Service"):
@@ -521,7 +524,7 @@ def test_k8s_services_select_pods_and_ports_exist(renders, name):
             assert obj in selected_workloads(objects, svc["spec"]["selector"]), where
 
 
-@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+@pytest.mark.parametrize("name", ALL_KUSTOMIZATIONS)
 def test_k8s_references_exist(renders, name):
     objects = renders[name]
     for obj in workloads(objects):
@@ -743,6 +746,431 @@ def test_k8s_gpu_overlay(renders, fake_bin, tmp_path):
         assert any(t.get("key") == "nvidia.com/gpu" for t in pod_spec(obj)["tolerations"])
     base = k8s_invocations(renders["base"], fake_bin, tmp_path / "base")
     assert all("nvidia.com/gpu" not in c["resources"]["limits"] for _, c, _ in base)
+
+
+# ---------------------------------------------------------------------- vLLM servers (k8s)
+
+# deploy/k8s/vllm: vLLM OpenAI servers with our UcxConnector, behind the router (--engine vllm).
+VLLM_COMMAND = ["vllm", "serve"]
+# vLLM 0.32 `serve` flags the contract knows (its parser takes many more); switches take no
+# value. The model is `serve`'s first argument (or the deprecated --model).
+VLLM_FLAGS = {
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--block-size",
+    "--kv-transfer-config",
+    "--kv-events-config",
+    "--gpu-memory-utilization",
+    "--max-model-len",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--dtype",
+}
+VLLM_SWITCHES = {"--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager"}
+# The fields of vLLM 0.32's KVTransferConfig and KVEventsConfig (vllm/config/kv_transfer.py,
+# kv_events.py), with KVTransferConfig's defaults our adapter reads; vLLM refuses other keys,
+# a top-level kv_ip among them (ours goes in kv_connector_extra_config).
+VLLM_KV_TRANSFER_DEFAULTS = {
+    "kv_connector": None,
+    "engine_id": None,
+    "kv_buffer_device": "cuda",
+    "kv_role": None,
+    "kv_port": 14579,
+    "kv_connector_extra_config": {},
+    "kv_connector_module_path": None,
+    "enable_permute_local_kv": False,
+    "kv_load_failure_policy": "fail",
+}
+VLLM_KV_EVENTS_KEYS = {
+    "enable_kv_cache_events",
+    "publisher",
+    "endpoint",
+    "replay_endpoint",
+    "buffer_steps",
+    "hwm",
+    "max_queue_size",
+    "topic",
+}
+VLLM_MODULE = "kvtransfer.integrations.vllm"
+VLLM_API_KEY_ENV = "KVTRANSFER_VLLM_API_KEY"
+# The router's variables with --engine vllm: its admin API's token and the servers' API key.
+VLLM_ROUTER_ENV = {ROUTER_ADMIN_TOKEN_ENV, VLLM_API_KEY_ENV}
+
+
+def kubelet_expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of a container's command and args: ``$(VAR)`` becomes VAR's value
+    when the container's env defines VAR (else it stays as written), ``$$`` is a ``$``."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+            continue
+        if text.startswith("$(", i) and ")" in text[i:]:
+            end = text.index(")", i)
+            name = text[i + 2 : end]
+            out.append(env.get(name, text[i : end + 1]))
+            i = end + 1
+            continue
+        out.append(text[i])
+        i += 1
+    return "".join(out)
+
+
+@dataclass
+class VllmServer:
+    """A vLLM server container: the model it serves, its flags (after Kubernetes' expansion),
+    its raw args (before) and its environment."""
+
+    where: str
+    obj: dict
+    container: dict
+    model: str
+    flags: dict[str, str]
+    switches: set[str]
+    raw_args: list[str]
+    env: dict[str, str]
+
+    @property
+    def port(self) -> int:
+        return int(self.flags["--port"])
+
+    @property
+    def served_name(self) -> str:
+        """The model name clients send (one --served-model-name here, else the model)."""
+        return self.flags.get("--served-model-name", self.model)
+
+    def json_flag(self, name: str) -> dict[str, Any] | None:
+        text = self.flags.get(name)
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            pytest.fail(f"{self.where}: {name} is not JSON: {exc}")
+        assert isinstance(value, dict), f"{self.where}: {name} is not a JSON object"
+        return value
+
+    def raw_json_flag(self, name: str) -> dict[str, Any]:
+        """The flag's JSON as written in the manifest (``$(VAR)`` references unexpanded)."""
+        index = next(i for i, arg in enumerate(self.raw_args) if arg == name)
+        return json.loads(self.raw_args[index + 1])
+
+
+def parse_vllm_argv(argv: list[str], where: str) -> tuple[str, dict[str, str], set[str]]:
+    model = None
+    if argv and not argv[0].startswith("-"):
+        model, argv = argv[0], argv[1:]
+    flags: dict[str, str] = {}
+    switches: set[str] = set()
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        assert name.startswith("--"), f"{where}: unexpected argument {argv[i]!r}"
+        if name in VLLM_SWITCHES:
+            assert not eq, f"{where}: {name} takes no value"
+            switches.add(name)
+            i += 1
+            continue
+        assert name in VLLM_FLAGS, f"{where}: {name} is not a vLLM flag the contract knows"
+        if eq:
+            i += 1
+        else:
+            assert i + 1 < len(argv), f"{where}: {name} has no value"
+            value = argv[i + 1]
+            i += 2
+        assert name not in flags, f"{where}: {name} given twice"
+        flags[name] = value
+    if "--model" in flags:
+        assert model is None, f"{where}: the model is given twice"
+        model = flags.pop("--model")
+    assert model, f"{where}: no model"
+    assert not {"--enable-prefix-caching", "--no-enable-prefix-caching"} <= switches, where
+    return model, flags, switches
+
+
+@dataclass
+class VllmFleet:
+    servers: dict[str, VllmServer]  # workload name -> its server
+    router: Invocation
+    router_obj: dict
+    router_container: dict
+    objects: list[dict]
+
+    def role_servers(self, config) -> dict[str, list[VllmServer]]:
+        """Each role's servers: the pods its dns:NAME:PORT targets select."""
+        found: dict[str, list[VllmServer]] = {}
+        for role in ROLES:
+            for host, _ in config.dns_names(role):
+                svc = find(self.objects, "Service", host)
+                assert svc is not None, f"{self.router.where}: no Service {host}"
+                for obj in selected_workloads(self.objects, svc["spec"]["selector"]):
+                    server = self.servers.get(obj["metadata"]["name"])
+                    assert server is not None, f"{host} selects {resource_id(obj)}, no vLLM"
+                    found.setdefault(role, []).append(server)
+        return found
+
+
+def vllm_fleet(objects: list[dict]) -> VllmFleet:
+    servers, routers = {}, []
+    for obj in workloads(objects):
+        for container in pod_containers(obj):
+            where = f"{obj['kind']}/{obj['metadata']['name']}/{container['name']}"
+            env = resolve_env(container, objects, where)
+            raw = [*container.get("command", []), *container.get("args", [])]
+            expanded = [kubelet_expand(token, env) for token in raw]
+            for token in expanded:
+                # Kubernetes passes an unknown $(VAR) on as written: a typo'd reference.
+                assert not re.search(r"\$\([A-Za-z_][A-Za-z0-9_]*\)", token), (
+                    f"{where}: {token!r} refers to a variable the container does not define"
+                )
+            if expanded[:2] == VLLM_COMMAND:
+                model, flags, switches = parse_vllm_argv(expanded[2:], where)
+                servers[obj["metadata"]["name"]] = VllmServer(
+                    where, obj, container, model, flags, switches, container.get("args", []), env
+                )
+            else:
+                assert expanded[0] == "kvtransfer-router", f"{where}: runs {expanded[0]}"
+                routers.append((obj, container, Invocation(where, "router", expanded[1:], env)))
+    assert len(routers) == 1, routers
+    obj, container, router = routers[0]
+    return VllmFleet(servers, router, obj, container, objects)
+
+
+@pytest.fixture(scope="module")
+def vllm(renders) -> VllmFleet:
+    return vllm_fleet(renders[VLLM])
+
+
+def secret_key_ref(container: dict, variable: str) -> tuple[str, str]:
+    entry = next((e for e in container.get("env", []) if e["name"] == variable), None)
+    assert entry is not None, f"{container['name']}: no {variable}"
+    ref = entry.get("valueFrom", {}).get("secretKeyRef")
+    assert ref, f"{container['name']}: {variable} must come from a Secret, not a literal"
+    return ref["name"], ref["key"]
+
+
+def port_number(container: dict, port: int | str) -> int | None:
+    """A probe's or Service's port (a number or a container port's name) as a number."""
+    return container_ports(container).get(str(port))
+
+
+def test_vllm_router_parses_with_engine_vllm(vllm):
+    config = router_config(vllm.router)
+    assert config.engine == "vllm", vllm.router.where
+    assert config.policy_for("prefill") == "cache_aware"
+    assert config.policy_for("decode") == "least_load"
+    assert not config.uses_tls, "the router calls vLLM over plain HTTP"
+    assert vllm.router.env.keys() <= VLLM_ROUTER_ENV, vllm.router.env.keys() - VLLM_ROUTER_ENV
+    # The admin API is on, from the Secret, as in the base.
+    assert config.admin_token is not None, f"{vllm.router.where}: the admin API is off"
+    admin_ref = secret_key_ref(vllm.router_container, ROUTER_ADMIN_TOKEN_ENV)
+    # The router sends the key the servers check: the same Secret key, another than the admin's.
+    key_ref = secret_key_ref(vllm.router_container, VLLM_API_KEY_ENV)
+    assert admin_ref != key_ref, "the admin token must not be the servers' API key"
+    for server in vllm.servers.values():
+        assert secret_key_ref(server.container, "VLLM_API_KEY") == key_ref, server.where
+        assert server.env["VLLM_API_KEY"] == config.vllm_api_key, server.where
+        # Clients name the model the router lists; vLLM checks that name again.
+        assert config.model_name == server.served_name, f"{server.where}: --model-name"
+
+
+def test_vllm_router_reaches_every_server_through_dns(vllm):
+    """Each dns:NAME:PORT is a headless Service selecting exactly the servers of that role, on
+    the port each serves HTTP (vLLM's --port): DNS gives pod IPs, dialled on PORT."""
+    config = router_config(vllm.router)
+    reached: dict[str, str] = {}
+    for role in ROLES:
+        assert config.addresses(role) == (), f"--{role} must be dns:NAME:PORT"
+        assert config.dns_names(role), f"no --{role}"
+        for host, port in config.dns_names(role):
+            where = f"{vllm.router.where}: dns:{host}:{port}"
+            assert "." not in host, f"{where}: names a namespace"
+            svc = find(vllm.objects, "Service", host)
+            assert svc is not None, f"{where}: no such Service"
+            assert svc["spec"].get("clusterIP") == "None", f"{where}: not headless"
+            assert svc["spec"].get("publishNotReadyAddresses") is True, where
+            selected = selected_workloads(vllm.objects, svc["spec"]["selector"])
+            assert selected, f"{where}: selects no pod"
+            for obj in selected:
+                name = obj["metadata"]["name"]
+                server = vllm.servers.get(name)
+                assert server is not None, f"{where}: selects {resource_id(obj)}, no vLLM server"
+                assert server.port == port, f"{where}: {server.where} listens on {server.port}"
+                assert server.flags.get("--host") == "0.0.0.0", server.where
+                assert port_number(server.container, "http") == port, server.where
+                assert reached.setdefault(name, role) == role, f"{name}: both roles"
+    assert set(reached) == set(vllm.servers), set(vllm.servers) - set(reached)
+    assert set(reached.values()) == set(ROLES)
+
+
+def test_vllm_kv_transfer_config_per_role(vllm):
+    """--kv-transfer-config: vLLM's keys only, our connector by a module path that defines it,
+    the role's kv_role, kv_ip the pod IP (downward API), read by our own adapter's parsers."""
+    import ast
+    import importlib.util
+    from types import SimpleNamespace
+
+    from kvtransfer.connector.config import KVTransferConfig
+    from kvtransfer.connectors.ucx.config import UcxConfig
+
+    config = router_config(vllm.router)
+    for role, servers in vllm.role_servers(config).items():
+        for server in servers:
+            where = server.where
+            kv = server.json_flag("--kv-transfer-config")
+            assert kv is not None, f"{where}: no --kv-transfer-config"
+            assert set(kv) <= set(VLLM_KV_TRANSFER_DEFAULTS), f"{where}: vLLM refuses {kv}"
+            assert kv["kv_connector"] == "UcxConnector", where
+            assert kv["kv_connector_module_path"] == VLLM_MODULE, where
+            # vLLM imports the module and takes the class named kv_connector from it.
+            spec = importlib.util.find_spec(VLLM_MODULE)
+            tree = ast.parse(Path(spec.origin).read_text())
+            classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+            assert kv["kv_connector"] in classes, f"{where}: {VLLM_MODULE} lacks it"
+            assert kv["kv_role"] == KV_ROLES[role], f"{where}: a {role} server"
+            # kv_ip: a $(VAR) reference, in the manifest, to the pod IP from the downward API.
+            raw_ip = server.raw_json_flag("--kv-transfer-config")["kv_connector_extra_config"]
+            ref = re.fullmatch(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", raw_ip.get("kv_ip", ""))
+            assert ref, f"{where}: kv_ip must be $(VAR) of the pod IP"
+            source = next(e for e in server.container["env"] if e["name"] == ref[1])
+            assert source["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", where
+            assert kv["kv_connector_extra_config"]["kv_ip"] == FAKE_POD_IP, where
+            # What our adapter builds inside vLLM (KVTransferConfig.from_vllm).
+            vllm_kv = SimpleNamespace(**{**VLLM_KV_TRANSFER_DEFAULTS, "engine_id": "e", **kv})
+            ours = KVTransferConfig.from_vllm(vllm_kv, kv["kv_connector"])
+            ucx = UcxConfig.from_transfer_config(ours)
+            assert ucx.host == FAKE_POD_IP, where
+            assert ours.kv_role == KV_ROLES[role], where
+            if role == "prefill":
+                # Decode pods dial kv_ip:kv_port: a declared port, not vLLM's HTTP port.
+                assert ours.is_kv_producer and ucx.port > 0, where
+                assert port_number(server.container, "kv") == ucx.port, f"{where}: kv port"
+                assert ucx.port != server.port, where
+            else:
+                assert ours.is_kv_consumer and not ours.is_kv_producer, where
+
+
+def test_vllm_kv_events_match_the_router(vllm):
+    """The cache_aware role's servers publish vLLM's KV events where the router subscribes,
+    in blocks of the router's size; the router tokenizes with the model they serve."""
+    from kvtransfer.router.cache_wiring import event_source
+
+    config = router_config(vllm.router)
+    assert config.kv_events_port is not None, "cache_aware without events: approximate only"
+    assert config.tokenizer is not None, "cache_aware needs the prompts' token ids"
+    cache_aware = [role for role in ROLES if config.policy_for(role) == "cache_aware"]
+    assert cache_aware == ["prefill"]
+    for role, servers in vllm.role_servers(config).items():
+        for server in servers:
+            where = server.where
+            assert config.tokenizer == server.model, f"{where}: --tokenizer != its model"
+            if role not in cache_aware:
+                continue
+            assert "--block-size" in server.flags, f"{where}: set --block-size explicitly"
+            assert int(server.flags["--block-size"]) == config.kv_block_size, f"{where}: block"
+            assert "--no-enable-prefix-caching" not in server.switches, f"{where}: no events"
+            events = server.json_flag("--kv-events-config")
+            assert events is not None, f"{where}: publishes no KV events"
+            assert set(events) <= VLLM_KV_EVENTS_KEYS, f"{where}: vLLM refuses {events}"
+            assert events.get("enable_kv_cache_events") is True, where
+            assert events.get("publisher", "zmq") == "zmq", where
+            # vLLM binds its PUB only for a wildcard host (else it connects).
+            bound = re.fullmatch(r"tcp://\*:([0-9]+)", events.get("endpoint", "tcp://*:5557"))
+            assert bound, f"{where}: vLLM would connect to {events['endpoint']}, not bind"
+            assert int(bound[1]) == config.kv_events_port, f"{where}: events port"
+            replay = events.get("replay_endpoint")
+            assert (replay is None) == (config.kv_events_replay_port is None), where
+            ports = container_ports(server.container)
+            assert ports.get("kv-events") == config.kv_events_port, f"{where}: kv-events port"
+            if replay is not None:
+                replay_port = zmq_tcp_port(replay, where)
+                assert replay_port == config.kv_events_replay_port, f"{where}: replay port"
+                assert ports.get("kv-replay") == replay_port, f"{where}: kv-replay port"
+            # What the router dials for this pod, and the topic prefix it subscribes to.
+            source = event_source(f"{FAKE_POD_IP}:{server.port}", config)
+            assert source.endpoint == f"tcp://{FAKE_POD_IP}:{bound[1]}", where
+            assert events.get("topic", "").startswith(source.topic), f"{where}: topic"
+            bound_ports = [server.port, config.kv_events_port, config.kv_events_replay_port]
+            kv_port = (server.json_flag("--kv-transfer-config") or {}).get("kv_port")
+            bound_ports.append(kv_port)
+            bound_ports = [p for p in bound_ports if p]
+            assert len(bound_ports) == len(set(bound_ports)), f"{where}: {bound_ports}"
+
+
+def mounted_source(obj: dict, container: dict, path: str) -> tuple[str, str]:
+    """Where ``path`` in the container comes from: (its volume's source, path in it)."""
+    volumes = {v["name"]: v for v in pod_spec(obj).get("volumes", [])}
+    mounts = [
+        m
+        for m in container.get("volumeMounts", [])
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert mounts, f"{container['name']}: nothing mounted at {path}"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    volume = {k: v for k, v in volumes[mount["name"]].items() if k != "name"}
+    assert "emptyDir" not in volume, f"{container['name']}: {path} is an empty directory"
+    inside = Path(mount.get("subPath", "")) / Path(path).relative_to(mount["mountPath"])
+    return json.dumps(volume, sort_keys=True), str(inside)
+
+
+def test_vllm_router_reads_the_servers_model(vllm):
+    """--tokenizer is the servers' model path, on the same volume in the router's pod."""
+    config = router_config(vllm.router)
+    wanted = mounted_source(vllm.router_obj, vllm.router_container, config.tokenizer)
+    for server in vllm.servers.values():
+        assert server.model == config.tokenizer, server.where
+        assert mounted_source(server.obj, server.container, server.model) == wanted, server.where
+
+
+def test_vllm_server_pods(vllm, renders):
+    """Probes on vLLM's /health at its --port, one GPU each, no service links, hardened."""
+    for server in vllm.servers.values():
+        where, container, spec = server.where, server.container, pod_spec(server.obj)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            handler = container.get(kind, {}).get("httpGet")
+            assert handler, f"{where}: {kind} must GET vLLM's /health"
+            assert handler["path"] == "/health", f"{where}: {kind}"
+            assert port_number(container, handler["port"]) == server.port, f"{where}: {kind}"
+        # VLLM_* variables configure vLLM: a Service link (VLLM_PORT=tcp://...) would break it.
+        assert spec.get("enableServiceLinks") is False, where
+        resources = container["resources"]
+        assert resources["requests"].get("nvidia.com/gpu") == "1", where
+        assert resources["limits"].get("nvidia.com/gpu") == "1", where
+        assert any(t.get("key") == "nvidia.com/gpu" for t in spec.get("tolerations", []))
+        assert "cuda_copy" in server.env["UCX_TLS"].split(","), where
+        assert spec["securityContext"]["runAsNonRoot"] is True, where
+        assert spec.get("automountServiceAccountToken") is False, where
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False, where
+        assert security["capabilities"]["drop"] == ["ALL"], where
+        name, tag, _ = split_image(container["image"])
+        assert name == "kvtransfer-vllm" and tag, f"{where}: the vLLM image"
+        annotations = server.obj["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(server.port), where
+    router = vllm.router_container
+    assert router["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert split_image(router["image"])[0] == "kvtransfer"
+    assert "nvidia.com/gpu" not in router["resources"]["limits"]
+    secret = find(renders[VLLM], "Secret", "kvtransfer-vllm")
+    assert set(secret["stringData"]) == {"router-token", "vllm-api-key"}
+    assert all("CHANGE-ME" in value for value in secret["stringData"].values())
+
+
+def test_vllm_fleet_shares_a_namespace_with_the_base(renders):
+    """Both may be applied to one namespace: no object replaces another, and no Service or
+    workload selector of one takes pods of the other."""
+    base, ours = renders["base"], renders[VLLM]
+    assert not {resource_id(o) for o in base} & {resource_id(o) for o in ours}
+    for mine, theirs in ((base, ours), (ours, base)):
+        for obj in mine:
+            selector = obj.get("spec", {}).get("selector")
+            if obj["kind"] == "Service":
+                assert not selected_workloads(theirs, selector), resource_id(obj)
+            elif pod_spec(obj) is not None:
+                assert not selected_workloads(theirs, selector["matchLabels"]), resource_id(obj)
 
 
 # ---------------------------------------------------------------------- docker compose
@@ -1158,3 +1586,4 @@ def test_contract_names_exist_in_the_real_programs():
         assert options(build_parser(role)) >= DAEMON_FLAGS, role
     assert set(DaemonSettings.model_fields) >= DAEMON_ENV_SETTINGS - {"config"}
     assert {router_main.ADMIN_TOKEN_ENV, router_main.DAEMON_ADMIN_TOKEN_ENV} == ROUTER_ENV
+    assert router_main.VLLM_API_KEY_ENV == VLLM_API_KEY_ENV
