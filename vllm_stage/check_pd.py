@@ -477,14 +477,18 @@ def run_tp(model: str, logs: Path) -> None:
     timeout = {"transfer_timeout_s": 30}
     for producer_tp, consumer_tp in ((2, 1), (1, 2)):
         label = f"TP {producer_tp} -> TP {consumer_tp}"
+        # The TP 1 server is not pinned: its OpenMP thread, gRPC and UCX threads pinned to one
+        # core shared with a TP 2 worker's team starved (the producer answered neither
+        # GetHandshake nor a keys request within the transfer timeout, while vLLM's busy loop
+        # stepped it for the lease it held). Unpinned, the OS spreads the three engines.
         p = Server(
             f"tp{producer_tp}-prefill", model, logs, kv_config("kv_producer", **timeout),
-            *(tp2 if producer_tp == 2 else ()), core=None if producer_tp == 2 else 0,
+            *(tp2 if producer_tp == 2 else ()), core=None,
             env=both if producer_tp == 2 else passive,
         )  # fmt: skip
         d = Server(
             f"tp{consumer_tp}-decode", model, logs, kv_config("kv_consumer", **timeout),
-            *(tp2 if consumer_tp == 2 else ()), core=None if consumer_tp == 2 else 1,
+            *(tp2 if consumer_tp == 2 else ()), core=None,
             env=both if consumer_tp == 2 else passive,
         )  # fmt: skip
         try:
