@@ -19,6 +19,7 @@ from router_helpers.fake_vllm import (
     SSE_DONE,
     VllmBehaviour,
     decode_cut,
+    decode_truncated,
     prefill_without_params,
     status,
     vllm_metrics,
@@ -172,6 +173,26 @@ def test_a_stream_cut_after_its_first_byte_ends_with_an_error_event() -> None:
             assert error["message"].startswith(f"decode daemon {c.decodes[0].address}:")
             assert "cut" in error["message"]
             assert c.decodes[1].seen == []  # bytes were out: no retry
+
+    run(scenario)
+
+
+def test_a_stream_closed_without_done_ends_with_an_error_event_not_as_complete() -> None:
+    async def scenario() -> None:
+        short = VllmBehaviour(completions=decode_truncated)
+        async with vllm_cluster([prefill()], [short], policy="round_robin") as c:
+            code, raw, _ = await c.post({**BODY, "stream": True})
+            assert code == 200
+            events = sse_events(raw.decode())
+            assert events[:2] == [e.decode().removeprefix("data: ").strip() for e in SSE_CHUNKS]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["message"] == (
+                f"decode daemon {c.decodes[0].address}: its stream ended without vLLM's last "
+                "event (data: [DONE])"
+            )
+            errors = 'kvtransfer_router_upstream_errors_total{reason="truncated",role="decode"} 1.0'
+            assert errors in (await c.metrics_text()).splitlines()
 
     run(scenario)
 

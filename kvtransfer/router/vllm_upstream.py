@@ -28,7 +28,8 @@ checked, admission):
 5. Decode: the client's body with those params, the same ``X-Request-Id``; vLLM's answer is
    passed through as it comes (server-sent events or JSON). No answer or a 5xx before its first
    byte: another decode with the same params (the producer still holds the KV). A stream cut
-   after bytes went out ends with an SSE error event naming the decode, then ``[DONE]``.
+   after bytes went out, or closed without vLLM's ``data: [DONE]``, ends with an SSE error
+   event naming the decode, then ``[DONE]``.
 6. KV nobody read: vLLM has no HTTP call that frees a producer's KV, so KV prefilled for a
    decode that failed, or for a client that left, is freed by the producer's own timeout
    (NixlConnector's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, kvtransfer's ``kv_lease_s``).
@@ -69,6 +70,8 @@ from kvtransfer.router.openai_api import InvalidRequest, error_body, parse_json_
 from kvtransfer.router.policy import RouteContext
 from kvtransfer.router.vllm_endpoint import VllmEndpoint, read_at_most
 
+# The last bytes of a stream kept to see whether it ended with ``data: [DONE]``.
+_TAIL_BYTES = 64
 # Options of the client's body that have no place in a prefill of one token.
 _PREFILL_DROPS = (
     "max_completion_tokens",
@@ -260,8 +263,10 @@ class VllmProxy:
         """vLLM's events as they come; the client's response opens at the first byte, so a
         decode that fails before it is still retried."""
         response: web.StreamResponse | None = None
+        tail = b""
         try:
             async for chunk in upstream.content.iter_any():
+                tail = (tail + chunk)[-_TAIL_BYTES:]
                 if response is None:
                     response = web.StreamResponse(headers=_answer_headers(call, upstream.headers))
                     await response.prepare(call.request)
@@ -278,15 +283,22 @@ class VllmProxy:
             else:
                 instance.failed()
                 failure = _cut(instance, exc)
+        else:
             if response is None:
-                raise failure from None
+                raise _vllm_error(instance, 502, b"the stream ended before any event")
+            # Closed cleanly but short of vLLM's last event: a client would take the text so
+            # far for the whole answer.
+            failure = None if _ends_done(tail) else _truncated(instance)
+            if failure is not None:
+                instance.failed()
+        if response is None:
+            raise failure from None
+        if failure is not None:
             self.metrics.upstream_error(failure.role, failure.reason)
             call.log.warning("failed mid-stream: %s", failure)
             event = json.dumps(error_body(str(failure), "upstream_error"))
             await response.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
             return response
-        if response is None:
-            raise _vllm_error(instance, 502, b"the stream ended before any event")
         instance.succeeded()
         await response.write_eof()
         return response
@@ -436,6 +448,21 @@ def _cut(instance: Instance, exc: BaseException) -> UpstreamError:
     return UpstreamError(
         502, f"its answer was cut: {detail}", instance.role, instance.address, "cut"
     )
+
+
+def _truncated(instance: Instance) -> UpstreamError:
+    return UpstreamError(
+        502,
+        "its stream ended without vLLM's last event (data: [DONE])",
+        instance.role,
+        instance.address,
+        "truncated",
+    )
+
+
+def _ends_done(tail: bytes) -> bool:
+    """Whether a stream's last bytes are its ``[DONE]`` event (LF or CRLF line ends)."""
+    return tail.rstrip(b"\r\n").endswith(b"data: [DONE]")
 
 
 def _deadline(instance: Instance) -> UpstreamError:

@@ -70,6 +70,16 @@ async def decode_cut(request: web.Request, body: dict[str, Any]) -> web.StreamRe
     return response
 
 
+async def decode_truncated(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """Its events, then a clean close without ``data: [DONE]`` (a server that gave up)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for chunk in SSE_CHUNKS:
+        await response.write(chunk)
+    await response.write_eof()
+    return response
+
+
 def status(code: int, message: str) -> Handler:
     async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         error = {"error": {"message": message, "type": "BadRequestError", "code": code}}

@@ -52,6 +52,12 @@ class VllmCluster:
             assert response.status == 200
             return {w["address"]: w for w in (await response.json())["workers"]}
 
+    async def metrics_text(self) -> str:
+        """The router's ``/metrics`` page."""
+        async with self.http.get("/metrics") as response:
+            assert response.status == 200
+            return await response.text()
+
     async def wait_idle(self) -> None:
         """Every lease released: ``in_flight`` back to 0 everywhere, no admission slot held."""
 
