@@ -316,7 +316,9 @@ def check_router(
 DATA_PLANE = {"value": "rma"}
 
 
-def kv_config(role: str, policy: str = "fail", transfer_timeout_s: float = 10) -> dict:
+def kv_config(
+    role: str, policy: str = "fail", transfer_timeout_s: float = 10, **extra: float
+) -> dict:
     return {
         "kv_connector": "UcxConnector",
         "kv_connector_module_path": "kvtransfer.integrations.vllm",
@@ -327,6 +329,7 @@ def kv_config(role: str, policy: str = "fail", transfer_timeout_s: float = 10) -
             "kv_ip": "127.0.0.1",
             "transfer_timeout_s": transfer_timeout_s,
             "data_plane": DATA_PLANE["value"],
+            **extra,
         },
     }
 
@@ -471,10 +474,15 @@ def run_tp(model: str, logs: Path) -> None:
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}
     both = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **passive}
     tp2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
-    # The default transfer timeout: these runs check TP, not how fast a dead peer is noticed
-    # (the 10 s of the TP 1 checks was once too short for a TP 2 engine's first UCX endpoint on
-    # an oversubscribed host: a typed TransferTimeoutError, but not what this run checks).
-    timeout = {"transfer_timeout_s": 30}
+    # Generous timeouts: these runs check TP, not how fast a dead peer is noticed. Three vLLM
+    # engines on 2 cores, each stepped about every millisecond while a request waits for KV
+    # (the producer's lease, the consumer's load) and their workers spinning on vLLM's queues,
+    # starve the threads that serve and ask the handshake: with the defaults (5 s per
+    # handshake attempt, two attempts) and one more busy process on the host, the TP 1 -> TP 2
+    # decode's first GetHandshake failed with DEADLINE_EXCEEDED; the 10 s transfer timeout was
+    # once too short for a TP 2 engine's first UCX endpoint. Typed errors, that request only,
+    # but not what this run checks.
+    timeout = {"transfer_timeout_s": 60, "handshake_timeout_s": 20}
     for producer_tp, consumer_tp in ((2, 1), (1, 2)):
         label = f"TP {producer_tp} -> TP {consumer_tp}"
         # The TP 1 server is not pinned: its OpenMP thread, gRPC and UCX threads pinned to one
