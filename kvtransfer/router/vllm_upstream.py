@@ -451,13 +451,8 @@ def _cut(instance: Instance, exc: BaseException) -> UpstreamError:
 
 
 def _truncated(instance: Instance) -> UpstreamError:
-    return UpstreamError(
-        502,
-        "its stream ended without vLLM's last event (data: [DONE])",
-        instance.role,
-        instance.address,
-        "truncated",
-    )
+    message = "its stream ended without vLLM's last event (data: [DONE])"
+    return UpstreamError(502, message, instance.role, instance.address, "truncated")
 
 
 def _ends_done(tail: bytes) -> bool:
