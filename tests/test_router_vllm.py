@@ -29,6 +29,7 @@ from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig
 from kvtransfer.router.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
+from kvtransfer.router.vllm_upstream import _ends_done
 
 pytestmark = pytest.mark.integration
 
@@ -316,3 +317,19 @@ def test_the_servers_api_key_goes_on_every_completion_call_never_the_clients() -
     run(scenario)
     with pytest.raises(ValueError, match="a vLLM API key goes with --engine vllm"):
         RouterConfig(prefill=("h:1",), decode=("h:2",), vllm_api_key="sk")
+
+
+@pytest.mark.parametrize(
+    ("tail", "done"),
+    [
+        (b"data: [DONE]\n\n", True),
+        (b'data: {"x": 1}\r\n\r\ndata: [DONE]\r\n\r\n', True),
+        (b"data:[DONE]\n\n", True),
+        (b'data: {"text": "[DONE]"}\n\n', False),
+        (b"data: [DONE", False),
+        (b"xdata: [DONE]\n\n", False),
+        (b"", False),
+    ],
+)
+def test_the_done_event_is_recognised_by_its_whole_last_line(tail: bytes, done: bool) -> None:
+    assert _ends_done(tail) is done

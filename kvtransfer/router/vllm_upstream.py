@@ -456,8 +456,10 @@ def _truncated(instance: Instance) -> UpstreamError:
 
 
 def _ends_done(tail: bytes) -> bool:
-    """Whether a stream's last bytes are its ``[DONE]`` event (LF or CRLF line ends)."""
-    return tail.rstrip(b"\r\n").endswith(b"data: [DONE]")
+    """Whether a stream's last line is its ``[DONE]`` event (LF or CRLF line ends; the space
+    after ``data:`` is optional in server-sent events)."""
+    last = tail.rstrip(b"\r\n").rsplit(b"\n", 1)[-1]
+    return last in (b"data: [DONE]", b"data:[DONE]")
 
 
 def _deadline(instance: Instance) -> UpstreamError:
