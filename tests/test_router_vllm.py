@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import pytest
+from aiohttp import web
 from router_helpers.cluster import WAIT_S, run, sse_events
 from router_helpers.fake_vllm import (
     DECODE_JSON,
@@ -19,7 +20,9 @@ from router_helpers.fake_vllm import (
     SSE_DONE,
     VllmBehaviour,
     decode_cut,
+    decode_reporting,
     decode_truncated,
+    prefill_reporting,
     prefill_without_params,
     status,
     vllm_metrics,
@@ -194,6 +197,73 @@ def test_a_stream_closed_without_done_ends_with_an_error_event_not_as_complete()
             )
             errors = 'kvtransfer_router_upstream_errors_total{reason="truncated",role="decode"} 1.0'
             assert errors in (await c.metrics_text()).splitlines()
+
+    run(scenario)
+
+
+def _prediction_lines(text: str, role: str) -> dict[str, float]:
+    prefixes = ("kvtransfer_router_cached_tokens_total", "kvtransfer_router_cache_predictions")
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(prefixes) and f'role="{role}"' in line and "_created" not in line:
+            name, value = line.rsplit(" ", 1)
+            found[name] = float(value)
+    return found
+
+
+def test_the_prefills_cache_prediction_is_held_against_what_vllm_reported() -> None:
+    async def scenario() -> None:
+        # The prefill says its prefix cache served 32 tokens each time (vLLM's
+        # remote_prefill_cached_tokens in the params it returns).
+        reporting = VllmBehaviour(completions=prefill_reporting(32))
+        async with vllm_cluster([reporting], [decode()], prefill_policy="cache_aware") as c:
+            prompt = {**BODY, "prompt": list(range(1, 41))}  # 2 whole blocks of 16, and 8
+            for _ in range(2):
+                code, _, _ = await c.post(prompt)
+                assert code == 200
+            # The first pick knew nothing (0 predicted, 32 reported: under); the second had
+            # learned both blocks from the first (32 predicted: exact).
+            assert _prediction_lines(await c.metrics_text(), "prefill") == {
+                'kvtransfer_router_cached_tokens_total{role="prefill",source="predicted"}': 32.0,
+                'kvtransfer_router_cached_tokens_total{role="prefill",source="reported"}': 64.0,
+                'kvtransfer_router_cache_predictions_total{outcome="under",role="prefill"}': 1.0,
+                'kvtransfer_router_cache_predictions_total{outcome="exact",role="prefill"}': 1.0,
+            }
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("reported", [None, "32", True, -1])
+def test_a_missing_or_odd_cached_count_is_not_counted(reported: object) -> None:
+    async def scenario() -> None:
+        async def odd(request: Any, body: dict[str, Any]) -> Any:
+            params = {**PARAMS, "remote_prefill_cached_tokens": reported}
+            return web.json_response({"choices": [{"text": " w"}], "kv_transfer_params": params})
+
+        async with vllm_cluster(
+            [VllmBehaviour(completions=odd)], [decode()], prefill_policy="cache_aware"
+        ) as c:
+            code, _, _ = await c.post({**BODY, "prompt": list(range(1, 41))})
+            assert code == 200
+            assert _prediction_lines(await c.metrics_text(), "prefill") == {}
+
+    run(scenario)
+
+
+def test_a_decode_alone_holds_its_prediction_against_its_usage() -> None:
+    async def scenario() -> None:
+        reporting = VllmBehaviour(completions=decode_reporting(16))
+        async with vllm_cluster(
+            [prefill()], [reporting], decode_policy="cache_aware", disagg_min_prompt_tokens=64
+        ) as c:
+            code, _, _ = await c.post({**BODY, "prompt": list(range(1, 41))})
+            assert code == 200
+            assert c.prefills[0].seen == []  # 40 uncached tokens < 64: the decode alone
+            assert _prediction_lines(await c.metrics_text(), "decode") == {
+                'kvtransfer_router_cached_tokens_total{role="decode",source="predicted"}': 0.0,
+                'kvtransfer_router_cached_tokens_total{role="decode",source="reported"}': 16.0,
+                'kvtransfer_router_cache_predictions_total{outcome="under",role="decode"}': 1.0,
+            }
 
     run(scenario)
 

@@ -70,6 +70,8 @@ from kvtransfer.router.openai_api import InvalidRequest, error_body, parse_json_
 from kvtransfer.router.policy import RouteContext
 from kvtransfer.router.vllm_endpoint import VllmEndpoint, read_at_most
 
+# What vLLM adds to a prefill's kv_transfer_params: the prompt tokens its prefix cache served.
+REMOTE_CACHED_KEY = "remote_prefill_cached_tokens"
 # The last bytes of a stream kept to see whether it ended with ``data: [DONE]``.
 _TAIL_BYTES = 64
 # Options of the client's body that have no place in a prefill of one token.
@@ -211,6 +213,9 @@ class VllmProxy:
                     await self._retry(call, tried, exc)
                     continue
                 instance.succeeded()
+                # vLLM puts the prefill's prefix-cache hit in the params it returns (the decode
+                # reports it as the request's cached_tokens).
+                self._prediction(call, "prefill", (params or {}).get(REMOTE_CACHED_KEY))
                 return params
         finally:
             for instance in tried:
@@ -254,6 +259,10 @@ class VllmProxy:
                 if status == 200:
                     instance.succeeded()
                     self.metrics.first_token(time.monotonic() - call.started)
+                    # A decode that computed the prompt: its hit is the request's (the answer
+                    # is parsed only for a prediction to hold it against).
+                    if params is None and "decode" in call.route.predicted_cached_tokens:
+                        self._prediction(call, "decode", _reported_cached_tokens(raw))
                 return _passed_through(call.request_id, status, raw, upstream.headers)
             return await self._stream(call, instance, upstream)
 
@@ -304,6 +313,15 @@ class VllmProxy:
         return response
 
     # ------------------------------------------------------------------ helpers
+
+    def _prediction(self, call: VllmCall, role: str, reported: object) -> None:
+        """The ``role`` policy's cached-token prediction at the pick against what vLLM reported
+        (counted only when both are known)."""
+        predicted = call.route.predicted_cached_tokens.get(role)
+        if predicted is None or isinstance(reported, bool) or not isinstance(reported, int):
+            return
+        if reported >= 0:
+            self.metrics.cache_prediction(role, predicted, reported)
 
     async def _post(
         self, call: VllmCall, instance: Instance, body: dict[str, Any]
@@ -401,6 +419,16 @@ def _kv_transfer_params(
     if not isinstance(params, dict):
         raise _unusable(instance, "its kv_transfer_params are not an object")
     return params
+
+
+def _reported_cached_tokens(raw: bytes) -> object:
+    """``usage.prompt_tokens_details.cached_tokens`` of a JSON answer (vLLM writes it with
+    ``--enable-prompt-tokens-details``); None when absent or unreadable."""
+    try:
+        usage = json.loads(raw).get("usage") or {}
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (ValueError, AttributeError, RecursionError):
+        return None
 
 
 def _unusable(instance: Instance, why: str) -> UpstreamError:

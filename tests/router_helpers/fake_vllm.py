@@ -43,6 +43,27 @@ async def prefill_ok(request: web.Request, body: dict[str, Any]) -> web.StreamRe
     return web.json_response({"choices": [{"text": " w"}], "kv_transfer_params": PARAMS})
 
 
+def prefill_reporting(cached_tokens: int) -> Handler:
+    """A prefill whose params carry vLLM's ``remote_prefill_cached_tokens`` (its prefix-cache
+    hit on the prompt)."""
+
+    async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        params = {**PARAMS, "remote_prefill_cached_tokens": cached_tokens}
+        return web.json_response({"choices": [{"text": " w"}], "kv_transfer_params": params})
+
+    return handler
+
+
+def decode_reporting(cached_tokens: int) -> Handler:
+    """A decode whose JSON answer has ``usage.prompt_tokens_details.cached_tokens``."""
+
+    async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        usage = {"prompt_tokens_details": {"cached_tokens": cached_tokens}}
+        return web.json_response({**DECODE_JSON, "usage": usage})
+
+    return handler
+
+
 async def prefill_without_params(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     return web.json_response({"choices": [{"text": ".", "finish_reason": "stop"}]})
 
