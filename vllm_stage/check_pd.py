@@ -222,7 +222,8 @@ class Server(_Http):
 
 
 class Router(_Http):
-    """kvtransfer's router in front of vLLM servers (``--engine vllm``), round robin over them."""
+    """kvtransfer's router in front of vLLM servers (``--engine vllm``): the prefill picked
+    ``cache_aware`` (the router tokenizes prompts as vLLM does), the decodes round robin."""
 
     def __init__(self, model: str, logs: Path, prefills: list[Server], decodes: list[Server]):
         self.name = "router"
@@ -231,6 +232,8 @@ class Router(_Http):
         command = [
             sys.executable, "-m", "kvtransfer.router", "--engine", "vllm",
             "--port", str(self.port), "--model-name", model, "--policy", "round_robin",
+            "--prefill-policy", "cache_aware", "--tokenizer", model,
+            "--kv-block-size", str(BLOCK_SIZE),
             *(f"--prefill=127.0.0.1:{server.port}" for server in prefills),
             *(f"--decode=127.0.0.1:{server.port}" for server in decodes),
         ]  # fmt: skip
@@ -264,9 +267,12 @@ def check_router(
 ) -> None:
     """kvtransfer's router in front of these vLLM servers: vLLM's kv_transfer_params flow
     through it gives the single instance's tokens, JSON and streamed, each decode pulling the
-    KV of every prompt token; vLLM's own refusal reaches the client; every instance is picked."""
+    KV of every prompt token; the prefill's prefix-cache hits vLLM returned with its params are
+    held against the cache-aware prediction, and sum to the producer's own counter; vLLM's own
+    refusal reaches the client; every instance is picked."""
     router = Router(model, logs, [p], decodes)
     source = "vllm:prompt_tokens_by_source_total"
+    hits_before = p.metric("vllm:prefix_cache_hits_total")
 
     def tokens_by(kind: str) -> float:
         return sum(d.metric(source, source=kind) for d in decodes)
@@ -296,6 +302,23 @@ def check_router(
         check(
             text == whole["choices"][0]["text"],
             "router: the streamed text equals the JSON answer's",
+        )
+        # The prefill's prefix-cache hits as vLLM returned them with its params
+        # (remote_prefill_cached_tokens), held against the policy's prediction: six prefills,
+        # and the router's sum is the producer's own counter over them. PROMPTS[2] was
+        # prefilled before: its first block is a hit the router, new to it, did not predict.
+        predictions = router.metric("kvtransfer_router_cache_predictions_total", role="prefill")
+        check(predictions == 6, f"router: 6 cache predictions held against vLLM's ({predictions})")
+        reported = router.metric(
+            "kvtransfer_router_cached_tokens_total", role="prefill", source="reported"
+        )
+        wait_for(
+            lambda: p.metric("vllm:prefix_cache_hits_total") - hits_before == reported,
+            f"the producer's prefix-cache hits to equal what the router was told ({reported:.0f})",
+        )
+        check(
+            reported >= BLOCK_SIZE,
+            f"router: the prefill's reported hits ({reported:.0f} tokens) are the producer's own",
         )
         # Longer than --max-model-len: the prefill refuses it, nothing is held for a decode.
         status, answer = router.complete("hello " * 3000, MAX_TOKENS)
