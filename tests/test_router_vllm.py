@@ -32,7 +32,7 @@ from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig
 from kvtransfer.router.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
-from kvtransfer.router.vllm_upstream import _ends_done
+from kvtransfer.router.vllm_upstream import _ends_done, _reported_cached_tokens
 
 pytestmark = pytest.mark.integration
 
@@ -403,3 +403,20 @@ def test_the_servers_api_key_goes_on_every_completion_call_never_the_clients() -
 )
 def test_the_done_event_is_recognised_by_its_whole_last_line(tail: bytes, done: bool) -> None:
     assert _ends_done(tail) is done
+
+
+@pytest.mark.parametrize(
+    ("raw", "count"),
+    [
+        (json.dumps({"usage": {"prompt_tokens_details": {"cached_tokens": 5}}}).encode(), 5),
+        (b'{"usage": {"prompt_tokens_details": null}}', None),
+        (b'{"usage": [1]}', None),
+        (b"[1]", None),
+        (b"not json", None),
+        (b"[" * 100_000, None),  # nested past the parser's recursion limit
+        # Past the bound the answer is not parsed, whatever it says.
+        (b'{"usage": {"prompt_tokens_details": {"cached_tokens": 5}}}' + b" " * (1 << 20), None),
+    ],
+)
+def test_a_decodes_reported_hit_is_read_within_a_bound(raw: bytes, count: object) -> None:
+    assert _reported_cached_tokens(raw) == count

@@ -72,6 +72,8 @@ from kvtransfer.router.vllm_endpoint import VllmEndpoint, read_at_most
 
 # What vLLM adds to a prefill's kv_transfer_params: the prompt tokens its prefix cache served.
 REMOTE_CACHED_KEY = "remote_prefill_cached_tokens"
+# Decode answers up to this size are parsed for their usage (a metric; logprobs make larger).
+_USAGE_READ_BYTES = 1 << 20
 # The last bytes of a stream kept to see whether it ended with ``data: [DONE]``.
 _TAIL_BYTES = 64
 # Options of the client's body that have no place in a prefill of one token.
@@ -423,7 +425,10 @@ def _kv_transfer_params(
 
 def _reported_cached_tokens(raw: bytes) -> object:
     """``usage.prompt_tokens_details.cached_tokens`` of a JSON answer (vLLM writes it with
-    ``--enable-prompt-tokens-details``); None when absent or unreadable."""
+    ``--enable-prompt-tokens-details``); None when absent or unreadable, or in an answer over
+    `_USAGE_READ_BYTES` (parsing it would stall the router's event loop for a metric)."""
+    if len(raw) > _USAGE_READ_BYTES:
+        return None
     try:
         usage = json.loads(raw).get("usage") or {}
         return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
