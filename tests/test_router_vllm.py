@@ -32,7 +32,11 @@ from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig
 from kvtransfer.router.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
-from kvtransfer.router.vllm_upstream import _ends_done, _reported_cached_tokens
+from kvtransfer.router.vllm_upstream import (
+    _ends_done,
+    _reported_cached_tokens,
+    _streamed_cached_tokens,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -250,14 +254,21 @@ def test_a_missing_or_odd_cached_count_is_not_counted(reported: object) -> None:
     run(scenario)
 
 
-def test_a_decode_alone_holds_its_prediction_against_its_usage() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_alone_holds_its_prediction_against_its_usage(stream: bool) -> None:
     async def scenario() -> None:
         reporting = VllmBehaviour(completions=decode_reporting(16))
         async with vllm_cluster(
             [prefill()], [reporting], decode_policy="cache_aware", disagg_min_prompt_tokens=64
         ) as c:
-            code, _, _ = await c.post({**BODY, "prompt": list(range(1, 41))})
+            code, raw, _ = await c.post({**BODY, "prompt": list(range(1, 41)), "stream": stream})
             assert code == 200
+            if stream:  # passed through whole: the usage chunk, then [DONE]
+                events = sse_events(raw.decode())
+                assert json.loads(events[-2])["usage"]["prompt_tokens_details"] == {
+                    "cached_tokens": 16
+                }
+                assert events[-1] == "[DONE]"
             assert c.prefills[0].seen == []  # 40 uncached tokens < 64: the decode alone
             assert _prediction_lines(await c.metrics_text(), "decode") == {
                 'kvtransfer_router_cached_tokens_total{role="decode",source="predicted"}': 0.0,
@@ -403,6 +414,32 @@ def test_the_servers_api_key_goes_on_every_completion_call_never_the_clients() -
 )
 def test_the_done_event_is_recognised_by_its_whole_last_line(tail: bytes, done: bool) -> None:
     assert _ends_done(tail) is done
+
+
+def test_a_stream_without_a_usage_chunk_is_not_counted() -> None:
+    async def scenario() -> None:
+        async with vllm_cluster(
+            [prefill()], [decode()], decode_policy="cache_aware", disagg_min_prompt_tokens=64
+        ) as c:
+            code, _, _ = await c.post({**BODY, "prompt": list(range(1, 41)), "stream": True})
+            assert code == 200
+            assert _prediction_lines(await c.metrics_text(), "decode") == {}
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("tail", "count"),
+    [
+        (b'data: {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 7}}}'
+         b"\r\n\r\ndata: [DONE]\r\n\r\n", 7),
+        (b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n', None),
+        (b'"cached_tokens": 7}}}\n\ndata: [DONE]\n\n', None),  # its start cut off
+        (b"data: [DONE]\n\n", None),
+    ],
+)  # fmt: skip
+def test_a_streams_usage_chunk_is_read_from_its_last_bytes(tail: bytes, count: object) -> None:
+    assert _streamed_cached_tokens(tail) == count
 
 
 @pytest.mark.parametrize(

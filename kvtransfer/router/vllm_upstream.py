@@ -74,8 +74,9 @@ from kvtransfer.router.vllm_endpoint import VllmEndpoint, read_at_most
 REMOTE_CACHED_KEY = "remote_prefill_cached_tokens"
 # Decode answers up to this size are parsed for their usage (a metric; logprobs make larger).
 _USAGE_READ_BYTES = 1 << 20
-# The last bytes of a stream kept to see whether it ended with ``data: [DONE]``.
-_TAIL_BYTES = 64
+# The last bytes of a stream kept: whether it ended with ``data: [DONE]``, and the usage chunk
+# before it.
+_TAIL_BYTES = 4096
 # Options of the client's body that have no place in a prefill of one token.
 _PREFILL_DROPS = (
     "max_completion_tokens",
@@ -261,23 +262,25 @@ class VllmProxy:
                 if status == 200:
                     instance.succeeded()
                     self.metrics.first_token(time.monotonic() - call.started)
-                    # A decode that computed the prompt: its hit is the request's (the answer
-                    # is parsed only for a prediction to hold it against).
-                    if params is None and "decode" in call.route.predicted_cached_tokens:
+                    if self._decode_predicted(call, params):
                         self._prediction(call, "decode", _reported_cached_tokens(raw))
                 return _passed_through(call.request_id, status, raw, upstream.headers)
-            return await self._stream(call, instance, upstream)
+            response, tail = await self._stream(call, instance, upstream)
+            if tail is not None and self._decode_predicted(call, params):
+                self._prediction(call, "decode", _streamed_cached_tokens(tail))
+            return response
 
     async def _stream(
         self, call: VllmCall, instance: Instance, upstream: aiohttp.ClientResponse
-    ) -> web.StreamResponse:
-        """vLLM's events as they come; the client's response opens at the first byte, so a
-        decode that fails before it is still retried."""
+    ) -> tuple[web.StreamResponse, bytes | None]:
+        """vLLM's events as they come, and the stream's last bytes when it ended with
+        ``[DONE]``; the client's response opens at the first byte, so a decode that fails
+        before it is still retried."""
         response: web.StreamResponse | None = None
         tail = b""
         try:
             async for chunk in upstream.content.iter_any():
-                tail = (tail + chunk)[-_TAIL_BYTES:]
+                tail = (tail + chunk[-_TAIL_BYTES:])[-_TAIL_BYTES:]
                 if response is None:
                     response = web.StreamResponse(headers=_answer_headers(call, upstream.headers))
                     await response.prepare(call.request)
@@ -309,12 +312,18 @@ class VllmProxy:
             call.log.warning("failed mid-stream: %s", failure)
             event = json.dumps(error_body(str(failure), "upstream_error"))
             await response.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
-            return response
+            return response, None
         instance.succeeded()
         await response.write_eof()
-        return response
+        return response, tail
 
     # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _decode_predicted(call: VllmCall, params: dict[str, Any] | None) -> bool:
+        """Whether the decode computed the prompt (no params) and its policy predicted its hit:
+        only then is its answer read for the hit it reports."""
+        return params is None and "decode" in call.route.predicted_cached_tokens
 
     def _prediction(self, call: VllmCall, role: str, reported: object) -> None:
         """The ``role`` policy's cached-token prediction at the pick against what vLLM reported
@@ -486,6 +495,15 @@ def _cut(instance: Instance, exc: BaseException) -> UpstreamError:
 def _truncated(instance: Instance) -> UpstreamError:
     message = "its stream ended without vLLM's last event (data: [DONE])"
     return UpstreamError(502, message, instance.role, instance.address, "truncated")
+
+
+def _streamed_cached_tokens(tail: bytes) -> object:
+    """The ``cached_tokens`` of the event before ``[DONE]`` (vLLM's usage chunk, sent with
+    ``stream_options.include_usage``); None when it is not there or not whole in ``tail``."""
+    events = [e.strip() for e in tail.replace(b"\r\n", b"\n").split(b"\n\n") if e.strip()]
+    if len(events) < 2 or not events[-2].startswith(b"data:"):
+        return None
+    return _reported_cached_tokens(events[-2].removeprefix(b"data:"))
 
 
 def _ends_done(tail: bytes) -> bool:

@@ -55,11 +55,21 @@ def prefill_reporting(cached_tokens: int) -> Handler:
 
 
 def decode_reporting(cached_tokens: int) -> Handler:
-    """A decode whose JSON answer has ``usage.prompt_tokens_details.cached_tokens``."""
+    """A decode whose answer has ``usage.prompt_tokens_details.cached_tokens`` (streamed: in a
+    usage chunk before ``[DONE]``)."""
 
     async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         usage = {"prompt_tokens_details": {"cached_tokens": cached_tokens}}
-        return web.json_response({**DECODE_JSON, "usage": usage})
+        if body.get("stream") is not True:
+            return web.json_response({**DECODE_JSON, "usage": usage})
+        # As vLLM streams with stream_options.include_usage: the usage chunk, then [DONE].
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        usage_chunk = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+        for chunk in (*SSE_CHUNKS, usage_chunk, SSE_DONE):
+            await response.write(chunk)
+        await response.write_eof()
+        return response
 
     return handler
 
