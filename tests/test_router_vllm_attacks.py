@@ -628,3 +628,113 @@ def test_stopping_the_router_while_streams_run_closes_every_upstream_call() -> N
             assert c.router.handlers.admission.running == 0
 
     run(scenario)
+
+
+# ---------------------------------------------------------------------- a stream's end, its usage
+
+
+def ending_with(last: bytes) -> Handler:
+    """A decode stream: one whole event, then ``last``, then a clean close (no ``[DONE]``)."""
+
+    async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(SSE_CHUNKS[0])
+        await response.write(last)
+        await response.write_eof()
+        return response
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    "last",
+    [b'data: {"choices": [{"te', b'data: {"choices": [{"text": "x"}]}\n', b"data: [DO"],
+    ids=["mid-line", "mid-event", "mid-done"],
+)
+def test_a_stream_closed_mid_event_still_ends_with_a_readable_error_event(last: bytes) -> None:
+    # Glued to the partial event, the error event is unreadable: a client that skips what it
+    # cannot parse would then meet [DONE] and take the text so far for the whole answer.
+    async def scenario() -> None:
+        short = VllmBehaviour(completions=ending_with(last))
+        async with vllm_cluster([prefill()], [short]) as c:
+            code, raw, _ = await c.post({**BODY, "stream": True})
+            assert code == 200
+            events = sse_events(raw.decode())
+            assert events[-1] == "[DONE]"
+            message = json.loads(events[-2])["error"]["message"]
+            assert message.startswith(f"decode daemon {c.decodes[0].address}:")
+            assert "without vLLM's last event" in message
+            await c.wait_idle()
+
+    run(scenario)
+
+
+def usage_of(cached_tokens: object) -> dict[str, Any]:
+    return {"prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def decode_answering_usage(usage: object) -> Handler:
+    """A decode (JSON or streamed, as asked) whose answer carries ``usage``."""
+
+    async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if body.get("stream") is not True:
+            return web.json_response({**DECODE_JSON, "usage": usage})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        usage_chunk = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+        for chunk in (*SSE_CHUNKS, usage_chunk, SSE_DONE):
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    return handler
+
+
+ABSURD_COUNTS = [pytest.param(10**400, id="past-a-float"), pytest.param(2**64, id="2**64")]
+
+
+@pytest.mark.parametrize("reported", ABSURD_COUNTS)
+def test_an_absurd_prefill_cached_count_is_not_counted_and_fails_nothing(reported: int) -> None:
+    async def scenario() -> None:
+        async def odd(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+            params = {**PARAMS, vllm_upstream.REMOTE_CACHED_KEY: reported}
+            return web.json_response({"choices": [{"text": " w"}], "kv_transfer_params": params})
+
+        async with vllm_cluster(
+            [VllmBehaviour(completions=odd)], [decode()], prefill_policy="cache_aware"
+        ) as c:
+            code, raw, _ = await c.post({**BODY, "prompt": list(range(1, 41))})
+            assert code == 200, raw
+            assert json.loads(raw) == DECODE_JSON
+            metrics = await c.metrics_text()
+            assert "kvtransfer_router_cache_predictions_total{" not in metrics
+            assert 'kvtransfer_router_requests_total{status="200"} 1.0' in metrics
+            await c.wait_idle()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reported", ABSURD_COUNTS)
+def test_an_absurd_decode_cached_count_is_not_counted_and_fails_nothing(
+    reported: int, stream: bool
+) -> None:
+    async def scenario() -> None:
+        odd = VllmBehaviour(completions=decode_answering_usage(usage_of(reported)))
+        async with vllm_cluster(
+            [prefill()], [odd], decode_policy="cache_aware", disagg_min_prompt_tokens=64
+        ) as c:
+            code, raw, _ = await c.post({**BODY, "prompt": list(range(1, 41)), "stream": stream})
+            assert code == 200, raw
+            assert c.prefills[0].seen == []  # the decode alone
+            if stream:
+                assert sse_events(raw.decode())[-1] == "[DONE]"
+            else:
+                assert json.loads(raw)["choices"] == DECODE_JSON["choices"]
+            metrics = await c.metrics_text()
+            assert "kvtransfer_router_cache_predictions_total{" not in metrics
+            assert 'kvtransfer_router_requests_total{status="200"} 1.0' in metrics
+            await c.wait_idle()
+
+    run(scenario)

@@ -77,6 +77,9 @@ _USAGE_READ_BYTES = 1 << 20
 # The last bytes of a stream kept: whether it ended with ``data: [DONE]``, and the usage chunk
 # before it.
 _TAIL_BYTES = 4096
+# Past any model's context: a count above it is a server's garbage (beyond a float's range, it
+# would raise in the metric's sum).
+_MAX_CACHED_TOKENS = 2**31
 # Options of the client's body that have no place in a prefill of one token.
 _PREFILL_DROPS = (
     "max_completion_tokens",
@@ -311,7 +314,8 @@ class VllmProxy:
             self.metrics.upstream_error(failure.role, failure.reason)
             call.log.warning("failed mid-stream: %s", failure)
             event = json.dumps(error_body(str(failure), "upstream_error"))
-            await response.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+            closing = _closing(tail) + f"data: {event}\n\ndata: [DONE]\n\n".encode()
+            await response.write(closing)
             return response, None
         instance.succeeded()
         await response.write_eof()
@@ -331,7 +335,7 @@ class VllmProxy:
         predicted = call.route.predicted_cached_tokens.get(role)
         if predicted is None or isinstance(reported, bool) or not isinstance(reported, int):
             return
-        if reported >= 0:
+        if 0 <= reported <= _MAX_CACHED_TOKENS:
             self.metrics.cache_prediction(role, predicted, reported)
 
     async def _post(
@@ -504,6 +508,15 @@ def _streamed_cached_tokens(tail: bytes) -> object:
     if len(events) < 2 or not events[-2].startswith(b"data:"):
         return None
     return _reported_cached_tokens(events[-2].removeprefix(b"data:"))
+
+
+def _closing(tail: bytes) -> bytes:
+    """What ends the event a stream's ``tail`` left open: glued to a partial event of vLLM's,
+    the router's error event would be unreadable, and a client skipping what it cannot parse
+    would meet ``[DONE]`` and take the answer for complete."""
+    if not tail or tail.endswith((b"\n\n", b"\r\n\r\n")):
+        return b""
+    return b"\n" if tail.endswith(b"\n") else b"\n\n"
 
 
 def _ends_done(tail: bytes) -> bool:
