@@ -24,6 +24,7 @@ from router_helpers.fake_vllm import (
     FakeVllm,
     Handler,
     VllmBehaviour,
+    decode_answering_usage,
     decode_ok,
     prefill_ok,
     vllm_metrics,
@@ -672,23 +673,6 @@ def test_a_stream_closed_mid_event_still_ends_with_a_readable_error_event(last: 
 
 def usage_of(cached_tokens: object) -> dict[str, Any]:
     return {"prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def decode_answering_usage(usage: object) -> Handler:
-    """A decode (JSON or streamed, as asked) whose answer carries ``usage``."""
-
-    async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        if body.get("stream") is not True:
-            return web.json_response({**DECODE_JSON, "usage": usage})
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        usage_chunk = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
-        for chunk in (*SSE_CHUNKS, usage_chunk, SSE_DONE):
-            await response.write(chunk)
-        await response.write_eof()
-        return response
-
-    return handler
 
 
 ABSURD_COUNTS = [pytest.param(10**400, id="past-a-float"), pytest.param(2**64, id="2**64")]

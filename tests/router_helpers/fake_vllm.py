@@ -55,14 +55,17 @@ def prefill_reporting(cached_tokens: int) -> Handler:
 
 
 def decode_reporting(cached_tokens: int) -> Handler:
-    """A decode whose answer has ``usage.prompt_tokens_details.cached_tokens`` (streamed: in a
-    usage chunk before ``[DONE]``)."""
+    """A decode whose answer has ``usage.prompt_tokens_details.cached_tokens``."""
+    return decode_answering_usage({"prompt_tokens_details": {"cached_tokens": cached_tokens}})
+
+
+def decode_answering_usage(usage: object) -> Handler:
+    """A decode (JSON or streamed, as asked) whose answer carries ``usage``; streamed, as vLLM
+    does with ``stream_options.include_usage``: a usage chunk, then ``[DONE]``."""
 
     async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        usage = {"prompt_tokens_details": {"cached_tokens": cached_tokens}}
         if body.get("stream") is not True:
             return web.json_response({**DECODE_JSON, "usage": usage})
-        # As vLLM streams with stream_options.include_usage: the usage chunk, then [DONE].
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         usage_chunk = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
