@@ -38,13 +38,13 @@ skipped with the reason otherwise, failed instead when ``KVTRANSFER_REQUIRE_NETN
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from netns_helpers.require import network
 from netns_helpers.services import (
     admin_status,
     admin_transfers,
@@ -55,7 +55,7 @@ from netns_helpers.services import (
     start_router,
     start_together,
 )
-from netns_helpers.topology import Host, NetnsUnavailable, Network, check_shaping
+from netns_helpers.topology import Host, Network
 from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks
 from waiting import wait_until
 
@@ -74,19 +74,6 @@ PARTITION_S = 10.0
 DATA_PLANES = ("rma", "tagged")
 # Workers (so UCX agents) of each daemon.
 WORKERS = {"p11": 1, "ptp2": 2, "ppp2": 2, "decode": 1}
-
-
-def network(tag: str, *, shaped: bool = False) -> Network:
-    """A test network (``shaped``: whose hosts' links `Network.shape` can slow down); skips the
-    test where this machine cannot have one, or fails it under KVTRANSFER_REQUIRE_NETNS=1."""
-    try:
-        if shaped:
-            check_shaping()
-        return Network(tag)
-    except NetnsUnavailable as exc:
-        if os.environ.get("KVTRANSFER_REQUIRE_NETNS") == "1":
-            pytest.fail(f"KVTRANSFER_REQUIRE_NETNS=1 but {exc}")
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module", autouse=True)

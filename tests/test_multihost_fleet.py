@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from netns_helpers.require import network
 from netns_helpers.services import (
     admin_status,
     complete,
@@ -61,7 +62,7 @@ from netns_helpers.services import (
     start_router,
     start_together,
 )
-from netns_helpers.topology import Host, NetnsUnavailable, Network
+from netns_helpers.topology import Host, Network
 from serve_helpers.daemons import BLOCK_SIZE, PROMPTS, colocated, exit_used_blocks
 from waiting import wait_until
 
@@ -91,17 +92,6 @@ EXTENSION = " And then a question that nobody asked before?"
 LOAD_REQUESTS = 48
 LOAD_CONCURRENCY = 6
 LOAD_DELAY_S = 0.15
-
-
-def network(tag: str) -> Network:
-    """A test network; skips the test where this machine cannot have one, or fails it under
-    KVTRANSFER_REQUIRE_NETNS=1."""
-    try:
-        return Network(tag)
-    except NetnsUnavailable as exc:
-        if os.environ.get("KVTRANSFER_REQUIRE_NETNS") == "1":
-            pytest.fail(f"KVTRANSFER_REQUIRE_NETNS=1 but {exc}")
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module", autouse=True)
