@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from netns_helpers.sockets import ESTABLISHED, listening, tcp_sockets
+from netns_helpers.sockets import bytes_received, listening, tcp_sockets
 from transport_helpers.kv import LayerGroup, empty_caches, layer_tensor, make_caches
 
 from kvtransfer.connector.config import KVTransferConfig
@@ -130,28 +130,41 @@ def test_garbage_addresses_are_refused(data, message):
 # -- real pulls -------------------------------------------------------------------------------
 
 
-def _pull_between(server_config: TransportConfig, client_config: TransportConfig) -> list:
+# A quarter of the caches: enough that where the bytes went is plain.
+PULLED = list(range(32, 48))
+
+
+def _pull_between(
+    server_config: TransportConfig, client_config: TransportConfig
+) -> tuple[int, int]:
+    """Pull between two agents of this process: (payload bytes, bytes the process's TCP
+    sockets received while they were connected)."""
+    before = set(tcp_sockets(os.getpid()))
     with KVTransferAgent(server_config) as server, KVTransferAgent(client_config) as client:
         server.register_kv_caches(make_caches(5, [GROUP]))
         server.start_server()
         caches = empty_caches([GROUP])
         client.register_kv_caches(caches)
         peer = client.connect(server.address)
-        client.pull(peer, PullSpec("r", GROUP.names(), [1, 2, 3], [4, 5, 6])).result(30)
+        result = client.pull(peer, PullSpec("r", GROUP.names(), PULLED, PULLED)).result(30)
         for name in GROUP.names():
-            assert torch.equal(caches[name][4:7], layer_tensor(5, name)[1:4])
-        return tcp_sockets(os.getpid())
+            assert torch.equal(caches[name][32:48], layer_tensor(5, name)[32:48])
+        new = [s for s in tcp_sockets(os.getpid()) if s not in before]
+        return result.payload_bytes, bytes_received(new)
 
 
-def test_same_locality_pulls_without_tcp_and_other_localities_over_tcp():
-    shared = _pull_between(TransportConfig(), TransportConfig())
-    assert not [s for s in shared if s.state == ESTABLISHED], shared
+def test_same_locality_pulls_through_shared_memory_and_other_localities_over_tcp():
+    # The KV moves through the shared-memory segments; UCX still wires a TCP lane between
+    # the two (the only RMA-capable transport once cma is left out), which carries its
+    # connection set-up only.
+    payload, over_tcp = _pull_between(TransportConfig(), TransportConfig())
+    assert payload == 2 * 16 * 4096 and over_tcp < payload // 16, (payload, over_tcp)
     # What daemons with kv_ip 127.0.0.1 run: confined to lo, still shared memory between them.
     confined = TransportConfig(net_devices="lo")
-    shared = _pull_between(confined, confined)
-    assert not [s for s in shared if s.state == ESTABLISHED], shared
-    remote = _pull_between(TransportConfig(), TransportConfig(shared_memory=False))
-    assert [s for s in remote if s.state == ESTABLISHED], remote
+    payload, over_tcp = _pull_between(confined, confined)
+    assert over_tcp < payload // 16, (payload, over_tcp)
+    payload, over_tcp = _pull_between(TransportConfig(), TransportConfig(shared_memory=False))
+    assert over_tcp >= payload, (payload, over_tcp)
 
 
 def test_ucx_listens_only_on_the_configured_device():

@@ -386,3 +386,32 @@ def test_caches_registered_after_serving_one_sided_are_refused():
         with pytest.raises(ValueError, match="must be registered before start_server in RMA"):
             producer.register_kv_caches(more)
         assert list(producer.kv_caches) == GROUP.names()
+
+
+def test_a_same_host_read_not_allowed_directly_goes_through_ucx(producers, monkeypatch):
+    """Where this process may not read the producer's memory itself (another user, a ptrace
+    policy), the read falls back to UCX gets on the same host, without UCX's cma (left out:
+    it aborts on a dead peer), and lands the same bytes."""
+
+    refusals: list[int] = []
+
+    def refused(self, local, remote, lengths):
+        refusals.append(self.pid)
+        raise rma_module.DirectReadUnavailable(f"not allowed to read process {self.pid}")
+
+    monkeypatch.setattr(rma_module.DirectReader, "read", refused)
+    server = producers["B2HND"]
+    local = _local("B2HND")
+    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as agent:
+        agent.register_kv_caches(local)
+        peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
+        spec = PullSpec("fallback", GROUP.names(), REMOTE_IDS, LOCAL_IDS)
+        result = agent.pull(peer, spec).result(WAIT_S)
+        rma = agent._rma_peers[peer.ucx_address]
+        assert rma.direct is None  # it tried, was refused, and stopped trying
+    assert refusals == [server.process.pid]
+    assert result.one_sided
+    for name in GROUP.names():
+        seeded = layer_tensor(SEED, name)
+        for remote_id, local_id in zip(REMOTE_IDS, LOCAL_IDS, strict=True):
+            assert torch.equal(local[name][local_id], seeded[remote_id]), (name, remote_id)

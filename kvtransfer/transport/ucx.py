@@ -10,12 +10,18 @@ polled from Python) and makes every UCX call single-threaded.
 Traps this module works around (see the UCX facts notes of the project):
 
 * endpoints are created **without** error handling, otherwise UCX will not use shared memory
-  between processes; as a consequence a dead peer is never reported and is detected by
-  timeouts instead;
+  between processes; as a consequence a dead peer is reported only where a TCP lane to it
+  resets, and is otherwise detected by timeouts;
 * ``close_blocking`` on an endpoint whose peer died hangs forever, so endpoints are only ever
   closed with the non-blocking ``close`` followed by ``cancel_inflight_requests``, which cancels
   that endpoint's posted receives (sends to a dead peer cannot be cancelled and are kept, with
   their buffers, until the worker is destroyed);
+* without error handling, a failure UCX meets inside its ``cma`` transport (``process_vm_readv``
+  on a peer that died while UCX copied a rendezvous message from it) aborts the whole process;
+  so ``cma`` is left out of the transports and messages between processes of one host are
+  sent eagerly through the ``sysv``/``posix`` segments (`transport_options`), which measured
+  no slower here; same-host one-sided reads never needed cma (`direct_read` does them, with
+  its own error handling);
 * ``import ucxx`` writes UCX variables into ``os.environ``, so it happens only when a loop is
   created, never at module import.
 
@@ -42,7 +48,7 @@ import select
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -82,6 +88,47 @@ class _Deadline:
     tracked: _Tracked = field(compare=False)
 
 
+# UCX transports that abort the process when a peer dies mid-copy (see the module docstring).
+_ABORTING_TRANSPORTS = ("cma",)
+# UCX_TLS names that include cma (``sm``/``shm`` are UCX's aliases for the shared-memory set).
+_CMA_INCLUDED_BY = frozenset({"all", "cma", "sm", "shm"})
+
+
+def transport_options(net_devices: str | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The UCX context options of a loop: confined to ``net_devices``, without ``cma``, and
+    with every message between processes of one host sent eagerly.
+
+    Without cma, UCX would send a large message to a same-host peer as a rendezvous whose data
+    the receiver fetches over a TCP lane (the one RMA needs); eager fragments through the
+    shared-memory segments are as fast (measured in `docs/data-plane.md`) and leave a sender's
+    death nothing to break but that message. An operator's own ``UCX_TLS`` is respected (UCX
+    reads it; an option here would override it), with a warning if it lets ``cma`` in; so is a
+    ``UCX_RNDV_THRESH`` that names ``intra``/``inter`` itself.
+    """
+    options = {} if net_devices is None else {"NET_DEVICES": net_devices}
+    chosen = environ.get("UCX_TLS")
+    if chosen is None:
+        options["TLS"] = "^" + ",".join(_ABORTING_TRANSPORTS)
+    elif _lets_cma_in(chosen):
+        logger.warning(
+            "UCX_TLS=%s lets UCX use cma: a peer that dies while UCX copies a message from it "
+            "aborts this process; add ^cma (or list the transports without cma)",
+            chosen,
+        )
+    threshold = environ.get("UCX_RNDV_THRESH", "auto")
+    if ":" not in threshold:
+        options["RNDV_THRESH"] = f"intra:inf,inter:{threshold}"
+    return options
+
+
+def _lets_cma_in(tls: str) -> bool:
+    names = tls.strip()
+    if names.startswith("^"):
+        return "cma" not in {name.strip() for name in names[1:].split(",")}
+    listed = {name.strip() for name in names.split(",")}
+    return bool(listed & _CMA_INCLUDED_BY)
+
+
 def _ucx_modules() -> tuple[Any, Any, Any]:
     # ucxx warns once per context about variables it set itself; it is noise for us.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -104,7 +151,7 @@ class UcxLoop:
     ) -> None:
         self._ucx, self._array, self._np = _ucx_modules()
         ucx = self._ucx
-        options = {} if net_devices is None else {"NET_DEVICES": net_devices}
+        options = transport_options(net_devices, os.environ)
         # RMA: one-sided reads of registered KV (see `rma`), on the same worker and endpoints.
         self._context = ucx.UCXContext(
             options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP, ucx.Feature.RMA)

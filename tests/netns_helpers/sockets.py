@@ -1,9 +1,12 @@
-"""The TCP sockets a process owns, from ``/proc`` (no ``ss``, no root): for bind checks."""
+"""The TCP sockets a process owns, from ``/proc`` (no root): for bind checks; and what went
+through them, from ``ss`` (iproute2)."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,3 +55,20 @@ def _address(hex_address: str, length: int) -> str:
     raw = bytes.fromhex(hex_address)
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, length, 4))
     return str(ipaddress.ip_address(words))
+
+
+def bytes_received(sockets: list[TcpSocket]) -> int:
+    """Payload bytes received so far on the established ``sockets`` (``ss``'s TCP_INFO)."""
+    ports = {s.port for s in sockets if s.state == ESTABLISHED}
+    shown = subprocess.run(
+        ["ss", "-tinH", "state", "established"], capture_output=True, text=True, check=True
+    ).stdout
+    total = 0
+    # One socket per entry: an address line, then (indented) its TCP_INFO line.
+    for entry in re.split(r"\n(?=\S)", shown):
+        local = entry.split()[2] if len(entry.split()) > 2 else ""
+        port = local.rsplit(":", 1)[-1]
+        received = re.search(r"\bbytes_received:(\d+)", entry)
+        if port.isdigit() and int(port) in ports and received:
+            total += int(received.group(1))
+    return total
