@@ -25,7 +25,8 @@ Methods, each timed per request (median over iterations after warm-up):
   registered caches (same host: ``process_vm_readv``, what UCX's cma does); the producer runs
   nothing per read;
 * tagged: `KVTransferAgent.pull` in tagged mode (server gathers into one buffer per <= 32 MiB
-  message, UCX tagged send over shared memory / CMA, client scatters);
+  message, UCX tagged send as eager fragments through shared memory (no cma, see
+  ``docs/data-plane.md``), client scatters);
 * limit: UCX's own ``ucx_perftest -t ucp_get`` of one contiguous buffer of the case's size
   between two processes (from the ``libucx`` wheel): no layout, no Python;
 * tcp: the same gather, ``sendall`` over a loopback socket, ``recv_into``, the same scatter;

@@ -19,9 +19,9 @@ Traps this module works around (see the UCX facts notes of the project):
 * without error handling, a failure UCX meets inside its ``cma`` transport (``process_vm_readv``
   on a peer that died while UCX copied a rendezvous message from it) aborts the whole process;
   so ``cma`` is left out of the transports and messages between processes of one host are
-  sent eagerly through the ``sysv``/``posix`` segments (`transport_options`), which measured
-  no slower here; same-host one-sided reads never needed cma (`direct_read` does them, with
-  its own error handling);
+  sent eagerly through the ``sysv``/``posix`` segments (`transport_options`): the tagged data
+  plane on one host pays for it (numbers in ``docs/data-plane.md``), same-host one-sided reads
+  never needed cma (`direct_read` does them, with its own error handling);
 * ``import ucxx`` writes UCX variables into ``os.environ``, so it happens only when a loop is
   created, never at module import.
 
@@ -98,10 +98,10 @@ def transport_options(net_devices: str | None, environ: Mapping[str, str]) -> di
     """The UCX context options of a loop: confined to ``net_devices``, without ``cma``, and
     with every message between processes of one host sent eagerly.
 
-    Without cma, UCX would send a large message to a same-host peer as a rendezvous whose data
-    the receiver fetches over a TCP lane (the one RMA needs); eager fragments through the
-    shared-memory segments are as fast (measured in `docs/data-plane.md`) and leave a sender's
-    death nothing to break but that message. An operator's own ``UCX_TLS`` is respected (UCX
+    Without cma, UCX would send a large message to a same-host peer as a rendezvous, partly
+    over the TCP lane that RMA needs (a test saw a pull hang after an endpoint reset there);
+    eager fragments through the shared-memory segments are as fast and leave a sender's death
+    nothing to break but that message. An operator's own ``UCX_TLS`` is respected (UCX
     reads it; an option here would override it), with a warning if it lets ``cma`` in; so is a
     ``UCX_RNDV_THRESH`` that names ``intra``/``inter`` itself.
     """
