@@ -39,7 +39,9 @@ def _run_pair(env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str],
         sender_address = read_ready_line(sender, 60, "sender")
         receiver.stdin.write(json.dumps(sender_address) + "\n")
         receiver.stdin.flush()
-        assert receiver.stdout is not None
+        assert read_ready_line(receiver, 60, "receiver") == {"posted": True}
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
         out, _ = receiver.communicate(timeout=60)
     finally:
         for process in (sender, receiver):

@@ -1,13 +1,14 @@
 """Two roles around a peer that dies in the middle of a large UCX message, run as processes.
 
 ``receive``: prints its packed address (one JSON line), reads the sender's from stdin, posts a
-receive of ``--size`` bytes under tag 7 with a ``--timeout`` and prints how it ended
+receive of ``--size`` bytes under tag 7 with a ``--timeout`` (its endpoint to the sender made
+while the sender lives), says ``{"posted": true}``, and prints how the receive ended
 (``{"ended": "timed out" | "error: ..." | "received"}``), then exits 0. Aborted by UCX, it
-prints nothing and exits by signal.
+prints nothing more and exits by signal.
 
-``send``: reads the receiver's address from stdin, prints its own (one JSON line), sends
-``--size`` bytes under tag 7 (a rendezvous: the receiver copies them from this process) and
-SIGKILLs itself as soon as the send is posted, before the receiver can have copied it all.
+``send``: reads the receiver's address from stdin, prints its own (one JSON line), waits for a
+line on stdin, sends ``--size`` bytes under tag 7 and SIGKILLs itself as soon as the send is
+posted, before the receiver can have copied it all.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _receive(size: int, timeout_s: float) -> None:
     loop.call(
         lambda: loop.recv(sender, buffer, TAG, on_done, timeout_s=timeout_s, on_timeout=on_timeout)
     ).result(timeout_s)
+    _say({"posted": True})
     done.wait(timeout_s * 3)
     _say({"ended": ended[0] if ended else "never"})
     loop.close()
@@ -59,6 +61,7 @@ def _send(size: int) -> None:
     loop = UcxLoop(name="sender")
     _say({"address": loop.address.hex()})
     data = np.ones(size, dtype=np.uint8)
+    sys.stdin.readline()
     loop.call(lambda: loop.send(receiver, data, TAG)).result(30)
     os.kill(os.getpid(), signal.SIGKILL)
 
