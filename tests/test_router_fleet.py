@@ -431,6 +431,13 @@ def test_a_phase_that_sent_nothing_is_retried_on_another_instance():
             assert answer["kvtransfer"]["decode"] == d1.address
             (cont,) = d1.continues
             assert list(cont.generated_token_ids) == FIRST_PIECE[0]
+            # Every lease ended, the prefill's too (it was once ended in d1's place, so p0's
+            # in_flight stayed at 1 for good: a half-open breaker never saw it idle).
+            for role, fake in (("prefill", p0), ("prefill", p1), ("decode", d0), ("decode", d1)):
+                idle = metric_line(
+                    "kvtransfer_router_instance_in_flight", 0, role=role, address=fake.address
+                )
+                await wait_for_metric(c, idle)
 
         # --max-retries 0: the first failure is the answer.
         async with cluster(

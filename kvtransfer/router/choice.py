@@ -507,7 +507,9 @@ class ChoiceRunner:
                 on_params,
             )
         )
-        call.add_done_callback(lambda _: lease.end())
+        # Bound now: the loop below leases decodes, and the prefill's lease must end with its
+        # call, not whichever lease a name pointed at by then.
+        call.add_done_callback(lambda _, prefill_lease=lease: prefill_lease.end())
         try:
             while True:
                 watched: set[asyncio.Future[Any]] = {call}
@@ -521,10 +523,11 @@ class ChoiceRunner:
                 failure = leg.failure_before_answer()
                 if failure is not None:
                     try:
-                        lease = await self._retry_lease(
-                            upstream, exchange, leg.tried, failure, aggregated=False
+                        leg.restart(
+                            await self._retry_lease(
+                                upstream, exchange, leg.tried, failure, aggregated=False
+                            )
                         )
-                        leg.restart(lease)
                         continue
                     except UpstreamError:
                         pass  # no other decode: the choice ends with this one's failure
@@ -779,11 +782,16 @@ class _DecodeLeg:
         producer's KV) and end the lease."""
         reader, stream = self._reader, self._stream
         self._drop()
-        if reader is not None:
-            await asyncio.gather(reader, return_exceptions=True)
-        if stream is not None:
-            await stream.aclose()
-        self._lease.end()
+        try:
+            if reader is not None:
+                await asyncio.gather(reader, return_exceptions=True)
+            if stream is not None:
+                await stream.aclose()
+        finally:
+            # Even when the unwinding is cancelled again or the stream fails to close: a lease
+            # that never ends keeps the instance busy forever (a half-open breaker waits for
+            # it to be idle).
+            self._lease.end()
 
     # ------------------------------------------------------------------
 
