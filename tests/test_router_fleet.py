@@ -497,6 +497,47 @@ def test_a_circuit_breaker_opens_after_failures_and_closes_after_a_good_trial():
     run(scenario)
 
 
+def test_a_daemon_that_restarted_gets_its_breaker_closed_at_once():
+    """Failures belong to a process: a daemon whose uptime went back is a new one, and need not
+    wait out the cooldown (here ten minutes); the old process's uptime growing changes nothing."""
+
+    def status(uptime_s: float) -> Any:
+        answer = load_status()
+        answer.uptime_s = uptime_s
+        return answer
+
+    async def scenario():
+        async with cluster(
+            prefills=[fail(grpc.StatusCode.INTERNAL, "engine died"), None],
+            policy="round_robin",
+            breaker_failures=2,
+            breaker_cooldown_s=600.0,
+            health_interval_s=NO_CHECKS,
+            admin_token=ADMIN_TOKEN,
+        ) as c:
+            p0, p1 = c.prefills
+            fleet = c.router.handlers.fleet
+            p0.status = status(100.0)
+            await fleet.check()
+            for _ in range(2):
+                assert (await route_of(c))["prefill"] == p1.address
+            assert (await c.workers())[p0.address]["breaker"] == "open"
+            # Still the same process (it answers again, its uptime grew): still out.
+            p0.behaviour = prefill_ok(p0.address)
+            p0.status = status(130.0)
+            await fleet.check()
+            assert (await c.workers())[p0.address]["breaker"] == "open"
+            assert {(await route_of(c))["prefill"] for _ in range(2)} == {p1.address}
+            # Restarted: uptime 2 s.
+            p0.status = status(2.0)
+            await fleet.check()
+            assert (await c.workers())[p0.address]["breaker"] == "closed"
+            routes = {(await route_of(c))["prefill"] for _ in range(2)}
+            assert routes == {p0.address, p1.address}
+
+    run(scenario)
+
+
 # ---------------------------------------------------------------------- admission
 
 

@@ -34,7 +34,10 @@ but fails every call is not ejected by them; the breaker takes it out: after ``f
 consecutive failed calls (5xx outcomes of its own: transport errors, error finishes, unusable
 answers) it opens, and the instance is not picked for ``cooldown_s``; then it is half-open: it
 may be picked while it has no request in flight (one trial at a time); a success closes the
-breaker, a failure opens it again. Refusals of the input (4xx) count neither way.
+breaker, a failure opens it again. Refusals of the input (4xx) count neither way. The failures
+belong to a process: when ``GetStatus`` shows the daemon's uptime went back (it restarted), its
+breaker closes at once instead of waiting out the cooldown (a restarted daemon took 30 s to get
+traffic again); a daemon that crash-loops costs at most ``failures`` calls per start.
 """
 
 from __future__ import annotations
@@ -153,6 +156,12 @@ class CircuitBreaker:
         state = self.state
         return state == CLOSED or (state == HALF_OPEN and in_flight == 0)
 
+    def reset(self) -> None:
+        """Forget the failures (they were another process's): closed."""
+        self.consecutive_failures = 0
+        if self._state != CLOSED:
+            self._become(CLOSED)
+
     def success(self) -> None:
         self.consecutive_failures = 0
         if self.state != CLOSED:
@@ -221,6 +230,8 @@ class Instance:
         self.channel_closing = False
         # The last reason GetStatus gave no load (logged once per reason).
         self.load_problem: str | None = None
+        # The daemon's uptime in its last GetStatus: less next time means a new process.
+        self.uptime_s: float | None = None
 
     @property
     def stub(self) -> generation_pb2_grpc.GenerationStub:
@@ -567,6 +578,7 @@ class Fleet:
                 router_in_flight=max(before, instance.in_flight),
             )
             instance.load_problem = None
+            self._note_uptime(instance, status.uptime_s)
         elif isinstance(status, grpc.aio.AioRpcError):
             self._no_load(instance, status)
         elif isinstance(status, BaseException):
@@ -576,6 +588,20 @@ class Fleet:
         if isinstance(answer, BaseException):
             raise answer
         return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+    def _note_uptime(self, instance: Instance, uptime_s: float) -> None:
+        previous, instance.uptime_s = instance.uptime_s, uptime_s
+        if previous is None or uptime_s >= previous:
+            return
+        if instance.breaker.state != CLOSED or instance.breaker.consecutive_failures:
+            logger.info(
+                "%s restarted (uptime %.1f s, was %.1f s): its breaker forgets the old "
+                "process's failures",
+                instance.name,
+                uptime_s,
+                previous,
+            )
+            instance.breaker.reset()
 
     def _no_load(self, instance: Instance, exc: grpc.aio.AioRpcError) -> None:
         code = exc.code()
