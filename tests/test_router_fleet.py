@@ -455,15 +455,20 @@ def test_a_phase_that_sent_nothing_is_retried_on_another_instance():
     run(scenario)
 
 
+def _failing_prefill_first(**config: Any) -> Any:
+    """Two prefills picked in turn, the first failing every call; breakers open after 2."""
+    return cluster(
+        prefills=[fail(grpc.StatusCode.INTERNAL, "engine died"), None],
+        policy="round_robin",
+        breaker_failures=2,
+        admin_token=ADMIN_TOKEN,
+        **config,
+    )
+
+
 def test_a_circuit_breaker_opens_after_failures_and_closes_after_a_good_trial():
     async def scenario():
-        async with cluster(
-            prefills=[fail(grpc.StatusCode.INTERNAL, "engine died"), None],
-            policy="round_robin",
-            breaker_failures=2,
-            breaker_cooldown_s=0.3,
-            admin_token=ADMIN_TOKEN,
-        ) as c:
+        async with _failing_prefill_first(breaker_cooldown_s=0.3) as c:
             p0, p1 = c.prefills
             # Health SERVING throughout: only the breaker can take p0 out.
             for _ in range(2):
@@ -507,13 +512,8 @@ def test_a_daemon_that_restarted_gets_its_breaker_closed_at_once():
         return answer
 
     async def scenario():
-        async with cluster(
-            prefills=[fail(grpc.StatusCode.INTERNAL, "engine died"), None],
-            policy="round_robin",
-            breaker_failures=2,
-            breaker_cooldown_s=600.0,
-            health_interval_s=NO_CHECKS,
-            admin_token=ADMIN_TOKEN,
+        async with _failing_prefill_first(
+            breaker_cooldown_s=600.0, health_interval_s=NO_CHECKS
         ) as c:
             p0, p1 = c.prefills
             fleet = c.router.handlers.fleet
