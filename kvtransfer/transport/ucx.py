@@ -88,8 +88,9 @@ class _Deadline:
     tracked: _Tracked = field(compare=False)
 
 
-# UCX transports that abort the process when a peer dies mid-copy (see the module docstring).
-_ABORTING_TRANSPORTS = ("cma",)
+# Every transport but cma, which aborts the process when a peer dies mid-copy (see the module
+# docstring).
+_WITHOUT_CMA = "^cma"
 # UCX_TLS names that include cma (``sm``/``shm`` are UCX's aliases for the shared-memory set).
 _CMA_INCLUDED_BY = frozenset({"all", "cma", "sm", "shm"})
 
@@ -100,15 +101,16 @@ def transport_options(net_devices: str | None, environ: Mapping[str, str]) -> di
 
     Without cma, UCX would send a large message to a same-host peer as a rendezvous, partly
     over the TCP lane that RMA needs (a test saw a pull hang after an endpoint reset there);
-    eager fragments through the shared-memory segments are as fast and leave a sender's death
-    nothing to break but that message. An operator's own ``UCX_TLS`` is respected (UCX
-    reads it; an option here would override it), with a warning if it lets ``cma`` in; so is a
-    ``UCX_RNDV_THRESH`` that names ``intra``/``inter`` itself.
+    eager fragments through the shared-memory segments leave a sender's death nothing to break
+    but that message (what they cost the tagged data plane: ``docs/data-plane.md``). An
+    operator's own ``UCX_TLS`` is respected (UCX reads it; an option here would override it),
+    with a warning if it lets ``cma`` in; so is a ``UCX_RNDV_THRESH`` that names
+    ``intra``/``inter`` itself.
     """
     options = {} if net_devices is None else {"NET_DEVICES": net_devices}
     chosen = environ.get("UCX_TLS")
     if chosen is None:
-        options["TLS"] = "^" + ",".join(_ABORTING_TRANSPORTS)
+        options["TLS"] = _WITHOUT_CMA
     elif _lets_cma_in(chosen):
         logger.warning(
             "UCX_TLS=%s lets UCX use cma: a peer that dies while UCX copies a message from it "
