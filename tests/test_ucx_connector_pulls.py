@@ -263,6 +263,41 @@ def test_block_size_mismatch_is_refused_at_handshake(pool, caplog):
     )
 
 
+@pytest.mark.parametrize(("producer", "consumer"), [((1, 1), (1, 1)), ((1, 1), (2, 1))])
+def test_fp8_caches_load_through_the_handshake_byte_for_byte(pool, producer, consumer):
+    # vLLM's fp8 caches are uint8 tensors with the format in the cache config: the producer
+    # advertises its identity from the layout, the consumer checks it from its caches; both
+    # must say "uint8:fp8_e4m3" (they once did not, and no fp8 cache ever loaded).
+    fp8 = {"cache_dtype": "fp8_e4m3"}
+    with pool.engines(
+        {"engine_id": "fp8-p", "tp": producer[0], "pp": producer[1], "role": "kv_producer",
+         "seed": SEED, **fp8},
+        {"engine_id": "fp8-c", "tp": consumer[0], "pp": consumer[1], "role": "kv_consumer",
+         **fp8},
+    ) as (p, c):  # fmt: skip
+        spec = LoadSpec("fp8", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+        assert run_load(c, spec) == {rank: ({"fp8"}, set(), set()) for rank in c.workers}
+        for rank, caches in c.caches.items():
+            for name, cache in caches.items():
+                expected = expected_rank_cache(
+                    SEED, name, rank, c.tp_size, REMOTE_IDS, LOCAL_IDS, cache_dtype="fp8_e4m3"
+                )
+                assert cache.dtype == torch.uint8 and torch.equal(cache, expected), name
+
+
+def test_two_fp8_formats_refuse_each_other_at_handshake(pool, caplog):
+    with pool.engines(
+        {"engine_id": "e4m3", "tp": 1, "pp": 1, "role": "kv_producer", "seed": SEED,
+         "cache_dtype": "fp8_e4m3"},
+        {"engine_id": "e5m2", "tp": 1, "pp": 1, "role": "kv_consumer",
+         "cache_dtype": "fp8_e5m2"},
+    ) as (p, c):  # fmt: skip
+        spec = LoadSpec("fmt", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
+            assert run_load(c, spec)[(0, 0)] == ({"fmt"}, {"fmt"}, set(LOCAL_IDS))
+    assert "dtype: local='uint8:fp8_e5m2' remote='uint8:fp8_e4m3'" in caplog.text
+
+
 def test_a_producer_without_drafter_cannot_feed_a_drafter(pool, caplog):
     with pool.engines(
         {

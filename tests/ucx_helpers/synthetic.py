@@ -43,12 +43,23 @@ def layer_names(draft: bool = True) -> list[str]:
     return names
 
 
-def global_layer(seed: int, name: str, num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
-    """The whole (all heads) cache of one layer of a producer seeded with ``seed``."""
+def global_layer(
+    seed: int, name: str, num_blocks: int = NUM_BLOCKS, cache_dtype: str = "auto"
+) -> torch.Tensor:
+    """The whole (all heads) cache of one layer of a producer seeded with ``seed``: float32,
+    or any byte for a quantised (fp8, as vLLM stores it: uint8) cache."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(
-        num_blocks, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, generator=generator, dtype=torch.float32
-    )
+    shape = (num_blocks, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    if cache_dtype != "auto":
+        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+    return torch.randn(*shape, generator=generator, dtype=torch.float32)
+
+
+def sentinel_cache(shape: Sequence[int], cache_dtype: str = "auto") -> torch.Tensor:
+    """A consumer's cache before any load: every element `SENTINEL` (its byte for fp8)."""
+    if cache_dtype != "auto":
+        return torch.full(tuple(shape), int(-SENTINEL), dtype=torch.uint8)
+    return torch.full(tuple(shape), SENTINEL)
 
 
 @dataclass
@@ -123,10 +134,13 @@ def _config(engine_id: str, role: str, **extra) -> KVTransferConfig:
     )
 
 
-def _layout(tp: int, pp: int, rank: tuple[int, int] | None, block_size: int) -> KVCacheLayout:
+def _layout(
+    tp: int, pp: int, rank: tuple[int, int] | None, block_size: int, cache_dtype: str = "auto"
+) -> KVCacheLayout:
     return KVCacheLayout(
         model=MODEL,
-        dtype="float32",
+        dtype="float32" if cache_dtype == "auto" else "uint8",
+        cache_dtype=cache_dtype,
         block_size=block_size,
         num_blocks=NUM_BLOCKS,
         num_layers=NUM_LAYERS,
@@ -140,7 +154,13 @@ def _layout(tp: int, pp: int, rank: tuple[int, int] | None, block_size: int) -> 
 
 
 def rank_caches(
-    tp: int, pp: int, rank: tuple[int, int], seed: int | None, draft: bool, block_size: int
+    tp: int,
+    pp: int,
+    rank: tuple[int, int],
+    seed: int | None,
+    draft: bool,
+    block_size: int,
+    cache_dtype: str = "auto",
 ) -> dict[str, torch.Tensor]:
     """What worker ``rank`` holds: its PP stage's layers (drafter on the last), its heads; the
     seeded producer values, or the sentinel on a consumer (``seed=None``)."""
@@ -154,9 +174,10 @@ def rank_caches(
     for name in names:
         if seed is None:
             shape = (NUM_BLOCKS, 2, len(heads), block_size, HEAD_DIM)
-            caches[name] = torch.full(shape, SENTINEL)
+            caches[name] = sentinel_cache(shape, cache_dtype)
         else:
-            caches[name] = global_layer(seed, name)[:, :, heads.start : heads.stop].contiguous()
+            layer = global_layer(seed, name, cache_dtype=cache_dtype)
+            caches[name] = layer[:, :, heads.start : heads.stop].contiguous()
     return caches
 
 
@@ -169,21 +190,26 @@ def start_engine(
     seed: int | None = None,
     draft: bool = True,
     block_size: int = BLOCK_SIZE,
+    cache_dtype: str = "auto",
     **extra,
 ) -> SyntheticEngine:
+    """``cache_dtype``: "auto" (float32 caches) or a quantised format (uint8 caches, the
+    format in the layout, as vLLM's fp8 caches)."""
     config = _config(engine_id, role, **extra)
     workers: dict[tuple[int, int], UcxConnector] = {}
     caches: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    scheduler = UcxConnector(config, KVConnectorRole.SCHEDULER, _layout(tp, pp, None, block_size))
+    scheduler = UcxConnector(
+        config, KVConnectorRole.SCHEDULER, _layout(tp, pp, None, block_size, cache_dtype)
+    )
     engine = SyntheticEngine(engine_id, tp, pp, scheduler, workers, caches)
     try:
         for p in range(pp):
             for t in range(tp):
                 worker = UcxConnector(
-                    config, KVConnectorRole.WORKER, _layout(tp, pp, (p, t), block_size)
+                    config, KVConnectorRole.WORKER, _layout(tp, pp, (p, t), block_size, cache_dtype)
                 )
                 workers[(p, t)] = worker
-                caches[(p, t)] = rank_caches(tp, pp, (p, t), seed, draft, block_size)
+                caches[(p, t)] = rank_caches(tp, pp, (p, t), seed, draft, block_size, cache_dtype)
                 worker.register_kv_caches(caches[(p, t)])
         merged = merge_handshake_metadata(
             [{rank: w.get_handshake_metadata()} for rank, w in workers.items()]
@@ -248,10 +274,11 @@ def expected_rank_cache(
     remote_ids: Sequence[int],
     local_ids: Sequence[int],
     block_size: int = BLOCK_SIZE,
+    cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """A consumer worker's cache of ``name`` after loading ``remote_ids`` into ``local_ids``."""
     heads = kv_head_range(rank[1], tp, NUM_KV_HEADS)
-    expected = torch.full((NUM_BLOCKS, 2, len(heads), block_size, HEAD_DIM), SENTINEL)
-    source = global_layer(seed, name)[:, :, heads.start : heads.stop]
+    expected = sentinel_cache((NUM_BLOCKS, 2, len(heads), block_size, HEAD_DIM), cache_dtype)
+    source = global_layer(seed, name, cache_dtype=cache_dtype)[:, :, heads.start : heads.stop]
     expected[list(local_ids)] = source[list(remote_ids)]
     return expected

@@ -61,12 +61,18 @@ def compat_info(
     )
 
 
+def compat_dtype(dtype: str, cache_dtype: str) -> str:
+    """The element type peers compare: the tensors' own, plus the cache format when it is not
+    the model's (fp8 caches are uint8 tensors; two fp8 formats must refuse each other). The
+    producer builds it from its layout and the consumer from its registered caches: both must
+    come through here, or fp8 engines refuse each other."""
+    return dtype if cache_dtype == "auto" else f"{dtype}:{cache_dtype}"
+
+
 def compat_from_layout(layout: KVCacheLayout) -> CompatibilityInfo:
     return compat_info(
         model=layout.model,
-        dtype=layout.dtype
-        if layout.cache_dtype == "auto"
-        else f"{layout.dtype}:{layout.cache_dtype}",
+        dtype=compat_dtype(layout.dtype, layout.cache_dtype),
         total_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         num_layers=layout.num_layers,
@@ -91,6 +97,7 @@ class WorkerIdentity:
     dtype: str
     num_blocks: int
     bytes_per_block: int  # this worker's share of one block, all its layers
+    cache_dtype: str = "auto"  # the engine's cache format (`KVCacheLayout.cache_dtype`)
 
     @property
     def kv_heads(self) -> range:
@@ -111,7 +118,7 @@ class WorkerIdentity:
     def compat(self) -> CompatibilityInfo:
         return compat_info(
             model=self.model,
-            dtype=self.dtype,
+            dtype=compat_dtype(self.dtype, self.cache_dtype),
             total_kv_heads=self.total_kv_heads,
             head_dim=self.head_dim,
             num_layers=self.num_layers,
@@ -226,6 +233,7 @@ class WorkerIdentity:
             dtype=dtype,
             num_blocks=int(first.shape[0]),
             bytes_per_block=sum(c[0].numel() * c.element_size() for c in caches.values()),
+            cache_dtype=layout.cache_dtype,
         )
 
 
