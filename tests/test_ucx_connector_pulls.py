@@ -217,8 +217,9 @@ FAILURES = {
     "stale-generation": (
         {"generation": 12345},
         REMOTE_IDS,
-        "StaleGenerationError: engine 'kv_producer-1x1' at 127.0.0.1:\\d+ restarted: it serves "
-        "handshake generation \\d+, the request's KV was produced by generation 12345",
+        "StaleGenerationError: engine 'kv_producer-1x1' at 127.0.0.1:\\d+ restarted or "
+        "re-registered its KV cache \\(slept and woke up\\): it serves handshake generation "
+        "\\d+, the request's KV was produced by generation 12345",
     ),
     "wrong-split": (
         {"tp_size": 2},

@@ -93,6 +93,38 @@ class KVConnectorBase_V1:
         resize or reallocate the tensors.
         """
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Whether this connector follows the engine's sleep and wake-up (the KV pool freed,
+        then mapped again, possibly at other physical memory): asked once, before any instance
+        exists; an engine with sleep mode refuses to start with a connector answering False.
+
+        Default False, unlike vLLM's default True: a connector that registered the caches with
+        a transport and kept the no-op `unregister_kv_caches` / `restore_kv_caches` would serve
+        freed memory after a sleep. Answer True once both hooks do what they say (a connector
+        that keeps no registration may answer True with the no-op hooks)."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Drop every registration of the caches (transport memory registrations, remote keys
+        handed out, serving threads reading them) before the engine frees the KV pool.
+
+        Worker side. Runs when the engine sleeps (or discards its KV cache), after the engine
+        drained transfers: no load or save is in flight and no block is borrowed. May repeat
+        (idempotent). After it returns, nothing may read or write the cache tensors; a load
+        started before `restore_kv_caches` fails that request. Default: nothing (a connector
+        that keeps no registration)."""
+
+    def restore_kv_caches(self) -> None:
+        """Register the caches again after the engine mapped the KV pool back (the same
+        tensors, whose memory may now be other physical pages), as `register_kv_caches` did.
+
+        Worker side. Runs at wake-up, before the next step; idempotent. The worker's
+        `get_handshake_metadata` may change (new transport address, new keys): the engine then
+        calls the scheduler half's `set_xfer_handshake_metadata_pp_aware` again, and a
+        consumer that holds the old registration must get a typed error and handshake again,
+        never read the new memory with old keys. Default: nothing."""
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind this step's metadata before the forward; runs once per step, `no_forward` steps
         included. The metadata object is shared by all workers of the step: do not mutate it.
@@ -342,8 +374,9 @@ class KVConnectorBase_V1:
     ) -> None:
         """Receive the handshake metadata of a non-pipelined engine, keyed by ``tp_rank``.
 
-        Called once at start-up by the default `set_xfer_handshake_metadata_pp_aware`. Default:
-        ignore it (connectors that need no handshake).
+        Called by the default `set_xfer_handshake_metadata_pp_aware` (at start-up and after
+        each wake-up; the last call wins). Default: ignore it (connectors that need no
+        handshake).
         """
 
     def set_xfer_handshake_metadata_pp_aware(
@@ -351,7 +384,9 @@ class KVConnectorBase_V1:
     ) -> None:
         """Receive every worker's handshake metadata keyed by ``(pp_rank, tp_rank)``.
 
-        The engine calls this once at start-up with the result of `merge_handshake_metadata`.
+        The engine calls this at start-up with the result of `merge_handshake_metadata`, and
+        again after each wake-up from sleep (`restore_kv_caches`): it may repeat, and the last
+        call wins (what an earlier call published must no longer be served).
         Connectors that support pipeline-parallel transfer override it. The default accepts only
         ``pp_rank == 0`` and forwards ``{tp_rank: metadata}`` to `set_xfer_handshake_metadata`;
         it reads no instance state, so it works on subclasses that skipped ``super().__init__``.

@@ -212,6 +212,29 @@ class MultiConnector(KVConnectorBase_V1):
     def connectors(self) -> tuple[KVConnectorBase_V1, ...]:
         return tuple(self._connectors)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # Only if every child follows a sleep; a malformed child list is refused at creation.
+        children = kv_transfer_config.get_from_extra_config("connectors")
+        if not isinstance(children, list) or not children:
+            return False
+        for raw in children:
+            if not isinstance(raw, dict):
+                return False
+            inherited = {k: getattr(kv_transfer_config, k) for k in _INHERITED_KEYS if k not in raw}
+            child = KVTransferConfig.from_dict({**raw, **inherited})
+            if not KVConnectorFactory.get_connector_class(child).supports_sleep_mode(child):
+                return False
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        for child in self._connectors:
+            child.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        for child in self._connectors:
+            child.restore_kv_caches()
+
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

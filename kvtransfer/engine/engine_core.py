@@ -16,6 +16,11 @@ Life cycle of a request:
    and finishes requests; `request_finished` may keep their blocks until `finished_sending`.
 6. The request's `EngineCoreOutput`s go back to the caller; `abort_request` ends it early
    (blocks a transfer may still write stay allocated until it reports).
+
+`sleep` (once drained) frees the KV pool after the connectors dropped their registrations;
+`wake_up` maps it again, the connectors register it anew and the engine publishes their new
+handshake metadata. Asleep, the engine refuses requests (a producer's KV that a refused
+decode named is freed by its lease).
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ IDLE_STEP_SLEEP_S = 0.001
 IDLE_WAIT_CAP_S = 0.05
 
 
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep, or cannot sleep now; the call changed nothing."""
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER) -> None:
         self.config = config
@@ -78,6 +87,7 @@ class EngineCore:
         # step's own outputs.
         self.early_output_sink: Callable[[list[EngineCoreOutput]], None] | None = None
         self.num_kv_blocks = worker_infos[0].num_kv_blocks
+        self.is_sleeping = False
         layout = kv_cache_layout(config, self.model_config, self.num_kv_blocks)
         try:
             self.connector = create_scheduler_connector(config, layout)
@@ -120,6 +130,11 @@ class EngineCore:
             raise ValueError(
                 f"request {request_id!r}: kv_transfer_params must be an object (dict), "
                 f"got {type(kv_transfer_params).__name__}"
+            )
+        if self.is_sleeping:
+            raise EngineSleepingError(
+                f"request {request_id!r}: the engine is asleep (its KV cache is freed); wake it "
+                "up first"
             )
         if self.connector is not None:
             try:
@@ -199,6 +214,43 @@ class EngineCore:
             self.executor.kv_events.wait(IDLE_WAIT_CAP_S, self._interrupts)
         else:
             time.sleep(IDLE_STEP_SLEEP_S)
+
+    def sleep(self, drain_timeout_s: float = 30.0) -> None:
+        """Free the KV pool: drain (`EngineSleepingError` if requests are still running),
+        let every worker's connector unregister the caches, free them, and forget the prefix
+        cache (its blocks' content is gone). Idempotent."""
+        if self.is_sleeping:
+            return
+        connector = self.connector
+        if connector is not None and not type(connector).supports_sleep_mode(
+            connector.kv_transfer_config
+        ):
+            raise EngineSleepingError(
+                f"cannot sleep: {type(connector).__name__} does not follow a sleep (its "
+                "supports_sleep_mode answers False); freeing the KV pool would leave it "
+                "serving freed memory"
+            )
+        if self.has_unfinished_requests():
+            raise EngineSleepingError(
+                "cannot sleep with unfinished requests: finish or abort them first"
+            )
+        self.drain(drain_timeout_s)
+        self.executor.sleep()
+        self.scheduler.block_manager.reset_prefix_cache()
+        self.is_sleeping = True
+
+    def wake_up(self) -> None:
+        """Map the KV pool again; the connectors register it and the engine publishes their
+        new handshake metadata (the last publication wins: consumers holding the old one get a
+        typed error and handshake again). Idempotent."""
+        if not self.is_sleeping:
+            return
+        handshakes = self.executor.wake_up()
+        if self.connector is not None:
+            merged = merge_handshake_metadata([h for h in handshakes if h])
+            if merged:
+                self.connector.set_xfer_handshake_metadata_pp_aware(merged)
+        self.is_sleeping = False
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -138,6 +138,11 @@ class LeaseGrants:
         with self._cond:
             return len(self._grants)
 
+    def lease_ids(self) -> list[str]:
+        """The leases granted now."""
+        with self._cond:
+            return list(self._grants)
+
     def grant(
         self,
         lease_id: str,

@@ -46,6 +46,12 @@ class SharedStorageConnector(RoleSplitConnector[SharedStorageScheduler, SharedSt
     metadata_cls = SharedStorageConnectorMetadata
     handshake_metadata_cls = SharedStorageHandshakeMetadata
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # Nothing is registered: saves and loads copy through the tensors themselves, and the
+        # engine drains them before it sleeps.
+        return True
+
     def __init__(
         self,
         config: KVTransferConfig,

@@ -74,6 +74,17 @@ class UcxConnector(RoleSplitConnector[UcxScheduler, UcxWorker]):
             lambda: UcxWorker(config, ucx, kv_cache_config),
         )
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # The agent is closed on unregister and a new one registers the caches on restore.
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        self._worker_half("unregister_kv_caches").unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self._worker_half("restore_kv_caches").restore_kv_caches()
+
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:

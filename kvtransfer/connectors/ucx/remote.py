@@ -142,9 +142,10 @@ class RemoteEngines:
         self._on_handshake(time.perf_counter() - started)
         if remote.generation is not None and fetched.generation != remote.generation:
             raise StaleGenerationError(
-                f"engine {remote.engine_id!r} at {remote.address} restarted: it serves "
-                f"handshake generation {fetched.generation}, the request's KV was produced by "
-                f"generation {remote.generation}"
+                f"engine {remote.engine_id!r} at {remote.address} restarted or re-registered "
+                f"its KV cache (slept and woke up): it serves handshake generation "
+                f"{fetched.generation}, the request's KV was produced by generation "
+                f"{remote.generation}"
             )
         metadata = dict(fetched.metadata)
         check_remote_engine(remote, metadata)

@@ -61,6 +61,9 @@ class UcxWorker:
         self._identity: WorkerIdentity | None = None
         self._agent: KVTransferAgent | None = None
         self._engines: RemoteEngines | None = None
+        # The canonical views registered; kept while the engine sleeps (no agent then).
+        self._caches: dict[str, torch.Tensor] | None = None
+        self._asleep = False
         self._pool: ThreadPoolExecutor | None = None
         self._notifier = Notifier(timeout_s=ucx.handshake_timeout_s, tls=ucx.tls)
         # Loads not reported yet, by request id; the job is None for one that could not start.
@@ -103,10 +106,18 @@ class UcxWorker:
         return None if entry is None else entry[1]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self._agent is not None:
+        if self._caches is not None:
             raise RuntimeError("UcxConnector: register_kv_caches was already called")
         kv_caches = canonical_kv_caches(kv_caches, self._layout)
         identity = WorkerIdentity.from_caches(self._config.engine_id, self._layout, kv_caches)
+        self._attach(kv_caches, identity)
+        self._caches, self._identity = kv_caches, identity
+        self._bytes_per_block = sum(t[0].numel() * t.element_size() for t in kv_caches.values())
+        if any(t.device.type == "cuda" for t in kv_caches.values()):
+            self._readiness = LayerReadiness(self._grants, cuda_event)
+
+    def _attach(self, kv_caches: dict[str, torch.Tensor], identity: WorkerIdentity) -> None:
+        """A new transfer agent over ``kv_caches`` (registered, serving on a producer)."""
         agent = KVTransferAgent(
             TransportConfig(
                 timeout_s=self._ucx.transfer_timeout_s,
@@ -123,10 +134,8 @@ class UcxWorker:
         except BaseException:
             agent.close()
             raise
-        self._identity, self._agent = identity, agent
-        self._bytes_per_block = sum(t[0].numel() * t.element_size() for t in kv_caches.values())
-        if any(t.device.type == "cuda" for t in kv_caches.values()):
-            self._readiness = LayerReadiness(self._grants, cuda_event)
+        self._agent = agent
+        self._pulls_served = self._bytes_served = 0  # the new server counts from zero
         self._engines = RemoteEngines(
             identity,
             agent,
@@ -134,6 +143,29 @@ class UcxWorker:
             self._record_handshake,
             tls=self._ucx.tls,
         )
+
+    def unregister_kv_caches(self) -> None:
+        """The engine sleeps: every grant ends, the agent (its memory registrations, remote
+        keys and server) is closed; loads still running are cancelled (reported failed).
+        Idempotent."""
+        if self._agent is None:
+            return
+        for _, job in list(self._loads.values()):
+            if job is not None:
+                job.cancel()
+        self._grants.revoke(self._grants.lease_ids(), "has ended: the producer went to sleep")
+        agent, self._agent, self._engines = self._agent, None, None
+        agent.close()
+        self._asleep = True
+
+    def restore_kv_caches(self) -> None:
+        """The engine woke up: a new agent over the same tensors (new address, new keys), so
+        the handshake metadata changes and the engine publishes it under a new generation.
+        Idempotent; nothing to do before `register_kv_caches`."""
+        if self._agent is not None or self._caches is None or self._identity is None:
+            return
+        self._attach(self._caches, self._identity)
+        self._asleep = False
 
     def handshake_metadata(self) -> UcxHandshakeMetadata | None:
         if self._identity is None or self._agent is None:
@@ -180,7 +212,12 @@ class UcxWorker:
     def _start_load(self, spec: LoadSpec) -> None:
         if self._closed or self._agent is None or self._engines is None:
             self._loads[spec.req_id] = (spec, None)
-            error = RuntimeError("UcxConnector worker has no registered KV caches or is shut down")
+            state = (
+                "its KV caches are unregistered (the engine sleeps)"
+                if self._asleep
+                else "it has no registered KV caches or is shut down"
+            )
+            error = RuntimeError(f"UcxConnector worker cannot load: {state}")
             self._results.put(_Finished(spec, error=error))
             return
         job = LoadJob(

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from kvtransfer.connector.metadata import PpTpRank
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.executor.errors import (
     ExecutorClosedError,
@@ -46,6 +47,8 @@ from kvtransfer.engine.executor.messages import (
     NumRequests,
     Ok,
     Shutdown,
+    Sleep,
+    WakeUp,
     WorkerRequest,
     dispatch,
     dumps,
@@ -167,6 +170,16 @@ class Executor(ABC):
         """Per global rank, how many requests the worker still holds state for."""
         self._check_ready("num_worker_requests")
         return self._call_all(NumRequests())
+
+    def sleep(self) -> None:
+        """Every worker unregisters and frees its KV caches (`EngineCore.sleep`)."""
+        self._check_ready("sleep")
+        self._call_all(Sleep())
+
+    def wake_up(self) -> list[dict[PpTpRank, Any] | None]:
+        """Every worker maps and registers its KV caches again; their handshake metadata."""
+        self._check_ready("wake_up")
+        return self._call_all(WakeUp())
 
     def shutdown(self) -> None:
         """Stop every worker; safe to call more than once, also after a failure."""

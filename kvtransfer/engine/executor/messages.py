@@ -47,12 +47,22 @@ class NumRequests:
 
 
 @dataclass(frozen=True)
+class Sleep:
+    """Unregister the KV caches from the connector, then free their memory."""
+
+
+@dataclass(frozen=True)
+class WakeUp:
+    """Map the KV caches again (zeroed) and register them; replies the new handshake metadata."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Handled by the worker process itself (stop the worker, leave the world), never by
     `dispatch`."""
 
 
-WorkerRequest = Initialize | Execute | CheckHealth | NumRequests | Shutdown
+WorkerRequest = Initialize | Execute | CheckHealth | NumRequests | Sleep | WakeUp | Shutdown
 
 
 def request_name(request: WorkerRequest) -> str:
@@ -70,6 +80,10 @@ def dispatch(worker: Any, request: WorkerRequest) -> Any:
         return worker.check_health()
     if isinstance(request, NumRequests):
         return worker.num_requests()
+    if isinstance(request, Sleep):
+        return worker.sleep()
+    if isinstance(request, WakeUp):
+        return worker.wake_up()
     raise TypeError(f"unknown executor request {request!r}")
 
 

@@ -42,6 +42,12 @@ class KVConnector(NoLayerHooks):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pass
 
+    def unregister_kv_caches(self) -> None:
+        pass
+
+    def restore_kv_caches(self) -> None:
+        pass
+
     def handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None
 
@@ -78,6 +84,12 @@ class ActiveKVConnector(KVConnector):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.connector.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        self.connector.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self.connector.restore_kv_caches()
 
     def handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.connector.get_handshake_metadata()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata
+from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata, PpTpRank
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.model.loader import iter_weights, load_model_config
@@ -72,6 +72,8 @@ class Worker:
         # Replaced in initialize(), once the layout the connector is told about is known.
         self.kv_connector: KVConnector = KVConnector()
         self.runner: ModelRunner | None = None
+        # Every KV cache tensor (drafter's included), freed while the engine sleeps.
+        self._kv_caches: dict[str, torch.Tensor] = {}
 
     def initialize(self) -> WorkerInfo:
         config, rank = self.config, self.rank
@@ -107,6 +109,7 @@ class Worker:
         target_caches = self._allocate(model, num_blocks, dtype, device)
         draft_caches = self._allocate(drafter, num_blocks, dtype, device) if drafter else {}
         all_caches = {**target_caches, **draft_caches}
+        self._kv_caches = all_caches
         layout = kv_cache_layout(config, target_config, num_blocks, rank)
         self.kv_connector = make_kv_connector(config.kv_transfer_config, layout)
         self.kv_connector.register_kv_caches(all_caches)
@@ -168,6 +171,27 @@ class Worker:
         if output is not None:
             return output
         return runner.sample_tokens()
+
+    def sleep(self) -> None:
+        """Free the KV caches' memory (the tensors stay, empty), after the connector dropped
+        its registrations of it. The engine drained first: no request, no transfer."""
+        self._runner()
+        self.kv_connector.unregister_kv_caches()
+        for cache in self._kv_caches.values():
+            cache.untyped_storage().resize_(0)
+
+    def wake_up(self) -> dict[PpTpRank, KVConnectorHandshakeMetadata] | None:
+        """Map the KV caches again (new memory, zeroed: every view of them follows) and let
+        the connector register it; the handshake metadata to publish anew."""
+        self._runner()
+        for cache in self._kv_caches.values():
+            storage = cache.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(cache.numel() * cache.element_size())
+                cache.zero_()
+        self.kv_connector.restore_kv_caches()
+        handshake = self.kv_connector.handshake_metadata()
+        return {self.rank.key: handshake} if handshake is not None else None
 
     def num_requests(self) -> int:
         """Requests this worker still mirrors; 0 after the engine finished them (leak check)."""
