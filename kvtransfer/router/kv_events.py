@@ -2,8 +2,8 @@
 
 Reads what vLLM's ``ZmqEventPublisher`` and our daemons (`kvtransfer.serve.kv_events`) send:
 three frames per message (topic, 8-byte big-endian sequence number, msgpack ``KVEventBatch``),
-events as maps tagged by ``type`` (vLLM 0.32, ours) or as arrays whose first item is the tag
-(older vLLM); unknown fields are ignored.
+events as maps tagged by ``type`` (vLLM 0.32 and 0.33, ours) or as arrays whose first item is
+the tag (older vLLM); vLLM 0.33's fields are decoded, unknown ones ignored.
 
 How a subscriber keeps the instance's precise set a subset of what the engine holds:
 
@@ -91,8 +91,14 @@ _STORED_FIELDS = (
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
 )
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 
 
 def _event(item: Any) -> KVCacheEvent | None:
@@ -108,6 +114,7 @@ def _event(item: Any) -> KVCacheEvent | None:
     try:
         if kind == "BlockStored":
             extra = fields.get("extra_keys")
+            lookahead = fields.get("lookahead_token_ids")
             return BlockStored(
                 block_hashes=tuple(_hash(h) for h in fields["block_hashes"]),
                 parent_block_hash=_optional_hash(fields["parent_block_hash"]),
@@ -118,12 +125,22 @@ def _event(item: Any) -> KVCacheEvent | None:
                 lora_name=fields.get("lora_name"),
                 extra_keys=None if extra is None else tuple(extra),
                 group_idx=fields.get("group_idx"),
+                kv_cache_spec_kind=fields.get("kv_cache_spec_kind"),
+                kv_cache_spec_sliding_window=fields.get("kv_cache_spec_sliding_window"),
+                locality=fields.get("locality"),
+                ownership=fields.get("ownership"),
+                session_id=fields.get("session_id"),
+                lookahead_token_ids=None
+                if lookahead is None
+                else tuple(tuple(int(t) for t in block) for block in lookahead),
             )
         if kind == "BlockRemoved":
             return BlockRemoved(
                 block_hashes=tuple(_hash(h) for h in fields["block_hashes"]),
                 medium=fields.get("medium"),
                 group_idx=fields.get("group_idx"),
+                locality=fields.get("locality"),
+                ownership=fields.get("ownership"),
             )
         if kind == "AllBlocksCleared":
             return AllBlocksCleared()

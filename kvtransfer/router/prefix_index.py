@@ -620,7 +620,7 @@ class PrefixIndex:
             if isinstance(event, BlockStored):
                 self._stored(inst, event)
             elif isinstance(event, BlockRemoved):
-                if _indexed_tier(event.medium, event.group_idx):
+                if _indexed_tier(event.medium, event.group_idx, event.locality):
                     self._removed(inst, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self._clear_precise(inst)
@@ -631,16 +631,17 @@ class PrefixIndex:
         bs = inst.group.block_size
         hashes = event.block_hashes
         tokens = event.token_ids
-        if not _indexed_tier(event.medium, event.group_idx):
+        if not _indexed_tier(event.medium, event.group_idx, event.locality):
+            return
+        if event.lookahead_token_ids is not None:
+            # vLLM 0.33's lookahead hashing: a block's hash covers tokens past it, so the engine
+            # hits it only for prompts that continue the same way; keys of block tokens alone
+            # would claim hits it does not give. Refused: the approximate index answers.
+            self._unusable(inst, "events hash blocks with lookahead tokens (past the block)")
+            inst.skipped_events += 1
             return
         if event.block_size != bs:
-            if inst.unusable is None:
-                inst.unusable = f"events have block_size {event.block_size}, the index {bs}"
-                logger.warning(
-                    "KV events of %s: %s; its approximate index is used",
-                    inst.address,
-                    inst.unusable,
-                )
+            self._unusable(inst, f"events have block_size {event.block_size}, the index {bs}")
             inst.skipped_events += 1
             return
         if (
@@ -679,6 +680,12 @@ class PrefixIndex:
                 # A pending block now stored: confirmed, the precise set holds it from here on.
                 if inst.pending and inst.pending.pop(key, None) is not None:
                     _clear_bit(inst.group.pending, key, inst.bit)
+
+    def _unusable(self, inst: _Instance, why: str) -> None:
+        """The instance's events cannot be keyed: its approximate index answers for it."""
+        if inst.unusable is None:
+            inst.unusable = why
+            logger.warning("KV events of %s: %s; its approximate index is used", inst.address, why)
 
     def _removed(self, inst: _Instance, hashes: Iterable[EngineHash]) -> None:
         for engine_hash in hashes:
@@ -812,9 +819,10 @@ def _mixed(group: _Group, precise_mask: int, approx_mask: int) -> Callable[[list
     return held
 
 
-def _indexed_tier(medium: str | None, group_idx: int | None) -> bool:
-    """Only the engine's own cache (not an offload tier) of its first KV cache group."""
-    return medium in (None, MEDIUM_GPU) and group_idx in (None, 0)
+def _indexed_tier(medium: str | None, group_idx: int | None, locality: str | None) -> bool:
+    """Only the engine's own cache (not an offload tier, not remote storage; vLLM 0.33 says
+    ``locality``) of its first KV cache group."""
+    return medium in (None, MEDIUM_GPU) and group_idx in (None, 0) and locality in (None, "LOCAL")
 
 
 def _members(group: _Group, by_slot: dict[int, str]) -> Iterable[str]:

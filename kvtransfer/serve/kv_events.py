@@ -5,10 +5,13 @@ What a subscriber can rely on:
 
 * Every message on the PUB socket is three frames: the topic, an 8-byte big-endian sequence
   number (0, 1, 2, ... from the publisher's start, one per message) and a msgpack payload laid
-  out as vLLM 0.32's ``KVEventBatch`` encodes it with msgspec: ``[ts, [event, ...], dp_rank]``,
+  out as vLLM 0.33's ``KVEventBatch`` encodes it with msgspec: ``[ts, [event, ...], dp_rank]``,
   each event a map whose first key ``type`` names it (``BlockStored``, ``BlockRemoved``,
-  ``AllBlocksCleared``), fields in vLLM's order, optional fields left out when unset.
-  ``vllm_stage/check_kv_events.py`` checks the bytes against vLLM's own encoder and decoder.
+  ``AllBlocksCleared``), fields in vLLM's order, optional fields left out when unset. 0.33's
+  fields are published where we know them: ``locality`` ("LOCAL": the engine's own cache).
+  vLLM 0.32 reads the same payloads (its decoder ignores fields it does not declare; only a
+  ``BlockStored`` map header is wider than 0.32 writes it). ``vllm_stage/check_kv_events.py``
+  checks the bytes against vLLM 0.33's encoder, and both releases' typed decoders.
 * Block hashes are this engine's (`hash_block_tokens`, 32 bytes), not vLLM's: a consumer rebuilds
   its own chain from ``token_ids`` and ``parent_block_hash``.
 * Events are in the order the block manager made them; nothing is published twice.
@@ -43,6 +46,7 @@ logger = logging.getLogger("kvtransfer.serve.kv_events")
 EngineHash = bytes | int
 
 MEDIUM_GPU = "GPU"  # vLLM's name for an engine's own KV cache, whatever the device
+LOCALITY_LOCAL = "LOCAL"  # vLLM 0.33: the tier is the publisher's own (not remote storage)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
 DEFAULT_HEARTBEAT_S = 1.0
@@ -69,6 +73,14 @@ class BlockStored:
     # nothing.
     extra_keys: tuple[Any, ...] | None = None
     group_idx: int | None = None
+    # vLLM 0.33's trailing fields.
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    # Per block: the tokens past it that its hash includes (lookahead hashing); None if off.
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +88,8 @@ class BlockRemoved:
     block_hashes: tuple[EngineHash, ...]
     medium: str | None = MEDIUM_GPU
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +108,40 @@ class EventBatch:
 
 
 def encode_batch(batch: EventBatch) -> bytes:
-    """The payload vLLM's msgspec encoder writes for the same ``KVEventBatch``."""
-    return msgpack.packb(
-        [batch.ts, [_event_map(e) for e in batch.events], batch.data_parallel_rank],
-        use_bin_type=True,
+    """The payload vLLM 0.33's msgspec encoder writes for the same ``KVEventBatch``."""
+    events = batch.events
+    return b"".join(
+        (
+            _array_header(3),
+            _pack(batch.ts),
+            _array_header(len(events)),
+            *(_encode_event(e) for e in events),
+            _pack(batch.data_parallel_rank),
+        )
     )
+
+
+def _encode_event(event: KVCacheEvent) -> bytes:
+    fields = _event_map(event)
+    if isinstance(event, BlockStored):
+        # msgspec sizes a struct's map header by the fields it declares, before leaving the
+        # defaults out: vLLM 0.33's BlockStored (15 fields and the tag) gets a 16-bit one.
+        header = b"\xde" + len(fields).to_bytes(2, "big")
+    else:
+        header = bytes([0x80 | len(fields)])  # BlockRemoved, AllBlocksCleared: under 16
+    return header + b"".join(_pack(k) + _pack(v) for k, v in fields.items())
+
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _array_header(length: int) -> bytes:
+    if length < 16:
+        return bytes([0x90 | length])
+    if length < 2**16:
+        return b"\xdc" + length.to_bytes(2, "big")
+    return b"\xdd" + length.to_bytes(4, "big")
 
 
 def _event_map(event: KVCacheEvent) -> dict[str, Any]:
@@ -119,6 +162,13 @@ def _event_map(event: KVCacheEvent) -> dict[str, Any]:
             fields["extra_keys"] = [None if k is None else list(k) for k in event.extra_keys]
         if event.group_idx is not None:
             fields["group_idx"] = event.group_idx
+        _put(fields, "kv_cache_spec_kind", event.kv_cache_spec_kind)
+        _put(fields, "kv_cache_spec_sliding_window", event.kv_cache_spec_sliding_window)
+        _put(fields, "locality", event.locality)
+        _put(fields, "ownership", event.ownership)
+        _put(fields, "session_id", event.session_id)
+        if event.lookahead_token_ids is not None:
+            fields["lookahead_token_ids"] = [list(t) for t in event.lookahead_token_ids]
         return fields
     if isinstance(event, BlockRemoved):
         fields = {
@@ -128,8 +178,15 @@ def _event_map(event: KVCacheEvent) -> dict[str, Any]:
         }
         if event.group_idx is not None:
             fields["group_idx"] = event.group_idx
+        _put(fields, "locality", event.locality)
+        _put(fields, "ownership", event.ownership)
         return fields
     return {"type": "AllBlocksCleared"}
+
+
+def _put(fields: dict[str, Any], name: str, value: Any) -> None:
+    if value is not None:
+        fields[name] = value
 
 
 # ---------------------------------------------------------------------- the publisher
@@ -286,14 +343,23 @@ class KVEventPublisher:
             if kind == "stored":
                 _, hashes, parent, tokens, block_size = item
                 events.append(
-                    BlockStored(tuple(hashes), parent, tuple(tokens), block_size, group_idx=0)
+                    BlockStored(
+                        tuple(hashes),
+                        parent,
+                        tuple(tokens),
+                        block_size,
+                        group_idx=0,
+                        locality=LOCALITY_LOCAL,
+                    )
                 )
             elif kind == "removed":
                 if events and isinstance(events[-1], BlockRemoved):
                     merged = events[-1].block_hashes + tuple(item[1])
-                    events[-1] = BlockRemoved(merged, group_idx=0)
+                    events[-1] = BlockRemoved(merged, group_idx=0, locality=LOCALITY_LOCAL)
                 else:
-                    events.append(BlockRemoved(tuple(item[1]), group_idx=0))
+                    events.append(
+                        BlockRemoved(tuple(item[1]), group_idx=0, locality=LOCALITY_LOCAL)
+                    )
             else:
                 events.append(AllBlocksCleared())
         return events
