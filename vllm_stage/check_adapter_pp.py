@@ -161,10 +161,12 @@ def stage_layers(num_layers: int, pp_rank: int, pp: int) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(start, end)]
 
 
-def worker_caches(names: list[str], heads: int) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+def worker_caches(
+    names: list[str], heads: int, head_size: int = HEAD_SIZE, block_size: int = BLOCK_SIZE
+) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
     """A worker's ``KVCacheConfig`` (its stage's layers) and its 4-D views, as vLLM builds them."""
     spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float32
+        block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.float32
     )
     layer_stride, block_stride, _, _, _ = compute_layout_strides(
         spec, NUM_BLOCKS, len(names), LAYOUT
@@ -208,6 +210,7 @@ class Engine:
     tp: int
     pp: int
     scheduler: Any
+    config: Any
     workers: dict[tuple[int, int], Any] = field(default_factory=dict)
     caches: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     aggregator: KVOutputAggregator | None = None
@@ -271,20 +274,12 @@ def start_engine(
                     workers[(p, t)] = worker
                     worker.register_kv_caches(views)
                     worker.set_host_xfer_buffer_ops(never_called)
-                    kv_transfer_state._KV_CONNECTOR_AGENT = worker
-                    try:
-                        handshakes.append(
-                            Worker.get_kv_connector_handshake_metadata(
-                                SimpleNamespace(vllm_config=config)
-                            )
-                        )
-                    finally:
-                        kv_transfer_state._KV_CONNECTOR_AGENT = None
+                handshakes.append(published_handshake(config, (p, t), worker))
                 caches[(p, t)] = views
         scheduler = KVConnectorFactory.create_connector(
             config, KVConnectorRole.SCHEDULER, scheduler_kv_cache_config
         )
-        engine = Engine(engine_id, num_layers, tp, pp, scheduler, workers, caches)
+        engine = Engine(engine_id, num_layers, tp, pp, scheduler, config, workers, caches)
         # As vllm/v1/engine/core.py merges what the workers returned.
         content: dict[tuple[int, int], Any] = {}
         for worker_dict in handshakes:
@@ -314,6 +309,17 @@ def start_engine(
         else:
             engine.shutdown()
         raise
+
+
+def published_handshake(config: Any, rank: tuple[int, int], worker: Any) -> Any:
+    """What vLLM's ``Worker.get_kv_connector_handshake_metadata`` returns in worker ``rank``'s
+    process, whose connector is ``worker``."""
+    with worker_process(*rank):
+        kv_transfer_state._KV_CONNECTOR_AGENT = worker
+        try:
+            return Worker.get_kv_connector_handshake_metadata(SimpleNamespace(vllm_config=config))
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
 @dataclass
@@ -394,58 +400,74 @@ def run_pairing(producer_split: tuple[int, int], consumer_split: tuple[int, int]
         stack.callback(consumer.shutdown)
         fill(producer, ref)
         fill_sentinel(consumer)
+        hand_over(producer, consumer, "req-0", label, ref)
 
-        # The prefill: vLLM asks, allocates, runs the step, finishes the request.
-        rid = "req-0"
-        prefill = Request(rid, PROMPT, {"do_remote_decode": True})
-        check(
-            tuple(producer.scheduler.get_num_new_matched_tokens(prefill, 0)) == (0, False),
-            f"{label}: the producer loads nothing for a prefill",
-        )
-        producer.scheduler.update_state_after_alloc(prefill, Blocks(REMOTE_IDS), 0)
-        producer.step()
-        prefill.num_computed_tokens = len(PROMPT)
-        delay_free, params = producer.scheduler.request_finished(prefill, list(REMOTE_IDS))
-        check(
-            delay_free is True
-            and params is not None
-            and (params["tp_size"], params["pp_size"]) == (ptp, ppp)
-            and params["remote_block_ids"] == REMOTE_IDS,
-            f"{label}: the producer holds the blocks and its params say TP {ptp} x PP {ppp}",
-        )
-        producer.step(finished={rid})  # the grant reaches every producer worker
 
-        # The decode: an asynchronous load into other block ids.
-        decode = Request(rid, PROMPT, params)
-        count, is_async = consumer.scheduler.get_num_new_matched_tokens(decode, 0)
-        check(count == len(PROMPT) and is_async, f"{label}: the consumer claims {count} tokens")
-        consumer.scheduler.update_state_after_alloc(decode, Blocks(LOCAL_IDS), count)
-        recving: set[str] = set()
-        failed: set[str] = set()
-        invalid: set[int] = set()
-        sending: set[str] = set()  # the producer may report it sent as soon as it is released
-        deadline = time.monotonic() + WAIT_S
-        while rid not in recving:
-            if time.monotonic() > deadline:
-                raise StageFailure(f"{label}: the load was not reported within {WAIT_S} s")
-            output = consumer.step()
-            recving |= output.finished_recving or set()
-            failed |= output.failed_recving or set()
-            invalid |= output.invalid_block_ids or set()
-            sending |= producer.step().finished_sending or set()
-            time.sleep(0.005)
-        check(not failed and not invalid, f"{label}: every consumer worker loaded, none failed")
-        compared = compare(consumer, ref)
-        check(True, f"{label}: every consumer worker holds exactly its KV ({compared} values)")
+def prefill_on(producer: Engine, rid: str, label: str) -> dict[str, Any]:
+    """vLLM's prefill of ``rid``: asked, allocated, stepped, finished; its params."""
+    prefill = Request(rid, PROMPT, {"do_remote_decode": True})
+    check(
+        tuple(producer.scheduler.get_num_new_matched_tokens(prefill, 0)) == (0, False),
+        f"{label}: the producer loads nothing for a prefill",
+    )
+    producer.scheduler.update_state_after_alloc(prefill, Blocks(REMOTE_IDS), 0)
+    producer.step()
+    prefill.num_computed_tokens = len(PROMPT)
+    delay_free, params = producer.scheduler.request_finished(prefill, list(REMOTE_IDS))
+    check(
+        delay_free is True
+        and params is not None
+        and (params["tp_size"], params["pp_size"]) == (producer.tp, producer.pp)
+        and params["remote_block_ids"] == REMOTE_IDS,
+        f"{label}: the producer holds the blocks and its params say TP {producer.tp} x PP "
+        f"{producer.pp}",
+    )
+    producer.step(finished={rid})  # the grant reaches every producer worker
+    return params
 
-        # The producer gives the KV back once the consumer said it read it.
-        deadline = time.monotonic() + WAIT_S
-        while rid not in sending:
-            if time.monotonic() > deadline:
-                raise StageFailure(f"{label}: the producer never reported {rid} sent")
-            sending |= producer.step().finished_sending or set()
-            time.sleep(0.005)
-        check(True, f"{label}: all {ptp * ppp} producer workers reported the KV sent")
+
+def load_on(
+    consumer: Engine, producer: Engine, rid: str, params: dict[str, Any], label: str
+) -> tuple[set[str], set[int], set[str]]:
+    """vLLM's decode of ``rid``: an asynchronous load into other block ids, stepped (the
+    producer too) until every consumer worker reported it; (failed, invalid blocks, sent)."""
+    decode = Request(rid, PROMPT, params)
+    count, is_async = consumer.scheduler.get_num_new_matched_tokens(decode, 0)
+    check(count == len(PROMPT) and is_async, f"{label}: the consumer claims {count} tokens")
+    consumer.scheduler.update_state_after_alloc(decode, Blocks(LOCAL_IDS), count)
+    recving: set[str] = set()
+    failed: set[str] = set()
+    invalid: set[int] = set()
+    sending: set[str] = set()  # the producer may report it sent as soon as it is released
+    deadline = time.monotonic() + WAIT_S
+    while rid not in recving:
+        if time.monotonic() > deadline:
+            raise StageFailure(f"{label}: the load was not reported within {WAIT_S} s")
+        output = consumer.step()
+        recving |= output.finished_recving or set()
+        failed |= output.failed_recving or set()
+        invalid |= output.invalid_block_ids or set()
+        sending |= producer.step().finished_sending or set()
+        time.sleep(0.005)
+    return failed, invalid, sending
+
+
+def hand_over(producer: Engine, consumer: Engine, rid: str, label: str, ref: torch.Tensor) -> None:
+    """Prefill ``rid``, load it, check every consumer byte, and see the producer give it back."""
+    params = prefill_on(producer, rid, label)
+    failed, invalid, sending = load_on(consumer, producer, rid, params, label)
+    check(not failed and not invalid, f"{label}: every consumer worker loaded, none failed")
+    compared = compare(consumer, ref)
+    check(True, f"{label}: every consumer worker holds exactly its KV ({compared} values)")
+
+    # The producer gives the KV back once the consumer said it read it.
+    deadline = time.monotonic() + WAIT_S
+    while rid not in sending:
+        if time.monotonic() > deadline:
+            raise StageFailure(f"{label}: the producer never reported {rid} sent")
+        sending |= producer.step().finished_sending or set()
+        time.sleep(0.005)
+    check(True, f"{label}: all {producer.tp * producer.pp} producer workers reported the KV sent")
 
 
 # ---------------------------------------------------------------------------------------------

