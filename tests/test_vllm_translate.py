@@ -292,11 +292,36 @@ def _groups(*kinds: str):
     )
 
 
-def test_hybrid_and_mla_models_are_refused_by_name():
+def test_hybrid_models_and_sparse_or_padded_mla_are_refused_by_name():
     with pytest.raises(ValueError, match=r"2 KV cache groups \(FullAttentionSpec, MambaSpec\)"):
         single_group_spec(_groups("FullAttentionSpec", "MambaSpec"))
-    with pytest.raises(ValueError, match=r"MLAAttentionSpec \(MLA latent"):
-        single_group_spec(_groups("MLAAttentionSpec"))
+    sparse = _groups("MLAAttentionSpec")
+    sparse.kv_cache_groups[0].kv_cache_spec.topk_buffer_width = 2048
+    with pytest.raises(ValueError, match=r"MLAAttentionSpec \(topk_buffer_width\).*not sparse"):
+        single_group_spec(sparse)
+    with pytest.raises(ValueError, match=r"SlidingWindowMLASpec \(not a plain latent\)"):
+        single_group_spec(_groups("SlidingWindowMLASpec"))
+
+
+def _mla(latent: int):
+    groups = _groups("MLAAttentionSpec")
+    groups.kv_cache_groups[0].kv_cache_spec.head_size = latent
+    return groups
+
+
+def test_an_mla_cache_is_one_latent_head_moved_in_two_halves():
+    # DeepSeek-V2: the model says 16 KV heads, but the cache holds one 576-wide latent per
+    # token, the same on every TP rank.
+    layout = vllm_kv_cache_layout(vllm_config(tp=2, pp=1), _mla(576), (0, 1))
+    assert (layout.num_kv_heads, layout.head_dim, layout.tp_size) == (1, 288, 2)
+    latent = torch.arange(BLOCKS * BLOCK_SIZE * 576, dtype=torch.float32)
+    cache = latent.view(BLOCKS, 1, BLOCK_SIZE, 576)
+    (view,) = vllm_kv_views({"model.layers.0.self_attn.attn": cache}, layout, "last_axis").values()
+    assert view.shape == (BLOCKS, 2, 1, BLOCK_SIZE, 288)
+    assert torch.equal(torch.cat([view[:, 0], view[:, 1]], dim=-1), cache)
+    assert view.data_ptr() == cache.data_ptr()
+    with pytest.raises(ValueError, match="needs an even width"):
+        vllm_kv_cache_layout(vllm_config(), _mla(575), (0, 0))
 
 
 def test_an_fp8_cache_is_moved_as_bytes_with_its_format_in_the_layout():

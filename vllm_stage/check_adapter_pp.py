@@ -62,6 +62,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
     compute_layout_strides,
     create_kv_cache_views,
 )
@@ -76,6 +77,39 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 12
 LAYOUT = VllmLayout.LBHNC
 SENTINEL = -7.0
+LATENT = 24  # an MLA format's latent width per token (the cache's one "head")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """What a vLLM engine's cache holds: its element type, ``--kv-cache-dtype`` and whether it
+    is MLA latents ([blocks, 1, block_size, latent], the same on every TP rank)."""
+
+    dtype: torch.dtype = torch.float32
+    cache_dtype: str = "auto"
+    mla: bool = False
+
+    def __str__(self) -> str:
+        kind = str(self.dtype).removeprefix("torch.")
+        if self.cache_dtype != "auto":
+            kind = f"{kind} ({self.cache_dtype})"
+        return f"MLA {kind}" if self.mla else kind
+
+    @property
+    def num_heads(self) -> int:
+        return 1 if self.mla else NUM_KV_HEADS
+
+    @property
+    def half_width(self) -> int:
+        """The last axis of K's (or V's) place: the head size, or half a latent."""
+        return LATENT // 2 if self.mla else HEAD_SIZE
+
+    @property
+    def sentinel(self) -> float:
+        return 7 if self.dtype == torch.uint8 else SENTINEL
+
+
+FLOAT32 = KVFormat()
 WAIT_S = 30.0
 PROMPT = list(range(100, 100 + 3 * BLOCK_SIZE + 5))  # 4 blocks, the last one partial
 REMOTE_IDS = [9, 2, 7, 4]
@@ -137,7 +171,10 @@ def worker_process(pp_rank: int, tp_rank: int) -> Iterator[None]:
         parallel_state._PP = parallel_state._TP = None
 
 
-def vllm_config(engine_id: str, role: str, num_layers: int, tp: int, pp: int, plane: str) -> Any:
+def vllm_config(
+    engine_id: str, role: str, num_layers: int, tp: int, pp: int, plane: str,
+    fmt: KVFormat = FLOAT32,
+) -> Any:  # fmt: skip
     kv = KVTransferConfig(
         kv_connector="UcxConnector",
         kv_connector_module_path="kvtransfer.integrations.vllm",
@@ -148,7 +185,7 @@ def vllm_config(engine_id: str, role: str, num_layers: int, tp: int, pp: int, pl
     )
     return SimpleNamespace(
         model_config=ModelLookAlike(num_layers),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype=fmt.cache_dtype),
         parallel_config=ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=kv,
@@ -162,12 +199,21 @@ def stage_layers(num_layers: int, pp_rank: int, pp: int) -> list[str]:
 
 
 def worker_caches(
-    names: list[str], heads: int, head_size: int = HEAD_SIZE, block_size: int = BLOCK_SIZE
+    names: list[str],
+    heads: int,
+    head_size: int = HEAD_SIZE,
+    block_size: int = BLOCK_SIZE,
+    fmt: KVFormat = FLOAT32,
 ) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
     """A worker's ``KVCacheConfig`` (its stage's layers) and its 4-D views, as vLLM builds them."""
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.float32
-    )
+    if fmt.mla:
+        spec = MLAAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=LATENT, dtype=fmt.dtype
+        )
+    else:
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=fmt.dtype
+        )
     layer_stride, block_stride, _, _, _ = compute_layout_strides(
         spec, NUM_BLOCKS, len(names), LAYOUT
     )
@@ -186,17 +232,25 @@ def worker_caches(
     return config, dict(zip(names, views, strict=True))
 
 
-def backend_kv(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [B, H, N, D] as vLLM's CPU attention reads them (never through the adapter)."""
+def backend_kv(cache: torch.Tensor, fmt: KVFormat = FLOAT32) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [B, H, N, D] as vLLM's CPU attention reads them (never through the adapter); an
+    MLA latent's two halves."""
     blocks, heads, tokens, _ = cache.shape
+    if fmt.mla:
+        k, v = cache.split(fmt.half_width, dim=-1)
+        return k, v
     k, v = cache.view(blocks, heads, 2 * tokens, HEAD_SIZE).chunk(2, dim=2)
     return k, v
 
 
-def reference(num_layers: int) -> torch.Tensor:
-    """What every producer holds: [layer, block, global head, token, K/V, dim], all distinct."""
-    shape = (num_layers, NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2, HEAD_SIZE)
-    return torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+def reference(num_layers: int, fmt: KVFormat = FLOAT32) -> torch.Tensor:
+    """What every producer holds: [layer, block, global head, token, K/V, dim], all distinct
+    (for bytes, a hash of the place: a misplaced one differs with probability 255/256)."""
+    shape = (num_layers, NUM_BLOCKS, fmt.num_heads, BLOCK_SIZE, 2, fmt.half_width)
+    code = torch.arange(1, 1 + torch.Size(shape).numel()).reshape(shape)
+    if fmt.dtype == torch.uint8:
+        return (((code * 2654435761 + 40503) % (1 << 32)) >> 24).to(torch.uint8)
+    return code.to(fmt.dtype)
 
 
 def never_called(*args: Any) -> None:
@@ -211,11 +265,14 @@ class Engine:
     pp: int
     scheduler: Any
     config: Any
+    fmt: KVFormat = FLOAT32
     workers: dict[tuple[int, int], Any] = field(default_factory=dict)
     caches: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     aggregator: KVOutputAggregator | None = None
 
     def heads(self, tp_rank: int) -> range:
+        if self.fmt.mla:
+            return range(1)  # the latent, on every rank
         per = NUM_KV_HEADS // self.tp
         return range(tp_rank * per, (tp_rank + 1) * per)
 
@@ -252,9 +309,10 @@ class Engine:
 
 
 def start_engine(
-    engine_id: str, role: str, num_layers: int, tp: int, pp: int, plane: str
-) -> Engine:
-    config = vllm_config(engine_id, role, num_layers, tp, pp, plane)
+    engine_id: str, role: str, num_layers: int, tp: int, pp: int, plane: str,
+    fmt: KVFormat = FLOAT32,
+) -> Engine:  # fmt: skip
+    config = vllm_config(engine_id, role, num_layers, tp, pp, plane, fmt)
     scheduler_kv_cache_config = None
     handshakes = []
     engine: Engine | None = None
@@ -264,7 +322,9 @@ def start_engine(
         for p in range(pp):
             names = stage_layers(num_layers, p, pp)
             for t in range(tp):
-                kv_cache_config, views = worker_caches(names, NUM_KV_HEADS // tp)
+                kv_cache_config, views = worker_caches(
+                    names, NUM_KV_HEADS // tp, HEAD_SIZE, BLOCK_SIZE, fmt
+                )
                 # vLLM's scheduler gets a copy of the first worker's config.
                 scheduler_kv_cache_config = scheduler_kv_cache_config or kv_cache_config
                 with worker_process(p, t):
@@ -279,7 +339,7 @@ def start_engine(
         scheduler = KVConnectorFactory.create_connector(
             config, KVConnectorRole.SCHEDULER, scheduler_kv_cache_config
         )
-        engine = Engine(engine_id, num_layers, tp, pp, scheduler, config, workers, caches)
+        engine = Engine(engine_id, num_layers, tp, pp, scheduler, config, fmt, workers, caches)
         # As vllm/v1/engine/core.py merges what the workers returned.
         content: dict[tuple[int, int], Any] = {}
         for worker_dict in handshakes:
@@ -355,7 +415,7 @@ def fill(engine: Engine, ref: torch.Tensor) -> None:
         heads = engine.heads(t)
         for name, cache in caches.items():
             layer = int(name.split(".")[2])
-            k, v = backend_kv(cache)
+            k, v = backend_kv(cache, engine.fmt)
             k.copy_(ref[layer, :, heads.start : heads.stop, :, 0])
             v.copy_(ref[layer, :, heads.start : heads.stop, :, 1])
 
@@ -363,7 +423,7 @@ def fill(engine: Engine, ref: torch.Tensor) -> None:
 def fill_sentinel(engine: Engine) -> None:
     for caches in engine.caches.values():
         for cache in caches.values():
-            cache.fill_(SENTINEL)
+            cache.fill_(engine.fmt.sentinel)
 
 
 def compare(consumer: Engine, ref: torch.Tensor) -> int:
@@ -373,10 +433,15 @@ def compare(consumer: Engine, ref: torch.Tensor) -> int:
         heads = consumer.heads(t)
         for name, cache in caches.items():
             layer = int(name.split(".")[2])
-            expected = torch.full((NUM_BLOCKS, len(heads), BLOCK_SIZE, 2, HEAD_SIZE), SENTINEL)
+            fmt = consumer.fmt
+            expected = torch.full(
+                (NUM_BLOCKS, len(heads), BLOCK_SIZE, 2, fmt.half_width),
+                fmt.sentinel,
+                dtype=fmt.dtype,
+            )
             for remote, local in zip(REMOTE_IDS, LOCAL_IDS, strict=True):
                 expected[local] = ref[layer, remote, heads.start : heads.stop]
-            k, v = backend_kv(cache)
+            k, v = backend_kv(cache, fmt)
             got = torch.stack((k, v), dim=3)
             if not torch.equal(got, expected):
                 wrong = (got != expected).nonzero()[0].tolist()
@@ -389,14 +454,14 @@ def compare(consumer: Engine, ref: torch.Tensor) -> int:
 
 
 def run_pairing(producer_split: tuple[int, int], consumer_split: tuple[int, int], num_layers: int,
-                plane: str) -> None:  # fmt: skip
+                plane: str, fmt: KVFormat = FLOAT32) -> None:  # fmt: skip
     (ptp, ppp), (ctp, cpp) = producer_split, consumer_split
-    label = f"TP {ptp} x PP {ppp} -> TP {ctp} x PP {cpp}, {num_layers} layers, {plane}"
-    ref = reference(num_layers)
+    label = f"TP {ptp} x PP {ppp} -> TP {ctp} x PP {cpp}, {num_layers} layers, {plane}, {fmt}"
+    ref = reference(num_layers, fmt)
     with contextlib.ExitStack() as stack:
-        producer = start_engine("prefill", "kv_producer", num_layers, ptp, ppp, plane)
+        producer = start_engine("prefill", "kv_producer", num_layers, ptp, ppp, plane, fmt)
         stack.callback(producer.shutdown)
-        consumer = start_engine("decode", "kv_consumer", num_layers, ctp, cpp, plane)
+        consumer = start_engine("decode", "kv_consumer", num_layers, ctp, cpp, plane, fmt)
         stack.callback(consumer.shutdown)
         fill(producer, ref)
         fill_sentinel(consumer)
@@ -506,10 +571,18 @@ def check_startup_answers() -> None:
 
 
 PAIRINGS = (
-    ((1, 2), (1, 1), 4),
-    ((1, 1), (1, 2), 4),
-    ((2, 2), (1, 1), 4),
-    ((1, 3), (1, 2), 7),
+    ((1, 2), (1, 1), 4, FLOAT32),
+    ((1, 1), (1, 2), 4, FLOAT32),
+    ((2, 2), (1, 1), 4, FLOAT32),
+    ((1, 3), (1, 2), 7, FLOAT32),
+    # fp8 caches (uint8 tensors, the format in the compat identity on both sides).
+    ((1, 1), (1, 1), 4, KVFormat(torch.uint8, "fp8_e4m3")),
+    ((2, 1), (1, 2), 4, KVFormat(torch.uint8, "fp8_e5m2")),
+    # MLA latents: every TP rank holds the same plane; a consumer rank reads it from one
+    # producer rank.
+    ((1, 1), (2, 1), 4, KVFormat(mla=True)),
+    ((2, 2), (1, 1), 4, KVFormat(mla=True)),
+    ((1, 1), (2, 1), 4, KVFormat(torch.uint8, "fp8_e4m3", mla=True)),
 )
 
 
@@ -520,8 +593,8 @@ def main() -> int:
     started = time.monotonic()
     try:
         check_startup_answers()
-        for producer_split, consumer_split, num_layers in PAIRINGS:
-            run_pairing(producer_split, consumer_split, num_layers, args.data_plane)
+        for producer_split, consumer_split, num_layers, fmt in PAIRINGS:
+            run_pairing(producer_split, consumer_split, num_layers, args.data_plane, fmt)
     except Exception as exc:
         print(f"FAIL  {type(exc).__name__}: {exc}", flush=True)
         traceback.print_exc(limit=5, file=sys.stdout)

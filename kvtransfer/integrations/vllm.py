@@ -77,6 +77,8 @@ from kvtransfer.integrations.vllm_translate import (
     kv_split_for,
     needs_piecewise_cudagraph,
     single_group_block_ids,
+    single_group_spec,
+    uses_mla,
     vllm_kv_cache_layout,
     vllm_kv_views,
 )
@@ -128,6 +130,14 @@ class KVTransferConnector(VllmConnectorBase):
         self._layout = vllm_kv_cache_layout(
             vllm_config, kv_cache_config, None if is_scheduler else _worker_rank()
         )
+        if uses_mla(vllm_config, single_group_spec(kv_cache_config)):
+            # A latent is split on its last axis whatever the backend: there is no K or V.
+            if self._kv_split not in (None, "last_axis"):
+                raise ValueError(
+                    f"vllm_kv_split {self._kv_split!r} does not apply to MLA caches (one "
+                    "latent per token); leave it unset"
+                )
+            self._kv_split = "last_axis"
         self._inner: KVConnectorBase_V1 = KVConnectorFactory.create_connector(
             self._config,
             KVConnectorRole.SCHEDULER if is_scheduler else KVConnectorRole.WORKER,

@@ -97,6 +97,18 @@ def vllm_kv_cache_layout(
     # The cache's own element type (uint8 for fp8 caches: moved as bytes), else the model's.
     dtype = getattr(spec, "dtype", None) or model.dtype
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    if uses_mla(vllm_config, spec):
+        # One latent per token, the same on every TP rank: one "head" whose last axis is
+        # the latent, moved as two halves (K's and V's places), so TP ranks replicate it.
+        latent = int(getattr(spec, "head_size", None) or model.get_head_size())
+        if latent % 2:
+            raise ValueError(
+                f"the MLA latent has {latent} elements per token; kvtransfer moves it as two "
+                "halves and needs an even width"
+            )
+        num_kv_heads, head_dim = 1, latent // 2
+    else:
+        num_kv_heads, head_dim = model.get_total_num_kv_heads(), model.get_head_size()
     return KVCacheLayout(
         model=str(model.model),
         dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype),
@@ -104,8 +116,8 @@ def vllm_kv_cache_layout(
         block_size=int(vllm_config.cache_config.block_size),
         num_blocks=int(num_blocks) if num_blocks else 1,
         num_layers=int(model.get_total_num_hidden_layers()),
-        num_kv_heads=int(model.get_total_num_kv_heads()),
-        head_dim=int(model.get_head_size()),
+        num_kv_heads=int(num_kv_heads),
+        head_dim=int(head_dim),
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
         pp_rank=None if rank is None else rank[0],
@@ -114,10 +126,23 @@ def vllm_kv_cache_layout(
     )
 
 
+def uses_mla(vllm_config: Any, spec: Any | None) -> bool:
+    """Whether the engine's KV cache is MLA latents (its spec says so, or, before vLLM made
+    one, its model config)."""
+    if spec is not None:
+        return "MLA" in type(spec).__name__
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+# MLA variants whose caches are more than one latent plane per layer, or padded pages.
+_MLA_EXTRAS = ("topk_buffer_width", "model_version", "page_size_padded", "alignment")
+
+
 def single_group_spec(kv_cache_config: Any | None) -> Any | None:
     """The one KV cache group's spec of vLLM's ``KVCacheConfig`` (None before vLLM made one);
-    `ValueError` naming the kinds of a hybrid model's groups, and for MLA caches, which our
-    connectors do not move yet (refused at start-up rather than moving wrong bytes)."""
+    `ValueError` naming the kinds of a hybrid model's groups, and for the MLA variants with a
+    sparse indexer or padded pages (DeepSeek V3.2 / V4), refused at start-up rather than
+    moving wrong bytes. Plain MLA (DeepSeek V2 / V3) is one group and is moved."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups:
         return None
@@ -128,12 +153,19 @@ def single_group_spec(kv_cache_config: Any | None) -> Any | None:
             "connectors in vLLM support one group of full attention (no sliding-window or "
             "Mamba layers beside it)"
         )
-    if "MLA" in kinds[0]:
+    spec = groups[0].kv_cache_spec
+    if "MLA" in kinds[0] and (kinds[0] != "MLAAttentionSpec" or _has_mla_extras(spec)):
+        extras = [name for name in _MLA_EXTRAS if getattr(spec, name, None) is not None]
         raise ValueError(
-            f"the model's KV cache is {kinds[0]} (MLA latent, one per token): kvtransfer "
-            "connectors in vLLM do not move MLA caches yet"
+            f"the model's KV cache is {kinds[0]} ({', '.join(extras) or 'not a plain latent'}"
+            "): kvtransfer connectors in vLLM move plain MLA caches (one latent per token, "
+            "DeepSeek V2/V3), not sparse-indexer or padded ones"
         )
-    return groups[0].kv_cache_spec
+    return spec
+
+
+def _has_mla_extras(spec: Any) -> bool:
+    return any(getattr(spec, name, None) is not None for name in _MLA_EXTRAS)
 
 
 def kv_split_for(device: torch.device, configured: str | None = None) -> str:
@@ -163,8 +195,8 @@ def vllm_kv_views(
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             raise ValueError(
                 f"KV cache {name!r} is not a 4-D [blocks, heads, block_size, C] tensor "
-                f"(got {getattr(cache, 'shape', type(cache).__name__)}); MLA caches "
-                "([blocks, 1, block_size, latent]) are not supported"
+                f"(got {getattr(cache, 'shape', type(cache).__name__)}; MLA caches are "
+                "[blocks, 1, block_size, latent])"
             )
         views[name] = _b2hnd(name, cache, layout, kv_split_for(cache.device, split))
     return views
