@@ -22,7 +22,7 @@ from kvtransfer.connector.metadata import (
 from kvtransfer.connectors.ucx import RemotePrefill, UcxConfig, UcxConnector, UcxHandshakeMetadata
 from kvtransfer.connectors.ucx.identity import WorkerIdentity, parse_layer_name
 from kvtransfer.connectors.ucx.leases import STALL_S, LeaseBook, LeaseSecretMismatch
-from kvtransfer.connectors.ucx.metadata import Release, UcxLayer
+from kvtransfer.connectors.ucx.metadata import Release, UcxLayer, kernel_block_ids
 from kvtransfer.connectors.ucx.notify import (
     KEEP_ALIVE,
     RELEASE,
@@ -326,12 +326,37 @@ def test_identity_describes_the_workers_slice():
         ({}, "register_kv_caches got no layers"),
         ({"lm_head": torch.zeros(8, 2, 2, 16, 8)}, "KV layer 'lm_head' does not name its position"),
         (make_kv_caches(num_kv_heads=4), r"do not hold 2 KV heads, the share of TP rank 1"),
-        (make_kv_caches(block_size=8, num_kv_heads=2), "KV caches are block_size 8, head_dim 8"),
+        (make_kv_caches(block_size=12, num_kv_heads=2), "KV caches are block_size 12, head_dim 8"),
+        (
+            make_kv_caches(block_size=8, num_blocks=7, num_kv_heads=2),
+            "hold 7 blocks of 8 tokens: not whole engine blocks of 16",
+        ),
     ],
 )
 def test_identity_refuses_caches_that_do_not_fit(caches, message):
     with pytest.raises(ValueError, match=message):
         WorkerIdentity.from_caches("e", _layout(), caches)
+
+
+def test_kernel_blocks_are_engine_blocks_registered_in_pieces():
+    # vLLM hands 8-token kernel blocks for an engine whose blocks are 16 tokens: engine block
+    # b is kernel blocks 2b and 2b + 1.
+    caches = make_kv_caches(num_blocks=8, block_size=8, num_kv_heads=2)
+    identity = WorkerIdentity.from_caches("e", _layout(), caches)
+    assert (identity.block_size, identity.kernel_blocks, identity.num_blocks) == (16, 2, 4)
+    assert identity.bytes_per_block == 2 * (2 * 2 * 2 * 8 * 8 * 4)
+    payload = identity.handshake("YWRkcg==")
+    assert (payload.block_size, payload.kernel_blocks, payload.num_blocks) == (16, 2, 4)
+    layout = payload.layouts()["model.layers.0.self_attn"]
+    assert (layout.num_blocks, layout.block_size) == (8, 8)
+    assert (
+        identity.compat()
+        == WorkerIdentity.from_caches(
+            "e", _layout(), make_kv_caches(num_blocks=4, num_kv_heads=2)
+        ).compat()
+    )
+    assert kernel_block_ids((3, 0), 2) == (6, 7, 0, 1)
+    assert kernel_block_ids((3, 0), 1) == (3, 0)
 
 
 def test_layer_names_carry_their_position():

@@ -260,8 +260,8 @@ def test_the_cpu_backend_split_needs_dense_token_rows():
         ),
         (
             torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE),
-            32,
-            r"'layer' has block size 16; the engine's layout says 32",
+            24,
+            r"'layer' has block size 16; the engine's layout says 24, which is not a whole",
         ),
         (
             torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, 3 * HEAD_SIZE),
@@ -269,7 +269,7 @@ def test_the_cpu_backend_split_needs_dense_token_rows():
             r"'layer' has a last axis of 24; K and V of head_dim 8 need 16",
         ),
     ],
-    ids=["5-d", "other-block-size", "other-head-size"],
+    ids=["5-d", "not-a-kernel-block", "other-head-size"],
 )
 def test_vllm_kv_views_refuses(cache, block_size, pattern):
     with pytest.raises(ValueError, match=pattern):

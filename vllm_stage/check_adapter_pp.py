@@ -88,12 +88,20 @@ class KVFormat:
     dtype: torch.dtype = torch.float32
     cache_dtype: str = "auto"
     mla: bool = False
+    # vLLM's kernel block size when the backend splits a block (FlashInfer: 64 under 128).
+    kernel_block_size: int | None = None
 
     def __str__(self) -> str:
         kind = str(self.dtype).removeprefix("torch.")
         if self.cache_dtype != "auto":
             kind = f"{kind} ({self.cache_dtype})"
+        if self.kernel_block_size is not None:
+            kind = f"{kind}, {self.kernel_block_size}-token kernel blocks"
         return f"MLA {kind}" if self.mla else kind
+
+    @property
+    def kernel_blocks(self) -> int:
+        return BLOCK_SIZE // (self.kernel_block_size or BLOCK_SIZE)
 
     @property
     def num_heads(self) -> int:
@@ -222,7 +230,12 @@ def worker_caches(
         size=size, layers=list(names), layer_stride=layer_stride, block_stride=block_stride
     )
     views = create_kv_cache_views(
-        torch.empty(size, dtype=torch.int8), spec, NUM_BLOCKS, LAYOUT, tensor
+        torch.empty(size, dtype=torch.int8),
+        spec,
+        NUM_BLOCKS,
+        LAYOUT,
+        tensor,
+        kernel_block_size=fmt.kernel_block_size,
     )
     config = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
@@ -233,14 +246,17 @@ def worker_caches(
 
 
 def backend_kv(cache: torch.Tensor, fmt: KVFormat = FLOAT32) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [B, H, N, D] as vLLM's CPU attention reads them (never through the adapter); an
-    MLA latent's two halves."""
+    """K and V as vLLM's CPU attention reads them (never through the adapter; an MLA latent's
+    two halves), each a view [B, H, kernel blocks per block, kernel block size, D]."""
     blocks, heads, tokens, _ = cache.shape
     if fmt.mla:
         k, v = cache.split(fmt.half_width, dim=-1)
-        return k, v
-    k, v = cache.view(blocks, heads, 2 * tokens, HEAD_SIZE).chunk(2, dim=2)
-    return k, v
+    else:
+        k, v = cache.view(blocks, heads, 2 * tokens, HEAD_SIZE).chunk(2, dim=2)
+    r = fmt.kernel_blocks
+    return k.unflatten(0, (blocks // r, r)).transpose(1, 2), v.unflatten(
+        0, (blocks // r, r)
+    ).transpose(1, 2)
 
 
 def reference(num_layers: int, fmt: KVFormat = FLOAT32) -> torch.Tensor:
@@ -416,8 +432,9 @@ def fill(engine: Engine, ref: torch.Tensor) -> None:
         for name, cache in caches.items():
             layer = int(name.split(".")[2])
             k, v = backend_kv(cache, engine.fmt)
-            k.copy_(ref[layer, :, heads.start : heads.stop, :, 0])
-            v.copy_(ref[layer, :, heads.start : heads.stop, :, 1])
+            pieces = (engine.fmt.kernel_blocks, -1)
+            k.copy_(ref[layer, :, heads.start : heads.stop, :, 0].unflatten(2, pieces))
+            v.copy_(ref[layer, :, heads.start : heads.stop, :, 1].unflatten(2, pieces))
 
 
 def fill_sentinel(engine: Engine) -> None:
@@ -442,7 +459,7 @@ def compare(consumer: Engine, ref: torch.Tensor) -> int:
             for remote, local in zip(REMOTE_IDS, LOCAL_IDS, strict=True):
                 expected[local] = ref[layer, remote, heads.start : heads.stop]
             k, v = backend_kv(cache, fmt)
-            got = torch.stack((k, v), dim=3)
+            got = torch.stack((k.flatten(2, 3), v.flatten(2, 3)), dim=3)
             if not torch.equal(got, expected):
                 wrong = (got != expected).nonzero()[0].tolist()
                 raise StageFailure(
@@ -570,6 +587,35 @@ def check_startup_answers() -> None:
         raise StageFailure("kv_buffer_device 'cpu' with CUDA caches was accepted")
 
 
+def check_kernel_split_mismatch(plane: str) -> None:
+    """A producer in 8-token kernel blocks and a consumer in whole 16-token blocks (two
+    backends): the load fails for that request, typed, and writes nothing."""
+    label = "kernel blocks 8 -> 16"
+    with contextlib.ExitStack() as stack:
+        producer = start_engine(
+            "prefill", "kv_producer", 4, 1, 1, plane, KVFormat(kernel_block_size=8)
+        )
+        stack.callback(producer.shutdown)
+        consumer = start_engine("decode", "kv_consumer", 4, 1, 1, plane)
+        stack.callback(consumer.shutdown)
+        fill(producer, reference(4, producer.fmt))
+        fill_sentinel(consumer)
+        params = prefill_on(producer, "split", label)
+        failed, invalid, _ = load_on(consumer, producer, "split", params, label)
+        check(
+            failed == {"split"} and invalid == set(LOCAL_IDS),
+            f"{label}: the load fails, its blocks reported invalid",
+        )
+        check(
+            all(
+                bool((cache == consumer.fmt.sentinel).all())
+                for caches in consumer.caches.values()
+                for cache in caches.values()
+            ),
+            f"{label}: nothing was written",
+        )
+
+
 PAIRINGS = (
     ((1, 2), (1, 1), 4, FLOAT32),
     ((1, 1), (1, 2), 4, FLOAT32),
@@ -583,6 +629,10 @@ PAIRINGS = (
     ((1, 1), (2, 1), 4, KVFormat(mla=True)),
     ((2, 2), (1, 1), 4, KVFormat(mla=True)),
     ((1, 1), (2, 1), 4, KVFormat(torch.uint8, "fp8_e4m3", mla=True)),
+    # Kernel blocks: vLLM hands 8-token views of 16-token blocks (as FlashInfer's 64-token
+    # pages under --block-size 128).
+    ((1, 1), (2, 1), 4, KVFormat(kernel_block_size=8)),
+    ((2, 2), (1, 1), 4, KVFormat(torch.uint8, "fp8_e4m3", kernel_block_size=4)),
 )
 
 
@@ -595,6 +645,7 @@ def main() -> int:
         check_startup_answers()
         for producer_split, consumer_split, num_layers, fmt in PAIRINGS:
             run_pairing(producer_split, consumer_split, num_layers, args.data_plane, fmt)
+        check_kernel_split_mismatch(args.data_plane)
     except Exception as exc:
         print(f"FAIL  {type(exc).__name__}: {exc}", flush=True)
         traceback.print_exc(limit=5, file=sys.stdout)

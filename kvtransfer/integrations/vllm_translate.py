@@ -206,10 +206,12 @@ def _b2hnd(name: str, cache: torch.Tensor, layout: KVCacheLayout, split: str) ->
     blocks, heads, tokens, width = cache.shape
     s_block, s_head, s_token, s_elem = cache.stride()
     head_dim = layout.head_dim
-    if tokens != layout.block_size:
+    if layout.block_size % tokens:
+        # A smaller one is a kernel block (vLLM splits a block for some backends, e.g.
+        # FlashInfer's 64-token pages under --block-size 128): moved as such.
         raise ValueError(
             f"KV cache {name!r} has block size {tokens}; the engine's layout says "
-            f"{layout.block_size}"
+            f"{layout.block_size}, which is not a whole number of {tokens}-token kernel blocks"
         )
     if split == "heads":
         if heads % 2 or width != head_dim:

@@ -98,6 +98,8 @@ class WorkerIdentity:
     num_blocks: int
     bytes_per_block: int  # this worker's share of one block, all its layers
     cache_dtype: str = "auto"  # the engine's cache format (`KVCacheLayout.cache_dtype`)
+    # The caches hold each engine block as this many kernel blocks (vLLM's kernel split).
+    kernel_blocks: int = 1
 
     @property
     def kv_heads(self) -> range:
@@ -144,6 +146,7 @@ class WorkerIdentity:
             dtype=self.dtype,
             num_blocks=self.num_blocks,
             data_plane=data_plane,
+            kernel_blocks=self.kernel_blocks,
         )
 
     @classmethod
@@ -202,10 +205,19 @@ class WorkerIdentity:
         if layout.rank is None:
             raise ValueError("UcxConnector worker got a KVCacheLayout without its (pp, tp) rank")
         pp_rank, tp_rank = layout.rank
-        if (layout.block_size, layout.head_dim, layout.dtype) != (block_size, head_dim, dtype):
+        if (layout.head_dim, layout.dtype) != (head_dim, dtype) or layout.block_size % block_size:
             raise ValueError(
                 f"KV caches are block_size {block_size}, head_dim {head_dim}, {dtype}; the "
-                f"engine's layout says {layout.block_size}, {layout.head_dim}, {layout.dtype}"
+                f"engine's layout says {layout.block_size}, {layout.head_dim}, {layout.dtype} "
+                "(a cache block may be a kernel block: a divisor of the engine's block size)"
+            )
+        # vLLM may hand caches of kernel blocks: engine block b is kernel blocks b*k ... b*k+k-1.
+        kernel_blocks = layout.block_size // block_size
+        num_blocks = int(first.shape[0])
+        if num_blocks % kernel_blocks:
+            raise ValueError(
+                f"KV caches hold {num_blocks} blocks of {block_size} tokens: not whole engine "
+                f"blocks of {layout.block_size} ({kernel_blocks} kernel blocks each)"
             )
         heads = kv_head_range(tp_rank, layout.tp_size, layout.num_kv_heads)
         wrong = [la.name for la in target if la.num_kv_heads != len(heads)]
@@ -228,12 +240,14 @@ class WorkerIdentity:
             num_layers=layout.num_layers,
             total_kv_heads=layout.num_kv_heads,
             draft_total_kv_heads=_draft_total_heads(draft, len(heads), layout),
-            block_size=block_size,
+            block_size=layout.block_size,
             head_dim=head_dim,
             dtype=dtype,
-            num_blocks=int(first.shape[0]),
-            bytes_per_block=sum(c[0].numel() * c.element_size() for c in caches.values()),
+            num_blocks=num_blocks // kernel_blocks,
+            bytes_per_block=kernel_blocks
+            * sum(c[0].numel() * c.element_size() for c in caches.values()),
             cache_dtype=layout.cache_dtype,
+            kernel_blocks=kernel_blocks,
         )
 
 

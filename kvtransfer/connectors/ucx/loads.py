@@ -140,8 +140,8 @@ class LoadJob:
                         PullSpec(
                             request_id=spec.req_id,
                             layer_names=layer_names,
-                            remote_block_ids=spec.remote_block_ids,
-                            local_block_ids=spec.local_block_ids,
+                            remote_block_ids=spec.remote_kernel_ids,
+                            local_block_ids=spec.local_kernel_ids,
                             remote_heads=pull.remote_heads,
                             local_heads=pull.local_heads,
                             lease=spec.lease,

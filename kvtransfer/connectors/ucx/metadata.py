@@ -58,10 +58,13 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
     total_kv_heads: int = _Positive
     draft_kv_heads: tuple[int, int] | None = None
     draft_total_kv_heads: int | None = None
-    block_size: int = _Positive
+    block_size: int = _Positive  # the engine's (tokens per block its scheduler counts)
     head_dim: int = _Positive
     dtype: str = Field(min_length=1)
     num_blocks: int = _Positive
+    # The caches registered hold each engine block as this many kernel blocks of
+    # block_size / kernel_blocks tokens (vLLM's kernel block split); 1: no split.
+    kernel_blocks: int = Field(default=1, gt=0)
     # How this worker's KV may be read: "rma" offers one-sided reads (keys per lease).
     data_plane: Literal["rma", "tagged"] = "tagged"
 
@@ -77,6 +80,10 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
             raise ValueError("layer names repeat")
         if (self.draft_kv_heads is None) != (self.draft_total_kv_heads is None):
             raise ValueError("draft_kv_heads and draft_total_kv_heads go together")
+        if self.block_size % self.kernel_blocks:
+            raise ValueError(
+                f"block_size {self.block_size} is not {self.kernel_blocks} kernel blocks"
+            )
         return self
 
     def agent_address_bytes(self) -> bytes:
@@ -89,10 +96,16 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
             ) from exc
 
     def layouts(self) -> dict[str, KVLayout]:
-        """Per-layer layouts, so pulls are checked locally before any traffic."""
+        """Per-layer layouts of the registered (kernel) blocks, so pulls are checked locally
+        before any traffic."""
+        k = self.kernel_blocks
         return {
             layer.name: KVLayout(
-                self.num_blocks, layer.num_kv_heads, self.block_size, self.head_dim, self.dtype
+                self.num_blocks * k,
+                layer.num_kv_heads,
+                self.block_size // k,
+                self.head_dim,
+                self.dtype,
             )
             for layer in self.layers
         }
@@ -182,19 +195,39 @@ class LoadSpec:
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     remote_offset: int = 0
+    # Kernel blocks per engine block in the caches both workers registered (vLLM splits a
+    # block into kernel blocks for some backends): set by the consumer worker, which reads and
+    # writes kernel blocks; the scheduler plans in engine blocks.
+    kernel_blocks: int = 1
+
+    @property
+    def remote_kernel_ids(self) -> tuple[int, ...]:
+        return kernel_block_ids(self.remote_block_ids, self.kernel_blocks)
+
+    @property
+    def local_kernel_ids(self) -> tuple[int, ...]:
+        return kernel_block_ids(self.local_block_ids, self.kernel_blocks)
 
     @property
     def lease(self) -> LeaseAccess:
         """What this load's pulls present (the prompt digest was checked against this
-        engine's own prompt before the load was planned)."""
+        engine's own prompt before the load was planned), in the registered (kernel) blocks
+        the producer granted."""
         remote = self.remote
         return LeaseAccess(
             remote.request_id,
             remote.secret,
             remote.prompt_digest,
-            self.remote_offset,
-            remote.block_ids,
+            self.remote_offset * self.kernel_blocks,
+            kernel_block_ids(remote.block_ids, self.kernel_blocks),
         )
+
+
+def kernel_block_ids(block_ids: Sequence[int], kernel_blocks: int) -> tuple[int, ...]:
+    """Engine block ``b`` as the ``kernel_blocks`` registered blocks that hold it, in order."""
+    if kernel_blocks == 1:
+        return tuple(block_ids)
+    return tuple(b * kernel_blocks + k for b in block_ids for k in range(kernel_blocks))
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,14 @@ def plan_pulls(
     Raises `RemoteLayoutError` (or the topology's `ValueError`s) when the remote engine cannot
     provide every layer and head this worker holds.
     """
+    split = {md.kernel_blocks for md in metadata.values()}
+    if split != {identity.kernel_blocks}:
+        # Kernel blocks are what both sides registered and read: their sizes must agree.
+        raise RemoteLayoutError(
+            f"engine {engine_id!r} stores its {identity.block_size}-token blocks as "
+            f"{sorted(split)} kernel block(s) each, this worker as {identity.kernel_blocks} "
+            "(different attention backends): kernel block sizes must match"
+        )
     merged: dict[tuple[PpTpRank, range, range], list[str]] = {}
     models = [(False, topologies.target, identity.target_layers())]
     if topologies.draft is not None:
@@ -194,11 +202,11 @@ def _register(
                 remote_tp_size=md.tp_size,
                 remote_block_len=2
                 * layers[0].num_kv_heads
-                * md.block_size
+                * (md.block_size // md.kernel_blocks)
                 * md.head_dim
                 * element_size,
                 remote_block_size=md.block_size,
-                remote_physical_blocks_per_logical=1,
+                remote_physical_blocks_per_logical=md.kernel_blocks,
                 remote_pp_rank=pp,
                 start_layer=indices[0],
                 end_layer=indices[-1] + 1,

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +35,7 @@ from kvtransfer.connectors.ucx.metadata import (
     LoadSpec,
     UcxConnectorMetadata,
     UcxHandshakeMetadata,
+    kernel_block_ids,
 )
 from kvtransfer.connectors.ucx.notify import Notifier
 from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines, encode_agent_address
@@ -112,7 +113,7 @@ class UcxWorker:
         identity = WorkerIdentity.from_caches(self._config.engine_id, self._layout, kv_caches)
         self._attach(kv_caches, identity)
         self._caches, self._identity = kv_caches, identity
-        self._bytes_per_block = sum(t[0].numel() * t.element_size() for t in kv_caches.values())
+        self._bytes_per_block = identity.bytes_per_block
         if any(t.device.type == "cuda" for t in kv_caches.values()):
             self._readiness = LayerReadiness(self._grants, cuda_event)
 
@@ -181,11 +182,12 @@ class UcxWorker:
         self._readiness.step_done(self._streaming)
         self._streaming = [g.req_id for g in metadata.grants if g.streaming]
         layers = tuple(self._agent.kv_caches) if self._agent is not None else ()
+        kernel_blocks = 1 if self._identity is None else self._identity.kernel_blocks
         for grant in metadata.grants:
             self._grants.grant(
                 grant.req_id,
                 grant.secret_digest,
-                grant.block_ids,
+                kernel_block_ids(grant.block_ids, kernel_blocks),
                 grant.prompt_digest,
                 pending_layers=layers if grant.streaming else (),
             )
@@ -220,6 +222,8 @@ class UcxWorker:
             error = RuntimeError(f"UcxConnector worker cannot load: {state}")
             self._results.put(_Finished(spec, error=error))
             return
+        if self._identity is not None and self._identity.kernel_blocks > 1:
+            spec = replace(spec, kernel_blocks=self._identity.kernel_blocks)
         job = LoadJob(
             spec, self._engines, self._agent, self._ucx.transfer_timeout_s, self._notifier.ask_held
         )
