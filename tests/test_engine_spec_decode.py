@@ -65,7 +65,8 @@ def test_draft_model_under_tensor_parallel_equals_plain(plain_greedy):
     assert [o.token_ids for o in outputs] == plain_greedy
 
 
-def test_drafter_kv_is_registered_and_saved_before_post_forward(tmp_path):
+@pytest.mark.parametrize("deferred", [False, True], ids=["vllm-0.32-order", "vllm-0.33-deferred"])
+def test_drafter_kv_is_registered_and_saved_before_the_step_is_finalized(tmp_path, deferred):
     kv_config = KVTransferConfig(
         kv_connector="RecordingConnector",
         kv_connector_module_path="kvtransfer.testing.recording",
@@ -74,7 +75,7 @@ def test_drafter_kv_is_registered_and_saved_before_post_forward(tmp_path):
     )
     generate(
         GREEDY,
-        SpeculativeConfig(method="draft", num_speculative_tokens=3),
+        SpeculativeConfig(method="draft", num_speculative_tokens=3, defer_kv_finalize=deferred),
         kv_transfer_config=kv_config,
     )
     records = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
@@ -88,7 +89,9 @@ def test_drafter_kv_is_registered_and_saved_before_post_forward(tmp_path):
     assert len([n for n in registered if n.startswith("model.layers.")]) == 4
 
     # Split the worker's calls into steps at each bind; in every step with a forward, all
-    # saves (target and drafter) come before wait_for_save, which comes before get_finished.
+    # saves (target and drafter) come before wait_for_save, and the metadata is cleared last.
+    # vLLM 0.32's order: get_finished after wait_for_save. 0.33's deferred one: get_finished
+    # right after the target's saves, before the drafter's saves and wait_for_save.
     steps, current = [], []
     for hook, detail in worker:
         if hook == "bind_connector_metadata" and current:
@@ -101,9 +104,15 @@ def test_drafter_kv_is_registered_and_saved_before_post_forward(tmp_path):
     drafter_saved_steps = 0
     for step in forward_steps:
         hooks = [h for h, _ in step]
-        wait = hooks.index("wait_for_save")
+        wait, collected = hooks.index("wait_for_save"), hooks.index("get_finished")
         saves = [i for i, (h, _) in enumerate(step) if h == "save_kv_layer"]
-        assert saves and max(saves) < wait < hooks.index("get_finished")
+        drafter = [i for i in saves if str(step[i][1]).startswith("draft.layers.")]
+        target = [i for i in saves if i not in drafter]
+        assert saves and max(saves) < wait
+        if deferred:
+            assert max(target) < collected < min(drafter)
+        else:
+            assert wait < collected
         assert hooks[-1] == "clear_connector_metadata"
         if any(str(d).startswith("draft.layers.") for h, d in step if h == "save_kv_layer"):
             drafter_saved_steps += 1

@@ -5,6 +5,7 @@ bytes, and failures follow ``kv_load_failure_policy`` without leaking a block.""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -142,11 +143,15 @@ def test_loaded_blocks_equal_the_producers_bytes(tmp_path):
     decoder.shutdown()
 
 
-def test_draft_model_layers_travel_and_decode_like_colocated(tmp_path):
+@pytest.mark.parametrize("deferred", [False, True], ids=["vllm-0.32-order", "vllm-0.33-deferred"])
+def test_draft_model_layers_travel_and_decode_like_colocated(tmp_path, deferred):
+    # In both step orders the drafter's KV must be saved whole before the save is reported
+    # done: the consumer reads every drafter layer byte for byte and decodes like colocated.
     prompts = PROMPTS[1:3]
     expected = colocated_tokens(prompts, speculative=DRAFT)
     assert expected == colocated_tokens(prompts)
-    producer_config = engine_config(kv_config(tmp_path, "kv_producer", "p"), speculative=DRAFT)
+    spec = replace(DRAFT, defer_kv_finalize=deferred)
+    producer_config = engine_config(kv_config(tmp_path, "kv_producer", "p"), speculative=spec)
     with LLM(producer_config) as llm:
         outputs = prefill(llm, prompts)
     _, saved = read_file(tmp_path / "p" / "gen-1" / "pp0_tp0.safetensors")
@@ -158,7 +163,7 @@ def test_draft_model_layers_travel_and_decode_like_colocated(tmp_path):
     ]
     assert saved["draft.layers.1.self_attn"].abs().sum() > 0
 
-    decoder = EngineCore(engine_config(kv_config(tmp_path, "kv_consumer", "d"), speculative=DRAFT))
+    decoder = EngineCore(engine_config(kv_config(tmp_path, "kv_consumer", "d"), speculative=spec))
     decoder.add_request("d", prompts[1], DECODE, outputs[1].kv_transfer_params)
     request = decoder.scheduler.get_request("d")
     step_until(
@@ -173,7 +178,7 @@ def test_draft_model_layers_travel_and_decode_like_colocated(tmp_path):
     decoder.check_no_leaks()
     decoder.shutdown()
 
-    with LLM(engine_config(kv_config(tmp_path, "kv_consumer", "d2"), speculative=DRAFT)) as llm:
+    with LLM(engine_config(kv_config(tmp_path, "kv_consumer", "d2"), speculative=spec)) as llm:
         results = decode(llm, prompts, [o.kv_transfer_params for o in outputs])
     assert [r.token_ids for r in results] == expected
     assert sum(r.num_draft_tokens for r in results) > 0

@@ -174,14 +174,21 @@ class KVConnectorBase_V1:
 
     def wait_for_save(self) -> None:
         """Block until every save started this step no longer reads the paged cache (so the
-        blocks may be reused). Runs once per step after the drafter ran, before `get_finished`;
-        skipped on `no_forward` steps, which wrote no KV.
+        blocks may be reused). Runs once per step after the drafter ran; skipped on
+        `no_forward` steps, which wrote no KV. In vLLM 0.32's order (ours by default) it runs
+        before `get_finished`; in vLLM 0.33's deferred order (Model Runner V2 with a
+        speculator, ``SpeculativeConfig.defer_kv_finalize``) it runs after this step's
+        `get_finished`, which so sees none of this step's saves end: a connector must report a
+        save finished only once `wait_for_save` returned for every step that wrote its KV (a
+        send completing during this call is reported at the next step's `get_finished`).
         """
 
     def get_finished(self, finished_req_ids: set[str]) -> FinishedIds:
         """Report requests whose asynchronous transfers completed on *this worker*.
 
-        Runs once per step after `wait_for_save` (also on `no_forward` steps). Returns
+        Runs once per step: after `wait_for_save` in vLLM 0.32's order, right after the
+        target's forward (before the drafter and `wait_for_save`) in 0.33's deferred order,
+        and on `no_forward` steps. The metadata stays bound until the step is finalized. Returns
         ``(finished_sending, finished_recving)``, each ``None`` when empty. ``finished_req_ids``
         are requests the scheduler finished since the last step. Each request id is reported at
         most once per direction; the aggregator counts reports across workers.

@@ -58,13 +58,19 @@ class ModelConfig:
 class SpeculativeConfig:
     """``method="draft"``: a smaller model sharing the tokenizer proposes tokens and keeps its own
     KV layers (``draft.layers.N.self_attn``) in the target's block tables. ``method="ngram"``:
-    tokens are proposed by matching the last n-gram against the request's history (no KV)."""
+    tokens are proposed by matching the last n-gram against the request's history (no KV).
+
+    ``defer_kv_finalize``: the connector's step order of vLLM 0.33's Model Runner V2 with a
+    speculator: its results (finished transfers, load errors, stats) are collected right after
+    the target's forward, then the drafter runs, then the step is finalized (``wait_for_save``,
+    metadata cleared). False: vLLM 0.32's order, everything after the drafter (seed 000)."""
 
     method: Literal["draft", "ngram"]
     num_speculative_tokens: int = 3
     draft_model: str = "builtin:tiny-draft"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    defer_kv_finalize: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("draft", "ngram"):

@@ -60,9 +60,15 @@ class KVConnector(NoLayerHooks):
         pass
 
     def post_forward(
-        self, finished_req_ids: frozenset[str] | set[str], wait_for_save: bool = True
+        self,
+        finished_req_ids: frozenset[str] | set[str],
+        wait_for_save: bool = True,
+        defer_finalize: bool = False,
     ) -> KVConnectorOutput | None:
         return None
+
+    def finalize_step(self) -> None:
+        pass
 
     def no_forward(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return EMPTY_MODEL_RUNNER_OUTPUT
@@ -115,22 +121,27 @@ class ActiveKVConnector(KVConnector):
         self.connector.save_kv_layer(layer_name, kv_cache, attn_metadata)
 
     def post_forward(
-        self, finished_req_ids: frozenset[str] | set[str], wait_for_save: bool = True
+        self,
+        finished_req_ids: frozenset[str] | set[str],
+        wait_for_save: bool = True,
+        defer_finalize: bool = False,
     ) -> KVConnectorOutput | None:
         """Finish the step: wait for saves (if any were started), collect what completed.
 
         The step's metadata is cleared whatever happens, so a failed step cannot leak its
-        metadata into the next one.
+        metadata into the next one. ``defer_finalize`` (vLLM 0.33's order under a speculator):
+        collect only; `finalize_step` waits for the saves and clears, after the drafter ran.
         """
         try:
-            if wait_for_save:
+            if wait_for_save and not defer_finalize:
                 self.connector.wait_for_save()
             sending, recving, failed = self.connector.get_transfer_results(set(finished_req_ids))
             reasons = self.connector.get_load_failure_reasons()
             invalid = self.connector.get_block_ids_with_load_errors()
             stats = self.connector.get_kv_connector_stats()
         finally:
-            self.connector.clear_connector_metadata()
+            if not defer_finalize:
+                self.connector.clear_connector_metadata()
         # A failed receive no longer writes into its blocks, so it is a finished one too; a
         # connector that forgot to say so must not leave the scheduler waiting forever.
         finished_recving = set(recving or ()) | set(failed or ())
@@ -143,6 +154,14 @@ class ActiveKVConnector(KVConnector):
             load_failure_reasons=dict(reasons) if reasons else None,
         )
         return None if output.is_empty() else output
+
+    def finalize_step(self) -> None:
+        """End a step whose `post_forward` deferred it: wait for this step's saves (the
+        drafter's included), then clear the metadata, whatever happens."""
+        try:
+            self.connector.wait_for_save()
+        finally:
+            self.connector.clear_connector_metadata()
 
     def no_forward(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """A step that runs no model: the connector still binds, loads and reports."""

@@ -11,7 +11,10 @@ A step is two calls, in this order, on every worker of the engine:
 2. `sample_tokens()` (last pipeline rank): sample, verify drafts, run the proposer (whose draft
    model writes its own KV layers), and only then `post_forward` (wait for saves, collect
    finished transfers, clear the metadata): saves of the drafter's KV must be complete before a
-   transfer is reported done (vLLM PR #43719).
+   transfer is reported done (vLLM PR #43719). With ``defer_kv_finalize`` (vLLM 0.33's Model
+   Runner V2 under a speculator) the results are collected before the proposer and the step
+   finalized (`finalize_step`: wait for saves, clear) after it, so a send completing during
+   this step's saves is reported one step later.
 
 The runner never asks whether KV transfer is configured: it always holds a `KVConnector`,
 which is a null object when transfer is off.
@@ -92,6 +95,7 @@ class ModelRunner:
         pp_size: int,
         proposer: Proposer | None,
         device: torch.device,
+        defer_kv_finalize: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
@@ -105,6 +109,7 @@ class ModelRunner:
         # other TP ranks sample the same tokens but skip the per-request extras nobody reads.
         self.reports_samples = model.rank.tp_rank == 0
         self.proposer = proposer
+        self.defer_kv_finalize = defer_kv_finalize
         self.device = device
         self.requests = RequestStates()
         self.execute_model_state: ExecuteModelState | None = None
@@ -186,15 +191,26 @@ class ModelRunner:
         if state is None:
             raise RuntimeError("sample_tokens called without a preceding execute_model")
         self.execute_model_state = None
-        try:
-            accepted, logits_by_req, logprobs_by_req = self._sample(state)
-            spec_token_ids: dict[str, list[int]] = {}
-            if self.proposer is not None:
+        spec_token_ids: dict[str, list[int]] = {}
+        if self.proposer is not None and self.defer_kv_finalize:
+            # vLLM 0.33's order: results now, the drafter, then wait for every save and clear.
+            try:
+                accepted, logits_by_req, logprobs_by_req = self._sample(state)
+                kv_connector_output = self.kv_connector.post_forward(
+                    state.finished_req_ids, defer_finalize=True
+                )
                 spec_token_ids = self.proposer.propose(StepResult(state.requests, accepted))
-        finally:
-            # Even a failed step must clear the connector's metadata; after the proposer, so
-            # the drafter's KV saves are waited for (seed 000).
-            kv_connector_output = self.kv_connector.post_forward(state.finished_req_ids)
+            finally:
+                self.kv_connector.finalize_step()
+        else:
+            try:
+                accepted, logits_by_req, logprobs_by_req = self._sample(state)
+                if self.proposer is not None:
+                    spec_token_ids = self.proposer.propose(StepResult(state.requests, accepted))
+            finally:
+                # Even a failed step must clear the connector's metadata; after the proposer,
+                # so the drafter's KV saves are waited for (seed 000).
+                kv_connector_output = self.kv_connector.post_forward(state.finished_req_ids)
         req_ids = tuple(r.req_id for r in state.requests)
         return ModelRunnerOutput(
             req_ids=req_ids,

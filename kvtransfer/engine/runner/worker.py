@@ -128,6 +128,7 @@ class Worker:
             pp_size=rank.pp_size,
             proposer=None,
             device=device,
+            defer_kv_finalize=spec is not None and spec.defer_kv_finalize,
         )
         if drafter is not None:
             proposer = DraftModelProposer(
