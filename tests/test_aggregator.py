@@ -194,3 +194,30 @@ def test_a_failure_reason_waits_for_every_worker_and_leaves_with_the_failure():
     agg.aggregate([out(finished_recving={"a"}, failed_recving={"a"}), None])
     third = kv(agg.aggregate([None, out(finished_recving={"a"}, failed_recving={"a"})]))
     assert third.load_failure_reasons is None
+
+
+def test_outputs_of_a_failed_step_are_counted_at_the_next_aggregate():
+    # vLLM 0.33's ft_defer_kv_connector_outputs: worker 1 failed the step; what workers 0 and
+    # 2 reported in it (a send done, a failed load with its blocks) must not be lost.
+    agg = KVOutputAggregator(3)
+    agg.defer(
+        [
+            out(finished_sending={"s"}, failed_recving={"l"}, invalid_block_ids={4}),
+            None,
+            out(finished_sending={"s"}, finished_recving={"l"}, failed_recving={"l"}),
+        ]
+    )
+    assert agg.num_pending() == 1
+    merged = kv(
+        agg.aggregate(
+            [None, out(finished_sending={"s"}, finished_recving={"l"}, failed_recving={"l"}), None]
+        )
+    )
+    assert merged.finished_sending == {"s"}
+    assert (merged.finished_recving, merged.failed_recving) == ({"l"}, {"l"})
+    assert merged.invalid_block_ids == {4}
+    assert agg.num_pending() == 0
+    # A deferred report counts for its own worker only: worker 0 twice is still one worker.
+    agg.defer([out(finished_sending={"t"}), None, None])
+    assert agg.aggregate([out(finished_sending={"t"}), None, None]) is None
+    assert agg.num_pending() == 1

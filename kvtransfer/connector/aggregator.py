@@ -2,7 +2,9 @@
 
 A transfer is finished for the engine only when every worker that takes part in it has
 reported it; workers report in different steps, so the aggregator keeps, per request and per
-direction, the set of workers that reported so far.
+direction, the set of workers that reported so far. A step that failed on some workers may hand
+the others' outputs to `defer` (vLLM 0.33's ``ft_defer_kv_connector_outputs``): they are counted
+at the next `aggregate`, so what those workers reported is not lost.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class KVOutputAggregator:
         self._recving: dict[str, _Pending] = {}
         # Reasons arrive with a worker's report and leave with the engine-wide failure.
         self._reasons: dict[str, str] = {}
+        # Outputs of failed steps, each in worker order, counted at the next aggregate.
+        self._deferred: list[tuple[KVConnectorOutput | None, ...]] = []
 
     @classmethod
     def from_connector(cls, connector: KVConnectorBase_V1, world_size: int) -> KVOutputAggregator:
@@ -43,8 +47,15 @@ class KVOutputAggregator:
         return self._expected_finished_count
 
     def num_pending(self) -> int:
-        """Requests some but not all workers reported (a leak check for tests)."""
-        return len(self._sending) + len(self._recving)
+        """Requests some but not all workers reported, and deferred outputs not counted yet
+        (a leak check for tests)."""
+        return len(self._sending) + len(self._recving) + len(self._deferred)
+
+    def defer(self, outputs: Sequence[KVConnectorOutput | None]) -> None:
+        """Keep the connector outputs of a step that failed on some workers (one per worker,
+        in worker order, ``None`` for a failed one) for the next `aggregate`, which counts
+        them before that step's own."""
+        self._deferred.append(tuple(outputs))
 
     def aggregate(self, outputs: Sequence[KVConnectorOutput | None]) -> KVConnectorOutput | None:
         """Merge one step's connector outputs (one per worker, in worker order, ``None`` for a
@@ -57,7 +68,9 @@ class KVOutputAggregator:
         invalid_block_ids: set[int] = set()
         stats: KVConnectorStats | None = None
 
-        for worker, kv_out in enumerate(outputs):
+        deferred, self._deferred = self._deferred, []
+        steps = [*deferred, tuple(outputs)]
+        for worker, kv_out in ((w, o) for step in steps for w, o in enumerate(step)):
             if kv_out is None:
                 continue
             if kv_out.expected_finished_count > 0:
