@@ -225,17 +225,35 @@ class Router(_Http):
     """kvtransfer's router in front of vLLM servers (``--engine vllm``): the prefill picked
     ``cache_aware`` (the router tokenizes prompts as vLLM does), the decodes round robin."""
 
-    def __init__(self, model: str, logs: Path, prefills: list[Server], decodes: list[Server]):
+    def __init__(
+        self,
+        model: str,
+        logs: Path,
+        prefills: list[Server],
+        decodes: list[Server],
+        kv_events: tuple[int, int] | None = None,
+    ):
+        """``kv_events``: the (PUB, replay) ports every prefill publishes vLLM's KV events on."""
         self.name = "router"
         self.model = model
         self.port = free_port()
+        events = (
+            []
+            if kv_events is None
+            else [
+                "--kv-events-port",
+                str(kv_events[0]),
+                "--kv-events-replay-port",
+                str(kv_events[1]),
+            ]
+        )
         command = [
             sys.executable, "-m", "kvtransfer.router", "--engine", "vllm",
             "--port", str(self.port), "--model-name", model, "--policy", "round_robin",
             "--prefill-policy", "cache_aware", "--tokenizer", model,
             "--kv-block-size", str(BLOCK_SIZE),
             *(f"--prefill=127.0.0.1:{server.port}" for server in prefills),
-            *(f"--decode=127.0.0.1:{server.port}" for server in decodes),
+            *(f"--decode=127.0.0.1:{server.port}" for server in decodes), *events,
         ]  # fmt: skip
         self.log = logs / "router.log"
         self.process = subprocess.Popen(
@@ -263,14 +281,21 @@ class Router(_Http):
 
 
 def check_router(
-    model: str, logs: Path, p: Server, decodes: list[Server], reference: dict[str, list[int]]
+    model: str,
+    logs: Path,
+    p: Server,
+    decodes: list[Server],
+    reference: dict[str, list[int]],
+    kv_events: tuple[int, int],
 ) -> None:
     """kvtransfer's router in front of these vLLM servers: vLLM's kv_transfer_params flow
     through it gives the single instance's tokens, JSON and streamed, each decode pulling the
     KV of every prompt token; the prefill's prefix-cache hits vLLM returned with its params are
-    held against the cache-aware prediction, and sum to the producer's own counter; vLLM's own
-    refusal reaches the client; every instance is picked."""
-    router = Router(model, logs, [p], decodes)
+    held against the cache-aware prediction, made from vLLM's own KV events (live, and replayed
+    for what the prefill cached before the router started), and every prediction is exact and
+    the hits sum to the producer's own counter; vLLM's own refusal reaches the client; every
+    instance is picked."""
+    router = Router(model, logs, [p], decodes, kv_events)
     source = "vllm:prompt_tokens_by_source_total"
     hits_before = p.metric("vllm:prefix_cache_hits_total")
 
@@ -305,10 +330,19 @@ def check_router(
         )
         # The prefill's prefix-cache hits as vLLM returned them with its params
         # (remote_prefill_cached_tokens), held against the policy's prediction: six prefills,
-        # and the router's sum is the producer's own counter over them. PROMPTS[2] was
-        # prefilled before: its first block is a hit the router, new to it, did not predict.
+        # and the router's sum is the producer's own counter over them. The index is fed by
+        # vLLM's own KV events: what the prefill cached before the router started (PROMPTS[2]'s
+        # first block, prefilled earlier) comes from its replay, so every prediction is exact.
         predictions = router.metric("kvtransfer_router_cache_predictions_total", role="prefill")
         check(predictions == 6, f"router: 6 cache predictions held against vLLM's ({predictions})")
+        exact = router.metric(
+            "kvtransfer_router_cache_predictions_total", role="prefill", outcome="exact"
+        )
+        check(
+            exact == predictions,
+            f"router: every prediction from vLLM's KV events equals vLLM's reported hits "
+            f"({exact:.0f} of {predictions:.0f} exact)",
+        )
         reported = router.metric(
             "kvtransfer_router_cached_tokens_total", role="prefill", source="reported"
         )
@@ -381,7 +415,19 @@ def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
 
 
 def run(model: str, logs: Path) -> None:
-    p = Server("prefill", model, logs, kv_config("kv_producer"), core=0)
+    # vLLM's own KV events (ZeroMQ, its wire format) from the prefill, for the router's index.
+    kv_events = (free_port(), free_port())
+    events_config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{kv_events[0]}",  # vLLM binds only a wildcard; else it connects
+        "replay_endpoint": f"tcp://*:{kv_events[1]}",
+        "topic": "",
+    }
+    p = Server(
+        "prefill", model, logs, kv_config("kv_producer"),
+        "--kv-events-config", json.dumps(events_config), core=0,
+    )  # fmt: skip
     d1 = Server("decode-prefix-fail", model, logs, kv_config("kv_consumer", "fail"), core=1)
     d2 = Server(
         "decode-noprefix-recompute", model, logs, kv_config("kv_consumer", "recompute"),
@@ -439,7 +485,7 @@ def run(model: str, logs: Path) -> None:
             0 < pulled < BLOCK_SIZE,
             f"and transferred only the tokens beyond the hit (0 < {pulled:.0f} < one block)",
         )
-        check_router(model, logs, p, [d1, d2], reference)
+        check_router(model, logs, p, [d1, d2], reference, kv_events)
         # Our transfer stats reach vLLM's /metrics on both sides.
         received = d1.metric("vllm:kvtransfer_bytes_received_total")
         sent = p.metric("vllm:kvtransfer_bytes_sent_total")
@@ -526,14 +572,27 @@ def run_tp(model: str, logs: Path) -> None:
             deadline = time.monotonic() + START_TIMEOUT_S
             p.wait_healthy(deadline)
             d.wait_healthy(deadline)
-            for prompt in TP_PROMPTS:
-                references = {}
-                for server, tp in ((p, producer_tp), (d, consumer_tp)):
-                    status, answer = server.complete(prompt, TP_TOKENS)
-                    check(status == 200, f"{label}: the TP {tp} reference answered")
-                    references[tp] = tokens(answer)
+            source = "vllm:prompt_tokens_by_source_total"
+            for n, prompt in enumerate(TP_PROMPTS):
+                # The P/D request first: the decode has never seen this prompt, so every
+                # prompt token's KV must come from the producer, and vLLM must count it so.
+                before = d.metric(source, source="external_kv_transfer")
                 status, answer = d.complete(prompt, TP_TOKENS, prefill(p, prompt))
                 check(status == 200, f"{label}: the P/D decode answered (HTTP {status}: {answer})")
+                pulled = d.metric(source, source="external_kv_transfer") - before
+                prompt_tokens = answer["usage"]["prompt_tokens"]
+                check(
+                    pulled == prompt_tokens,
+                    f"{label}: vLLM counts the KV of all {prompt_tokens} prompt tokens as "
+                    f"transferred ({pulled:.0f})",
+                )
+                # References computed afresh on each engine: a cache salt keeps them from
+                # reusing the blocks the P/D run left (wrong KV would match itself).
+                references = {}
+                for server, tp in ((p, producer_tp), (d, consumer_tp)):
+                    status, reference = server.complete(prompt, TP_TOKENS, cache_salt=f"ref-{n}")
+                    check(status == 200, f"{label}: the TP {tp} reference answered")
+                    references[tp] = tokens(reference)
                 matches = [tp for tp, ref in sorted(references.items()) if tokens(answer) == ref]
                 check(
                     status == 200 and bool(matches),
