@@ -16,6 +16,7 @@ from transport_helpers.kv import LayerGroup, empty_caches, make_caches
 from waiting import wait_until
 
 from kvtransfer.transport import (
+    AccessDenied,
     CorruptPayloadError,
     ErrorCode,
     KVTransferAgent,
@@ -195,6 +196,25 @@ def test_revoke_waits_for_a_running_gather():
         order.append("gather done")
     revoker.join(5)
     assert order == ["gather done", "revoked"]
+
+
+def test_revoke_nowait_ends_a_lease_at_once_and_tells_when_its_gathers_ended():
+    # What an engine step uses: it must not wait for a gather, only learn when it is over.
+    grants = LeaseGrants()
+    access = LeaseAccess("r", "s")
+    grants.grant("r", secret_digest("s"), [1, 2])
+    grants.grant("idle", secret_digest("s"), [3])
+    with grants.reading(access, [1]):
+        grants.revoke_nowait(["r", "idle"], "has ended (released)")
+        with (
+            pytest.raises(AccessDenied, match=r"lease 'r' has ended \(released\)"),
+            grants.reading(access, [2]),
+        ):
+            pass
+        assert grants.drained(["r", "idle"]) == {"idle"}
+        assert grants.drained(["r"]) == set()
+    assert grants.drained(["r"]) == {"r"}
+    assert grants.lease_ids() == []
 
 
 def test_the_secret_is_never_printed():

@@ -123,6 +123,8 @@ class LeaseGrants:
         self._grants: dict[str, _Grant] = {}
         # Ended leases and why they ended, for the refusal of a late pull.
         self._revoked: OrderedDict[str, str] = OrderedDict()
+        # Leases ended by `revoke_nowait` that gathers still read.
+        self._draining: dict[str, _Grant] = {}
         self._table: LeaseTable | None = None
 
     def publish_to(self, table: LeaseTable) -> None:
@@ -192,22 +194,46 @@ class LeaseGrants:
         once no gather of them is running."""
         deadline = time.monotonic() + _REVOKE_WAIT_S
         with self._cond:
-            ended = []
-            for lease_id in lease_ids:
-                self._revoked[lease_id] = why
-                self._revoked.move_to_end(lease_id)
-                grant = self._grants.pop(lease_id, None)
-                if grant is not None:
-                    ended.append(grant)
-                if self._table is not None:
-                    # One-sided readers are not counted: clearing the row fails their reads.
-                    self._table.withdraw(lease_id)
-            while len(self._revoked) > _REVOKED_MEMORY:
-                self._revoked.popitem(last=False)
-            self._cond.notify_all()
+            ended = [grant for _, grant in self._end(lease_ids, why)]
             self._cond.wait_for(
                 lambda: all(g.readers == 0 for g in ended), max(0.0, deadline - time.monotonic())
             )
+
+    def revoke_nowait(self, lease_ids: Iterable[str], why: str = "has ended") -> None:
+        """End these leases at once, as `revoke`, without waiting for the gathers of them that
+        are running: `drained` tells when those ended (an engine step must never wait)."""
+        with self._cond:
+            for lease_id, grant in self._end(lease_ids, why):
+                if grant.readers:
+                    self._draining[lease_id] = grant
+
+    def drained(self, lease_ids: Iterable[str]) -> set[str]:
+        """Of these leases ended by `revoke_nowait`, those no gather reads any more."""
+        with self._cond:
+            done = set()
+            for lease_id in lease_ids:
+                grant = self._draining.get(lease_id)
+                if grant is None or grant.readers == 0:
+                    self._draining.pop(lease_id, None)
+                    done.add(lease_id)
+            return done
+
+    def _end(self, lease_ids: Iterable[str], why: str) -> list[tuple[str, _Grant]]:
+        """Revoke these leases (under the lock); the grants that ended."""
+        ended = []
+        for lease_id in lease_ids:
+            self._revoked[lease_id] = why
+            self._revoked.move_to_end(lease_id)
+            grant = self._grants.pop(lease_id, None)
+            if grant is not None:
+                ended.append((lease_id, grant))
+            if self._table is not None:
+                # One-sided readers are not counted: clearing the row fails their reads.
+                self._table.withdraw(lease_id)
+        while len(self._revoked) > _REVOKED_MEMORY:
+            self._revoked.popitem(last=False)
+        self._cond.notify_all()
+        return ended
 
     def known(self, lease_id: str) -> bool:
         """Whether the lease was granted or has ended (False: its grant may still come)."""

@@ -11,9 +11,12 @@ Every pull presents the lease's secret; the producer serves only that lease's bl
 while it holds the lease (it stops before it frees them), so a load that succeeded read the
 request's own KV, never blocks reused by another request.
 
-`cancel` (from the step thread, for an aborted request) stops it: before the pulls start
-nothing is started, after that every pull is cancelled, and `PullHandle.cancel` guarantees
-nothing is written once it returns, so the request's blocks can be given back at once.
+`stop_nowait` (from the step thread, for an aborted request) never waits: it flags the load and
+answers whether any pull had begun. None had: none ever will, and the blocks can be given back
+at once. Some had: the loader thread notices the flag within `_STOP_POLL_S` (or at its next
+read chunk), cancels its pulls itself and ends with `LoadCancelled`; only then are the blocks
+given back. `cancel` (shutdown, sleep) does the same and waits for it: `PullHandle.cancel`
+guarantees nothing is written once it returns.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from kvtransfer.transport import (
 
 # Extra wait beyond a pull's own timeout: the pull raises TransferTimeoutError itself first.
 _RESULT_GRACE_S = 5.0
+# How often a loader waiting for its pulls looks at the stop flag set by `stop_nowait`.
+_STOP_POLL_S = 0.02
 
 
 class LoadCancelled(Exception):
@@ -83,6 +88,14 @@ class LoadJob:
         """Pulls begun (a one-sided one counts while it reads, before `pull` returns)."""
         with self._lock:
             return self._begun
+
+    def stop_nowait(self) -> bool:
+        """Ask the load to stop, without waiting; True if no pull had begun (none will: the
+        load writes nothing, ever), False if the loader must stop them (it then ends with
+        `LoadCancelled`, or with whatever outcome it reached first)."""
+        with self._lock:
+            self._cancelled = True
+            return self._begun == 0
 
     def cancel(self) -> None:
         """Stop the load; once this returns, the load writes nothing more."""
@@ -132,8 +145,10 @@ class LoadJob:
             )
             for layer_names in groups:
                 with self._starting:
-                    self._check_cancelled()
                     with self._lock:
+                        # One section with `stop_nowait`: a stopped load begins no pull.
+                        if self._cancelled:
+                            raise LoadCancelled(f"load of request {spec.req_id!r} was cancelled")
                         self._begun += 1
                     handle = self._agent.pull(
                         engine.peers[pull.remote_rank],
@@ -162,17 +177,23 @@ class LoadJob:
         """(bytes, of which one-sided) of every pull, once all finished."""
         deadline = time.monotonic() + self._timeout_s + _RESULT_GRACE_S
         total = one_sided = 0
+        next_probe = time.monotonic() + PROBE_INTERVAL_S
         for handle in handles:
             while True:
                 try:
-                    result = handle.result(PROBE_INTERVAL_S)
+                    result = handle.result(_STOP_POLL_S)
                     total += result.payload_bytes
                     one_sided += result.payload_bytes if result.one_sided else 0
                     break
                 except TimeoutError:
                     if handle.done() or time.monotonic() >= deadline:
                         raise
-                watch.check()
+                if self._cancelled:
+                    self.cancel()  # this thread's pulls: stopped here, off the step thread
+                    self._check_cancelled()
+                if time.monotonic() >= next_probe:
+                    watch.check()
+                    next_probe = time.monotonic() + PROBE_INTERVAL_S
         return total, one_sided
 
     def _check_cancelled(self) -> None:

@@ -7,9 +7,10 @@ the step's metadata ends the grant before the request is reported ``finished_sen
 reads blocks the engine is about to reuse. A consumer runs each `LoadSpec` as a `LoadJob` on a
 small thread pool: the handshake, UCX connects, pulls and the producer's liveness probes never
 run on the step thread, and finished or failed loads are reported exactly once
-through `transfer_results`. A load of an aborted request is cancelled and reported at once
-(cancelling guarantees no later write). Producer releases decided by the scheduler half are
-reported as ``finished_sending`` in the step that carries them.
+through `transfer_results`. No worker hook waits for a transfer: a load of an aborted request
+is stopped without waiting and reported (failed, its blocks still borrowed until then) once its
+loader stopped writing, at once if no pull had begun. Producer releases decided by the
+scheduler half are reported as ``finished_sending`` in the step that carries them.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class UcxWorker:
         self._notifier = Notifier(timeout_s=ucx.handshake_timeout_s, tls=ucx.tls)
         # Loads not reported yet, by request id; the job is None for one that could not start.
         self._loads: dict[str, tuple[LoadSpec, LoadJob | None]] = {}
+        # Loads of aborted requests, stopping on their loader threads: reported when they end.
+        self._aborted: set[str] = set()
         # Queueing a result wakes the engine (`set_completion_callback`).
         self._results: CompletionQueue[_Finished] = CompletionQueue()
         self._released: list[str] = []
@@ -191,13 +194,15 @@ class UcxWorker:
                 grant.prompt_digest,
                 pending_layers=layers if grant.streaming else (),
             )
-        # Each returns once no pull reads these blocks: they are freed after this step.
+        # No new read of these blocks starts; they are reported sent (and freed) once the
+        # gathers already reading them ended (`transfer_results`), which the step never waits
+        # for.
         ended = [r.req_id for r in metadata.releases if not r.expired]
         if ended:
-            self._grants.revoke(ended, "has ended (its consumer released it)")
+            self._grants.revoke_nowait(ended, "has ended (its consumer released it)")
         expired = [r.req_id for r in metadata.releases if r.expired]
         if expired:
-            self._grants.revoke(
+            self._grants.revoke_nowait(
                 expired,
                 f"expired: no keep-alive from its consumer within the {self._ucx.lease_s:g} s "
                 "lease",
@@ -248,8 +253,8 @@ class UcxWorker:
             # An idle engine steps in a tight loop; without a yield per step the loader, pull,
             # serving and UCX progress threads wait for the GIL for hundreds of milliseconds.
             time.sleep(0)
-        sending = set(self._released)
-        self._released = []
+        sending = self._grants.drained(self._released)
+        self._released = [r for r in self._released if r not in sending]
         recving: set[str] = set()
         failed: set[str] = set()
         for finished in self._results.drain():
@@ -259,6 +264,9 @@ class UcxWorker:
                 continue  # cancelled and reported already
             del self._loads[spec.req_id]
             recving.add(spec.req_id)
+            if spec.req_id in self._aborted:
+                self._aborted.discard(spec.req_id)
+                finished = _Finished(spec, cancelled=True)  # whatever it reached: aborted
             if finished.cancelled:
                 # Reported failed (it delivered nothing) but without load errors: its request
                 # is gone and its blocks may already hold another request's KV.
@@ -285,12 +293,15 @@ class UcxWorker:
                 self._add("bytes_received_one_sided", finished.outcome.one_sided_bytes)
                 self._append("transfer_s", finished.outcome.elapsed_s)
         for req_id in finished_req_ids:
-            entry = self._loads.pop(req_id, None)
-            if entry is None:
+            entry = self._loads.get(req_id)
+            if entry is None or req_id in self._aborted:
                 continue
-            # Aborted while loading: once cancel() returns nothing writes its blocks.
-            if entry[1] is not None:
-                entry[1].cancel()
+            job = entry[1]
+            if job is not None and not job.stop_nowait():
+                # Pulls may be writing: reported when its loader has stopped them.
+                self._aborted.add(req_id)
+                continue
+            del self._loads[req_id]
             recving.add(req_id)
             failed.add(req_id)
             self._add("num_loads_cancelled", 1)
