@@ -402,7 +402,6 @@ class PullClient:
 
         `RemoteTransferError` with the peer's code if refused (``NOT_SERVING``: tagged only);
         waits within ``control`` (its deadline, cancel flag and liveness probe)."""
-        timeout_s = control.timeout_s
         header_tag, data_tag = reply_tags(self._next_sequence())
         header = self._loop.new_host_buffer(RESPONSE_HEADER_BYTES)
         payload = self._loop.new_host_buffer(MAX_KEYS_BYTES)
@@ -427,18 +426,27 @@ class PullClient:
             self._loop.recv(address, payload, data_tag, finish)
             self._loop.send(address, message, REQUEST_TAG, lambda e: e and finish(e))
 
-        try:
-            self._loop.call(post).result(timeout_s)
-        except FutureTimeout:
-            raise TransferTimeoutError(
-                f"posting a keys request to {peer.name} took over {timeout_s} s"
-            ) from None
-        except TransportError:
-            raise
-        except Exception as exc:
-            raise PeerUnreachable(
-                f"cannot ask {peer.name} for its keys: {type(exc).__name__}: {exc}"
-            ) from exc
+        posted = self._loop.call(post)
+        # Within the read's deadline, and stopped by its cancel: a UCX loop thread that cannot
+        # post (starved, or stuck in a send) must not hold a cancelled load for the timeout.
+        while True:
+            try:
+                posted.result(_KEYS_POLL_S)
+                break
+            except FutureTimeout:
+                pass
+            except TransportError:
+                raise
+            except Exception as exc:
+                raise PeerUnreachable(
+                    f"cannot ask {peer.name} for its keys: {type(exc).__name__}: {exc}"
+                ) from exc
+            try:
+                control.check(f"posting a keys request to {peer.name}")
+            except BaseException:
+                # The post may still run: its receives are cancelled with the endpoint.
+                self._reset_peer(peer)
+                raise
         try:
             while not done.wait(_KEYS_POLL_S):
                 control.check(f"keys request to {peer.name}")
