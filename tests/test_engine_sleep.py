@@ -10,8 +10,23 @@ import logging
 import socket
 
 import pytest
-from engine_helpers.builtin import PROMPTS, colocated, engine_config, finish, worker_caches
-from ucx_helpers.engines import kv_config, pd_run, prefill, scheduler_half, worker_half
+from engine_helpers.builtin import (
+    DECODE,
+    PROMPTS,
+    colocated,
+    engine_config,
+    finish,
+    worker_caches,
+)
+from ucx_helpers.engines import (
+    kv_config,
+    pd_run,
+    prefill,
+    scheduler_half,
+    stepping,
+    worker_half,
+)
+from waiting import wait_until
 
 from kvtransfer.connector.base import KVConnectorBase_V1
 from kvtransfer.connector.config import KVTransferConfig
@@ -86,6 +101,26 @@ def test_a_producer_sleeps_and_wakes_and_serves_only_its_new_registration(data_p
     # Before the sleep, after it (the new generation), and the stale request's own attempt,
     # which found the producer at another generation than its params name.
     assert handshakes == 3
+
+
+def test_a_sleeping_decode_refuses_a_request_and_frees_the_producers_kv():
+    # vLLM 0.33's paused engine: the request is added and aborted at once, so the producer
+    # hears that nobody will read its KV (not after its 120 s lease).
+    with (
+        LLM(engine_config(kv_config("kv_producer", "awake"))) as producer,
+        LLM(engine_config(kv_config("kv_consumer", "dozing"))) as decode,
+    ):
+        (output,) = prefill(producer, [PROMPTS[0]])
+        leases = scheduler_half(producer.engine).leases
+        assert len(leases) == 1
+        decode.engine.sleep()
+        with pytest.raises(EngineSleepingError, match="'late': the engine is asleep"):
+            decode.engine.add_request("late", PROMPTS[0], DECODE, output.kv_transfer_params)
+        with stepping(producer.engine):
+            wait_until(lambda: len(leases) == 0, "the producer to free the refused KV")
+        finish(producer.engine)
+        decode.engine.wake_up()
+        finish(decode.engine)
 
 
 def test_sleep_refuses_while_requests_run():

@@ -19,8 +19,9 @@ Life cycle of a request:
 
 `sleep` (once drained) frees the KV pool after the connectors dropped their registrations;
 `wake_up` maps it again, the connectors register it anew and the engine publishes their new
-handshake metadata. Asleep, the engine refuses requests (a producer's KV that a refused
-decode named is freed by its lease).
+handshake metadata. Asleep, the engine refuses requests; one that names a producer's KV is
+added and aborted at once first (as vLLM 0.33's paused engine does), so the connector tells the
+producer to free it.
 """
 
 from __future__ import annotations
@@ -131,16 +132,39 @@ class EngineCore:
                 f"request {request_id!r}: kv_transfer_params must be an object (dict), "
                 f"got {type(kv_transfer_params).__name__}"
             )
-        if self.is_sleeping:
-            raise EngineSleepingError(
-                f"request {request_id!r}: the engine is asleep (its KV cache is freed); wake it "
-                "up first"
-            )
         if self.connector is not None:
             try:
                 self.connector.validate_kv_transfer_params(kv_transfer_params)
             except ValueError as exc:
                 raise ValueError(f"request {request_id!r}: {exc}") from None
+        if self.is_sleeping:
+            if kv_transfer_params and self.connector is not None:
+                # As vLLM 0.33's paused engine: added and aborted at once, so the connector
+                # tells the producer holding its KV that nobody will read it.
+                self._queue(request_id, prompt_token_ids, sampling_params, kv_transfer_params)
+                self.scheduler.abort_requests([request_id])
+            raise EngineSleepingError(
+                f"request {request_id!r}: the engine is asleep (its KV cache is freed); wake it "
+                "up first"
+            )
+        self._queue(
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            kv_transfer_params,
+            generated_token_ids,
+            awaits_generated,
+        )
+
+    def _queue(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        kv_transfer_params: Mapping[str, Any] | None,
+        generated_token_ids: Sequence[int] = (),
+        awaits_generated: bool = False,
+    ) -> None:
         seed = sampling_params.seed
         if seed is None:
             seed = random.getrandbits(63)
