@@ -181,6 +181,8 @@ def test_transfer_results_default_wraps_get_finished():
 HOOKS = {
     # worker side
     "register_kv_caches",
+    "unregister_kv_caches",
+    "restore_kv_caches",
     "bind_connector_metadata",
     "clear_connector_metadata",
     "has_connector_metadata",
