@@ -2,10 +2,12 @@
 
 `UcxLoop` owns a UCX context and worker in blocking progress mode and runs its own progress
 thread: progress the worker, finish completed requests, then `arm` the worker and sleep in
-``select`` on its epoll descriptor plus a wake-up pipe. That thread is the only one that touches
-UCX objects; other threads hand it closures through `UcxLoop.call`. This gives completion
-callbacks without polling (ucxx's built-in progress thread would leave request completion to be
-polled from Python) and makes every UCX call single-threaded.
+``select`` on its epoll descriptor plus a wake-up pipe. When UCX cannot be armed (work its
+descriptor will not announce) the thread spins briefly, then naps a millisecond per pass: it
+never holds a core, which a peer pinned to the same core needs. That thread is the only one
+that touches UCX objects; other threads hand it closures through `UcxLoop.call`. This gives
+completion callbacks without polling (ucxx's built-in progress thread would leave request
+completion to be polled from Python) and makes every UCX call single-threaded.
 
 Traps this module works around (see the UCX facts notes of the project):
 
@@ -70,6 +72,17 @@ MessageHandler = Callable[[Any, BaseException | None], None]
 _MAX_SLEEP_S = 1.0
 # How long shutdown keeps progressing so that closes and cancellations are processed.
 _SHUTDOWN_DRAIN_S = 0.2
+# Progress calls per pass before the loop serves its queue, probes and deadlines again.
+_MAX_PROGRESS_PER_PASS = 64
+# While UCX cannot be armed (it has work its descriptor will not announce: a pending send, a
+# polled transport), the loop spins this long, then naps `_BUSY_NAP_MS` per pass. Spinning
+# without end starved a peer on the same core: vLLM pins a whole worker process, our threads
+# included, to its OpenMP core, and a producer's loop at 100% of core 0 kept the TP rank 0 of
+# its consumer, pinned there too, from running for minutes (issue 27).
+_BUSY_SPIN_S = 200e-6
+_BUSY_NAP_MS = 1.0
+# A loop busy this long without a break is logged (once per busy spell).
+_BUSY_WARN_S = 5.0
 
 
 @dataclass(eq=False)
@@ -191,6 +204,9 @@ class UcxLoop:
         # Run before an endpoint to the address closes, every time (remote keys go first).
         self._close_hooks: dict[bytes, list[Callable[[], None]]] = {}
         self._listeners: dict[int, MessageHandler] = {}
+        self.name = name
+        # Naps taken while UCX could not be armed (see `_BUSY_SPIN_S`); for tests and stats.
+        self.busy_naps = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -399,6 +415,8 @@ class UcxLoop:
             )
 
     def _run(self) -> None:
+        busy_since: float | None = None
+        warned = False
         try:
             while True:
                 self._run_calls()
@@ -406,18 +424,41 @@ class UcxLoop:
                     if self._closing and not self._calls:
                         break
                 self._progress()
-                if self._calls or not self._worker.arm():
+                if self._calls:
                     continue
-                self._poller.poll(self._sleep_s() * 1e3)
-                self._drain_wake()
+                if self._worker.arm():
+                    busy_since, warned = None, False
+                    self._poller.poll(self._sleep_s() * 1e3)
+                    self._drain_wake()
+                    continue
+                now = time.monotonic()
+                if busy_since is None:
+                    busy_since = now
+                busy_s = now - busy_since
+                if busy_s >= _BUSY_SPIN_S:
+                    # A nap a queued call still ends (the wake-up pipe); UCX is progressed
+                    # again right after it.
+                    self._poller.poll(min(_BUSY_NAP_MS, self._sleep_s() * 1e3))
+                    self._drain_wake()
+                    self.busy_naps += 1
+                if busy_s >= _BUSY_WARN_S and not warned:
+                    warned = True
+                    logger.warning(
+                        "UCX loop %s: UCX has had unannounced work for %.0f s (pending sends "
+                        "to a peer that does not progress?); polling it every %g ms",
+                        self.name,
+                        busy_s,
+                        _BUSY_NAP_MS,
+                    )
         except Exception:
             logger.exception("UCX progress thread crashed")
         finally:
             self._shutdown()
 
     def _progress(self) -> None:
-        while self._worker.progress_once():
-            pass
+        for _ in range(_MAX_PROGRESS_PER_PASS):
+            if not self._worker.progress_once():
+                break
         if self._listeners:
             self._probe()
         self._complete()
