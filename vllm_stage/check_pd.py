@@ -552,21 +552,24 @@ def run_tp(model: str, logs: Path) -> None:
     # once too short for a TP 2 engine's first UCX endpoint. Typed errors, that request only,
     # but not what this run checks.
     timeout = {"transfer_timeout_s": 60, "handshake_timeout_s": 20}
+    # TP 1 -> TP 2 runs pinned as two instances on one small host are: the prefill's OpenMP
+    # thread on core 0, the decode's on cores 0 and 1, so the prefill and the decode's TP rank 0
+    # share core 0 (vLLM pins the whole worker process, our threads included). That is where
+    # the producer's UCX loop, spinning at 100% of core 0, once kept the decode's rank 0 from
+    # running for minutes and vLLM's executor killed the decode (issue 27; the loop now naps).
+    pinned = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
     for producer_tp, consumer_tp in ((2, 1), (1, 2)):
         label = f"TP {producer_tp} -> TP {consumer_tp}"
-        # The TP 1 server is not pinned: its OpenMP thread, gRPC and UCX threads pinned to one
-        # core shared with a TP 2 worker's team starved (the producer answered neither
-        # GetHandshake nor a keys request within the transfer timeout, while vLLM's busy loop
-        # stepped it for the lease it held). Unpinned, the OS spreads the three engines.
+        # TP 2 -> TP 1: the TP 1 server unpinned, so the OS spreads the three engines.
         p = Server(
             f"tp{producer_tp}-prefill", model, logs, kv_config("kv_producer", **timeout),
             *(tp2 if producer_tp == 2 else ()), core=None,
-            env=both if producer_tp == 2 else passive,
+            env=both if producer_tp == 2 else pinned,
         )  # fmt: skip
         d = Server(
             f"tp{consumer_tp}-decode", model, logs, kv_config("kv_consumer", **timeout),
             *(tp2 if consumer_tp == 2 else ()), core=None,
-            env=both if consumer_tp == 2 else passive,
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if consumer_tp == 2 else passive,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
