@@ -44,7 +44,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -640,17 +640,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-plane", choices=("rma", "tagged"), default="rma")
     args = parser.parse_args()
-    started = time.monotonic()
-    try:
+
+    def checks() -> None:
         check_startup_answers()
         for producer_split, consumer_split, num_layers, fmt in PAIRINGS:
             run_pairing(producer_split, consumer_split, num_layers, args.data_plane, fmt)
         check_kernel_split_mismatch(args.data_plane)
+
+    return run_checks("adapter PP checks", checks)
+
+
+def run_checks(title: str, checks: Callable[[], None]) -> int:
+    """Run ``checks``; print the first failure with its traceback, or that all passed."""
+    started = time.monotonic()
+    try:
+        checks()
     except Exception as exc:
         print(f"FAIL  {type(exc).__name__}: {exc}", flush=True)
         traceback.print_exc(limit=5, file=sys.stdout)
         return 1
-    print(f"adapter PP checks passed ({time.monotonic() - started:.1f} s)", flush=True)
+    print(f"{title} passed ({time.monotonic() - started:.1f} s)", flush=True)
     return 0
 
 

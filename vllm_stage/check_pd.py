@@ -406,6 +406,24 @@ def prefill(p: Server, prompt: str) -> dict:
     return params
 
 
+def pd_decode(decode: Server, prompt: str, max_tokens: int, params: dict, label: str) -> dict:
+    """The P/D decode of a prompt ``decode`` has not cached: answered, and vLLM counts the KV
+    of every prompt token as transferred (equal tokens alone would also come from a decode
+    that recomputed). Its answer."""
+    source = "vllm:prompt_tokens_by_source_total"
+    before = decode.metric(source, source="external_kv_transfer")
+    status, answer = decode.complete(prompt, max_tokens, params)
+    check(status == 200, f"{label}: the P/D decode answered (HTTP {status}: {answer})")
+    pulled = decode.metric(source, source="external_kv_transfer") - before
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    check(
+        pulled == prompt_tokens,
+        f"{label}: vLLM counts the KV of all {prompt_tokens} prompt tokens as transferred "
+        f"({pulled:.0f})",
+    )
+    return answer
+
+
 def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -456,20 +474,10 @@ def run(model: str, logs: Path) -> None:
                     # (so its return to 0 below means something).
                     usage = p.metric("vllm:kv_cache_usage_perc")
                     check(usage > 0, f"the producer holds the prefilled KV (usage {usage:g})")
-                before = decode.metric(source, source="external_kv_transfer")
-                status, answer = decode.complete(prompt, MAX_TOKENS, params)
+                answer = pd_decode(decode, prompt, MAX_TOKENS, params, decode.name)
                 check(
-                    status == 200 and tokens(answer) == reference[prompt],
+                    tokens(answer) == reference[prompt],
                     f"{decode.name}: P/D tokens equal the single instance for {prompt[:30]!r}...",
-                )
-                pulled = decode.metric(source, source="external_kv_transfer") - before
-                prompt_tokens = answer["usage"]["prompt_tokens"]
-                # vLLM counts every prompt token as loaded: equal tokens alone would also
-                # come from a decode that recomputed.
-                check(
-                    pulled == prompt_tokens,
-                    f"{decode.name}: vLLM counts the KV of all {prompt_tokens} prompt tokens "
-                    f"as transferred ({pulled:.0f})",
                 )
         # A prefix hit on D1: the second decode of SHARED transfers only what it lacks.
         status, answer = d1.complete(SHARED, MAX_TOKENS, prefill(p, SHARED))
@@ -575,20 +583,9 @@ def run_tp(model: str, logs: Path) -> None:
             deadline = time.monotonic() + START_TIMEOUT_S
             p.wait_healthy(deadline)
             d.wait_healthy(deadline)
-            source = "vllm:prompt_tokens_by_source_total"
             for n, prompt in enumerate(TP_PROMPTS):
-                # The P/D request first: the decode has never seen this prompt, so every
-                # prompt token's KV must come from the producer, and vLLM must count it so.
-                before = d.metric(source, source="external_kv_transfer")
-                status, answer = d.complete(prompt, TP_TOKENS, prefill(p, prompt))
-                check(status == 200, f"{label}: the P/D decode answered (HTTP {status}: {answer})")
-                pulled = d.metric(source, source="external_kv_transfer") - before
-                prompt_tokens = answer["usage"]["prompt_tokens"]
-                check(
-                    pulled == prompt_tokens,
-                    f"{label}: vLLM counts the KV of all {prompt_tokens} prompt tokens as "
-                    f"transferred ({pulled:.0f})",
-                )
+                # The P/D request first: the decode has never seen this prompt.
+                answer = pd_decode(d, prompt, TP_TOKENS, prefill(p, prompt), label)
                 # References computed afresh on each engine: a cache salt keeps them from
                 # reusing the blocks the P/D run left (wrong KV would match itself).
                 references = {}
