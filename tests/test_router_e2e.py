@@ -195,6 +195,7 @@ def test_the_first_token_comes_from_the_prefill_and_may_end_the_request(one_to_o
     assert body["kvtransfer"]["token_ids"] == expected[1][:1]
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 1
+    assert started(decode) == decode_calls  # max_tokens 1 never reaches the decode daemon
     # A stop string the first token completes: "stop", no text, as colocated.
     first_text = bytes(expected[1][:1]).decode()
     body = complete(url, PROMPTS[1], stop=first_text)
@@ -202,9 +203,11 @@ def test_the_first_token_comes_from_the_prefill_and_may_end_the_request(one_to_o
     assert body["kvtransfer"]["token_ids"] == []
     text, chunks = stream(url, PROMPTS[1], stop=first_text)
     assert text == "" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    # max_tokens 1 never reached the decode daemon; the stopped ones were called while their
-    # prefill computed (KV streaming) and cancelled: both sides gave everything back.
-    assert started(decode) == decode_calls + 2
+    # The stopped ones were called while their prefill computed (KV streaming) and cancelled
+    # when its first token ended them: a call cancelled before the decode daemon took it is
+    # never counted there (seen once in CI-like runs: 1 of 2), so at most 2. Either way both
+    # sides must give everything back.
+    assert started(decode) <= decode_calls + 2
     wait_until(
         lambda: used_blocks(prefill) == used_blocks(decode) == 0,
         "the stopped requests' KV given back",
