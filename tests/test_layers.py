@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "kvtransfer"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("kvtransfer.v1", "kvtransfer.logs"),
+    ("kvtransfer.v1", "kvtransfer.logs", "kvtransfer.timeline"),
     ("kvtransfer.connector",),
     ("kvtransfer.transport", "kvtransfer.control"),
     ("kvtransfer.clients",),

@@ -124,6 +124,21 @@ def test_prefill_then_decode_json_body(caplog):
             }
             ttft = info.pop("ttft_s")
             assert isinstance(ttft, float) and ttft >= 0
+            # The router's own spans, in the order its steps ran (these fakes send none).
+            timeline = info.pop("timeline")
+            names = [row["name"] for row in timeline]
+            assert names[:6] == [
+                "router.parse",
+                "router.tokenize",
+                "router.admit",
+                "router.pick",
+                "router.pick",
+                "router.prefill_call",
+            ]
+            assert [row["attributes"]["role"] for row in timeline[3:5]] == ["decode", "prefill"]
+            assert {"router.decode_first_message", "router.decode_call"} <= set(names[6:])
+            assert [row["start_ms"] for row in timeline] == sorted(r["start_ms"] for r in timeline)
+            assert all(row["duration_ms"] >= 0 for row in timeline)
             # Each daemon's phases, joined (the fakes report only the decode's transfer), and
             # the first-to-second token gap the router saw.
             phases = info.pop("phases")

@@ -9,7 +9,40 @@ from typing import Any
 
 import grpc
 
+from kvtransfer.timeline import Span
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
+
+
+def spans_to_proto(spans: Sequence[Span]) -> list[generation_pb2.Span]:
+    """A daemon's timeline for its final message; attribute values travel as JSON so their
+    types (ints, bools) survive."""
+    return [
+        generation_pb2.Span(
+            name=span.name,
+            start_unix_nano=span.start_ns,
+            end_unix_nano=span.end_ns,
+            attributes={key: json.dumps(value) for key, value in span.attributes.items()},
+        )
+        for span in spans
+    ]
+
+
+def spans_from_proto(messages: Sequence[generation_pb2.Span], process: str) -> list[Span]:
+    """The spans of a daemon's final message, tagged with ``process`` (its role); a value
+    that is not JSON is kept as its text."""
+    spans = []
+    for message in messages:
+        attributes: dict[str, Any] = {}
+        for key, raw in message.attributes.items():
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = raw
+            attributes[key] = value if isinstance(value, str | int | float | bool) else raw
+        spans.append(
+            Span(message.name, message.start_unix_nano, message.end_unix_nano, attributes, process)
+        )
+    return spans
 
 
 @dataclass

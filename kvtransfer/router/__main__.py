@@ -206,6 +206,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the daemons' --block-size, the prefix index's unit (default 16)",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send each request's timeline as an OpenTelemetry trace to this OTLP/gRPC "
+        "collector (e.g. http://otel-collector:4317), as vLLM's flag of the same name does",
+    )
+    parser.add_argument(
         "--admin-token-file",
         metavar="FILE",
         help=f"turns on the admin API (/workers) with this bearer token (or {ADMIN_TOKEN_ENV})",
@@ -267,6 +273,7 @@ def config_from_args(
         kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port,
         kv_block_size=args.kv_block_size,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         engine=args.engine,
         aggregated=args.aggregated,
         admin_token=_token(args.admin_token_file, environ.get(ADMIN_TOKEN_ENV)),

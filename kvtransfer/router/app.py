@@ -90,8 +90,10 @@ from kvtransfer.router.policy import (
     create_policy,
     token_ids_of,
 )
+from kvtransfer.router.tracing import TraceExporter
 from kvtransfer.router.upstream import Upstream
 from kvtransfer.router.vllm_upstream import VllmCall, VllmProxy, check_vllm_body
+from kvtransfer.timeline import BOOK, now_ns, wall_ns
 
 logger = logging.getLogger("kvtransfer.router")
 
@@ -257,7 +259,10 @@ class RouterHandlers:
             await wiring.close()
             raise
         upstream = Upstream(fleet)
-        runner = self._runner = ChoiceRunner(config, self.metrics, upstream)
+        traces = None
+        if config.otlp_traces_endpoint:
+            traces = TraceExporter(config.otlp_traces_endpoint)
+        runner = self._runner = ChoiceRunner(config, self.metrics, upstream, traces)
         if config.engine == VLLM:
             self._vllm = VllmProxy(config, self.metrics, fleet)
         try:
@@ -268,6 +273,8 @@ class RouterHandlers:
             # (release_timeout_s), so waiting for them is bounded.
             await runner.close()
             self._runner = None
+            if traces is not None:
+                await asyncio.to_thread(traces.shutdown)
             await fleet.close()
             await wiring.close()
 
@@ -354,6 +361,7 @@ class RouterHandlers:
             return _error(request_id, 400, str(exc), param=exc.param)
         if parsed.model is not None and parsed.model != self.config.model_name:
             return self._unknown_model(request_id, log, parsed.model)
+        parsed_at = now_ns()
         model = self.config.model_name
         answer = _Answer(fmt, request_id, int(time.time()), model, parsed, choices, started)
         deadline = started + self.config.request_timeout_s
@@ -365,9 +373,14 @@ class RouterHandlers:
                 deadline,
                 _choice_log(log, rid),
                 self._route_context(rid, choice),
+                traceparent=request.headers.get("traceparent"),
             )
             for choice, rid in zip(choices, _choice_ids(request_id, len(choices)), strict=True)
         ]
+        tokenized_at = now_ns()
+        for exchange in exchanges:
+            BOOK.record(exchange.request_id, "parse", wall_ns(started), parsed_at)
+            BOOK.record(exchange.request_id, "tokenize", parsed_at, tokenized_at)
         log.info(
             "received: %d choice(s), max_tokens=%d, stream=%s",
             len(choices),
@@ -376,11 +389,18 @@ class RouterHandlers:
         )
 
         async def run() -> web.StreamResponse:
+            admitted_at = now_ns()
+            for exchange in exchanges:
+                BOOK.record(exchange.request_id, "admit", tokenized_at, admitted_at)
             if parsed.stream:
                 return await self._stream(request, answer, exchanges)
             return await self._collect(answer, exchanges)
 
-        return await self._admitted(request_id, log, deadline, run)
+        try:
+            return await self._admitted(request_id, log, deadline, run)
+        finally:
+            for exchange in exchanges:
+                BOOK.take(exchange.request_id)  # what a failed choice left
 
     async def _complete_on_vllm(
         self,
@@ -537,6 +557,7 @@ class RouterHandlers:
         try:
             async with aclosing(self._deltas(answer, exchanges)) as deltas:
                 async for delta in deltas:
+                    arrived = now_ns()
                     tokens.add(delta)
                     first = delta.index not in opened
                     opened.add(delta.index)
@@ -566,6 +587,9 @@ class RouterHandlers:
                     if include_usage:
                         chunk["usage"] = None
                     await sse.send(chunk)
+                    if first and delta.token_ids:
+                        rid = exchanges[delta.index].request_id
+                        BOOK.record(rid, "first_token_out", arrived, now_ns())
         except UpstreamError as exc:
             if sse.response is None:
                 raise

@@ -62,16 +62,19 @@ import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtransfer.clients.generation import spans_from_proto
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
 from kvtransfer.router.fleet import AGGREGATED, Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.openai_api import Choice
 from kvtransfer.router.policy import RouteContext, UncachedEstimator, whole_prompt_uncached
+from kvtransfer.router.tracing import RequestTrace, TraceExporter
 from kvtransfer.router.upstream import CallStream, PrefillResult, Upstream
+from kvtransfer.timeline import BOOK, Span, now_ns, relative, wall_ns
 from kvtransfer.v1 import generation_pb2
 
 # How long a prefill call whose client left may take to deliver a final message already sent.
@@ -136,6 +139,8 @@ class Exchange:
     route: dict[str, str] = field(default_factory=dict)
     # Set once the decode stream ended with "length" or "stop": its KV load is settled.
     decoded: bool = False
+    # The client's W3C trace context (its ``traceparent`` header): the trace's parent.
+    traceparent: str | None = None
 
 
 @dataclass
@@ -222,9 +227,16 @@ class _Decoded:
 class ChoiceRunner:
     """Runs choices on one `Upstream`, releasing KV nobody decoded (tasks it keeps)."""
 
-    def __init__(self, config: RouterConfig, metrics: RouterMetrics, upstream: Upstream) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        upstream: Upstream,
+        traces: TraceExporter | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics
+        self.traces = traces
         self.upstream: Upstream | None = upstream
         # ReleaseKV calls and abandoned prefills in flight: they outlive their choices, not
         # the channels.
@@ -401,6 +413,7 @@ class ChoiceRunner:
         text: str,
     ) -> Delta:
         self.metrics.phases(decoded.phases())
+        spans = self._timeline(exchange, decoded)
         cached = decoded.cached_prompt_tokens()
         role = "decode" if decoded.prefill is None else "prefill"
         predicted = exchange.context.predicted_cached_tokens.get(role)
@@ -419,10 +432,33 @@ class ChoiceRunner:
             token_ids=tuple(final.token_ids),
             logprobs=tuple(final.logprobs),
             finish_reason=final.finish_reason,
-            info=_kvtransfer_info(exchange, decoded),
+            info=_kvtransfer_info(exchange, decoded, spans),
             num_prompt_tokens=decoded.num_prompt_tokens,
             num_cached_tokens=cached,
         )
+
+    def _timeline(self, exchange: Exchange, decoded: _Decoded) -> list[Span]:
+        """The choice's spans, this router's and its daemons', as the answer, the span
+        histograms and the trace exporter get them."""
+        spans = [replace(span, process="router") for span in BOOK.take(exchange.request_id)]
+        if decoded.prefill is not None:
+            spans += spans_from_proto(decoded.prefill.spans, "prefill")
+        if decoded.final is not None and decoded.final is not decoded.prefill:
+            spans += spans_from_proto(decoded.final.spans, "decode")
+        spans.sort(key=lambda span: span.start_ns)
+        self.metrics.spans(spans)
+        if self.traces is not None:
+            trace = RequestTrace(
+                exchange.request_id,
+                wall_ns(exchange.started),
+                now_ns(),
+                spans,
+                _trace_attributes(exchange, decoded),
+                exchange.traceparent,
+            )
+            # After this delta is written: the SDK's span objects cost the loop some time.
+            asyncio.get_running_loop().call_soon(self.traces.export, trace)
+        return spans
 
     def _require_upstream(self) -> Upstream:
         if self.upstream is None:
@@ -443,7 +479,9 @@ class ChoiceRunner:
         aggregated: bool | None = None,
     ) -> _Lease:
         fleet = upstream.fleet
+        started = now_ns()
         instance = fleet.pick(role, exchange.context, exclude=tried, aggregated=aggregated)
+        BOOK.record(exchange.request_id, "pick", started, now_ns(), role=role)
         return _Lease(upstream, instance)
 
     async def _retry_lease(
@@ -498,6 +536,7 @@ class ChoiceRunner:
         already on its way, whose KV is released; a prefill still computing is cancelled, and
         the daemon gives its KV back itself)."""
         on_params = leg.start_early if leg is not None and self.config.kv_stream else None
+        called = now_ns()
         call = asyncio.ensure_future(
             upstream.run_prefill(
                 lease.instance,
@@ -510,6 +549,11 @@ class ChoiceRunner:
         # Bound now: the loop below leases decodes, and the prefill's lease must end with its
         # call, not whichever lease a name pointed at by then.
         call.add_done_callback(lambda _, prefill_lease=lease: prefill_lease.end())
+        call.add_done_callback(
+            lambda _, rid=exchange.request_id, address=lease.instance.address: BOOK.record(
+                rid, "prefill_call", called, now_ns(), instance=address
+            )
+        )
         try:
             while True:
                 watched: set[asyncio.Future[Any]] = {call}
@@ -642,7 +686,25 @@ def _release_trigger(exc: BaseException) -> str:
     return "decode_failed" if isinstance(exc, UpstreamError) else "error"
 
 
-def _kvtransfer_info(exchange: Exchange, decoded: _Decoded) -> dict[str, Any]:
+def _trace_attributes(exchange: Exchange, decoded: _Decoded) -> dict[str, Any]:
+    """vLLM's ``gen_ai.*`` attributes of its ``llm_request`` span, where the router knows
+    them, and the route."""
+    attributes: dict[str, Any] = {
+        "gen_ai.usage.prompt_tokens": decoded.num_prompt_tokens,
+        "gen_ai.usage.completion_tokens": len(decoded.token_ids),
+        "gen_ai.request.max_tokens": exchange.choice.max_tokens,
+    }
+    if decoded.first_token_at is not None:
+        attributes["gen_ai.latency.time_to_first_token"] = decoded.first_token_at - exchange.started
+    if decoded.final is not None:
+        attributes["gen_ai.response.finish_reasons"] = (decoded.final.finish_reason,)
+    attributes.update({f"kvtransfer.{role}": address for role, address in exchange.route.items()})
+    return attributes
+
+
+def _kvtransfer_info(
+    exchange: Exchange, decoded: _Decoded, spans: Sequence[Span] = ()
+) -> dict[str, Any]:
     metrics = decoded.final.metrics if decoded.final is not None else None
     first = decoded.first_token_at
     return {
@@ -660,6 +722,8 @@ def _kvtransfer_info(exchange: Exchange, decoded: _Decoded) -> dict[str, Any]:
             "decode" if decoded.prefill is None else "prefill"
         ),
         "phases": decoded.phases(),
+        # Where each millisecond went: every span, in ms from the request's arrival here.
+        "timeline": relative(spans, wall_ns(exchange.started)),
     }
 
 
@@ -817,7 +881,7 @@ class _DecodeLeg:
             self._unstarted = exc
             return False
         self._stream, self._failure = stream, None
-        reading = self._read(stream, self._queue, self.ended)
+        reading = self._read(stream, self._queue, self.ended, now_ns())
         self._reader = asyncio.get_running_loop().create_task(reading)
         return True
 
@@ -827,10 +891,28 @@ class _DecodeLeg:
         return self._unstarted
 
     async def _read(
-        self, stream: CallStream, queue: asyncio.Queue[Any], ended: asyncio.Future[None]
+        self,
+        stream: CallStream,
+        queue: asyncio.Queue[Any],
+        ended: asyncio.Future[None],
+        called: int,
     ) -> None:
+        first: int | None = None
         try:
             async for message in stream:
+                if first is None:
+                    first = now_ns()
+                    name = "decode_first_message"
+                    BOOK.record(self._exchange.request_id, name, called, first)
+                if message.finished:
+                    # Before the message is queued: the timeline is built from it.
+                    BOOK.record(
+                        self._exchange.request_id,
+                        "decode_call",
+                        called,
+                        now_ns(),
+                        instance=self.address,
+                    )
                 queue.put_nowait(message)
             queue.put_nowait(_END)
         except UpstreamError as exc:

@@ -97,7 +97,8 @@ class RouterConfig:
     kvtransfer daemons (``kvtransfer``: their gRPC address) or vLLM OpenAI servers (``vllm``:
     their HTTP address; `vllm_upstream`); ``vllm_api_key``: the key they were started with
     (``--api-key``), sent as a bearer token on every completion call (the client's own
-    credentials are never forwarded).
+    credentials are never forwarded). ``otlp_traces_endpoint``: an OTLP/gRPC collector that
+    gets every choice's timeline as a trace (`kvtransfer.router.tracing`).
     """
 
     prefill: tuple[str, ...]
@@ -131,6 +132,7 @@ class RouterConfig:
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     kv_block_size: int = 16
+    otlp_traces_endpoint: str | None = None
     engine: str = KVTRANSFER
     admin_token: str | None = field(default=None, repr=False)
     daemon_admin_token: str | None = field(default=None, repr=False)

@@ -16,8 +16,28 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtransfer.router.policy import InstanceLoad
+from kvtransfer.timeline import Span
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+# Timeline spans run from tens of microseconds (a pick, a layer) to seconds (a cold handshake).
+_SPAN_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    10,
+)
 
 # Not an HTTP status anyone sees: the client went away first (nginx's convention).
 CLIENT_CLOSED = 499
@@ -42,6 +62,14 @@ class RouterMetrics:
             "kvtransfer_router_time_to_first_token_seconds",
             "HTTP request in to the first decode token",
             buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self._spans = Histogram(
+            "kvtransfer_router_span_seconds",
+            "Each span of P/D requests' timelines (the kvtransfer.timeline field of an answer): "
+            "router.* measured here, prefill.* and decode.* by those daemons",
+            ["span"],
+            buckets=_SPAN_BUCKETS,
             registry=self.registry,
         )
         self._phases = Histogram(
@@ -154,6 +182,12 @@ class RouterMetrics:
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
+
+    def spans(self, spans: Iterable[Span]) -> None:
+        """Every span of a choice's timeline, by qualified name (per-layer spans of one kind
+        share a series: a layer's index is not a label)."""
+        for span in spans:
+            self._spans.labels(span=span.qualified_name()).observe(span.duration_s)
 
     def phases(self, phases: dict[str, float]) -> None:
         for phase, seconds in phases.items():

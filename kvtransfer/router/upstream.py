@@ -142,6 +142,7 @@ class Upstream:
         for name in ("request_id", "finished", "finish_reason", "kv_transfer_params_json"):
             setattr(first, name, getattr(final, name))
         first.metrics.CopyFrom(final.metrics)
+        first.spans.extend(final.spans)
         result = PrefillResult(daemon, first)
         if request.max_tokens > 1 and final.finish_reason == "length" and not result.continues:
             raise _fault(daemon, "no kv_transfer_params in its final message", "no_kv_params")

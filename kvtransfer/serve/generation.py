@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from kvtransfer.clients.generation import spans_to_proto
 from kvtransfer.engine.model.chat_template import ChatTemplate
 from kvtransfer.engine.outputs import TokenLogprobs
 from kvtransfer.engine.scheduler.request import (
@@ -40,6 +41,7 @@ from kvtransfer.serve.requests import (
     parse_transfer_params,
 )
 from kvtransfer.serve.text_stream import TextStream
+from kvtransfer.timeline import BOOK, now_ns, wall_ns
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger("kvtransfer.serve.requests")
@@ -76,6 +78,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         ctx = self._ctx
+        received = time.monotonic()
         if not ctx.is_admitting():
             ctx.ledger.count("requests_rejected")
             await context.abort(
@@ -95,6 +98,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except RequestError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), request)
         admitted = time.monotonic()
+        received_ns = wall_ns(received)
         outputs: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -131,6 +135,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except (EngineUnavailable, TimeoutError) as exc:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(exc), request)
         ctx.ledger.count("requests_started")
+        BOOK.record(parsed.request_id, "admit", received_ns, now_ns())
         logger.info(
             "admitted: %d prompt tokens, max_tokens %d%s",
             len(parsed.prompt_token_ids),
@@ -170,6 +175,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 # Cancelled by the client, or the stream broke: nobody reads the rest, and KV
                 # held for a consumer would reach none.
                 ctx.engine.abandon(rid)
+                BOOK.take(rid)  # nobody will read them
                 ctx.ledger.count("requests_aborted")
                 ctx.metrics.request_finished("abort")
                 logger.info("call cancelled: aborted", extra={"request_id": parsed.request_id})
@@ -275,6 +281,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if first_token_at is None:
                     first_token_at = now
                     ctx.metrics.ttft.observe(now - admitted)
+                    # The token's hop from the engine thread to this call's stream.
+                    BOOK.record(rid, "first_token_out", now_ns(), now_ns())
                 else:
                     ctx.metrics.itl.observe(now - last_token_at)
                 last_token_at = now
@@ -348,6 +356,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 ctx.metrics.kv_seconds.observe(stats.load_wait_s)
             if stats.num_recomputed_tokens:
                 ctx.metrics.failure("kv_load_recomputed")
+        message.spans.extend(spans_to_proto(BOOK.take(parsed.request_id)))
         ctx.ledger.request_finished(output, ctx.bytes_per_block)
         ctx.ledger.record_load(parsed.kv_transfer_params, output)
         ctx.metrics.request_finished(reason)

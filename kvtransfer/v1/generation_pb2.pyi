@@ -126,8 +126,27 @@ class RequestMetrics(_message.Message):
     kv_overlapped_s: float
     def __init__(self, ttft_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_blocks_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., kv_overlapped_s: _Optional[float] = ...) -> None: ...
 
+class Span(_message.Message):
+    __slots__ = ("name", "start_unix_nano", "end_unix_nano", "attributes")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    END_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    start_unix_nano: int
+    end_unix_nano: int
+    attributes: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., start_unix_nano: _Optional[int] = ..., end_unix_nano: _Optional[int] = ..., attributes: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "error", "kv_transfer_params_json", "num_prompt_tokens", "metrics", "logprobs", "prompt_token_ids")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "error", "kv_transfer_params_json", "num_prompt_tokens", "metrics", "logprobs", "prompt_token_ids", "spans")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +158,7 @@ class GenerateResponse(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -150,4 +170,5 @@ class GenerateResponse(_message.Message):
     metrics: RequestMetrics
     logprobs: _containers.RepeatedCompositeFieldContainer[OutputLogprobs]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[OutputLogprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    spans: _containers.RepeatedCompositeFieldContainer[Span]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[OutputLogprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...

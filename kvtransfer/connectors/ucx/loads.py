@@ -29,6 +29,7 @@ from kvtransfer.connectors.ucx.liveness import PROBE_INTERVAL_S, AskHeld, Produc
 from kvtransfer.connectors.ucx.metadata import LoadSpec
 from kvtransfer.connectors.ucx.plan import check_request_blocks
 from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines
+from kvtransfer.timeline import BOOK, now_ns
 from kvtransfer.transport import (
     AccessDenied,
     ErrorCode,
@@ -78,6 +79,8 @@ class LoadJob:
         self._cancelled = False
         self._begun = 0
         self._handles: list[PullHandle] = []
+        # Pulls not yet on the timeline: their start (wall ns) and layer count, by handle.
+        self._read_started: dict[int, tuple[int, int]] = {}
 
     @property
     def req_id(self) -> str:
@@ -113,7 +116,7 @@ class LoadJob:
         if not spec.local_block_ids:
             return LoadOutcome(0, 0, 0.0)
         self._check_cancelled()
-        engine = self._engines.get(spec.remote)
+        engine = self._engines.get(spec.remote, spec.req_id)
         check_request_blocks(spec.remote, next(iter(engine.metadata.values())).block_size)
         watch = ProducerWatch(spec.remote, self._ask_held)
         try:
@@ -150,6 +153,7 @@ class LoadJob:
                         if self._cancelled:
                             raise LoadCancelled(f"load of request {spec.req_id!r} was cancelled")
                         self._begun += 1
+                    pull_started = now_ns()
                     handle = self._agent.pull(
                         engine.peers[pull.remote_rank],
                         PullSpec(
@@ -165,6 +169,9 @@ class LoadJob:
                         on_wait=watch.check,
                         should_stop=lambda: self._cancelled,
                     )
+                self._read_started[id(handle)] = (pull_started, len(layer_names))
+                if handle.done():  # one-sided: read right there
+                    self._record_read(handle)
                 with self._lock:
                     self._handles.append(handle)
                     started = list(self._handles)
@@ -182,6 +189,7 @@ class LoadJob:
             while True:
                 try:
                     result = handle.result(_STOP_POLL_S)
+                    self._record_read(handle)
                     total += result.payload_bytes
                     one_sided += result.payload_bytes if result.one_sided else 0
                     break
@@ -195,6 +203,25 @@ class LoadJob:
                     watch.check()
                     next_probe = time.monotonic() + PROBE_INTERVAL_S
         return total, one_sided
+
+    def _record_read(self, handle: PullHandle) -> None:
+        """A ``kv.read`` span for a pull that ended (once per pull)."""
+        started = self._read_started.pop(id(handle), None)
+        if started is None:
+            return
+        try:
+            result = handle.result(0)
+        except BaseException:  # a failed pull's error is raised by the wait, not here
+            return
+        BOOK.record(
+            self.spec.req_id,
+            "kv.read",
+            started[0],
+            now_ns(),
+            layers=started[1],
+            bytes=result.payload_bytes,
+            one_sided=result.one_sided,
+        )
 
     def _check_cancelled(self) -> None:
         with self._lock:

@@ -30,6 +30,7 @@ from kvtransfer.connectors.ucx.plan import (
     plan_pulls,
 )
 from kvtransfer.control.security import TLSFiles
+from kvtransfer.timeline import BOOK, now_ns
 from kvtransfer.transport import KVTransferAgent, PeerHandle
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,9 @@ class RemoteEngines:
         """Longest a `get` waits (handshake attempts with back-off, then connects)."""
         return HANDSHAKE_ATTEMPTS * self._timeout_s + 1.0 + self._timeout_s
 
-    def get(self, remote: RemotePrefill) -> RemoteEngine:
-        """The handshaken, connected producer of ``remote``; handshakes on a miss."""
+    def get(self, remote: RemotePrefill, request_id: str | None = None) -> RemoteEngine:
+        """The handshaken, connected producer of ``remote``; handshakes on a miss (a
+        ``kv.handshake`` span on ``request_id``'s timeline)."""
         key = (remote.engine_id, remote.address)
         cached = self._cached(key, remote.generation)
         if cached is not None:
@@ -105,7 +107,10 @@ class RemoteEngines:
             cached = self._cached(key, remote.generation)
             if cached is not None:
                 return cached
+            started = now_ns()
             engine = self._handshake(remote)
+            if request_id is not None:
+                BOOK.record(request_id, "kv.handshake", started, now_ns(), peer=remote.address)
             with self._lock:
                 self._engines[key] = engine
             return engine

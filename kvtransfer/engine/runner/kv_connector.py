@@ -23,6 +23,7 @@ from kvtransfer.connector.metadata import (
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.engine.model.forward_context import NoLayerHooks
 from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from kvtransfer.timeline import BOOK, Span, now_ns
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from kvtransfer.connector.config import KVTransferConfig
     from kvtransfer.engine.model.forward_context import AttentionMetadata
     from kvtransfer.engine.scheduler_output import SchedulerOutput
+
+# A layer's wait for its KV shorter than this is not worth a span (no load was behind it).
+_NOTABLE_WAIT_NS = 20_000
 
 
 class KVConnector(NoLayerHooks):
@@ -87,6 +91,11 @@ class ActiveKVConnector(KVConnector):
                 f"({type(connector).__name__})"
             )
         self.connector = connector
+        # Requests computing prompt tokens this step, whose timelines get a span per layer
+        # (computed, then saved: a streaming prefill publishes it there); `_mark` is where
+        # the next layer's computation began.
+        self._timeline_ids: tuple[str, ...] = ()
+        self._mark = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.connector.register_kv_caches(kv_caches)
@@ -111,14 +120,35 @@ class ActiveKVConnector(KVConnector):
             metadata if metadata is not None else KVConnectorMetadata()
         )
         self.connector.start_load_kv(forward_context=None)
+        scheduled = scheduler_output.num_scheduled_tokens
+        self._timeline_ids = tuple(rid for rid, n in scheduled.items() if n > 1)
+        self._mark = now_ns()
 
     def before_attention(self, layer_name: str) -> None:
+        if not self._timeline_ids:
+            self.connector.wait_for_layer_load(layer_name)
+            return
+        start = now_ns()
         self.connector.wait_for_layer_load(layer_name)
+        end = now_ns()
+        if end - start > _NOTABLE_WAIT_NS:
+            BOOK.add_many(
+                self._timeline_ids, Span("kv.wait_layer", start, end, {"layer": layer_name})
+            )
 
     def after_attention(
         self, layer_name: str, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> None:
+        if not self._timeline_ids:
+            self.connector.save_kv_layer(layer_name, kv_cache, attn_metadata)
+            return
+        computed = now_ns()
         self.connector.save_kv_layer(layer_name, kv_cache, attn_metadata)
+        saved = now_ns()
+        ids = self._timeline_ids
+        BOOK.add_many(ids, Span("model.layer", self._mark, computed, {"layer": layer_name}))
+        BOOK.add_many(ids, Span("kv.save_layer", computed, saved, {"layer": layer_name}))
+        self._mark = saved
 
     def post_forward(
         self,

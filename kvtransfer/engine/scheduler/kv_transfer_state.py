@@ -25,6 +25,7 @@ from kvtransfer.connector.config import KVLoadFailurePolicy
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.engine.scheduler.block_manager import BlockManager
 from kvtransfer.engine.scheduler.request import EngineCoreOutput, KVLoad, Request, RequestStatus
+from kvtransfer.timeline import BOOK, wall_ns
 
 _RECV = "recv"
 _SEND = "send"
@@ -165,6 +166,14 @@ class KVTransferState:
             stats = request.kv_stats
             now = time.monotonic()
             stats.load_wait_s += now - load.started_at
+            BOOK.record(
+                rid,
+                "engine.kv_wait",
+                wall_ns(load.started_at),
+                wall_ns(now),
+                tokens=load.num_external_tokens,
+                failed=rid in failed or load.failed,
+            )
             if load.overlaps_prefill:
                 # Loading while the prefill computed: until its first token came.
                 end = min(now, request.continued_at or now)

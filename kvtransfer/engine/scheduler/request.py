@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.timeline import BOOK, wall_ns
 
 if TYPE_CHECKING:
     import torch
@@ -144,6 +145,24 @@ class Request:
             compute = self.first_sampled_at - self.first_scheduled_at
         queue = max(0.0, scheduled - arrived - self.kv_stats.load_wait_s)
         return RequestTimings(queue_s=queue, compute_s=compute)
+
+    def record_first_token(self) -> None:
+        """Put its queue and compute phases on its timeline (`kvtransfer.timeline`), once its
+        first token was sampled here."""
+        if self.first_sampled_at is None:
+            return
+        sampled = wall_ns(self.first_sampled_at)
+        scheduled = wall_ns(self.first_scheduled_at) if self.first_scheduled_at else sampled
+        if self.arrived_at is not None:
+            BOOK.record(self.request_id, "engine.queue", wall_ns(self.arrived_at), scheduled)
+        BOOK.record(
+            self.request_id,
+            "engine.compute",
+            scheduled,
+            sampled,
+            cached_tokens=self.num_cached_tokens,
+            prompt_tokens=self.num_prompt_tokens,
+        )
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
