@@ -443,7 +443,22 @@ class _AddressOnly:
         return self._address
 
 
-def run_nixl(base: int, warmup: int, threads: int) -> tuple[dict[str, list[float]] | None, str]:
+def _nixl_site() -> str | None:
+    """Where ``nixl_cu12`` is when this environment lacks it: the vLLM stage's venv has it
+    (``.vllm-venv``, see docs/vllm.md); appended to ``sys.path``, after our own packages, and
+    inherited by the spawned NIXL processes."""
+    root = Path(__file__).resolve().parent.parent
+    for site in sorted(root.glob(".vllm-venv/lib/python*/site-packages")):
+        if (site / "nixl_cu12").is_dir():
+            return str(site)
+    return None
+
+
+def run_nixl(
+    base: int, warmup: int, threads: int, site: str | None = None
+) -> tuple[dict[str, list[float]] | None, str]:
+    if site is not None and site not in sys.path:
+        sys.path.append(site)
     try:
         import nixl_cu12._api  # noqa: F401
     except Exception as exc:
@@ -793,6 +808,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--no-nixl", action="store_true")
+    parser.add_argument(
+        "--nixl-site",
+        help="a site-packages holding nixl_cu12 (default: .vllm-venv's, where ours lacks it)",
+    )
     parser.add_argument("--chunk-mib", type=int, default=None, help="TransportConfig.chunk_bytes")
     parser.add_argument("--inflight", type=int, default=None, help="max_inflight_chunks")
     parser.add_argument("--no-handshake", action="store_true")
@@ -823,7 +842,15 @@ def main() -> None:
     if args.no_nixl:
         nixl, nixl_note = None, "n/a (--no-nixl)"
     else:
-        nixl, nixl_note = run_nixl(args.iterations, args.warmup, args.torch_threads)
+        try:
+            import nixl_cu12  # noqa: F401
+
+            site = None
+        except ImportError:
+            site = args.nixl_site or _nixl_site()
+        nixl, nixl_note = run_nixl(args.iterations, args.warmup, args.torch_threads, site)
+        if site is not None:
+            nixl_note += f" (from {site})"
     from kvtransfer.transport import TransportConfig
 
     overrides: dict[str, int] = {}

@@ -395,11 +395,11 @@ def test_a_same_host_read_not_allowed_directly_goes_through_ucx(producers, monke
 
     refusals: list[int] = []
 
-    def refused(self, local, remote, lengths):
+    def refused(self, plan):
         refusals.append(self.pid)
         raise rma_module.DirectReadUnavailable(f"not allowed to read process {self.pid}")
 
-    monkeypatch.setattr(rma_module.DirectReader, "read", refused)
+    monkeypatch.setattr(rma_module.DirectReader, "run", refused)
     server = producers["B2HND"]
     local = _local("B2HND")
     with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as agent:

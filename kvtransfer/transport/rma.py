@@ -16,6 +16,7 @@ it on the calling thread (the UCX worker is thread-safe), so a pull costs no thr
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import logging
 import os
@@ -28,7 +29,12 @@ import numpy as np
 import torch
 
 from kvtransfer.transport.access import AccessDenied, LeaseEndedDuringRead, secret_digest
-from kvtransfer.transport.direct_read import DirectReader, DirectReadUnavailable
+from kvtransfer.transport.direct_read import (
+    DirectPlan,
+    DirectReader,
+    DirectReadUnavailable,
+    plan_direct,
+)
 from kvtransfer.transport.errors import (
     ErrorCode,
     PeerUnreachable,
@@ -47,7 +53,7 @@ from kvtransfer.transport.lease_table import (
     lease_token,
     prompt_tag,
 )
-from kvtransfer.transport.rma_layout import LayerMemory, Runs, concat_runs, layer_runs, merge_runs
+from kvtransfer.transport.rma_layout import LayerMemory, RunGrid, Runs, concat_runs, merge_runs
 from kvtransfer.transport.spec import LayerPlan, PullSpec
 from kvtransfer.transport.ucp_rma import (
     MEMORY_CUDA,
@@ -63,9 +69,12 @@ logger = logging.getLogger(__name__)
 
 # A keys answer larger than this is refused (a layer entry is ~200 bytes, a key ~100).
 MAX_KEYS_BYTES = 4 << 20
-# Busy progress calls before a reader starts sleeping between them (2 cores: do not spin).
-_SPINS = 200
-_NAP_S = 0.0002
+# A reader waiting for its UCX gets polls without a pause this long, then naps between polls
+# from `_NAP_S` doubling to `_MAX_NAP_S` (see `_wait`; the cost is measured in
+# docs/data-plane.md).
+_SPIN_S = 0.0005
+_NAP_S = 0.00005
+_MAX_NAP_S = 0.001
 # A waiting reader runs its `on_wait` (the producer liveness probe) this often.
 _WAIT_HOOK_S = 0.25
 # Back-off of a reader waiting for its lease row (the grant reaches the workers once a step).
@@ -243,6 +252,8 @@ class RmaPeer:
         self._endpoint: int | None = None
         self._rkeys: list[int] = []
         self._direct: DirectReader | None = None
+        # Pull shapes planned against these keys (see `plan_runs`).
+        self.shapes: dict[tuple, PullShape] = {}
         if same_host and all(region.memory == "host" for region in keys.regions):
             candidate = DirectReader(keys.identity.pid)
             if candidate.probe(keys.identity.address, keys.identity.nonce):
@@ -315,22 +326,43 @@ class ReadControl:
             self.on_wait()
 
 
-def plan_runs(
+@dataclass(frozen=True)
+class _Group:
+    """Layers of one geometry on both sides: one `RunGrid`, shifted by each layer's bases."""
+
+    grid: RunGrid
+    local_bases: np.ndarray
+    remote_bases: np.ndarray
+    regions: np.ndarray
+
+
+@dataclass(frozen=True)
+class PullShape:
+    """What planning a pull needs besides its block ids, checked once per (layers, heads)."""
+
+    groups: tuple[_Group, ...]
+    # The fewest blocks any remote layer of the pull has, and that layer.
+    blocks: int
+    smallest: str
+    # Whether a layer's memory touches the next one's on both sides (layers in one buffer):
+    # only then can runs merge across layers.
+    touching: bool
+    local_memory: Mapping[str, LayerMemory]
+
+
+# Shapes kept per producer: one per (layers, heads) a consumer pulls, a handful in practice.
+_MAX_SHAPES = 64
+
+
+def _shape(
     keys: RmaKeys,
     spec: PullSpec,
     plans: list[LayerPlan],
     local_memory: Mapping[str, LayerMemory],
-) -> Runs:
-    """The merged runs of ``spec``; `RemoteTransferError` with the tagged mode's codes for
-    what the producer's layout cannot serve (checked here: no producer sees the read).
-
-    Layers with the same geometry on both sides (the usual case) share one set of runs computed
-    at address 0, shifted by each layer's base addresses: numpy work per pull, not per layer.
-    """
-    remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
-    highest = int(remote_ids.max()) if len(remote_ids) else -1
+) -> PullShape:
     groups: dict[tuple, list[tuple[LayerMemory, LayerMemory]]] = {}
-    heads_of: dict[tuple, tuple[range, range]] = {}
+    grids: dict[tuple, RunGrid] = {}
+    smallest: LayerMemory | None = None
     for plan in plans:
         remote = keys.layers.get(plan.name)
         if remote is None:
@@ -345,12 +377,8 @@ def plan_runs(
                 f"layer {plan.name!r} with {remote.shape[2]} heads on the producer",
                 code=ErrorCode.HEAD_RANGE,
             )
-        if highest >= remote.shape[0]:
-            raise RemoteTransferError(
-                f"pull {spec.request_id!r}: block id {highest} out of range for "
-                f"layer {plan.name!r} with {remote.shape[0]} blocks on the producer",
-                code=ErrorCode.BLOCK_OUT_OF_RANGE,
-            )
+        if smallest is None or remote.shape[0] < smallest.shape[0]:
+            smallest = remote
         local = local_memory[plan.name]
         signature = (
             local.shape,
@@ -362,61 +390,191 @@ def plan_runs(
             plan.local_heads,
             heads,
         )
+        if signature not in grids:
+            try:
+                grids[signature] = RunGrid.of(
+                    replace(local, address=0), replace(remote, address=0), plan.local_heads, heads
+                )
+            except ValueError as exc:
+                raise RemoteTransferError(
+                    f"pull {spec.request_id!r}: {exc}", code=ErrorCode.LAYOUT_MISMATCH
+                ) from exc
         groups.setdefault(signature, []).append((local, remote))
-        heads_of[signature] = (plan.local_heads, heads)
-    parts = []
-    for signature, layers in groups.items():
-        local, remote = layers[0]
-        local_heads, remote_heads = heads_of[signature]
-        try:
-            template = layer_runs(
-                replace(local, address=0),
-                replace(remote, address=0),
-                spec.local_block_ids,
-                remote_ids,
-                local_heads,
-                remote_heads,
+    touching = False
+    for layers in groups.values():
+        for (local_a, remote_a), (local_b, remote_b) in itertools.pairwise(layers):
+            if _touch(local_a, local_b) and _touch(remote_a, remote_b):
+                touching = True
+    assert smallest is not None
+    return PullShape(
+        tuple(
+            _Group(
+                grids[signature],
+                np.array([pair[0].address for pair in layers], dtype=np.int64),
+                np.array([pair[1].address for pair in layers], dtype=np.int64),
+                np.array([pair[1].region for pair in layers], dtype=np.int64),
             )
-        except ValueError as exc:
-            raise RemoteTransferError(
-                f"pull {spec.request_id!r}: {exc}", code=ErrorCode.LAYOUT_MISMATCH
-            ) from exc
-        local_bases = np.array([pair[0].address for pair in layers], dtype=np.int64)
-        remote_bases = np.array([pair[1].address for pair in layers], dtype=np.int64)
-        regions = np.array([pair[1].region for pair in layers], dtype=np.int64)
+            for signature, layers in groups.items()
+        ),
+        smallest.shape[0],
+        smallest.name,
+        touching or len(groups) > 1,
+        local_memory,
+    )
+
+
+def _touch(a: LayerMemory, b: LayerMemory) -> bool:
+    """Whether ``b``'s memory begins where ``a``'s ends, or the two overlap (a shared buffer)."""
+    a_low, a_high = a.extent()
+    b_low, b_high = b.extent()
+    return a_low <= b_high and b_low <= a_high
+
+
+def plan_runs(
+    keys: RmaKeys,
+    spec: PullSpec,
+    plans: list[LayerPlan],
+    local_memory: Mapping[str, LayerMemory],
+    shapes: dict[tuple, PullShape] | None = None,
+) -> Runs:
+    """The merged runs of ``spec``; `RemoteTransferError` with the tagged mode's codes for
+    what the producer's layout cannot serve (checked here: no producer sees the read).
+
+    Layers with the same geometry on both sides (the usual case) share one set of runs computed
+    at address 0, shifted by each layer's base addresses: numpy work per pull, not per layer.
+    ``shapes`` caches what does not depend on the block ids (checks, grids, bases) per layers
+    and heads, so a small pull costs a few numpy operations.
+    """
+    key = (tuple(plan.name for plan in plans), spec.local_heads, spec.remote_heads)
+    shape = None if shapes is None else shapes.get(key)
+    if shape is None or shape.local_memory is not local_memory:
+        shape = _shape(keys, spec, plans, local_memory)
+        if shapes is not None:
+            if len(shapes) >= _MAX_SHAPES:
+                shapes.clear()
+            shapes[key] = shape
+    remote_ids = np.asarray(spec.remote_block_ids, dtype=np.int64)
+    local_ids = np.asarray(spec.local_block_ids, dtype=np.int64)
+    if len(remote_ids) and int(remote_ids.max()) >= shape.blocks:
+        raise RemoteTransferError(
+            f"pull {spec.request_id!r}: block id {int(remote_ids.max())} out of range for "
+            f"layer {shape.smallest!r} with {shape.blocks} blocks on the producer",
+            code=ErrorCode.BLOCK_OUT_OF_RANGE,
+        )
+    parts = []
+    for group in shape.groups:
+        template = group.grid.runs(local_ids, remote_ids)
+        if len(group.local_bases) == 1:
+            parts.append(
+                Runs(
+                    template.local + int(group.local_bases[0]),
+                    template.remote + int(group.remote_bases[0]),
+                    template.lengths,
+                    np.full(len(template), int(group.regions[0]), dtype=np.int64),
+                )
+            )
+            continue
+        # Filled by broadcasting: np.tile and np.repeat cost more than the arithmetic here.
+        shape2d = (len(group.local_bases), len(template))
+        lengths = np.empty(shape2d, dtype=np.int64)
+        lengths[:] = template.lengths
+        regions = np.empty(shape2d, dtype=np.int64)
+        regions[:] = group.regions[:, None]
         parts.append(
             Runs(
-                (local_bases[:, None] + template.local).reshape(-1),
-                (remote_bases[:, None] + template.remote).reshape(-1),
-                np.tile(template.lengths, len(layers)),
-                np.repeat(regions, len(template)),
+                (group.local_bases[:, None] + template.local).reshape(-1),
+                (group.remote_bases[:, None] + template.remote).reshape(-1),
+                lengths.reshape(-1),
+                regions.reshape(-1),
             )
         )
+    if not shape.touching:
+        return parts[0]
     return concat_runs(parts) if len(parts) > 1 else merge_runs(parts[0])
+
+
+@dataclass
+class ReadCounters:
+    """What one-sided reads moved on this consumer, by path: the proof of which path ran.
+    Data runs only; the lease-row reads around them are counted apart."""
+
+    direct_reads: int = 0
+    direct_bytes: int = 0
+    # process_vm_readv calls of the data reads (IOV_MAX iovecs each at most).
+    direct_calls: int = 0
+    ucx_reads: int = 0
+    ucx_bytes: int = 0
+    # ucp_get_nbx calls of the data reads (one per run).
+    ucx_gets: int = 0
+    row_reads: int = 0
 
 
 class _Channel:
     """Copies runs from the producer and returns once they all landed (or raises)."""
 
+    def __init__(self, counters: ReadCounters) -> None:
+        self.counters = counters
+
     def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
+        raise NotImplementedError
+
+    def copy_row(self, row: _LeaseRow, control: ReadControl) -> None:
+        """Read the lease row's window (counted apart from the data)."""
+        self._copy_row(row, control)
+        self.counters.row_reads += 1
+
+    def _copy_row(self, row: _LeaseRow, control: ReadControl) -> None:
         raise NotImplementedError
 
 
 class _DirectChannel(_Channel):
-    def __init__(self, reader: DirectReader) -> None:
+    def __init__(self, reader: DirectReader, counters: ReadCounters) -> None:
+        super().__init__(counters)
         self._reader = reader
 
     def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
-        self._reader.read(runs.local, runs.remote, runs.lengths)
+        plan = plan_direct(runs.local, runs.remote, runs.lengths)
+        self._reader.run(plan)
+        self.counters.direct_reads += 1
+        self.counters.direct_bytes += plan.total_bytes
+        self.counters.direct_calls += len(plan.calls)
+
+    def _copy_row(self, row: _LeaseRow, control: ReadControl) -> None:
+        self._reader.run(row.direct_plan)
 
 
 class _UcxChannel(_Channel):
-    def __init__(self, worker: int, endpoint: int, rkeys: list[int], memory: int) -> None:
+    def __init__(
+        self, worker: int, endpoint: int, rkeys: list[int], memory: int, counters: ReadCounters
+    ) -> None:
+        super().__init__(counters)
         self._worker, self._endpoint, self._rkeys, self._memory = worker, endpoint, rkeys, memory
 
     def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
         gets = Gets(self._worker, self._endpoint, self._memory)
+        rkeys = self._rkeys
         try:
+            gets.post_many(
+                runs.local.tolist(),
+                runs.lengths.tolist(),
+                runs.remote.tolist(),
+                [rkeys[0]] * len(runs)
+                if len(rkeys) == 1
+                else [rkeys[k] for k in runs.keys.tolist()],
+            )
+            gets.flush()
+            _wait(gets, control, what)
+        except BaseException:
+            gets.abandon()
+            raise
+        self.counters.ucx_reads += 1
+        self.counters.ucx_bytes += runs.total_bytes
+        self.counters.ucx_gets += len(runs)
+
+    def _copy_row(self, row: _LeaseRow, control: ReadControl) -> None:
+        gets = Gets(self._worker, self._endpoint, MEMORY_HOST)
+        try:
+            runs = row.runs
             gets.post_many(
                 runs.local.tolist(),
                 runs.lengths.tolist(),
@@ -424,7 +582,7 @@ class _UcxChannel(_Channel):
                 [self._rkeys[k] for k in runs.keys.tolist()],
             )
             gets.flush()
-            _wait(gets, control, what)
+            _wait(gets, control, f"lease check of {row.lease_id!r}")
         except BaseException:
             gets.abandon()
             raise
@@ -432,19 +590,24 @@ class _UcxChannel(_Channel):
 
 def _wait(gets: Gets, control: ReadControl, what: str) -> None:
     """Progress until ``gets`` completed, or raise: cancelled, timed out, peer failed, or
-    whatever ``control.on_wait`` raises (a dead producer)."""
-    spins = 0
+    whatever ``control.on_wait`` raises (a dead producer).
+
+    Polls without a pause for `_SPIN_S` (a small read completes within it: no sleep's wake-up
+    latency), then sleeps between polls, doubling the nap from `_NAP_S` to `_MAX_NAP_S`: a
+    read in flight costs at most `_SPIN_S` of a core, and nothing spins while none is."""
+    spin_until = time.perf_counter() + _SPIN_S
+    nap = _NAP_S
     while True:
         try:
             if gets.poll():
                 return
         except UcxStatusError as exc:
             raise PeerUnreachable(f"{what}: one-sided read failed: {exc}") from exc
-        spins += 1
-        if spins < _SPINS:
+        if time.perf_counter() < spin_until:
             continue
         control.check(f"{what} (one-sided read)")
-        time.sleep(_NAP_S)
+        time.sleep(nap)
+        nap = min(nap * 2, _MAX_NAP_S)
 
 
 class RmaReader:
@@ -455,6 +618,7 @@ class RmaReader:
         # Wakes the loop thread after this thread progressed the worker (it may have taken
         # the events the loop sleeps on).
         self._nudge = nudge
+        self.counters = ReadCounters()
 
     def read(
         self,
@@ -472,23 +636,22 @@ class RmaReader:
         endpoints). Any error raised while
         UCX reads were in flight (cancel, timeout, ``on_wait``, a failed read) leaves them to
         the caller, who must reset the endpoint."""
-        runs = plan_runs(rma.keys, spec, plans, local_memory)
+        runs = plan_runs(rma.keys, spec, plans, local_memory, rma.shapes)
         row = _LeaseRow.of(rma.keys, spec, plans)
         what = f"pull {spec.request_id!r}"
-        on_host = local_memory[plans[0].name].memory == MEMORY_HOST
-        direct = rma.direct if on_host else None
+        memory = local_memory[plans[0].name].memory
+        direct = rma.direct if memory == MEMORY_HOST else None
         if direct is not None:
             try:
-                self._read(_DirectChannel(direct), runs, row, control, what)
+                self._read(_DirectChannel(direct, self.counters), runs, row, control, what)
                 return runs.total_bytes, len(runs)
             except DirectReadUnavailable:
                 rma.no_direct()
-        memory = local_memory[plans[0].name].memory
         while True:
             with rma.lock:
                 ep = endpoint()
                 if ep is not None:
-                    channel = _UcxChannel(self._worker, ep, rma.ucx_keys(ep), memory)
+                    channel = _UcxChannel(self._worker, ep, rma.ucx_keys(ep), memory, self.counters)
                     try:
                         self._read(channel, runs, row, control, what)
                     finally:
@@ -533,12 +696,20 @@ class _LeaseRow:
         self.needed = needed
         self.lease_id = lease_id
         self.window = np.zeros(WINDOW * ROW_WORDS, dtype=np.int64)
-        self._runs = Runs(
+        self.runs = Runs(
             np.array([self.window.ctypes.data], dtype=np.int64),
             np.array([address], dtype=np.int64),
             np.array([self.window.nbytes], dtype=np.int64),
             np.array([table_key], dtype=np.int64),
         )
+        self._direct_plan: DirectPlan | None = None
+
+    @property
+    def direct_plan(self) -> DirectPlan:
+        """The window's read as iovecs, built once for the reads before and after."""
+        if self._direct_plan is None:
+            self._direct_plan = plan_direct(self.runs.local, self.runs.remote, self.runs.lengths)
+        return self._direct_plan
 
     @classmethod
     def of(cls, keys: RmaKeys, spec: PullSpec, plans: list[LayerPlan]) -> _LeaseRow | None:
@@ -577,7 +748,7 @@ class _LeaseRow:
         )
 
     def _read(self, channel: _Channel, control: ReadControl) -> tuple[int, int, int] | None:
-        channel.copy(self._runs, control, f"lease check of {self.lease_id!r}")
+        channel.copy_row(self, control)
         return find_row(self.window, self.token)
 
     def wait_held(self, channel: _Channel, control: ReadControl) -> None:

@@ -114,6 +114,84 @@ class Runs:
         return len(self.lengths)
 
 
+@dataclass(frozen=True)
+class RunGrid:
+    """What `layer_runs` computes without the block ids: the atom and where each atom of a
+    block starts relative to the block (head slice included), on both sides. A reader keeps
+    one per layer geometry, so a pull costs only the per-block arithmetic."""
+
+    atom: int
+    local_offsets: np.ndarray
+    remote_offsets: np.ndarray
+    local_block_stride: int
+    remote_block_stride: int
+
+    @classmethod
+    def of(
+        cls,
+        local: LayerMemory,
+        remote: LayerMemory,
+        local_heads: range,
+        remote_heads: range,
+    ) -> RunGrid:
+        """`ValueError` if the two layers cannot exchange these heads."""
+        if local.dtype != remote.dtype or local.shape[3:] != remote.shape[3:]:
+            raise ValueError(
+                f"layer {local.name!r}: local {local.dtype} {local.shape[3:]} (block size, "
+                f"head dim) does not match remote {remote.dtype} {remote.shape[3:]}"
+            )
+        if len(local_heads) != len(remote_heads):
+            raise ValueError(f"head slices {local_heads} and {remote_heads} differ in size")
+        size = local.element_size
+        if local.strides[4] != size or remote.strides[4] != size:
+            raise ValueError(f"layer {local.name!r}: head_dim elements are not contiguous")
+        block_size, head_dim = local.shape[3], local.shape[4]
+        # Innermost first (by the local layout): tokens, heads of the slice, K/V in B2HND; the
+        # atom grows while both sides continue it.
+        counts = {3: block_size, 2: len(local_heads), 1: 2}
+        axes = sorted(counts, key=lambda axis: local.strides[axis])
+        atom = head_dim * size
+        absorbed = 0
+        for axis in axes:
+            if counts[axis] == 1:
+                absorbed += 1
+                continue
+            if local.strides[axis] != atom or remote.strides[axis] != atom:
+                break
+            atom *= counts[axis]
+            absorbed += 1
+        outer = [(axis, counts[axis]) for axis in axes[absorbed:]]
+        local_grid = np.full(1, local_heads.start * local.strides[2], dtype=np.int64)
+        remote_grid = np.full(1, remote_heads.start * remote.strides[2], dtype=np.int64)
+        # Outermost first, so runs come out in address order for a dense layer.
+        for axis, count in reversed(outer):
+            steps = np.arange(count, dtype=np.int64)
+            local_grid = (local_grid[:, None] + steps * local.strides[axis]).reshape(-1)
+            remote_grid = (remote_grid[:, None] + steps * remote.strides[axis]).reshape(-1)
+        return cls(atom, local_grid, remote_grid, local.strides[0], remote.strides[0])
+
+    def runs(
+        self,
+        local_ids: np.ndarray,
+        remote_ids: np.ndarray,
+        local_base: int = 0,
+        remote_base: int = 0,
+        key: int = 0,
+    ) -> Runs:
+        """The merged runs of these blocks (paired index by index) of layers at these bases."""
+        local_start = local_ids * self.local_block_stride + local_base
+        remote_start = remote_ids * self.remote_block_stride + remote_base
+        if len(self.local_offsets) == 1:
+            local_all = local_start + int(self.local_offsets[0])
+            remote_all = remote_start + int(self.remote_offsets[0])
+        else:
+            local_all = (local_start[:, None] + self.local_offsets).reshape(-1)
+            remote_all = (remote_start[:, None] + self.remote_offsets).reshape(-1)
+        lengths = np.full(len(local_all), self.atom, dtype=np.int64)
+        keys = np.full(len(local_all), key, dtype=np.int64)
+        return merge_runs(Runs(local_all, remote_all, lengths, keys))
+
+
 def layer_runs(
     local: LayerMemory,
     remote: LayerMemory,
@@ -124,52 +202,14 @@ def layer_runs(
 ) -> Runs:
     """The runs copying ``remote_heads`` of ``remote_ids`` into ``local_heads`` of
     ``local_ids`` (paired index by index), merged; ``keys`` holds the remote region."""
-    if local.dtype != remote.dtype or local.shape[3:] != remote.shape[3:]:
-        raise ValueError(
-            f"layer {local.name!r}: local {local.dtype} {local.shape[3:]} (block size, head dim) "
-            f"does not match remote {remote.dtype} {remote.shape[3:]}"
-        )
-    if len(local_heads) != len(remote_heads):
-        raise ValueError(f"head slices {local_heads} and {remote_heads} differ in size")
-    size = local.element_size
-    if local.strides[4] != size or remote.strides[4] != size:
-        raise ValueError(f"layer {local.name!r}: head_dim elements are not contiguous")
-    block_size, head_dim = local.shape[3], local.shape[4]
-    # Innermost first (by the local layout): tokens, heads of the slice, K/V in B2HND; the
-    # atom grows while both sides continue it.
-    counts = {3: block_size, 2: len(local_heads), 1: 2}
-    axes = sorted(counts, key=lambda axis: local.strides[axis])
-    atom = head_dim * size
-    absorbed = 0
-    for axis in axes:
-        if counts[axis] == 1:
-            absorbed += 1
-            continue
-        if local.strides[axis] != atom or remote.strides[axis] != atom:
-            break
-        atom *= counts[axis]
-        absorbed += 1
-    outer = [(axis, counts[axis]) for axis in axes[absorbed:]]
-    local_ids = np.asarray(local_ids, dtype=np.int64)
-    remote_ids = np.asarray(remote_ids, dtype=np.int64)
-    local_start = (
-        local.address + local_ids * local.strides[0] + local_heads.start * local.strides[2]
+    grid = RunGrid.of(local, remote, local_heads, remote_heads)
+    return grid.runs(
+        np.asarray(local_ids, dtype=np.int64),
+        np.asarray(remote_ids, dtype=np.int64),
+        local.address,
+        remote.address,
+        remote.region,
     )
-    remote_start = (
-        remote.address + remote_ids * remote.strides[0] + remote_heads.start * remote.strides[2]
-    )
-    local_grid = np.zeros(1, dtype=np.int64)
-    remote_grid = np.zeros(1, dtype=np.int64)
-    # Outermost first, so runs come out in address order for a dense layer.
-    for axis, count in reversed(outer):
-        steps = np.arange(count, dtype=np.int64)
-        local_grid = (local_grid[:, None] + steps * local.strides[axis]).reshape(-1)
-        remote_grid = (remote_grid[:, None] + steps * remote.strides[axis]).reshape(-1)
-    local_all = (local_start[:, None] + local_grid).reshape(-1)
-    remote_all = (remote_start[:, None] + remote_grid).reshape(-1)
-    lengths = np.full(len(local_all), atom, dtype=np.int64)
-    keys = np.full(len(local_all), remote.region, dtype=np.int64)
-    return merge_runs(Runs(local_all, remote_all, lengths, keys))
 
 
 def concat_runs(parts: Sequence[Runs]) -> Runs:

@@ -280,6 +280,8 @@ def plan_pull(
             f"(registered: {sorted(local)})"
         )
     plans = []
+    # Once, not per layer: a pull may name thousands of blocks.
+    highest = max(spec.local_block_ids) if spec.local_block_ids else -1
     for name in spec.layer_names:
         layout = KVLayout.of(local[name]) if local_layouts is None else local_layouts[name]
         heads = spec.local_heads or range(layout.num_kv_heads)
@@ -288,9 +290,9 @@ def plan_pull(
                 f"pull {spec.request_id!r}: local_heads {heads} out of bounds for layer {name!r} "
                 f"with {layout.num_kv_heads} heads"
             )
-        if spec.local_block_ids and max(spec.local_block_ids) >= layout.num_blocks:
+        if highest >= layout.num_blocks:
             raise ValueError(
-                f"pull {spec.request_id!r}: local block id {max(spec.local_block_ids)} out of "
+                f"pull {spec.request_id!r}: local block id {highest} out of "
                 f"range for layer {name!r} with {layout.num_blocks} blocks"
             )
         if spec.remote_heads is not None and len(spec.remote_heads) != len(heads):
