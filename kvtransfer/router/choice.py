@@ -245,6 +245,8 @@ class ChoiceRunner:
     async def close(self) -> None:
         """Wait for the releases in flight (each has a deadline), then stop releasing."""
         await asyncio.gather(*self.releases, return_exceptions=True)
+        if self.upstream is not None:
+            await self.upstream.close()
         self.upstream = None
 
     async def run(self, exchange: Exchange) -> AsyncIterator[Delta]:

@@ -38,12 +38,12 @@ raises.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -94,6 +94,17 @@ class Upstream:
     """The calls of a request, on instances of ``fleet`` the caller picked."""
 
     fleet: Fleet
+    # Prefill calls past their final message, read to their end (`_drain`).
+    _draining: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def close(self) -> None:
+        """Wait for the prefill calls still being read to their end (each has a deadline)."""
+        await asyncio.gather(*self._draining, return_exceptions=True)
+
+    def _drain(self, replies: CallStream) -> None:
+        task = asyncio.get_running_loop().create_task(_read_to_end(replies))
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
 
     async def run_prefill(
         self,
@@ -119,10 +130,9 @@ class Upstream:
             )
         final: generation_pb2.GenerateResponse | None = None
         first = generation_pb2.GenerateResponse()
-        async with contextlib.aclosing(_call(self.fleet, daemon, message, deadline)) as replies:
+        replies = _call(self.fleet, daemon, message, deadline)
+        try:
             async for reply in replies:
-                if final is not None:
-                    continue
                 # One message of the whole stream: the header and any tokens before the end.
                 first.token_ids.extend(reply.token_ids)
                 first.text += reply.text
@@ -135,6 +145,17 @@ class Upstream:
                     on_params = None
                 if reply.finished:
                     final = reply
+                    break
+        except BaseException:
+            await replies.aclose()
+            raise
+        if final is None:
+            await replies.aclose()
+        else:
+            # The first token goes on now; the call's end (its status, a millisecond later)
+            # is read in the background, so the call ends on its own: cancelled, the daemon
+            # would take it for a client that left and give the KV back.
+            self._drain(replies)
         if final is None:
             raise _fault(daemon, "the stream ended without a final message", "incomplete_stream")
         if final.finish_reason == "error":
@@ -223,6 +244,16 @@ class Upstream:
                 self.fleet.eject(daemon, exc.code(), exc.details() or "")
             return exc.code().name
         return "released" if answer.released else "not_held"
+
+
+async def _read_to_end(replies: CallStream) -> None:
+    try:
+        async for _ in replies:
+            pass  # nothing follows a final message
+    except UpstreamError:
+        pass  # the answer is in already; the daemon's own log says what ended the call
+    finally:
+        await replies.aclose()
 
 
 def _call(
