@@ -83,20 +83,57 @@ REMOTE_IDS = (5, 6, 7, 40, 2, 63)
 LOCAL_IDS = (0, 1, 2, 9, 30, 31)
 
 
+def _frozen(process) -> bool:
+    return Path(f"/proc/{process.pid}/stat").read_text().split(")")[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("path", ["direct", "ucx"])
 @pytest.mark.parametrize("remote_order", ["B2HND", "BH2ND", "B2NHD"])
 @pytest.mark.parametrize("local_order", ["B2HND", "2BHND", "BNH2D"])
 @pytest.mark.parametrize("heads", HEADS, ids=["all", "tp2-half", "into-half", "one-head"])
-def test_one_sided_pull_lands_every_byte(producers, remote_order, local_order, heads):
+def test_one_sided_pull_lands_every_byte(producers, remote_order, local_order, heads, path):
+    """Every byte lands, on both paths a same-host consumer may take: ``process_vm_readv``
+    (direct) and UCX gets (``shared_memory=False``: the producer counts as another host, its
+    UCX worker serves the gets). One-sided means: the consumer's counters say that path moved
+    exactly the payload, and the producer's code handled no message for the read (on the
+    direct path it is even frozen while it is read)."""
     remote_heads, local_heads, num_heads = heads
     server = producers[remote_order]
     local = _local(local_order, num_heads)
-    with KVTransferAgent(TransportConfig(timeout_s=WAIT_S)) as agent:
+    config = TransportConfig(timeout_s=WAIT_S, shared_memory=path == "direct")
+    with KVTransferAgent(config) as agent:
         agent.register_kv_caches(local)
         peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
+        # The first pull fetches the producer's keys (one message to its code); then the
+        # caches start over.
+        keys = PullSpec("keys", GROUP.names(), (1,), (1,), remote_heads, local_heads)
+        agent.pull(peer, keys).result(WAIT_S)
+        for cache in local.values():
+            cache.fill_(SENTINEL)
+        before, moved_before = server.counters(), agent.one_sided_counters
         spec = PullSpec("bytes", GROUP.names(), REMOTE_IDS, LOCAL_IDS, remote_heads, local_heads)
-        result = agent.pull(peer, spec).result(WAIT_S)
+        if path == "direct":
+            server.process.send_signal(signal.SIGSTOP)
+            wait_until(lambda: _frozen(server.process), "frozen")
+        try:
+            result = agent.pull(peer, spec).result(WAIT_S)
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        moved = agent.one_sided_counters
+        assert (agent._rma_peers[peer.ucx_address].direct is None) == (path == "ucx")
+    assert server.counters() == before
     width = len(remote_heads or range(4))
+    assert result.one_sided
     assert result.payload_bytes == len(GROUP.names()) * len(LOCAL_IDS) * 2 * width * 16 * 8 * 4
+    direct_bytes = moved.direct_bytes - moved_before.direct_bytes
+    ucx_bytes = moved.ucx_bytes - moved_before.ucx_bytes
+    if path == "direct":
+        assert (direct_bytes, ucx_bytes) == (result.payload_bytes, 0)
+        assert moved.direct_reads - moved_before.direct_reads == 1
+    else:
+        assert (direct_bytes, ucx_bytes) == (0, result.payload_bytes)
+        # One get per planned run.
+        assert moved.ucx_gets - moved_before.ucx_gets == result.num_messages
     r_heads = remote_heads or range(4)
     l_heads = local_heads or range(num_heads)
     for name in GROUP.names():

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType, TracebackType
 
 import torch
@@ -40,7 +40,14 @@ from kvtransfer.transport.errors import (
 from kvtransfer.transport.lease_table import LeaseTable
 from kvtransfer.transport.locality import WorkerAddresses
 from kvtransfer.transport.messages import decode_address, encode_address, peer_name
-from kvtransfer.transport.rma import ReadControl, RmaExporter, RmaKeys, RmaPeer, RmaReader
+from kvtransfer.transport.rma import (
+    ReadControl,
+    ReadCounters,
+    RmaExporter,
+    RmaKeys,
+    RmaPeer,
+    RmaReader,
+)
 from kvtransfer.transport.rma_layout import LayerMemory
 from kvtransfer.transport.server import KVServer
 from kvtransfer.transport.spec import KVLayout, PullSpec, check_kv_cache, plan_pull
@@ -388,6 +395,11 @@ class KVTransferAgent:
             self._loop.on_close(key, rma.release)
             self._rma_peers[key] = rma
             return rma
+
+    @property
+    def one_sided_counters(self) -> ReadCounters:
+        """What this agent's one-sided reads moved so far, by path (a copy)."""
+        return replace(self._reader.counters)
 
     @property
     def lease_table(self) -> LeaseTable | None:

@@ -131,6 +131,9 @@ class KVServer:
         self.keys_served = 0
         # Payload bytes of the requests served: what this server put on the wire.
         self.bytes_served = 0
+        # Every message that reached this server's code, answered or not: one-sided reads
+        # never do (tests hold RMA mode to it).
+        self.messages_received = 0
 
     def start(self) -> None:
         if self._started:
@@ -160,6 +163,8 @@ class KVServer:
     # -- loop thread --------------------------------------------------------------------------
 
     def _on_request(self, data: Any, error: BaseException | None) -> None:
+        with self._stats_lock:
+            self.messages_received += 1
         if error is not None:
             logger.warning("failed to receive a pull request: %s", error)
             return

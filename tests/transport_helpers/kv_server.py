@@ -6,7 +6,9 @@
 ``--order`` stores every layer physically in that axis order (registered as its ``B2HND``
 view, values unchanged).
 
-Prints one JSON line ``{"address": hex, "layouts": {...}, "pid": n}`` once serving.
+Prints one JSON line ``{"address": hex, "layouts": {...}, "pid": n}`` once serving; then
+answers each ``counters`` line on stdin with one JSON line of its server's counters
+(``messages_received``: every message its code handled).
 """
 
 from __future__ import annotations
@@ -41,7 +43,15 @@ def main() -> None:
     layouts = {name: layout.as_dict() for name, layout in agent.kv_layouts().items()}
     print(json.dumps({"address": agent.address.hex(), "layouts": layouts, "pid": os.getpid()}))
     sys.stdout.flush()
-    sys.stdin.read()
+    # Until stdin closes; a "counters" line is answered with what the server's code handled.
+    for line in sys.stdin:
+        if line.strip() == "counters":
+            server = agent.server
+            counters = {
+                name: getattr(server, name, 0)
+                for name in ("messages_received", "requests_served", "keys_served")
+            }
+            print(json.dumps(counters), flush=True)
     agent.close()
 
 

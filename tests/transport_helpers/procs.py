@@ -34,6 +34,13 @@ class KVServerProcess:
         self.process.kill()
         self.process.wait()
 
+    def counters(self) -> dict[str, int]:
+        """What the server's code handled so far (``messages_received``: every message)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write("counters\n")
+        self.process.stdin.flush()
+        return read_ready_line(self.process, 30, "KV server")
+
 
 def _spawn(spec: ServerSpec) -> subprocess.Popen[str]:
     args = ["--seed", str(spec.seed)]
