@@ -262,15 +262,17 @@ class Leased:
     ``network`` the consumer counts as another host (UCX gets over TCP, served by the
     producer's UCX worker), else it reads the producer's memory directly."""
 
-    def __init__(self, network: bool = False) -> None:
-        self.grants = LeaseGrants(grant_wait_s=1.0)
+    def __init__(self, network: bool = False, grant_wait_s: float = 1.0) -> None:
+        self.grants = LeaseGrants(grant_wait_s=grant_wait_s)
         self.source = make_caches(SEED, [GROUP])
-        self.producer = KVTransferAgent(TransportConfig(timeout_s=WAIT_S, grant_wait_s=1.0))
+        self.producer = KVTransferAgent(
+            TransportConfig(timeout_s=WAIT_S, grant_wait_s=grant_wait_s)
+        )
         self.producer.register_kv_caches(self.source)
         self.producer.start_server(self.grants)
         self.local = empty_caches([GROUP])
         self.consumer = KVTransferAgent(
-            TransportConfig(timeout_s=WAIT_S, grant_wait_s=1.0, shared_memory=not network)
+            TransportConfig(timeout_s=WAIT_S, grant_wait_s=grant_wait_s, shared_memory=not network)
         )
         self.consumer.register_kv_caches(self.local)
         self.peer = self.consumer.connect(
@@ -282,8 +284,8 @@ class Leased:
         self.grants.grant(lease_id, secret_digest(secret), blocks, prompt)
         return LeaseAccess(lease_id, secret, prompt, 0, blocks)
 
-    def pull(self, name: str, remote, local, lease, **kwargs):
-        spec = PullSpec(name, GROUP.names(), remote, local, lease=lease)
+    def pull(self, name: str, remote, local, lease, layers=None, **kwargs):
+        spec = PullSpec(name, layers or GROUP.names(), remote, local, lease=lease)
         return self.consumer.pull(self.peer, spec, **kwargs)
 
     def close(self) -> None:
@@ -345,6 +347,51 @@ def test_a_read_waits_for_its_lease_row(leased):
     assert waits[0] == 1
     for name in GROUP.names():
         assert torch.equal(leased.local[name][2:4], leased.source[name][7:9])
+
+
+@pytest.mark.parametrize("network", [False, True], ids=["direct", "network"])
+@pytest.mark.parametrize("needed", [1, 2, 3])
+def test_a_streamed_lease_is_read_once_its_layers_are_published(network, needed):
+    """kv_stream: a lease is granted while its prefill computes, and the producer publishes
+    its layers one at a time (the row's complete-layer count). A read of layers [0, k) waits
+    for exactly k: the liveness hook of the waiting read publishes one layer per call, writing
+    that layer's KV first (its blocks held stale values until then), and the read returns
+    with k published, not fewer (it would hold stale KV) nor more (it waited too long), with
+    the computed bytes of its layers and nothing of the others."""
+    # A grant wait longer than publishing every layer at one per hook period takes.
+    setup = Leased(network=network, grant_wait_s=WAIT_S)
+    try:
+        names = GROUP.names()
+        blocks = (12, 13)
+        setup.pull("keys", (1,), (1,), setup.grant("keys", (1,))).result(WAIT_S)
+        for cache in setup.local.values():
+            cache.fill_(SENTINEL)
+        computed = {name: setup.source[name][list(blocks)].clone() for name in names}
+        for name in names:
+            setup.source[name][list(blocks)] = 99.0  # stale: what a reused block held
+        secret = new_secret()
+        setup.grants.grant("streamed", secret_digest(secret), blocks, pending_layers=names)
+        lease = LeaseAccess("streamed", secret, "", 0, blocks)
+        published: list[str] = []
+
+        def publish_next() -> None:
+            if len(published) < len(names):
+                name = names[len(published)]
+                setup.source[name][list(blocks)] = computed[name]
+                setup.grants.layer_ready(["streamed"], name)
+                published.append(name)
+
+        handle = setup.pull("streamed", blocks, (4, 5), lease, names[:needed], on_wait=publish_next)
+        handle.result(WAIT_S)
+        assert len(published) == needed
+        for name in names[:needed]:
+            assert torch.equal(setup.local[name][4:6], computed[name]), name
+        for name in names[needed:]:
+            assert (setup.local[name] == SENTINEL).all(), name
+        rma = setup.consumer._rma_peers[setup.peer.ucx_address]
+        assert (rma.direct is None) == network
+    finally:
+        setup.close()
 
 
 def test_a_lease_ended_during_the_read_fails_it(leased, monkeypatch):
