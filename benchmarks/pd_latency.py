@@ -54,7 +54,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -110,6 +110,8 @@ class Sample:
     first_step_ms: float = 0.0
     kv_bytes: int = 0
     overlap_reported: bool = False
+    # Where the time to the first token went (`ttft_segments`), ms per segment.
+    segments: dict[str, float] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ processes
@@ -159,6 +161,65 @@ def setups(
             process.terminate(STOP_TIMEOUT_S)
 
 
+# ------------------------------------------------------------------ the TTFT's path
+
+# The segments of a first token's way, in order, on both setups (a segment a setup does not
+# have is left out of its row): the client's request to the first process, the router's own
+# work and hops (P/D), the engine's admission, queue and compute, the sampled token to its
+# stream, its way back.
+SEGMENTS = (
+    "client_to_first_hop",
+    "router_before_prefill",
+    "router_to_prefill",
+    "admit",
+    "queue",
+    "compute",
+    "token_to_stream",
+    "prefill_to_router",
+    "router_first_token_out",
+    "to_client",
+)
+
+
+def _spans(rows: Sequence[dict[str, Any]], origin_ns: int) -> dict[str, tuple[int, int]]:
+    """First span of each name as (start, end) wall ns."""
+    spans: dict[str, tuple[int, int]] = {}
+    for row in rows:
+        start = origin_ns + int(row["start_ms"] * 1e6)
+        spans.setdefault(row["name"], (start, start + int(row["duration_ms"] * 1e6)))
+    return spans
+
+
+def ttft_segments(
+    sent_ns: int, first_ns: int, spans: dict[str, tuple[int, int]], daemon: str, pd: bool
+) -> dict[str, float]:
+    """The first token's path in ms: each segment from the end of the one before, so that
+    they add up to the client's TTFT (one host: the processes share a clock)."""
+    marks = [("client_to_first_hop", spans["router.parse" if pd else f"{daemon}.admit"][0])]
+    if pd:
+        marks += [
+            ("router_before_prefill", spans["router.prefill_call"][0]),
+            ("router_to_prefill", spans[f"{daemon}.admit"][0]),
+        ]
+    marks += [
+        ("admit", spans[f"{daemon}.engine.queue"][0]),
+        ("queue", spans[f"{daemon}.engine.compute"][0]),
+        ("compute", spans[f"{daemon}.engine.compute"][1]),
+        ("token_to_stream", spans[f"{daemon}.first_token_out"][1]),
+    ]
+    if pd:
+        marks += [
+            ("prefill_to_router", spans["router.prefill_call"][1]),
+            ("router_first_token_out", spans["router.first_token_out"][1]),
+        ]
+    marks.append(("to_client", first_ns))
+    segments, previous = {}, sent_ns
+    for name, at in marks:
+        segments[name] = (at - previous) / 1e6
+        previous = at
+    return segments
+
+
 # ------------------------------------------------------------------ requests
 
 
@@ -167,15 +228,24 @@ def colocated_request(client: GenerationClient, prompt: list[int]) -> Sample | N
     request = generate_request(f"bench-{uuid.uuid4().hex}", prompt, MAX_TOKENS)
     arrivals: list[tuple[float, int]] = []
     server_ttft_s = 0.0
+    segments: dict[str, float] = {}
+    first_ns = 0
+    sent_ns = time.time_ns()
     start = time.perf_counter()
     try:
         for message in client.stream(request, timeout_s=REQUEST_TIMEOUT_S):
             if message.token_ids:
                 arrivals.append((time.perf_counter(), len(message.token_ids)))
+                first_ns = first_ns or time.time_ns()
             if message.finished:
                 if message.finish_reason == "error":
                     raise BenchError(f"colocated request failed: {message.error}")
                 server_ttft_s = message.metrics.ttft_s
+                spans = {
+                    f"colocated.{span.name}": (span.start_unix_nano, span.end_unix_nano)
+                    for span in reversed(message.spans)
+                }
+                segments = ttft_segments(sent_ns, first_ns, spans, "colocated", pd=False)
     except grpc.RpcError as exc:
         refused = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
         if isinstance(exc, grpc.Call) and exc.code() in refused:
@@ -188,6 +258,7 @@ def colocated_request(client: GenerationClient, prompt: list[int]) -> Sample | N
         ttft_ms=(arrivals[0][0] - start) * 1e3,
         server_ttft_ms=server_ttft_s * 1e3,
         next_ms=_median_ms(gaps),
+        segments=segments,
     )
 
 
@@ -198,7 +269,9 @@ def pd_request(router_url: str, prompt: list[int]) -> Sample | None:
     body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True})
     chunks: list[float] = []
     info: dict[str, Any] | None = None
+    first_ns = 0
     try:
+        sent_ns = time.time_ns()
         start = time.perf_counter()
         connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         response = connection.getresponse()
@@ -219,6 +292,7 @@ def pd_request(router_url: str, prompt: list[int]) -> Sample | None:
                 raise BenchError(f"router stream error: {chunk['error']}")
             if chunk["choices"][0].get("text"):
                 chunks.append(time.perf_counter())
+                first_ns = first_ns or time.time_ns()
             info = chunk.get("kvtransfer") or info
     finally:
         connection.close()
@@ -227,6 +301,7 @@ def pd_request(router_url: str, prompt: list[int]) -> Sample | None:
     if len(chunks) < 2:
         return None
     gaps = [b - a for a, b in itertools.pairwise(chunks[1:])]
+    spans = _spans(info["timeline"], info["timeline_origin_unix_ns"])
     # The router joins both daemons' measurements under "phases".
     phases = info.get("phases") or {}
     overlap_reported = "kv_overlapped_s" in phases
@@ -240,6 +315,7 @@ def pd_request(router_url: str, prompt: list[int]) -> Sample | None:
         first_step_ms=float(phases.get("decode_first_step_s") or 0.0) * 1e3,
         kv_bytes=int(info.get("kv_bytes_received") or 0),
         overlap_reported=overlap_reported,
+        segments=ttft_segments(sent_ns, first_ns, spans, "prefill", pd=True),
     )
 
 
@@ -339,7 +415,16 @@ def summarize(model: str, length: int, c: list[Sample], p: list[Sample]) -> dict
         "kv_bytes": _median([s.kv_bytes for s in p]),
         "overlap_reported": any(s.overlap_reported for s in p),
     }
+    row["ttft_breakdown"] = {
+        name: {
+            "colocated_ms": _median([s.segments.get(name) for s in c]),
+            "pd_ms": _median([s.segments.get(name) for s in p]),
+        }
+        for name in SEGMENTS
+    }
     row["ttft_ratio"] = row["pd_ttft_ms"] / row["colocated_ttft_ms"]
+    # The issue's goal: P/D within 1.1x colocated + 1 ms.
+    row["ttft_goal_ms"] = 1.1 * row["colocated_ttft_ms"] + 1.0
     row["second_token_ratio"] = row["pd_second_token_ms"] / row["colocated_itl_ms"]
     return row
 
@@ -373,6 +458,25 @@ def print_table(rows: Sequence[dict[str, Any]], skipped: Sequence[str], n: int) 
         print("overlap: 0.0 = the router's kvtransfer object has no kv_overlapped_s")
     for line in skipped:
         print(f"skipped: {line}")
+    for row in rows:
+        print_breakdown(row)
+
+
+def print_breakdown(row: dict[str, Any]) -> None:
+    """Where each setup's first token spent its time, segment by segment (medians; they add
+    up to about the TTFT), and which segments make the difference."""
+    print(
+        f"\n{row['model']}, {row['prompt_tokens']} tokens: TTFT colocated "
+        f"{row['colocated_ttft_ms']:.2f} ms, P/D {row['pd_ttft_ms']:.2f} ms "
+        f"(goal <= {row['ttft_goal_ms']:.2f})"
+    )
+    print(f"{'segment':<24} {'colocated_ms':>12} {'pd_ms':>8} {'pd_minus_colocated':>18}")
+    for name, cells in row["ttft_breakdown"].items():
+        c, p = cells["colocated_ms"], cells["pd_ms"]
+        diff = (p or 0.0) - (c or 0.0)
+        c_text = "-" if c is None else f"{c:.3f}"
+        p_text = "-" if p is None else f"{p:.3f}"
+        print(f"{name:<24} {c_text:>12} {p_text:>8} {diff:>18.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,6 +126,7 @@ def test_prefill_then_decode_json_body(caplog):
             assert isinstance(ttft, float) and ttft >= 0
             # The router's own spans, in the order its steps ran (these fakes send none).
             timeline = info.pop("timeline")
+            assert isinstance(info.pop("timeline_origin_unix_ns"), int)
             names = [row["name"] for row in timeline]
             assert names[:6] == [
                 "router.parse",

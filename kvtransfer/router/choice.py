@@ -709,6 +709,7 @@ def _kvtransfer_info(
 ) -> dict[str, Any]:
     metrics = decoded.final.metrics if decoded.final is not None else None
     first = decoded.first_token_at
+    origin = wall_ns(exchange.started)
     return {
         "request_id": exchange.request_id,
         **exchange.route,
@@ -724,8 +725,10 @@ def _kvtransfer_info(
             "decode" if decoded.prefill is None else "prefill"
         ),
         "phases": decoded.phases(),
-        # Where each millisecond went: every span, in ms from the request's arrival here.
-        "timeline": relative(spans, wall_ns(exchange.started)),
+        # Where each millisecond went: every span, in ms from the request's arrival here
+        # (that instant as wall-clock ns, to line a client's own times up with them).
+        "timeline": relative(spans, origin),
+        "timeline_origin_unix_ns": origin,
     }
 
 

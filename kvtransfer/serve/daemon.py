@@ -279,4 +279,8 @@ def main(role: Role, argv: Sequence[str] | None = None) -> int:
         print(f"kvtransfer-{role}: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    # The engine thread runs Python between its tensor operations (scheduling, the connector)
+    # and holds the GIL for up to the switch interval each time another thread wants it; at
+    # CPython's 5 ms a token sampled could wait that long for the gRPC loop to send it.
+    sys.setswitchinterval(settings.switch_interval_ms / 1e3)
     return asyncio.run(serve(settings))

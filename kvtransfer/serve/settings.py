@@ -69,6 +69,9 @@ class DaemonSettings(BaseModel):
     tls_ca: str | None = None
     admin_token: str | None = None
     drain_timeout_s: float = Field(default=60.0, gt=0)
+    # How long a thread computing in Python may keep the others (the gRPC loop that streams a
+    # token, the UCX thread) from the interpreter: CPython's default is 5 ms.
+    switch_interval_ms: float = Field(default=0.5, gt=0, le=100)
     # The same setting as the router's: the gRPC server accepts messages of this size plus
     # headroom (`kvtransfer.clients.limits`), so anything the router accepted fits.
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1)
@@ -208,6 +211,12 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     add("--tls-ca", help="CA that client certificates must chain to (enables mTLS)")
     add("--admin-token", help="shared token KVAdmin calls must carry (prefer the env variable)")
     add("--drain-timeout-s", type=float, help="SIGTERM/Drain: longest wait for in-flight work")
+    add(
+        "--switch-interval-ms",
+        type=float,
+        help="the interpreter's thread switch interval (default 0.5; CPython's own is 5): "
+        "how long the engine thread may hold back a token on its way out",
+    )
     add(
         "--max-request-bytes",
         type=int,
