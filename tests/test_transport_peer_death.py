@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 
 import pytest
@@ -52,13 +53,30 @@ def _run_pair(env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str],
     return receiver, json.loads(first) if first else {}, out
 
 
-def test_a_sender_killed_mid_message_leaves_the_receiver_serving():
-    receiver, said, out = _run_pair()
+# A rendezvous for every message over 8 KiB, read by the receiver from the sender's memory:
+# with cma allowed, that read is cma's ``process_vm_readv``, the path that aborts.
+FORCED_RENDEZVOUS = {"UCX_RNDV_SCHEME": "get_zcopy", "UCX_RNDV_THRESH": "intra:8192,inter:8192"}
+
+
+@pytest.mark.parametrize("env", [{}, FORCED_RENDEZVOUS], ids=["default", "forced-rendezvous"])
+def test_a_sender_killed_mid_message_leaves_the_receiver_serving(monkeypatch, env):
+    # The transports the loop chooses itself (an operator's UCX_TLS would be respected).
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    receiver, said, out = _run_pair(env)
     # Aborted by UCX, the receiver would exit by SIGABRT having printed nothing.
     assert receiver.returncode == 0, (receiver.returncode, out)
     # The sender died before the receiver could have all 256 MiB: the receive never completes
     # and ends at its deadline (UCX reports no dead peer without error handling).
     assert said == {"ended": "timed out"}, out
+
+
+def test_with_cma_allowed_the_same_death_aborts_the_receiver(monkeypatch):
+    """The control run: the forced rendezvous with cma let in (an operator's ``UCX_TLS``)
+    kills the receiver, so the test above reaches the path it guards."""
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    receiver, said, out = _run_pair({**FORCED_RENDEZVOUS, "UCX_TLS": "all"})
+    assert receiver.returncode == -signal.SIGABRT, (receiver.returncode, out)
+    assert said == {}, out
 
 
 def test_cma_is_left_out_unless_the_operator_chose_the_transports():
