@@ -34,7 +34,6 @@ from kvtransfer.transport import (
     PeerUnreachable,
     PullSpec,
     RemoteTransferError,
-    TransferTimeoutError,
     TransportConfig,
     new_secret,
     secret_digest,
@@ -204,17 +203,29 @@ def test_a_tagged_only_producer_is_read_two_sided(producers):
         assert torch.equal(local[name][0:2], layer_tensor(SEED, name)[3:5])
 
 
-def test_a_dead_producer_fails_the_read_with_a_typed_error():
+# A dead producer must fail a read with `PeerUnreachable` well before the read's deadline
+# (`WAIT_S`): the read finds it (no such process; the TCP lane reset) or, failing that, the
+# liveness probe that runs every `_WAIT_HOOK_S` would. Eight probe periods is generous.
+DEATH_FOUND_S = 8 * rma_module._WAIT_HOOK_S
+
+
+@pytest.mark.parametrize("network", [False, True], ids=["direct", "network"])
+def test_a_dead_producer_fails_the_read_with_a_typed_error(network):
+    assert DEATH_FOUND_S < WAIT_S / 4
     with kv_servers([ServerSpec(SEED, (GROUP,))]) as (server,):
         local = empty_caches([GROUP])
-        with KVTransferAgent(TransportConfig(timeout_s=3.0)) as agent:
+        config = TransportConfig(timeout_s=WAIT_S, shared_memory=not network)
+        with KVTransferAgent(config) as agent:
             agent.register_kv_caches(local)
             peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
             agent.pull(peer, PullSpec("alive", GROUP.names(), (1,), (1,))).result(WAIT_S)
+            assert (agent._rma_peers[peer.ucx_address].direct is None) == network
             server.kill()
+            started = time.monotonic()
             handle = agent.pull(peer, PullSpec("dead", GROUP.names(), (2, 3), (2, 3)))
-            with pytest.raises((PeerUnreachable, TransferTimeoutError)):
+            with pytest.raises(PeerUnreachable):
                 handle.result(WAIT_S)
+            assert time.monotonic() - started < DEATH_FOUND_S
             # The agent still works (its endpoint to the dead peer was reset).
             assert not agent.closed
 
@@ -222,34 +233,35 @@ def test_a_dead_producer_fails_the_read_with_a_typed_error():
 def test_a_producer_killed_mid_read_fails_it_typed():
     """Over the network the producer's UCX worker serves the gets: frozen, it serves none, so
     the read is certainly in flight when the hook (the daemon's liveness probe) runs; the
-    producer is killed there, and the read ends in a typed error, not a hang or an abort."""
+    producer is killed there, and the read ends in `PeerUnreachable` soon after, not at its
+    deadline, nor in a hang or an abort."""
     with kv_servers([ServerSpec(SEED, (GROUP,))]) as (server,):
-        config = TransportConfig(timeout_s=5.0, shared_memory=False)
+        config = TransportConfig(timeout_s=WAIT_S, shared_memory=False)
         with KVTransferAgent(config) as agent:
             agent.register_kv_caches(empty_caches([GROUP]))
             peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
             agent.pull(peer, PullSpec("warm", GROUP.names(), (1,), (1,))).result(WAIT_S)
             assert agent._rma_peers[peer.ucx_address].direct is None  # the network path
             server.process.send_signal(signal.SIGSTOP)
-            stat = Path(f"/proc/{server.process.pid}/stat")
-            wait_until(lambda: stat.read_text().split(")")[1].split()[0] == "T", "frozen")
-            probes: list[float] = []
+            wait_until(lambda: _frozen(server.process), "frozen")
+            killed: list[float] = []
 
             def probe() -> None:
-                probes.append(time.monotonic())
-                if len(probes) == 1:
+                if not killed:
                     server.kill()
+                    killed.append(time.monotonic())
 
             try:
                 handle = agent.pull(
                     peer, PullSpec("mid", GROUP.names(), range(64), range(64)), on_wait=probe
                 )
-                with pytest.raises((PeerUnreachable, TransferTimeoutError)):
+                with pytest.raises(PeerUnreachable):
                     handle.result(WAIT_S)
             finally:
                 if server.process.poll() is None:
                     server.kill()
-            assert probes, "the read never waited: it was not in flight"
+            assert killed, "the read never waited: it was not in flight"
+            assert time.monotonic() - killed[0] < DEATH_FOUND_S
             # The agent still serves (its endpoint to the dead peer was reset).
             assert not agent.closed
 

@@ -551,38 +551,38 @@ class _UcxChannel(_Channel):
         self._worker, self._endpoint, self._rkeys, self._memory = worker, endpoint, rkeys, memory
 
     def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
-        gets = Gets(self._worker, self._endpoint, self._memory)
         rkeys = self._rkeys
-        try:
-            gets.post_many(
-                runs.local.tolist(),
-                runs.lengths.tolist(),
-                runs.remote.tolist(),
-                [rkeys[0]] * len(runs)
-                if len(rkeys) == 1
-                else [rkeys[k] for k in runs.keys.tolist()],
-            )
-            gets.flush()
-            _wait(gets, control, what)
-        except BaseException:
-            gets.abandon()
-            raise
+        self._get(
+            runs,
+            [rkeys[0]] * len(runs) if len(rkeys) == 1 else [rkeys[k] for k in runs.keys.tolist()],
+            self._memory,
+            control,
+            what,
+        )
         self.counters.ucx_reads += 1
         self.counters.ucx_bytes += runs.total_bytes
         self.counters.ucx_gets += len(runs)
 
     def _copy_row(self, row: _LeaseRow, control: ReadControl) -> None:
-        gets = Gets(self._worker, self._endpoint, MEMORY_HOST)
+        runs = row.runs
+        rkeys = [self._rkeys[k] for k in runs.keys.tolist()]
+        self._get(runs, rkeys, MEMORY_HOST, control, f"lease check of {row.lease_id!r}")
+
+    def _get(
+        self, runs: Runs, rkeys: list[int], memory: int, control: ReadControl, what: str
+    ) -> None:
+        gets = Gets(self._worker, self._endpoint, memory)
         try:
-            runs = row.runs
-            gets.post_many(
-                runs.local.tolist(),
-                runs.lengths.tolist(),
-                runs.remote.tolist(),
-                [self._rkeys[k] for k in runs.keys.tolist()],
-            )
-            gets.flush()
-            _wait(gets, control, f"lease check of {row.lease_id!r}")
+            try:
+                gets.post_many(
+                    runs.local.tolist(), runs.lengths.tolist(), runs.remote.tolist(), rkeys
+                )
+                gets.flush()
+            except UcxStatusError as exc:
+                # Posting fails at once where UCX already knows the peer is gone (its TCP
+                # lane reset): the same failure as one met while waiting.
+                raise PeerUnreachable(f"{what}: one-sided read failed: {exc}") from exc
+            _wait(gets, control, what)
         except BaseException:
             gets.abandon()
             raise
