@@ -81,17 +81,29 @@ def test_with_cma_allowed_the_same_death_aborts_the_receiver(monkeypatch):
 
 def test_cma_is_left_out_unless_the_operator_chose_the_transports():
     eager_here = "intra:inf,inter:auto"
-    assert transport_options(None, {}) == {"TLS": "^cma", "RNDV_THRESH": eager_here}
+    assert transport_options(None, {}) == {
+        "TLS": "^cma",
+        "TCP_CONN_NB": "y",
+        "RNDV_THRESH": eager_here,
+    }
     assert transport_options("eth0", {"PATH": "/bin"}) == {
         "NET_DEVICES": "eth0",
         "TLS": "^cma",
+        "TCP_CONN_NB": "y",
         "RNDV_THRESH": eager_here,
     }
     # UCX reads UCX_TLS itself; an option would silently override the operator's choice.
     assert transport_options("lo", {"UCX_TLS": "tcp,sysv"}) == {
         "NET_DEVICES": "lo",
+        "TCP_CONN_NB": "y",
         "RNDV_THRESH": eager_here,
     }
+
+
+def test_tcp_connections_do_not_block_endpoint_creation_unless_the_operator_says():
+    # A blocking connect to a partitioned host held the UCX thread for over a minute.
+    assert transport_options(None, {})["TCP_CONN_NB"] == "y"
+    assert "TCP_CONN_NB" not in transport_options(None, {"UCX_TCP_CONN_NB": "n"})
 
 
 def test_same_host_messages_are_eager_and_other_hosts_keep_their_threshold():

@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 
 DATA_PLANES = ("rma", "tagged")
+# A pull waiting for another pull's keys request checks its deadline, cancel and probe this often.
+_KEYS_LOCK_POLL_S = 0.05
 
 
 def _positive(name: str, value: object, *, integer: bool = True) -> None:
@@ -374,7 +376,10 @@ class KVTransferAgent:
             return self._rma_peers[key]
         with self._lock:
             lock = self._rma_locks.setdefault(key, threading.Lock())
-        with lock:
+        # Another pull asking for the keys: wait within this pull's deadline and probe.
+        while not lock.acquire(timeout=_KEYS_LOCK_POLL_S):
+            control.check(f"pull {spec.request_id!r} (waiting for {peer.name}'s keys)")
+        try:
             if key in self._rma_peers:
                 return self._rma_peers[key]
             try:
@@ -395,6 +400,8 @@ class KVTransferAgent:
             self._loop.on_close(key, rma.release)
             self._rma_peers[key] = rma
             return rma
+        finally:
+            lock.release()
 
     @property
     def one_sided_counters(self) -> ReadCounters:

@@ -364,7 +364,7 @@ class PullClient:
                     nbytes, runs = reader.read(
                         rma,
                         lambda: self._loop.endpoint_handle(address),
-                        lambda: self._connect(peer),
+                        lambda: self._connect(peer, control),
                         spec,
                         plans,
                         memory,
@@ -546,7 +546,9 @@ class PullClient:
             try:
                 nbytes = self._finish(state, spec, peer, plans, caches, local_ids, exchange)
             except BaseException as exc:
-                if isinstance(exc, TransferTimeoutError | _BrokenPeer):
+                # A cancelled pull's receive left posted (its load gave up) that times out
+                # later must not reset the endpoint under the pulls that use it by then.
+                if isinstance(exc, TransferTimeoutError | _BrokenPeer) and not state.cancelled:
                     self._loop.reset_endpoint(peer.ucx_address)
                 settle(exc)
                 return
@@ -831,6 +833,13 @@ class PullClient:
                 with contextlib.suppress(TransportClosed):
                     done.result()
 
-    def _connect(self, peer: PeerHandle) -> None:
-        """Make sure an endpoint to ``peer`` exists (it was reset), on the loop thread."""
-        self._loop.call(lambda: self._loop.endpoint(peer.ucx_address)).result()
+    def _connect(self, peer: PeerHandle, control: ReadControl) -> None:
+        """Make sure an endpoint to ``peer`` exists (it was reset), on the loop thread; waits
+        within ``control`` (the loop thread may be busy or starved)."""
+        made = self._loop.call(lambda: self._loop.endpoint(peer.ucx_address))
+        while True:
+            try:
+                made.result(_KEYS_POLL_S)
+                return
+            except FutureTimeout:
+                control.check(f"connecting to {peer.name}")

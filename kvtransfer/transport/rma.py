@@ -77,6 +77,9 @@ _NAP_S = 0.00005
 _MAX_NAP_S = 0.001
 # A waiting reader runs its `on_wait` (the producer liveness probe) this often.
 _WAIT_HOOK_S = 0.25
+# A reader queued behind another read from the same producer checks its deadline, cancel flag
+# and probe this often.
+_LOCK_POLL_S = 0.05
 # Back-off of a reader waiting for its lease row (the grant reaches the workers once a step).
 _ROW_BACKOFF_S = (0.0005, 0.02)
 
@@ -648,7 +651,12 @@ class RmaReader:
             except DirectReadUnavailable:
                 rma.no_direct()
         while True:
-            with rma.lock:
+            # A read waiting here for another read from the producer waits within its own
+            # deadline, cancel flag and liveness probe: behind a read held by a partitioned
+            # producer, unprobed waiters each failed only after the one before them did.
+            while not rma.lock.acquire(timeout=_LOCK_POLL_S):
+                control.check(f"{what} (queued behind another read from the producer)")
+            try:
                 ep = endpoint()
                 if ep is not None:
                     channel = _UcxChannel(self._worker, ep, rma.ucx_keys(ep), memory, self.counters)
@@ -657,6 +665,8 @@ class RmaReader:
                     finally:
                         self._nudge()
                     return runs.total_bytes, len(runs)
+            finally:
+                rma.lock.release()
             connect()
 
     def _read(

@@ -24,6 +24,11 @@ Traps this module works around (see the UCX facts notes of the project):
   sent eagerly through the ``sysv``/``posix`` segments (`transport_options`): the tagged data
   plane on one host pays for it (numbers in ``docs/data-plane.md``), same-host one-sided reads
   never needed cma (`direct_read` does them, with its own error handling);
+* UCX's TCP transport connects with a blocking ``connect()`` inside endpoint creation by
+  default: creating an endpoint to a partitioned host (no answer to its SYN) held this loop's
+  thread, and every transfer of the process with it, for over a minute. Connections are made
+  non-blocking (``TCP_CONN_NB``, `transport_options`): an endpoint is created at once, a
+  request on it waits for the connection within its own deadline and liveness probe;
 * ``import ucxx`` writes UCX variables into ``os.environ``, so it happens only when a loop is
   created, never at module import.
 
@@ -109,8 +114,9 @@ _CMA_INCLUDED_BY = frozenset({"all", "cma", "sm", "shm"})
 
 
 def transport_options(net_devices: str | None, environ: Mapping[str, str]) -> dict[str, str]:
-    """The UCX context options of a loop: confined to ``net_devices``, without ``cma``, and
-    with every message between processes of one host sent eagerly.
+    """The UCX context options of a loop: confined to ``net_devices``, without ``cma``, with
+    every message between processes of one host sent eagerly, and TCP connections made
+    without blocking (see the module docstring; ``UCX_TCP_CONN_NB`` overrides it).
 
     Without cma, UCX would send a large message to a same-host peer as a rendezvous, partly
     over the TCP lane that RMA needs (a test saw a pull hang after an endpoint reset there);
@@ -130,6 +136,8 @@ def transport_options(net_devices: str | None, environ: Mapping[str, str]) -> di
             "aborts this process; add ^cma (or list the transports without cma)",
             chosen,
         )
+    if "UCX_TCP_CONN_NB" not in environ:
+        options["TCP_CONN_NB"] = "y"
     threshold = environ.get("UCX_RNDV_THRESH", "auto")
     if ":" not in threshold:
         options["RNDV_THRESH"] = f"intra:inf,inter:{threshold}"
