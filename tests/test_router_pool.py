@@ -218,6 +218,16 @@ def test_config_and_flags_for_health_and_limits():
     assert options["grpc.max_receive_message_length"] == limit
     # A restarted daemon is reconnected to about as fast as it is checked.
     assert options["grpc.max_reconnect_backoff_ms"] == 500
+    # A healed one too: pings replace a connection a partition left hanging, and connection
+    # attempts end soon enough to be made again after the heal (never below the floors).
+    assert options["grpc.min_reconnect_backoff_ms"] == 1000
+    assert options["grpc.keepalive_time_ms"] == 1000
+    assert options["grpc.keepalive_timeout_ms"] == 2000
+    slow = RouterConfig(**{**good, "health_interval_s": 3.0, "health_timeout_s": 2.5})
+    slow_options = dict(slow.channel_options())
+    assert slow_options["grpc.keepalive_time_ms"] == 3000
+    assert slow_options["grpc.keepalive_timeout_ms"] == 5000
+    assert slow_options["grpc.min_reconnect_backoff_ms"] == 2500
 
 
 # ---------------------------------------------------------------------- releases

@@ -218,9 +218,12 @@ async def start_control_server(
         [AdminTokenInterceptor(ADMIN_SERVICE, admin_token)] if admin_token is not None else []
     )
     # gRPC enables SO_REUSEPORT by default: a second engine on the same port would silently
-    # share it with the first (and answer half its handshakes). Fail to bind instead.
+    # share it with the first (and answer half its handshakes). Fail to bind instead. The
+    # router pings its channels every health interval to find connections a partition left
+    # hanging; gRPC's default policy would answer such pings with GOAWAY ("too_many_pings").
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), *options], interceptors=interceptors
+        options=[("grpc.so_reuseport", 0), ("grpc.http2.max_ping_strikes", 0), *options],
+        interceptors=interceptors,
     )
     if handlers:
         server.add_generic_rpc_handlers(tuple(handlers))

@@ -18,6 +18,17 @@ _MAX_PORT = 65535
 # gRPC waits 1 s, then up to 120 s, between reconnection attempts to a daemon that went away;
 # a restarted daemon would stay unreachable that long whatever the health checks say.
 _MIN_RECONNECT_BACKOFF_MS = 100
+# A partition leaves the channel's TCP connection open with its unacknowledged data in
+# retransmission back-off: after a 20 s cut, the first retransmission came seconds after the
+# heal, and a healed prefill stayed out of the pool for 15 s (health checks queued behind it).
+# Keep-alive pings unanswered within the timeout close that connection (gRPC also sets
+# TCP_USER_TIMEOUT to it), so the channel reconnects on a fresh one; each connection attempt
+# then lasts at most the health timeout (gRPC's default: 20 s, SYNs sent into a partition
+# waited out the kernel's back-off after the heal). Never below these floors, so that a
+# slow but healthy network or daemon is not cut off.
+_MIN_KEEPALIVE_MS = 1000
+_MIN_KEEPALIVE_TIMEOUT_MS = 2000
+_MIN_CONNECT_TIMEOUT_MS = 1000
 DNS_PREFIX = "dns:"
 # The roles a daemon is listed under: an aggregated daemon runs whole requests itself.
 AGGREGATED = "aggregated"
@@ -245,13 +256,21 @@ class RouterConfig:
         return any(p is not None for p in (self.tls_ca, self.tls_cert, self.tls_key))
 
     def channel_options(self) -> list[tuple[str, int]]:
-        """Options of the daemon channels: message limits that fit any accepted body, and
-        reconnection attempts at least as often as health checks."""
-        backoff_ms = max(_MIN_RECONNECT_BACKOFF_MS, int(self.health_interval_s * 1000))
+        """Options of the daemon channels: message limits that fit any accepted body,
+        reconnection attempts at least as often as health checks, each bounded by the health
+        timeout, and keep-alive pings that replace a connection a partition left hanging."""
+        interval_ms = int(self.health_interval_s * 1000)
+        timeout_ms = int(self.health_timeout_s * 1000)
         return [
             *grpc_message_options(self.max_request_bytes),
             ("grpc.initial_reconnect_backoff_ms", _MIN_RECONNECT_BACKOFF_MS),
-            ("grpc.max_reconnect_backoff_ms", backoff_ms),
+            ("grpc.max_reconnect_backoff_ms", max(_MIN_RECONNECT_BACKOFF_MS, interval_ms)),
+            # gRPC's name for the shortest connection attempt (its deadline), not a back-off.
+            ("grpc.min_reconnect_backoff_ms", max(_MIN_CONNECT_TIMEOUT_MS, timeout_ms)),
+            ("grpc.keepalive_time_ms", max(_MIN_KEEPALIVE_MS, interval_ms)),
+            ("grpc.keepalive_timeout_ms", max(_MIN_KEEPALIVE_TIMEOUT_MS, 2 * timeout_ms)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
