@@ -49,6 +49,7 @@ from netns_helpers.services import (
     admin_status,
     admin_transfers,
     complete,
+    generate_on,
     results,
     run_requests,
     start_daemon,
@@ -59,6 +60,12 @@ from netns_helpers.topology import Host, Network
 from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks
 from waiting import wait_until
 
+from kvtransfer.connectors.ucx.liveness import (
+    CONNECT_TIMEOUT_S,
+    PROBE_INTERVAL_S,
+    TIMEOUT_STRIKES,
+)
+from kvtransfer.router.config import RouterConfig
 from kvtransfer.serve.launcher import ServiceProcess
 
 pytestmark = [pytest.mark.deploy, pytest.mark.netns]
@@ -69,6 +76,19 @@ MAX_TOKENS = 8
 REQUEST_DEADLINE_S = 8.0
 KV_EXTRA = {"transfer_timeout_s": 5, "kv_lease_s": 8, "handshake_timeout_s": 2}
 PARTITION_S = 10.0
+# A load from a partitioned producer fails typed once the liveness probes called it
+# unreachable: the first probe after PROBE_INTERVAL_S, then TIMEOUT_STRIKES connects timing out
+# PROBE_INTERVAL_S apart; plus a second of slack for a loaded machine. Far below the transfer
+# timeout and the request deadline, which ended such a load on the one-sided data plane.
+UNREACHABLE_WITHIN_S = (
+    PROBE_INTERVAL_S + TIMEOUT_STRIKES * (CONNECT_TIMEOUT_S + PROBE_INTERVAL_S) + 1.0
+)
+assert UNREACHABLE_WITHIN_S < KV_EXTRA["transfer_timeout_s"] < REQUEST_DEADLINE_S
+# After a heal the router takes the host back at its next health check (every
+# health_interval_s, sooner while one is out) once its channel reconnected (attempts at most a
+# health interval apart, each bounded): requests sent this long after the heal all succeed.
+HEALTH_INTERVAL_S = RouterConfig.__dataclass_fields__["health_interval_s"].default
+HEALED_WITHIN_S = HEALTH_INTERVAL_S + 1.0
 # Both data planes (`UcxConnector` ``data_plane``): one-sided reads (UCX gets over TCP, served
 # by the producer's UCX worker) and tagged pulls (each answered by the producer).
 DATA_PLANES = ("rma", "tagged")
@@ -297,7 +317,41 @@ def test_partitions_fail_typed_then_heal(cluster, expected):
     # again and decode pulls from it again.
     prefill_host, prefill = cluster.prefills["p11"]
     healthy = {name: pair for name, pair in cluster.prefills.items() if name != "p11"}
-    load = _partition_under_load(cluster, prefill_host, expected)
+    # And a decode request whose KV is on the cut-off prefill (prefilled just before the cut)
+    # fails typed, naming it, as soon as the liveness probes call it unreachable.
+    request_id = f"cut-off-producer-{cluster.data_plane}"
+    seeded = generate_on(
+        cluster.client,
+        prefill.address,
+        PROMPTS[0],
+        1,
+        request_id=request_id,
+        params={"do_remote_decode": True},
+    )
+    assert seeded["kv_transfer_params"], seeded
+    direct: list[dict[str, Any]] = []
+
+    def decode_from_the_cut_off_prefill() -> None:
+        _, decode = cluster.decode
+        direct.append(
+            generate_on(
+                cluster.client,
+                decode.address,
+                PROMPTS[0],
+                MAX_TOKENS,
+                request_id=request_id,
+                params=seeded["kv_transfer_params"],
+            )
+        )
+
+    load = _partition_under_load(
+        cluster, prefill_host, expected, during=decode_from_the_cut_off_prefill
+    )
+    (answer,) = direct
+    assert answer["finish_reason"] == "error", answer
+    assert "ProducerUnreachable" in answer["error"], answer
+    assert f"{prefill_host.address}:" in answer["error"], answer
+    assert answer["elapsed_s"] < UNREACHABLE_WITHIN_S, answer
     for result in load.failures:
         assert _names(result, prefill_host), result
         assert not any(_names(result, host) for host, _ in healthy.values()), result
@@ -336,9 +390,17 @@ def _names(result: dict[str, Any], host: Host) -> bool:
     return f"{host.address}:" in result["body"]["error"]["message"]
 
 
-def _partition_under_load(cluster: Cluster, host: Host, expected: list[list[int]]) -> Load:
-    """A bounded load (paced requests, a few at once) with ``host`` cut off in the middle."""
-    bodies = [_body(i % len(PROMPTS)) for i in range(28)]
+def _partition_under_load(
+    cluster: Cluster,
+    host: Host,
+    expected: list[list[int]],
+    during: Callable[[], None] | None = None,
+) -> Load:
+    """A bounded load (paced requests, a few at once) with ``host`` cut off in the middle
+    (``during`` runs right after the cut). Requests sent `HEALED_WITHIN_S` after the heal or
+    later all succeed: the partition leaves nothing broken behind (a connection, an endpoint,
+    a router channel in back-off)."""
+    bodies = [_body(i % len(PROMPTS)) for i in range(40)]
     before = _decode_calls(cluster)
     runner = run_requests(
         cluster.client,
@@ -354,8 +416,10 @@ def _partition_under_load(cluster: Cluster, host: Host, expected: list[list[int]
         )
         cluster.net.partition(host)
         cut_at = time.monotonic()
+        if during is not None:
+            during()
         # Not synchronisation: how long the host stays cut off is the fault under test.
-        time.sleep(PARTITION_S)
+        time.sleep(max(0.0, PARTITION_S - (time.monotonic() - cut_at)))
     finally:
         cluster.net.heal(host)
     healed_at = time.monotonic()
@@ -372,6 +436,13 @@ def _partition_under_load(cluster: Cluster, host: Host, expected: list[list[int]
         assert "daemon" in error["message"] and error["type"], result
     done = Load(outcomes, cut_at, healed_at)
     print(f"{host.name} cut off for {PARTITION_S} s: (status, seconds, during) {done.summary}")
+    healed = [r for r in outcomes if r["started_at"] >= healed_at + HEALED_WITHIN_S]
+    assert len(healed) >= 3, f"too few requests sent after the heal: {done.summary}"
+    for result in healed:
+        assert result["status"] == 200, (
+            f"sent {result['started_at'] - healed_at:.2f} s after the heal",
+            result,
+        )
     return done
 
 

@@ -5,9 +5,10 @@
   when it is JSON, else its text (``/metrics``); status 0 when no HTTP answer came (the body
   then holds the exception's text). ``$NETNS_CALL_TOKEN``, when set, is sent as
   ``Authorization: Bearer`` (an environment variable: not in the process list).
-* ``generate TARGET PROMPT MAX_TOKENS``: a daemon's Generation service called directly (no
-  router, no ``kv_transfer_params``): ``{"token_ids": [...], "finish_reason": ...,
-  "error": ..., "num_prompt_tokens": N}``.
+* ``generate TARGET PROMPT MAX_TOKENS [--request-id ID] [--params JSON]``: a daemon's
+  Generation service called directly (no router; ``--params``: its ``kv_transfer_params``):
+  ``{"token_ids": [...], "finish_reason": ..., "error": ..., "num_prompt_tokens": N,
+  "kv_transfer_params": {...}, "elapsed_s": S}`` (``elapsed_s``: the call alone, greedy).
 """
 
 from __future__ import annotations
@@ -45,17 +46,32 @@ def _decode(raw: bytes) -> Any:
         return raw.decode(errors="replace")
 
 
-def generate(target: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def generate(
+    target: str,
+    prompt: str,
+    max_tokens: int,
+    request_id: str = "direct",
+    params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     # Imported here: the http call stays stdlib-only (fast to start).
+    import time
+
     from kvtransfer.clients.generation import GenerationClient, generate_request
 
+    message = generate_request(
+        request_id, prompt, max_tokens, temperature=0.0, kv_transfer_params=params
+    )
     with GenerationClient(target) as client:
-        result = client.generate(generate_request("direct", prompt, max_tokens))
+        started = time.monotonic()
+        result = client.generate(message, timeout_s=60.0)
+        elapsed_s = time.monotonic() - started
     return {
         "token_ids": list(result.token_ids),
         "finish_reason": result.finish_reason,
         "error": result.error,
         "num_prompt_tokens": result.num_prompt_tokens,
+        "kv_transfer_params": dict(result.kv_transfer_params or {}),
+        "elapsed_s": elapsed_s,
     }
 
 
@@ -70,11 +86,14 @@ def main() -> None:
     generate_parser.add_argument("target")
     generate_parser.add_argument("prompt")
     generate_parser.add_argument("max_tokens", type=int)
+    generate_parser.add_argument("--request-id", default="direct")
+    generate_parser.add_argument("--params")
     args = parser.parse_args()
     if args.command == "http":
         answer = http(args.method, args.url, args.body, os.environ.get(TOKEN_ENV))
     else:
-        answer = generate(args.target, args.prompt, args.max_tokens)
+        params = None if args.params is None else json.loads(args.params)
+        answer = generate(args.target, args.prompt, args.max_tokens, args.request_id, params)
     json.dump(answer, sys.stdout)
     print()
 

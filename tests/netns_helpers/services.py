@@ -168,11 +168,23 @@ def http_call(
     return answer["status"], answer["body"]
 
 
-def generate_on(host: Host, target: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """The daemon at ``target`` called directly from inside ``host`` (no router):
-    ``token_ids``, ``finish_reason``, ``error``, ``num_prompt_tokens``."""
+def generate_on(
+    host: Host,
+    target: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    request_id: str = "direct",
+    params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The daemon at ``target`` called directly from inside ``host`` (no router; ``params``: the
+    request's ``kv_transfer_params``): ``token_ids``, ``finish_reason``, ``error``,
+    ``num_prompt_tokens``, ``kv_transfer_params``, ``elapsed_s`` (the call alone)."""
     argv = [sys.executable, "-m", "netns_helpers.call", "generate", target, prompt]
-    return _call(host, [*argv, str(max_tokens)], None)
+    argv += [str(max_tokens), "--request-id", request_id]
+    if params is not None:
+        argv += ["--params", json.dumps(params)]
+    return _call(host, argv, None)
 
 
 def _call(host: Host, argv: list[str], env: dict[str, str] | None) -> dict[str, Any]:
