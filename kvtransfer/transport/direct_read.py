@@ -51,8 +51,8 @@ def _syscall() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return function
 
 
-# Below this many runs (fewer than IOV_MAX) a read is posted as planned: sorting and merging would cost more Python
-# than the system calls it saves.
+# Below this many runs (fewer than IOV_MAX) a read is posted as planned: sorting and merging
+# would cost more Python than the system calls it saves.
 _SORT_MIN = 32
 
 
