@@ -45,6 +45,9 @@ class EngineStatus:
     counters: Mapping[str, int] = field(default_factory=dict)
     num_running_requests: int = 0
     num_waiting_requests: int = 0
+    # `placement.Placement`: where it computes ("" and () when unknown).
+    host_id: str = ""
+    cpus: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,8 @@ def status_to_proto(status: EngineStatus, api_version: int) -> admin_pb2.GetStat
         counters=dict(status.counters),
         num_running_requests=status.num_running_requests,
         num_waiting_requests=status.num_waiting_requests,
+        host_id=status.host_id,
+        cpus=list(status.cpus),
     )
 
 
@@ -213,6 +218,8 @@ def status_from_proto(message: admin_pb2.GetStatusResponse) -> EngineStatus:
         counters=dict(message.counters),
         num_running_requests=message.num_running_requests,
         num_waiting_requests=message.num_waiting_requests,
+        host_id=message.host_id,
+        cpus=tuple(message.cpus),
     )
 
 

@@ -22,7 +22,13 @@ from pathlib import Path
 
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvtransfer.logs import configure_logging
-from kvtransfer.router.config import ENGINES, KVTRANSFER, RouterConfig, check_target
+from kvtransfer.router.config import (
+    ENGINES,
+    KV_STREAM_MODES,
+    KVTRANSFER,
+    RouterConfig,
+    check_target,
+)
 from kvtransfer.router.policy import LEAST_LOAD, POLICY_NAMES
 from kvtransfer.router.server import RouterServer
 
@@ -115,10 +121,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv-stream",
-        action=argparse.BooleanOptionalAction,
-        default=True,
+        choices=KV_STREAM_MODES,
+        default="auto",
         help="call the decode daemon while the prefill computes, its KV streamed layer by "
-        "layer (default on; --no-kv-stream: only once the prefill returned)",
+        "layer: always, never (only once the prefill returned), or auto (default: unless "
+        "both daemons compute on the same cores of one host, where it slows the prefill)",
+    )
+    parser.add_argument(
+        "--no-kv-stream",
+        dest="kv_stream",
+        action="store_const",
+        const="never",
+        help="the same as --kv-stream never",
     )
     parser.add_argument(
         "--policy",

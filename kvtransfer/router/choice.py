@@ -14,7 +14,8 @@ Life cycle of a choice (step 4 of a request, see `kvtransfer.router.app`):
    leased (counted in flight) until its part is over.
 3. Prefill: ``Generate`` with the prompt (a chat is rendered there, by the daemon's template),
    ``max_tokens=1``, every sampling option (stop strings included) and, unless the client asked
-   for one token, ``kv_transfer_params={"do_remote_decode": true, "kv_stream": true}``. A
+   for one token, ``kv_transfer_params={"do_remote_decode": true, "kv_stream": true}``
+   (``kv_stream`` left out where `streams_kv` says the two daemons share cores). A
    prefill that streams announces its params in a message before it computes the prompt's last
    part: the decode instance is called at once with them and ``await_generated_tokens``, and
    pulls each layer as it is computed (`_DecodeLeg`, its messages read as they come). Its final
@@ -99,6 +100,17 @@ def goes_alone(fleet: Fleet, threshold: int, route: RouteContext) -> bool:
     else:
         uncached = whole_prompt_uncached(candidates, route)
     return uncached < threshold
+
+
+def streams_kv(mode: str, prefill: Instance, decode: Instance) -> bool:
+    """Whether ``prefill`` streams its KV to ``decode``, called while it computes (step 3).
+    ``auto``: unless both said they compute on the same cores of one host: there the decode's
+    work (its admission, each layer's read) takes CPU from the prefill's compute, measured to
+    cost it more than the transfer that streaming hides (docs/operations.md)."""
+    if mode != "auto":
+        return mode == "always"
+    here, there = prefill.placement, decode.placement
+    return here is None or there is None or not here.shares_cores(there)
 
 
 async def retry_pause(attempt: int, deadline: float) -> None:
@@ -537,7 +549,10 @@ class ChoiceRunner:
         very moment it ends (the call then gets `PREFILL_GRACE_S` to deliver a final message
         already on its way, whose KV is released; a prefill still computing is cancelled, and
         the daemon gives its KV back itself)."""
-        on_params = leg.start_early if leg is not None and self.config.kv_stream else None
+        streams = leg is not None and streams_kv(
+            self.config.kv_stream, lease.instance, leg.instance
+        )
+        on_params = leg.start_early if leg is not None and streams else None
         called = now_ns()
         call = asyncio.ensure_future(
             upstream.run_prefill(
@@ -553,7 +568,7 @@ class ChoiceRunner:
         call.add_done_callback(lambda _, prefill_lease=lease: prefill_lease.end())
         call.add_done_callback(
             lambda _, rid=exchange.request_id, address=lease.instance.address: BOOK.record(
-                rid, "prefill_call", called, now_ns(), instance=address
+                rid, "prefill_call", called, now_ns(), instance=address, kv_stream=streams
             )
         )
         try:

@@ -73,6 +73,12 @@ def check_token(token: str, what: str) -> str:
     return token
 
 
+# When the router asks a prefill to stream its KV layer by layer to a decode called at once:
+# "auto" unless both report they compute on the same cores of one host (`Placement`), where the
+# decode's work would slow the prefill down by more than streaming hides.
+KV_STREAM_MODES = ("auto", "always", "never")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """The daemons to route to, how to pick among them and how to serve HTTP.
@@ -98,8 +104,9 @@ class RouterConfig:
     (413 above it); give the daemons the same value (`kvtransfer.clients.limits`).
     ``shutdown_timeout_s`` is how long in-flight requests may run on after a stop.
     ``tls_ca``/``tls_cert``/``tls_key`` are PEM files; none of them means plaintext gRPC.
-    ``kv_stream``: ask prefills to announce their KV while computing it and call the decode
-    daemon then (off: the decode is called once the prefill returned). ``tokenizer``: the
+    ``kv_stream``: ``always`` asks prefills to announce their KV while computing it and calls the
+    decode then, ``never`` only once the prefill returned, ``auto`` streams unless both daemons
+    report computing on the same cores of one host (`KV_STREAM_MODES`). ``tokenizer``: the
     daemons' ``--model`` (and ``chat_template`` their ``--chat-template``), so the router knows
     a text prompt's token ids (cache-aware choice, ``disagg_min_prompt_tokens``).
     ``kv_events_port`` (and ``kv_events_replay_port``): every instance publishes KV events on
@@ -127,7 +134,7 @@ class RouterConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    kv_stream: bool = True
+    kv_stream: str = "auto"
     policy: str = LEAST_LOAD
     prefill_policy: str | None = None
     decode_policy: str | None = None
@@ -150,6 +157,10 @@ class RouterConfig:
     vllm_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_stream, bool):  # the flag's old on/off form
+            object.__setattr__(self, "kv_stream", "always" if self.kv_stream else "never")
+        if self.kv_stream not in KV_STREAM_MODES:
+            raise ValueError(f"kv_stream must be one of {KV_STREAM_MODES}, got {self.kv_stream!r}")
         # Lists from callers become tuples so the config stays hashable and immutable.
         for role in WORKER_ROLES:
             object.__setattr__(self, role, tuple(getattr(self, role)))

@@ -56,6 +56,7 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvtransfer.control.placement import Placement
 from kvtransfer.control.security import admin_token_metadata
 from kvtransfer.router.config import AGGREGATED, ENGINES, KVTRANSFER, VLLM, WORKER_ROLES
 from kvtransfer.router.errors import NoHealthyDaemon
@@ -224,6 +225,8 @@ class Instance:
         self.in_flight = 0
         self.picks = 0
         self.load: InstanceLoad | None = None
+        # Where it computes, from its GetStatus (None: not reported, or not yet).
+        self.placement: Placement | None = None
         self.removed = False
         # Calls outside any lease (ReleaseKV): the channel stays open for them too.
         self.other_calls = 0
@@ -578,6 +581,7 @@ class Fleet:
                 router_in_flight=max(before, instance.in_flight),
             )
             instance.load_problem = None
+            instance.placement = Placement.reported(status.host_id, status.cpus)
             self._note_uptime(instance, status.uptime_s)
         elif isinstance(status, grpc.aio.AioRpcError):
             self._no_load(instance, status)

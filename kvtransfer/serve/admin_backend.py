@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from kvtransfer.connector.serving import KVTransferTotals
 from kvtransfer.control.admin import EngineStatus, PeerInfo, TransferDirection, TransferInfo
+from kvtransfer.control.placement import Placement
 from kvtransfer.engine.engine_core import EngineCore
 from kvtransfer.serve.engine_thread import EngineThread
 from kvtransfer.serve.ledger import HeldKV, ServingLedger
@@ -75,6 +76,8 @@ class EngineAdminBackend:
         self._bytes_per_block = bytes_per_block
         self._begin_drain = begin_drain
         self._started = time.monotonic()
+        # Read once: the affinity is the one the daemon was started with (taskset, cgroups).
+        self._placement = Placement.of_this_process()
 
     def status(self) -> EngineStatus:
         role, engine_id, model = self._identity
@@ -106,6 +109,8 @@ class EngineAdminBackend:
             counters=counters,
             num_running_requests=running,
             num_waiting_requests=waiting,
+            host_id=self._placement.host_id,
+            cpus=tuple(sorted(self._placement.cpus)),
         )
 
     def peers(self) -> list[PeerInfo]:

@@ -32,7 +32,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("api_version", "role", "engine_id", "model", "tp_size", "pp_size", "num_free_blocks", "num_used_blocks", "uptime_s", "counters", "num_running_requests", "num_waiting_requests")
+    __slots__ = ("api_version", "role", "engine_id", "model", "tp_size", "pp_size", "num_free_blocks", "num_used_blocks", "uptime_s", "counters", "num_running_requests", "num_waiting_requests", "host_id", "cpus")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,8 @@ class GetStatusResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     api_version: int
     role: str
     engine_id: str
@@ -64,7 +66,9 @@ class GetStatusResponse(_message.Message):
     counters: _containers.ScalarMap[str, int]
     num_running_requests: int
     num_waiting_requests: int
-    def __init__(self, api_version: _Optional[int] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., model: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ...) -> None: ...
+    host_id: str
+    cpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, api_version: _Optional[int] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., model: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., host_id: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("engine_id", "address", "state", "generation", "last_handshake_latency_ms")

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from serve_helpers.daemons import COMMON_FLAGS
+from serve_helpers.daemons import COMMON_FLAGS, stream_flags
 
 from kvtransfer.serve.launcher import ServiceProcess, daemon_command, router_command
 from netns_helpers.call import TOKEN_ENV
@@ -63,7 +63,7 @@ def start_router(
 ) -> ServiceProcess:
     """A router on ``bind`` (default: the host's address); ``name`` tells several routers of one
     test apart (their process names and logs, ``<name>.log``; default ``router.log``)."""
-    argv = ["--host", bind or host.address, "--port", "0", *flags]
+    argv = ["--host", bind or host.address, "--port", "0", *stream_flags(flags), *flags]
     for daemon in prefills:
         argv += ["--prefill", daemon.address]
     for daemon in decodes:

@@ -50,6 +50,14 @@ def start_daemon(
     return ServiceProcess.start(name, argv, log_dir / f"{name}.log", env=env)
 
 
+def stream_flags(flags: Sequence[str]) -> tuple[str, ...]:
+    """``--kv-stream always`` unless ``flags`` choose: the tests' daemons share this machine's
+    cores (network namespaces too), where the router's default, auto, would not stream."""
+    if any(flag.startswith(("--kv-stream", "--no-kv-stream")) for flag in flags):
+        return ()
+    return ("--kv-stream", "always")
+
+
 def start_router(
     log_dir: Path,
     prefills: Sequence[ServiceProcess],
@@ -57,7 +65,7 @@ def start_router(
     *extra: str,
     name: str = "router",
 ) -> ServiceProcess:
-    flags = ["--port", "0", *extra]
+    flags = ["--port", "0", *stream_flags(extra), *extra]
     for daemon in prefills:
         flags += ["--prefill", daemon.address]
     for daemon in decodes:
