@@ -196,6 +196,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_batch(cls, value: Any) -> Any:
+        # One pass per check over what may be thousands of token ids (on every request's path).
         if isinstance(value, str) or _is_int_list(value):
             value = [value]
         if value == [] or value == [""]:
@@ -206,10 +207,12 @@ class CompletionRequest(SamplingRequest):
             where = f"[{index}]: " if len(value) > 1 else ""
             if prompt == "" or prompt == []:
                 raise ValueError(f"{where}must not be empty")
-            if _is_int_list(prompt) and not all(_is_token_id(t) for t in prompt):
-                raise ValueError(f"{where}token ids must be integers in [0, 2**32)")
-            if not (isinstance(prompt, str) or _is_int_list(prompt)):
+            if isinstance(prompt, str):
+                continue
+            if not _is_int_list(prompt):
                 raise ValueError(f"{where}{_PROMPT_SHAPE}")
+            if not _are_token_ids(prompt):
+                raise ValueError(f"{where}token ids must be integers in [0, 2**32)")
         return value
 
     @model_validator(mode="after")
@@ -310,13 +313,22 @@ def _chat_message(message: Any, index: int) -> dict[str, Any]:
     return normalised
 
 
+# JSON decodes integers as int and true/false as bool, never subclasses.
+_INT_TYPES = frozenset({int, bool})
+
+
 def _is_int_list(value: Any) -> bool:
     """A list of integers (booleans too: a token id list with a mistake in it)."""
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+    return isinstance(value, list) and bool(value) and set(map(type, value)) <= _INT_TYPES
 
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT32_MAX
+
+
+def _are_token_ids(values: list[Any]) -> bool:
+    """`_is_token_id` of every item, in C loops (a bool's type is not int)."""
+    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= _UINT32_MAX
 
 
 def parse_json_body(raw: bytes) -> Any:
