@@ -502,6 +502,40 @@ def test_a_circuit_breaker_opens_after_failures_and_closes_after_a_good_trial():
     run(scenario)
 
 
+def test_a_breaker_opened_by_calls_an_outage_cut_closes_when_the_daemon_is_back():
+    """A partition ends every call in flight at once (keep-alive pings close the connection):
+    failures of calls that found the daemon unreachable open its breaker like any, but once a
+    health check takes it back they are forgotten (a healed prefill stayed out 30 s)."""
+
+    async def scenario():
+        async with cluster(
+            prefills=[fail(grpc.StatusCode.UNAVAILABLE, "Connection timed out"), None],
+            policy="round_robin",
+            breaker_failures=2,
+            breaker_cooldown_s=600.0,
+            health_interval_s=NO_CHECKS,
+            admin_token=ADMIN_TOKEN,
+        ) as c:
+            p0, p1 = c.prefills
+            fleet = c.router.handlers.fleet
+            for attempt in range(2):
+                # Each call to p0 fails unreachable (ejected, retried on p1); a check takes it
+                # back, as it answers its health checks.
+                before = len(p0.requests)
+                while len(p0.requests) == before:
+                    assert (await route_of(c))["prefill"] == p1.address
+                opened = (await c.workers())[p0.address]["breaker"]
+                assert opened == ("closed" if attempt == 0 else "open")
+                await fleet.check()
+            assert (await c.workers())[p0.address]["breaker"] == "closed"
+            assert fleet.get(p0.address).breaker.consecutive_failures == 0
+            p0.behaviour = prefill_ok(p0.address)
+            routes = {(await route_of(c))["prefill"] for _ in range(2)}
+            assert routes == {p0.address, p1.address}
+
+    run(scenario)
+
+
 def test_a_daemon_that_restarted_gets_its_breaker_closed_at_once():
     """Failures belong to a process: a daemon whose uptime went back is a new one, and need not
     wait out the cooldown (here ten minutes); the old process's uptime growing changes nothing."""

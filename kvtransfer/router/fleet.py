@@ -235,6 +235,8 @@ class Instance:
         self.load_problem: str | None = None
         # The daemon's uptime in its last GetStatus: less next time means a new process.
         self.uptime_s: float | None = None
+        # Of the breaker's consecutive failures, those of calls that found it unreachable.
+        self.unreachable_failures = 0
 
     @property
     def stub(self) -> generation_pb2_grpc.GenerationStub:
@@ -278,10 +280,13 @@ class Instance:
 
     def succeeded(self) -> None:
         """A call ended well: the breaker closes (or stays closed)."""
+        self.unreachable_failures = 0
         self.breaker.success()
 
-    def failed(self) -> None:
-        """A call failed through this daemon's fault (a 5xx of its own)."""
+    def failed(self, unreachable: bool = False) -> None:
+        """A call failed through this daemon's fault (a 5xx of its own); ``unreachable``: it
+        failed because the daemon could not be reached (and was ejected for it)."""
+        self.unreachable_failures = self.unreachable_failures + 1 if unreachable else 0
         self.breaker.failure()
 
     @property
@@ -662,6 +667,19 @@ class Fleet:
                 logger.warning("%s: %s at start-up, not picked until SERVING", name, state)
         elif flipped and healthy:
             logger.info("%s re-admitted: %s", name, state)
+            breaker = instance.breaker
+            if breaker.state != CLOSED and 0 < breaker.consecutive_failures <= (
+                instance.unreachable_failures
+            ):
+                # Every failure that opened it was a call the outage cut (a partition ends
+                # all calls in flight at once): the daemon is back, as after a restart.
+                logger.info(
+                    "%s: its breaker forgets the %d calls that found it unreachable",
+                    name,
+                    breaker.consecutive_failures,
+                )
+                instance.unreachable_failures = 0
+                breaker.reset()
         elif flipped:
             logger.warning("%s ejected: %s (%s)", name, state, why)
         if (first or flipped) and self._listener is not None:

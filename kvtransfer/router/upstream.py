@@ -326,7 +326,7 @@ def _call_failed(
         return UpstreamError(413, message, daemon.role, daemon.address, "message_too_large")
     status = _STATUS_FOR_CODE.get(code, 502)
     if status >= 500 and (dead or code != grpc.StatusCode.DEADLINE_EXCEEDED):
-        daemon.failed()
+        daemon.failed(unreachable=dead)
     return UpstreamError(status, f"{code.name}: {details}", daemon.role, daemon.address, code.name)
 
 
