@@ -163,6 +163,9 @@ def test_a_pd_request_shows_each_phase_in_its_answer_metrics_and_trace(tmp_path,
         "prefill.engine.compute",
         "prefill.first_token_out",
         "decode.admit",
+        # The first request from this producer: a handshake, then the one-sided keys.
+        "decode.kv.handshake",
+        "decode.kv.keys",
         "decode.engine.kv_wait",
         "decode.engine.compute",
     ):

@@ -26,6 +26,7 @@ from types import MappingProxyType, TracebackType
 
 import torch
 
+from kvtransfer.timeline import BOOK
 from kvtransfer.transport.access import LeaseGrants
 from kvtransfer.transport.buffers import BufferPool
 from kvtransfer.transport.client import PeerHandle, PullClient, PullHandle
@@ -383,7 +384,8 @@ class KVTransferAgent:
             if key in self._rma_peers:
                 return self._rma_peers[key]
             try:
-                keys = RmaKeys.decode(self._client.fetch_keys(peer, spec.lease, control))
+                with BOOK.span(spec.request_id, "kv.keys", peer=peer.name):
+                    keys = RmaKeys.decode(self._client.fetch_keys(peer, spec.lease, control))
             except RemoteTransferError as exc:
                 if exc.code != ErrorCode.NOT_SERVING:
                     raise
