@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -34,11 +35,20 @@ class GatedEngine:
         self.sinks: dict[str, Callable[[EngineCoreOutput], None]] = {}
         self.continued: dict[str, tuple[int, ...]] = {}
 
-    def add_request(self, rid: str, *args: Any) -> None:
+    def add_request(self, rid: str, *args: Any) -> Future[None]:
+        """Like `EngineThread.add_request`: the future of the engine thread taking it."""
         self.sinks[rid] = args[3]
-        self.admitting.set()
-        if not self.admit.wait(10):
-            raise TimeoutError("never admitted")
+        taken: Future[None] = Future()
+
+        def admit() -> None:
+            self.admitting.set()
+            if self.admit.wait(10):
+                taken.set_result(None)
+            else:
+                taken.set_exception(TimeoutError("never admitted"))
+
+        threading.Thread(target=admit, daemon=True).start()
+        return taken
 
     def continue_request(self, rid: str, tokens: tuple[int, ...]) -> None:
         self.continued[rid] = tokens

@@ -85,6 +85,16 @@ class EngineThread:
 
     def call(self, fn: Callable[[EngineCore], T], timeout_s: float = 30.0) -> T:
         """Run ``fn(core)`` on the engine thread between steps; its exception is re-raised."""
+        future = self.submit(fn)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the engine did not answer within {timeout_s:g} s") from None
+
+    def submit(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        """`call` without the wait: the future of ``fn(core)`` (an event loop awaits it with
+        ``asyncio.wrap_future``, no thread of its own blocked on it)."""
         if not self.is_running:
             raise EngineUnavailable(self.broken or "the engine is not running")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -98,11 +108,7 @@ class EngineThread:
                 future.set_exception(exc)
 
         self._queue((run, future))
-        try:
-            return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"the engine did not answer within {timeout_s:g} s") from None
+        return future
 
     def add_request(
         self,
@@ -113,8 +119,9 @@ class EngineThread:
         sink: OutputSink,
         generated_token_ids: Sequence[int] = (),
         awaits_generated: bool = False,
-    ) -> None:
-        """Queue a request; raises `ValueError` (bad input, duplicate id) from the engine."""
+    ) -> concurrent.futures.Future[None]:
+        """Queue a request; the future raises `ValueError` (bad input, duplicate id) from the
+        engine."""
 
         def add(core: EngineCore) -> None:
             if request_id in self._sinks:
@@ -129,7 +136,7 @@ class EngineThread:
             )
             self._sinks[request_id] = sink
 
-        self.call(add)
+        return self.submit(add)
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request (its final output reaches its sink), or give back the KV it

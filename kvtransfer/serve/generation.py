@@ -46,6 +46,8 @@ from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger("kvtransfer.serve.requests")
 
+# How long a request waits for the engine to take it (between two steps).
+_ADMIT_TIMEOUT_S = 30.0
 # A release is one connector call between two steps; a busy engine answers well within this.
 _RELEASE_TIMEOUT_S = 10.0
 # Continue calls kept for Generate calls that have not arrived yet.
@@ -105,9 +107,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         def sink(output: EngineCoreOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, output)
 
-        adding = asyncio.ensure_future(
-            asyncio.to_thread(
-                ctx.engine.add_request,
+        try:
+            # No thread of the pool in between: the engine thread completes the future and
+            # the loop hears of it at once (a request's first hop on every daemon).
+            taken = ctx.engine.add_request(
                 parsed.request_id,
                 parsed.prompt_token_ids,
                 parsed.sampling_params,
@@ -116,23 +119,34 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 parsed.generated_token_ids,
                 parsed.awaits_generated,
             )
-        )
-        try:
-            await asyncio.shield(adding)
-        except asyncio.CancelledError:
-            # Cancelled while the engine thread admits it: the request may run all the same,
+        except EngineUnavailable as exc:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(exc), request)
+
+        def abandon_once_taken() -> None:
+            # Given up on while the engine thread admits it: the request may run all the same,
             # with nobody to read it or the KV it would hold, so it is aborted once admitted.
-            adding.add_done_callback(
-                lambda done: done.exception() is None and ctx.engine.abandon(parsed.request_id)
-            )
+            if not taken.cancel():
+                taken.add_done_callback(
+                    lambda done: done.exception() is None and ctx.engine.abandon(rid)
+                )
+
+        rid = parsed.request_id
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(taken)), _ADMIT_TIMEOUT_S)
+        except asyncio.CancelledError:
+            abandon_once_taken()
             raise
+        except TimeoutError:
+            abandon_once_taken()
+            message = f"the engine did not take the request within {_ADMIT_TIMEOUT_S:g} s"
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, message, request)
         except DuplicateRequestError as exc:
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(exc), request)
         except PromptTooLargeError as exc:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), request)
         except ValueError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), request)
-        except (EngineUnavailable, TimeoutError) as exc:
+        except EngineUnavailable as exc:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(exc), request)
         ctx.ledger.count("requests_started")
         BOOK.record(parsed.request_id, "admit", received_ns, now_ns())
@@ -143,7 +157,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             ", with kv_transfer_params" if parsed.kv_transfer_params else "",
             extra={"request_id": parsed.request_id},
         )
-        rid = parsed.request_id
         if parsed.awaits_generated:
             # A Continue that came while the engine admitted the request was kept: apply it
             # now (no await between this check and registering, so none can slip between).
