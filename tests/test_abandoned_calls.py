@@ -77,3 +77,46 @@ def test_a_cancelled_prefill_call_holds_no_kv(prefill, delay_s):
         "the cancelled call's blocks given back by the daemon itself",
         BACK_WITHIN_S,
     )
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("abandoned-decode")
+    daemon = start_daemon("decode", logs, "--engine-id", "d-abandon")
+    with running(daemon):
+        yield daemon
+    assert exit_used_blocks(daemon) == 0
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.01, 0.05])
+def test_a_decode_call_cancelled_while_admitted_holds_no_blocks(prefill, decode, delay_s):
+    """A decode called early (awaiting the prefill's first token) and cancelled around its
+    admission: whatever the moment, the decode gives its blocks back itself, at once."""
+    request_id = f"abandon-decode-{delay_s}"
+    with GenerationClient(prefill.address) as client:
+        final = None
+        for message in client.stream(
+            generate_request(request_id, PROMPT, 1, kv_transfer_params=REMOTE_DECODE)
+        ):
+            final = message
+        assert final is not None and final.kv_transfer_params_json
+        params = final.kv_transfer_params_json
+    with GenerationClient(decode.address) as client:
+        request = generate_request(request_id, PROMPT, 8)
+        request.kv_transfer_params_json = params
+        request.await_generated_tokens = True
+        call = client.stream(request)
+        timer = threading.Timer(delay_s, call.cancel)
+        timer.start()
+        with pytest.raises(grpc.RpcError) as cancelled:
+            for _ in call:
+                pass
+        timer.join()
+        assert cancelled.value.code() is grpc.StatusCode.CANCELLED
+    wait_until(
+        lambda: admin(decode.address, "status").num_used_blocks == 0,
+        "the cancelled decode call's blocks given back by the daemon itself",
+        BACK_WITHIN_S,
+    )
+    with GenerationClient(prefill.address) as client:
+        client.release_kv(request_id, params)  # pulled or not: the prefill lets go now

@@ -131,22 +131,27 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 )
 
         rid = parsed.request_id
+        waiter = asyncio.wrap_future(taken)
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(taken)), _ADMIT_TIMEOUT_S)
+            # Not wait_for: on Python 3.11 it can swallow a cancellation that comes as the
+            # future completes, and this call would then wait for tokens forever.
+            await asyncio.wait({waiter}, timeout=_ADMIT_TIMEOUT_S)
         except asyncio.CancelledError:
             abandon_once_taken()
             raise
-        except TimeoutError:
-            abandon_once_taken()
-            message = f"the engine did not take the request within {_ADMIT_TIMEOUT_S:g} s"
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, message, request)
+        try:
+            if not waiter.done():
+                abandon_once_taken()
+                message = f"the engine did not take the request within {_ADMIT_TIMEOUT_S:g} s"
+                raise TimeoutError(message)
+            waiter.result()
         except DuplicateRequestError as exc:
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(exc), request)
         except PromptTooLargeError as exc:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), request)
         except ValueError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), request)
-        except EngineUnavailable as exc:
+        except (EngineUnavailable, TimeoutError) as exc:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(exc), request)
         ctx.ledger.count("requests_started")
         BOOK.record(parsed.request_id, "admit", received_ns, now_ns())
@@ -157,16 +162,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             ", with kv_transfer_params" if parsed.kv_transfer_params else "",
             extra={"request_id": parsed.request_id},
         )
-        if parsed.awaits_generated:
-            # A Continue that came while the engine admitted the request was kept: apply it
-            # now (no await between this check and registering, so none can slip between).
-            late = self._early.pop(rid, None)
-            if late is None:
-                self._awaiting[rid] = text
-            else:
-                problem = await self._continue(rid, text, late)
-                if problem is not None:
-                    logger.info("kept Continue failed: %s", problem[1], extra={"request_id": rid})
 
         def call_done(_: object) -> None:
             self._awaiting.pop(rid, None)
@@ -177,9 +172,25 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             else:
                 ctx.engine.delivered(rid)
 
+        # Registered before anything else can wait: a call that ends from here on (also one
+        # cancelled while the engine admitted the request) gives the request back.
         context.add_done_callback(call_done)
         finished = False
         try:
+            if context.cancelled():
+                return  # cancelled during admission, its done callbacks perhaps already run
+            if parsed.awaits_generated:
+                # A Continue that came while the engine admitted the request was kept: apply
+                # it now (no await between this check and registering, so none can slip in).
+                late = self._early.pop(rid, None)
+                if late is None:
+                    self._awaiting[rid] = text
+                else:
+                    problem = await self._continue(rid, text, late)
+                    if problem is not None:
+                        logger.info(
+                            "kept Continue failed: %s", problem[1], extra={"request_id": rid}
+                        )
             async for message in self._stream(parsed, text, outputs, admitted):
                 finished = finished or message.finished
                 yield message
@@ -187,6 +198,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if not finished:
                 # Cancelled by the client, or the stream broke: nobody reads the rest, and KV
                 # held for a consumer would reach none.
+                self._awaiting.pop(rid, None)
                 ctx.engine.abandon(rid)
                 BOOK.take(rid)  # nobody will read them
                 ctx.ledger.count("requests_aborted")
