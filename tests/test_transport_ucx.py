@@ -16,6 +16,7 @@ from transport_helpers.procs import KVServerProcess, ServerSpec, kv_server, kv_s
 from waiting import wait_until
 
 from kvtransfer.transport import (
+    EndpointReset,
     ErrorCode,
     InvalidPeerAddress,
     KVLayout,
@@ -378,7 +379,7 @@ def test_a_timeout_resets_the_peer_for_other_pulls_in_flight(silent_pair):
     wait_until(lambda: patient.messages_sent == 1, "the patient request sent", WAIT_S)
     with pytest.raises(TransferTimeoutError, match=r"pull 'hasty'"):
         hasty.result(WAIT_S)
-    with pytest.raises(PeerUnreachable, match=r"pull 'patient': connection to peer-\w+ was reset"):
+    with pytest.raises(EndpointReset, match=r"pull 'patient': connection to peer-\w+ was reset"):
         patient.result(WAIT_S)
 
 

@@ -17,6 +17,7 @@ from kvtransfer.transport.agent import KVTransferAgent, TransportConfig
 from kvtransfer.transport.client import PeerHandle, PullHandle, PullResult
 from kvtransfer.transport.errors import (
     CorruptPayloadError,
+    EndpointReset,
     ErrorCode,
     InvalidPeerAddress,
     PeerUnreachable,
@@ -32,6 +33,7 @@ __all__ = [
     "KV_AXES",
     "AccessDenied",
     "CorruptPayloadError",
+    "EndpointReset",
     "ErrorCode",
     "InvalidPeerAddress",
     "KVLayout",

@@ -42,6 +42,7 @@ from kvtransfer.transport.buffers import (
 )
 from kvtransfer.transport.errors import (
     CorruptPayloadError,
+    EndpointReset,
     ErrorCode,
     PeerUnreachable,
     RemoteTransferError,
@@ -809,7 +810,7 @@ class PullClient:
         if isinstance(error, TransportError):
             return error
         if self._loop.is_cancellation(error):
-            return PeerUnreachable(
+            return EndpointReset(
                 f"pull {spec.request_id!r}: connection to {peer.name} was reset "
                 "(another pull to it timed out or the agent is closing)"
             )

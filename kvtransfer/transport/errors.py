@@ -50,6 +50,12 @@ class PeerUnreachable(TransportError, ConnectionError):
     """A peer could not be connected to, or its connection failed or was reset."""
 
 
+class EndpointReset(PeerUnreachable):
+    """Another pull to the same peer failed and reset the connection this one was using: the
+    peer may be fine (a read that timed out on a connection a partition broke resets it for
+    every read in flight). A new connection is made by the next pull."""
+
+
 class InvalidPeerAddress(PeerUnreachable, ValueError):
     """The bytes given as a peer address are not a kvtransfer agent address."""
 

@@ -5,7 +5,10 @@
    one-sided pull (RMA mode) reads right there, probing the producer while it waits;
 3. wait for all of them, each bounded by the transfer timeout, probing the producer meanwhile
    (`liveness`): a dead or unreachable producer, or one that no longer holds the request,
-   fails the load in about a second instead of at the timeout.
+   fails the load in about a second instead of at the timeout;
+4. a pull that failed only because another read from the producer reset their connection
+   (`EndpointReset`) is not the producer's failure: the load's pulls run once more, on the new
+   connection.
 
 Every pull presents the lease's secret; the producer serves only that lease's blocks and only
 while it holds the lease (it stops before it frees them), so a load that succeeded read the
@@ -21,6 +24,7 @@ guarantees nothing is written once it returns.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -32,12 +36,15 @@ from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines
 from kvtransfer.timeline import BOOK, now_ns
 from kvtransfer.transport import (
     AccessDenied,
+    EndpointReset,
     ErrorCode,
     KVTransferAgent,
     PullHandle,
     PullSpec,
     RemoteTransferError,
 )
+
+logger = logging.getLogger(__name__)
 
 # Extra wait beyond a pull's own timeout: the pull raises TransferTimeoutError itself first.
 _RESULT_GRACE_S = 5.0
@@ -120,8 +127,16 @@ class LoadJob:
         check_request_blocks(spec.remote, next(iter(engine.metadata.values())).block_size)
         watch = ProducerWatch(spec.remote, self._ask_held)
         try:
-            handles = self._start(engine, watch)
-            total, one_sided = self._wait_all(handles, watch)
+            try:
+                handles = self._start(engine, watch)
+                total, one_sided = self._wait_all(handles, watch)
+            except EndpointReset as reset:
+                # Another read from this producer failed and took the connection with it
+                # (after a partition healed, a read on the broken connection times out): the
+                # producer may be fine. Once more, on the new connection the next pull makes.
+                self._restart(reset)
+                handles = self._start(engine, watch)
+                total, one_sided = self._wait_all(handles, watch)
         except LoadCancelled:
             raise
         except BaseException as exc:
@@ -135,6 +150,16 @@ class LoadJob:
         return LoadOutcome(
             len(spec.local_block_ids), total, time.perf_counter() - started, one_sided
         )
+
+    def _restart(self, reset: EndpointReset) -> None:
+        """Stop this attempt's pulls (nothing they write lands after this) before another."""
+        self._check_cancelled()
+        with self._lock:
+            handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.cancel()
+        self._read_started.clear()
+        logger.info("%s; reading it again once", reset, extra={"request_id": self.spec.req_id})
 
     def _start(self, engine: RemoteEngine, watch: ProducerWatch) -> list[PullHandle]:
         """Start every pull (a one-sided one runs to completion right here)."""
