@@ -492,6 +492,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the router calls decode only once the prefill returned (no layer-wise streaming)",
     )
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more router argument (repeat; e.g. --router-arg=--kv-stream "
+        "--router-arg=always to compare with the default)",
+    )
     args = parser.parse_args(argv)
     n = args.n or (3 if args.quick else 7)
     lengths = args.lengths or list(QUICK_LENGTHS if args.quick else LENGTHS)
@@ -502,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for model in args.models:
             router_flags = ["--no-kv-stream"] if args.no_kv_stream else []
+            router_flags += args.router_arg
             model_rows, model_skipped = run_model(model, lengths, n, rng, log_dir, router_flags)
             rows += model_rows
             skipped += [
