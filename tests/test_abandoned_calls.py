@@ -14,6 +14,7 @@ import threading
 import grpc
 import pytest
 from serve_helpers.daemons import admin, exit_used_blocks, running, start_daemon
+from serve_helpers.probes import cancel_after
 from waiting import wait_until
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
@@ -105,14 +106,7 @@ def test_a_decode_call_cancelled_while_admitted_holds_no_blocks(prefill, decode,
         request = generate_request(request_id, PROMPT, 8)
         request.kv_transfer_params_json = params
         request.await_generated_tokens = True
-        call = client.stream(request)
-        timer = threading.Timer(delay_s, call.cancel)
-        timer.start()
-        with pytest.raises(grpc.RpcError) as cancelled:
-            for _ in call:
-                pass
-        timer.join()
-        assert cancelled.value.code() is grpc.StatusCode.CANCELLED
+        cancel_after(client.stream(request), delay_s)
     wait_until(
         lambda: admin(decode.address, "status").num_used_blocks == 0,
         "the cancelled decode call's blocks given back by the daemon itself",

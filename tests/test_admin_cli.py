@@ -146,6 +146,9 @@ def test_status_json(capsys, target):
         "num_used_blocks": 5,
         "num_running_requests": 0,
         "num_waiting_requests": 0,
+        # This fake daemon reports no placement.
+        "host_id": "",
+        "cpus": [],
         "counters": {
             "kv_blocks_received": 12,
             "kv_bytes_received": 49152,

@@ -11,9 +11,6 @@ pull was cancelled on the decode side.
 
 from __future__ import annotations
 
-import threading
-
-import grpc
 import pytest
 from serve_helpers.daemons import (
     BLOCK_SIZE,
@@ -21,6 +18,7 @@ from serve_helpers.daemons import (
     admin,
     daemon_pair,
 )
+from serve_helpers.probes import cancel_after
 from waiting import wait_until
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
@@ -110,13 +108,7 @@ def test_aborts_keep_the_counters_reconciled(pair):
                 generate_request(f"abort-{index}", prompt, 64, kv_transfer_params=params)
             )
             # Cancel at various points: before, during and after the load.
-            timer = threading.Timer(0.002 * index, call.cancel)
-            timer.start()
-            with pytest.raises(grpc.RpcError) as info:
-                for _ in call:
-                    pass
-            timer.join()
-            assert info.value.code() is grpc.StatusCode.CANCELLED
+            cancel_after(call, 0.002 * index)
         params = _prefill(p, "after", prompt)
         result = d.generate(generate_request("after", prompt, 4, kv_transfer_params=params))
         assert result.finish_reason == "length", result.error

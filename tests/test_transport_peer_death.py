@@ -49,12 +49,15 @@ def _run_pair(env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str],
             if process.poll() is None:
                 process.kill()
             process.wait()
-    first = out.splitlines()[0] if out.strip() else ""
-    return receiver, json.loads(first) if first else {}, out
+    # UCX writes its own log lines to stdout too (an ERROR as the sender's memory vanishes).
+    said = [line for line in out.splitlines() if line.startswith("{")]
+    return receiver, json.loads(said[0]) if said else {}, out
 
 
 # A rendezvous for every message over 8 KiB, read by the receiver from the sender's memory:
 # with cma allowed, that read is cma's ``process_vm_readv``, the path that aborts.
+# The control run repeats until the abort shows (it did in most single runs here).
+_CONTROL_ATTEMPTS = 6
 FORCED_RENDEZVOUS = {"UCX_RNDV_SCHEME": "get_zcopy", "UCX_RNDV_THRESH": "intra:8192,inter:8192"}
 
 
@@ -74,9 +77,17 @@ def test_with_cma_allowed_the_same_death_aborts_the_receiver(monkeypatch):
     """The control run: the forced rendezvous with cma let in (an operator's ``UCX_TLS``)
     kills the receiver, so the test above reaches the path it guards."""
     monkeypatch.delenv("UCX_TLS", raising=False)
-    receiver, said, out = _run_pair({**FORCED_RENDEZVOUS, "UCX_TLS": "all"})
-    assert receiver.returncode == -signal.SIGABRT, (receiver.returncode, out)
-    assert said == {}, out
+    # A race decides each run: a sender that dies before the receiver's copy began costs the
+    # receiver only an error line (UCX cannot map the sender's memory any more); one that dies
+    # during the copy aborts it. What the control shows is that the abort happens at all.
+    outcomes = []
+    for _ in range(_CONTROL_ATTEMPTS):
+        receiver, said, out = _run_pair({**FORCED_RENDEZVOUS, "UCX_TLS": "all"})
+        outcomes.append((receiver.returncode, said))
+        if receiver.returncode == -signal.SIGABRT:
+            assert said == {}, out  # killed before it could say anything
+            return
+    raise AssertionError(f"no run aborted with cma allowed: {outcomes}")
 
 
 def test_cma_is_left_out_unless_the_operator_chose_the_transports():

@@ -4,8 +4,12 @@ status of a daemon (wait for them with `waiting.wait_until`)."""
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
+from typing import Any
+
+import grpc
 
 from serve_helpers.daemons import admin
 
@@ -36,3 +40,19 @@ def used_blocks(daemon) -> int:
 
 def started(daemon) -> int:
     return admin(daemon.address, "status").counters["requests_started"]
+
+
+def cancel_after(call: Any, delay_s: float) -> None:
+    """Read a streaming Generate ``call`` while a timer cancels it after ``delay_s``; the call
+    must end CANCELLED (not finish first)."""
+    timer = threading.Timer(delay_s, call.cancel)
+    timer.start()
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as exc:
+        assert exc.code() is grpc.StatusCode.CANCELLED, exc
+    else:
+        raise AssertionError(f"the call finished before its cancel at {delay_s} s")
+    finally:
+        timer.join()
