@@ -69,10 +69,12 @@ logger = logging.getLogger(__name__)
 
 # A keys answer larger than this is refused (a layer entry is ~200 bytes, a key ~100).
 MAX_KEYS_BYTES = 4 << 20
-# A reader waiting for its UCX gets polls without a pause this long, then naps between polls
-# from `_NAP_S` doubling to `_MAX_NAP_S` (see `_wait`; the cost is measured in
-# docs/data-plane.md).
-_SPIN_S = 0.0005
+# A reader waiting for its UCX gets could poll without a pause this long before napping
+# between polls from `_NAP_S` doubling to `_MAX_NAP_S` (see `_wait`). Off: where a consumer
+# rank and its producer share a core (vLLM pins both), the spin takes the core the producer's
+# UCX worker needs to answer the get, and the vLLM TP 1 -> TP 2 pairing, pinned, stalled past
+# vLLM's 60 s step timeout again with 0.5 ms (docs/data-plane.md has what the spin bought).
+_SPIN_S = 0.0
 _NAP_S = 0.00005
 _MAX_NAP_S = 0.001
 # A waiting reader runs its `on_wait` (the producer liveness probe) this often.
