@@ -112,10 +112,6 @@ class TimelineBook:
             spans = self._spans.pop(request_id, [])
         return sorted(spans, key=lambda s: s.start_ns)
 
-    def peek(self, request_id: str) -> list[Span]:
-        with self._lock:
-            return list(self._spans.get(request_id, ()))
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._spans)

@@ -459,7 +459,6 @@ class ChoiceRunner:
             spans += spans_from_proto(decoded.prefill.spans, "prefill")
         if decoded.final is not None and decoded.final is not decoded.prefill:
             spans += spans_from_proto(decoded.final.spans, "decode")
-        spans.sort(key=lambda span: span.start_ns)
         self.metrics.spans(spans)
         if self.traces is not None:
             trace = RequestTrace(
@@ -720,7 +719,7 @@ def _trace_attributes(exchange: Exchange, decoded: _Decoded) -> dict[str, Any]:
 
 
 def _kvtransfer_info(
-    exchange: Exchange, decoded: _Decoded, spans: Sequence[Span] = ()
+    exchange: Exchange, decoded: _Decoded, spans: Sequence[Span]
 ) -> dict[str, Any]:
     metrics = decoded.final.metrics if decoded.final is not None else None
     first = decoded.first_token_at
