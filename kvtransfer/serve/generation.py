@@ -41,7 +41,7 @@ from kvtransfer.serve.requests import (
     parse_transfer_params,
 )
 from kvtransfer.serve.text_stream import TextStream
-from kvtransfer.timeline import BOOK, now_ns, wall_ns
+from kvtransfer.timeline import BOOK, now_ns
 from kvtransfer.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger("kvtransfer.serve.requests")
@@ -80,7 +80,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         ctx = self._ctx
-        received = time.monotonic()
+        received_ns = now_ns()
         if not ctx.is_admitting():
             ctx.ledger.count("requests_rejected")
             await context.abort(
@@ -100,7 +100,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except RequestError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), request)
         admitted = time.monotonic()
-        received_ns = wall_ns(received)
         outputs: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
