@@ -104,3 +104,21 @@ def test_placements_share_cores_only_on_one_host_with_common_cpus():
     assert not a.shares_cores(Placement("boot-2", frozenset({0, 1})))
     assert Placement.reported("", [0, 1]) is None
     assert Placement.reported("boot-1", [1, 0]) == a
+
+
+def test_bad_stream_and_switch_settings_are_refused_naming_them(capsys):
+    from kvtransfer.router.__main__ import main as router_main
+    from kvtransfer.router.config import RouterConfig
+    from kvtransfer.serve.settings import SettingsError, load_settings
+
+    with pytest.raises(ValueError, match=r"kv_stream must be one of \('auto', 'always', 'never'\)"):
+        RouterConfig(prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",), kv_stream="sometimes")
+    assert RouterConfig(prefill=("a:1",), decode=("b:2",), kv_stream=False).kv_stream == "never"
+    with pytest.raises(SystemExit) as exited:
+        router_main(["--prefill", "a:1", "--decode", "b:2", "--switch-interval-ms", "0"])
+    assert exited.value.code == 2
+    assert "--switch-interval-ms must be in (0, 100], got 0.0" in capsys.readouterr().err
+    with pytest.raises(
+        SettingsError, match=r"^--switch-interval-ms: Input should be greater than 0"
+    ):
+        load_settings("prefill", ["--switch-interval-ms", "0"], environ={})
