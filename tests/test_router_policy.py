@@ -28,14 +28,13 @@ from kvtransfer.router.fleet import (
     InstancePresent,
     host_port,
 )
+from kvtransfer.router.names import CACHE_AWARE_MODULE, check_policy_name
 from kvtransfer.router.policy import (
-    CACHE_AWARE_MODULE,
     InstanceLoad,
     LeastLoad,
     PowerOfTwo,
     RoundRobin,
     RouteContext,
-    check_policy_name,
     create_policy,
     load_score,
     token_ids_of,

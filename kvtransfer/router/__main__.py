@@ -23,14 +23,8 @@ from typing import Any
 
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvtransfer.logs import configure_logging
-from kvtransfer.router.config import (
-    ENGINES,
-    KV_STREAM_MODES,
-    KVTRANSFER,
-    RouterConfig,
-    check_target,
-)
-from kvtransfer.router.policy import LEAST_LOAD, POLICY_NAMES
+from kvtransfer.router.config import KV_STREAM_MODES, RouterConfig, check_target
+from kvtransfer.router.names import ENGINES, KVTRANSFER, LEAST_LOAD, POLICY_NAMES
 from kvtransfer.router.server import RouterServer
 
 logger = logging.getLogger("kvtransfer.router")

@@ -24,8 +24,9 @@ from typing import Any
 
 from aiohttp import web
 
-from kvtransfer.router.config import WORKER_ROLES, check_address
-from kvtransfer.router.fleet import ADMIN, ROLES, Fleet, InstancePresent
+from kvtransfer.router.config import check_address
+from kvtransfer.router.fleet import ADMIN, Fleet, InstancePresent
+from kvtransfer.router.names import ROLES, WORKER_ROLES
 from kvtransfer.router.openai_api import error_body
 
 logger = logging.getLogger("kvtransfer.router.admin")

@@ -63,10 +63,11 @@ from kvtransfer.router.admin_api import AdminApi
 from kvtransfer.router.admission import Admission, QueueFull, QueueTimeout
 from kvtransfer.router.cache_wiring import CacheIndexWiring
 from kvtransfer.router.choice import ChoiceRunner, Delta, Exchange
-from kvtransfer.router.config import AGGREGATED, WORKER_ROLES, RouterConfig
+from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import ROLES, VLLM, DnsTarget, Fleet, Resolver, resolve_host
+from kvtransfer.router.fleet import DnsTarget, Fleet, Resolver, resolve_host
 from kvtransfer.router.metrics import CLIENT_CLOSED, RouterMetrics
+from kvtransfer.router.names import AGGREGATED, ROLES, VLLM, WORKER_ROLES
 from kvtransfer.router.openai_api import (
     Choice,
     CompletionRequest,
@@ -84,12 +85,7 @@ from kvtransfer.router.openai_responses import (
     ResponseFormat,
     usage,
 )
-from kvtransfer.router.policy import (
-    PromptTokenizer,
-    RouteContext,
-    create_policy,
-    token_ids_of,
-)
+from kvtransfer.router.policy import PromptTokenizer, RouteContext, create_policy, token_ids_of
 from kvtransfer.router.tracing import TraceExporter
 from kvtransfer.router.upstream import Upstream
 from kvtransfer.router.vllm_upstream import VllmCall, VllmProxy, check_vllm_body

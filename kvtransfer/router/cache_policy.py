@@ -41,7 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtransfer.router.policy import CACHE_AWARE, Candidate, RouteContext, load_score
+from kvtransfer.router.names import CACHE_AWARE
+from kvtransfer.router.policy import Candidate, RouteContext, load_score
 from kvtransfer.router.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:

@@ -69,8 +69,9 @@ from typing import Any
 from kvtransfer.clients.generation import spans_from_proto
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import AGGREGATED, Fleet, Instance
+from kvtransfer.router.fleet import Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
+from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai_api import Choice
 from kvtransfer.router.policy import RouteContext, UncachedEstimator, whole_prompt_uncached
 from kvtransfer.router.tracing import RequestTrace, TraceExporter

@@ -12,7 +12,15 @@ from kvtransfer.clients.limits import (
     check_max_request_bytes,
     grpc_message_options,
 )
-from kvtransfer.router.policy import LEAST_LOAD, check_policy_name
+from kvtransfer.router.names import (
+    AGGREGATED,
+    ENGINES,
+    KVTRANSFER,
+    LEAST_LOAD,
+    VLLM,
+    WORKER_ROLES,
+    check_policy_name,
+)
 
 _MAX_PORT = 65535
 # gRPC waits 1 s, then up to 120 s, between reconnection attempts to a daemon that went away;
@@ -30,13 +38,6 @@ _MIN_KEEPALIVE_MS = 1000
 _MIN_KEEPALIVE_TIMEOUT_MS = 2000
 _MIN_CONNECT_TIMEOUT_MS = 1000
 DNS_PREFIX = "dns:"
-# The roles a daemon is listed under: an aggregated daemon runs whole requests itself.
-AGGREGATED = "aggregated"
-WORKER_ROLES = ("prefill", "decode", AGGREGATED)
-# What the instances are: kvtransfer daemons (gRPC) or vLLM OpenAI servers (HTTP).
-KVTRANSFER = "kvtransfer"
-VLLM = "vllm"
-ENGINES = (KVTRANSFER, VLLM)
 
 
 def check_address(address: str) -> str:

@@ -58,8 +58,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtransfer.control.placement import Placement
 from kvtransfer.control.security import admin_token_metadata
-from kvtransfer.router.config import AGGREGATED, ENGINES, KVTRANSFER, VLLM, WORKER_ROLES
 from kvtransfer.router.errors import NoHealthyDaemon
+from kvtransfer.router.names import AGGREGATED, ENGINES, KVTRANSFER, VLLM, WORKER_ROLES
 from kvtransfer.router.policy import CandidateEstimator, InstanceLoad, Policy, RouteContext
 from kvtransfer.router.vllm_endpoint import VllmEndpoint
 from kvtransfer.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
@@ -68,7 +68,6 @@ logger = logging.getLogger("kvtransfer.router.fleet")
 
 SERVING = "SERVING"
 NOT_CHECKED = "NOT_CHECKED"
-ROLES = ("prefill", "decode")
 # An aggregated daemon runs whole requests itself (a colocated engine): it is in the decode
 # role, picked by its policy among the decodes, and never sent KV from a prefill.
 # Health-check pace while some instance is out of the pool (at most the configured interval).

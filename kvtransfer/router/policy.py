@@ -34,22 +34,22 @@ chat, which the prefill daemon renders with its own template).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from kvtransfer.router.names import (
+    CACHE_AWARE_MODULE,
+    LEAST_LOAD,
+    POWER_OF_TWO,
+    ROUND_ROBIN,
+    check_policy_name,
+)
+
 if TYPE_CHECKING:
     from kvtransfer.router.config import RouterConfig
     from kvtransfer.router.openai_api import Prompt
-
-ROUND_ROBIN = "round_robin"
-LEAST_LOAD = "least_load"
-POWER_OF_TWO = "power_of_two"
-CACHE_AWARE = "cache_aware"
-POLICY_NAMES = (ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, CACHE_AWARE)
-CACHE_AWARE_MODULE = "kvtransfer.router.cache_policy"
 
 
 @dataclass(frozen=True)
@@ -205,17 +205,6 @@ class PowerOfTwo:
 
     def observe(self, chosen: Candidate, route: RouteContext) -> None:
         return None
-
-
-def check_policy_name(name: str) -> None:
-    """Raises ``ValueError`` for an unknown name, or ``cache_aware`` when it is not built."""
-    if name not in POLICY_NAMES:
-        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
-    if name == CACHE_AWARE and importlib.util.find_spec(CACHE_AWARE_MODULE) is None:
-        raise ValueError(
-            f"policy {CACHE_AWARE!r} is not available in this build ({CACHE_AWARE_MODULE} is "
-            f"missing); use {LEAST_LOAD}, {POWER_OF_TWO} or {ROUND_ROBIN}"
-        )
 
 
 def create_policy(name: str, role: str, config: RouterConfig) -> Policy:

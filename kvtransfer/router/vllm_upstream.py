@@ -64,8 +64,9 @@ from aiohttp import web
 from kvtransfer.router.choice import goes_alone, retry_pause
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import AGGREGATED, Fleet, Instance
+from kvtransfer.router.fleet import Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
+from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai_api import InvalidRequest, error_body, parse_json_body
 from kvtransfer.router.policy import RouteContext
 from kvtransfer.router.vllm_endpoint import VllmEndpoint, read_at_most
