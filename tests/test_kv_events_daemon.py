@@ -13,8 +13,8 @@ from waiting import wait_until_async
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
 from kvtransfer.router.kv_events import EventSource, KVEventSubscriber
+from kvtransfer.router.openai.tokens import RouteTokenizer
 from kvtransfer.router.prefix_index import PrefixIndex
-from kvtransfer.router.tokens import RouteTokenizer
 from kvtransfer.serve.launcher import ServiceProcess
 
 pytestmark = pytest.mark.integration

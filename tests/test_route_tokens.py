@@ -10,8 +10,8 @@ import pytest
 
 from kvtransfer.engine.model.chat_template import ChatTemplate
 from kvtransfer.engine.model.loader import load_tokenizer
-from kvtransfer.router.openai_api import ChatMessages, parse_chat_request
-from kvtransfer.router.tokens import RouteTokenizer
+from kvtransfer.router.openai.requests import ChatMessages, parse_chat_request
+from kvtransfer.router.openai.tokens import RouteTokenizer
 from kvtransfer.router.upstream import generate_request
 from kvtransfer.serve.requests import parse_generate_request
 

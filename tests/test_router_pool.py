@@ -43,7 +43,7 @@ from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES, GRPC_HEADROOM_B
 from kvtransfer.router import RouterConfig
 from kvtransfer.router.__main__ import _parser, config_from_args
 from kvtransfer.router.choice import PREFILL_GRACE_S
-from kvtransfer.router.openai_api import MAX_JSON_DEPTH
+from kvtransfer.router.openai.requests import MAX_JSON_DEPTH
 from kvtransfer.v1 import generation_pb2
 
 pytestmark = pytest.mark.integration

@@ -27,7 +27,7 @@ from aiohttp import web
 from kvtransfer.router.config import check_address
 from kvtransfer.router.fleet import ADMIN, Fleet, InstancePresent
 from kvtransfer.router.names import ROLES, WORKER_ROLES
-from kvtransfer.router.openai_api import error_body
+from kvtransfer.router.openai.requests import error_body
 
 logger = logging.getLogger("kvtransfer.router.admin")
 

@@ -10,7 +10,7 @@ Life cycle of a request:
    ``x-request-id`` header) and on every log line.
 2. Validate: a body over ``max_request_bytes`` is answered 413 naming the limit; one that is not
    UTF-8 JSON, nests deeper than 64 levels or holds a lone surrogate is 400 naming the problem
-   (`openai_api.parse_json_body`); the JSON becomes a `CompletionRequest` or a
+   (`openai.requests.parse_json_body`); the JSON becomes a `CompletionRequest` or a
    `ChatCompletionRequest`, a malformed one (or one asking for what the router cannot honour:
    tools, images, penalties) is answered 400 naming the field, an unknown model 404. Nothing
    reaches a daemon. Every error, 404 and 405 for unknown paths included, is OpenAI's error
@@ -68,7 +68,7 @@ from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
 from kvtransfer.router.fleet import DnsTarget, Fleet, Resolver, resolve_host
 from kvtransfer.router.metrics import CLIENT_CLOSED, RouterMetrics
 from kvtransfer.router.names import AGGREGATED, ROLES, VLLM, WORKER_ROLES
-from kvtransfer.router.openai_api import (
+from kvtransfer.router.openai.requests import (
     Choice,
     CompletionRequest,
     InvalidRequest,
@@ -78,7 +78,7 @@ from kvtransfer.router.openai_api import (
     parse_completion_request,
     parse_json_body,
 )
-from kvtransfer.router.openai_responses import (
+from kvtransfer.router.openai.responses import (
     CHAT,
     COMPLETIONS,
     ChoiceOutput,
@@ -737,6 +737,6 @@ class _SseWriter:
 def _config_tokenizer(config: RouterConfig) -> PromptTokenizer:
     if config.tokenizer is None:
         return token_ids_of
-    from kvtransfer.router.tokens import RouteTokenizer
+    from kvtransfer.router.openai.tokens import RouteTokenizer
 
     return RouteTokenizer(config.tokenizer, config.chat_template).route_tokens

@@ -49,7 +49,7 @@ from kvtransfer.router.names import (
 
 if TYPE_CHECKING:
     from kvtransfer.router.config import RouterConfig
-    from kvtransfer.router.openai_api import Prompt
+    from kvtransfer.router.openai.requests import Prompt
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ import grpc
 from kvtransfer.clients.generation import generate_request as build_generate_request
 from kvtransfer.router.errors import UpstreamError
 from kvtransfer.router.fleet import Fleet, Instance
-from kvtransfer.router.openai_api import ChatMessages, Choice
+from kvtransfer.router.openai.requests import ChatMessages, Choice
 from kvtransfer.v1 import generation_pb2
 
 logger = logging.getLogger("kvtransfer.router.upstream")

@@ -67,7 +67,7 @@ from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
 from kvtransfer.router.fleet import Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
-from kvtransfer.router.openai_api import InvalidRequest, error_body, parse_json_body
+from kvtransfer.router.openai.requests import InvalidRequest, error_body, parse_json_body
 from kvtransfer.router.policy import RouteContext
 from kvtransfer.router.vllm_endpoint import VllmEndpoint, read_at_most
 

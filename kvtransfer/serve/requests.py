@@ -102,7 +102,7 @@ def prompt_token_ids(
     chat_template: ChatTemplate | None,
 ) -> tuple[int, ...]:
     """The engine's prompt for ``request``'s text, token ids or chat (the router tokenizes with
-    this too, `kvtransfer.router.tokens`); `RequestError` names a bad field."""
+    this too, `kvtransfer.router.openai.tokens`); `RequestError` names a bad field."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestError("prompt: set text, token_ids or chat")

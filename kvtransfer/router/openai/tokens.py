@@ -20,7 +20,7 @@ from pathlib import Path
 from kvtransfer.clients.generation import generate_request
 from kvtransfer.engine.model.chat_template import ChatTemplate
 from kvtransfer.engine.model.loader import load_model_config, load_tokenizer
-from kvtransfer.router.openai_api import ChatMessages, Prompt
+from kvtransfer.router.openai.requests import ChatMessages, Prompt
 from kvtransfer.serve.requests import RequestError, prompt_token_ids
 from kvtransfer.v1 import generation_pb2
 
