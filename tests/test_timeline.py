@@ -4,8 +4,10 @@ collector listening on 127.0.0.1) all tell where its time went, span by span."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
+import time
 import urllib.request
 from concurrent import futures
 
@@ -15,7 +17,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from serve_helpers.daemons import colocated, daemon_pair, running, start_router
 from serve_helpers.probes import get
 
-from kvtransfer.timeline import Span, TimelineBook, relative
+from kvtransfer.timeline import BOOK, Span, TimelineBook, relative
 
 # A W3C trace context as a client would send it: the trace must continue under it.
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -72,6 +74,24 @@ def test_span_context_records_failures_and_rows_are_relative_ms():
             "attributes": {"n": 1},
         }
     ]
+
+
+@pytest.mark.unit
+def test_a_request_puts_its_first_steps_on_its_timeline_and_no_more():
+    from kvtransfer.engine.sampling_params import SamplingParams
+    from kvtransfer.engine.scheduler.request import TIMELINE_STEPS, Request
+
+    request = Request("steps", (1, 2, 3), SamplingParams(max_tokens=64), seed=0)
+    request.first_scheduled_at = request.arrived_at = time.monotonic()
+    for _ in range(TIMELINE_STEPS + 5):
+        request.record_sampled(1)
+    request.record_sampled(3)  # a step that accepted drafts
+    spans = BOOK.take("steps")
+    assert [s.name for s in spans[:2]] == ["engine.queue", "engine.compute"]
+    steps = spans[2:]
+    assert [s.attributes["step"] for s in steps] == list(range(1, TIMELINE_STEPS + 1))
+    assert all(s.name == "engine.step" and s.attributes["tokens"] == 1 for s in steps)
+    assert all(a.end_ns == b.start_ns for a, b in itertools.pairwise(steps))
 
 
 # ---------------------------------------------------------------------- end to end
@@ -180,6 +200,12 @@ def test_a_pd_request_shows_each_phase_in_its_answer_metrics_and_trace(tmp_path,
     assert sum(r["attributes"]["bytes"] for r in reads) == info["kv_bytes_received"] > 0
     assert all(r["attributes"]["one_sided"] is True for r in reads)
     assert sum(r["attributes"]["layers"] for r in reads) == NUM_LAYERS
+    # The prefill sampled the first token, the decode's first step the second; each later
+    # token is a step of its own, back to back.
+    steps = named["decode.engine.step"]
+    assert [row["attributes"]["step"] for row in steps] == list(range(1, MAX_TOKENS - 1))
+    for before, after in itertools.pairwise(steps):
+        assert after["start_ms"] == pytest.approx(_end(before), abs=0.002)
     # The daemons' spans lie inside the router's calls to them (one host: one clock).
     (prefill_call,) = named["router.prefill_call"]
     (compute,) = named["prefill.engine.compute"]

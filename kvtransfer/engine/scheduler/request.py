@@ -14,12 +14,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.timeline import BOOK, wall_ns
+from kvtransfer.timeline import BOOK, now_ns, wall_ns
 
 if TYPE_CHECKING:
     import torch
 
     from kvtransfer.engine.outputs import TokenLogprobs
+
+
+# Steps after the first token put on a request's timeline (`engine.step`): enough to show a
+# decode's pace, bounded so that a long generation costs its timeline a fixed number of spans.
+TIMELINE_STEPS = 16
 
 
 class DuplicateRequestError(ValueError):
@@ -134,6 +139,10 @@ class Request:
     arrived_at: float | None = None
     first_scheduled_at: float | None = None
     first_sampled_at: float | None = None
+    # The latest sample (wall clock, ns) and how many steps after the first are on its
+    # timeline (at most TIMELINE_STEPS).
+    last_sampled_ns: int | None = None
+    num_timeline_steps: int = 0
 
     def timings(self) -> RequestTimings:
         """The phases so far (``queue_s`` excludes time parked for a KV load)."""
@@ -145,6 +154,28 @@ class Request:
             compute = self.first_sampled_at - self.first_scheduled_at
         queue = max(0.0, scheduled - arrived - self.kv_stats.load_wait_s)
         return RequestTimings(queue_s=queue, compute_s=compute)
+
+    def record_sampled(self, num_tokens: int) -> None:
+        """A step sampled ``num_tokens`` of it: the first such step puts its queue and compute
+        phases on its timeline (`record_first_token`), each of the next TIMELINE_STEPS an
+        ``engine.step`` span from the previous sample to this one."""
+        if self.first_sampled_at is not None and self.num_timeline_steps >= TIMELINE_STEPS:
+            return
+        now = now_ns()
+        if self.first_sampled_at is None:
+            self.first_sampled_at = time.monotonic()
+            self.record_first_token()
+        elif self.last_sampled_ns is not None:
+            self.num_timeline_steps += 1
+            BOOK.record(
+                self.request_id,
+                "engine.step",
+                self.last_sampled_ns,
+                now,
+                step=self.num_timeline_steps,
+                tokens=num_tokens,
+            )
+        self.last_sampled_ns = now
 
     def record_first_token(self) -> None:
         """Put its queue and compute phases on its timeline (`kvtransfer.timeline`), once its

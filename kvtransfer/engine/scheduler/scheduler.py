@@ -581,9 +581,8 @@ class Scheduler:
             if stop_status is not None:
                 break
 
-        if new_tokens and request.first_sampled_at is None:
-            request.first_sampled_at = time.monotonic()
-            request.record_first_token()
+        if new_tokens:
+            request.record_sampled(len(new_tokens))
         if stop_status is None and new_tokens and self.num_spec_tokens:
             # Drafts continue the token just sampled; a prefill chunk has none to continue.
             proposed = _row(mro.spec_token_ids, index)
