@@ -18,7 +18,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "kvtransfer"
 
 LAYERS: list[tuple[str, ...]] = [
     ("kvtransfer.v1", "kvtransfer.logs", "kvtransfer.timeline"),
-    ("kvtransfer.connector",),
+    # The picture draws what answers carry: it reads the timeline's types, nothing else.
+    ("kvtransfer.connector", "kvtransfer.timeline_picture"),
     ("kvtransfer.transport", "kvtransfer.control"),
     ("kvtransfer.clients",),
     ("kvtransfer.connectors", "kvtransfer.engine"),

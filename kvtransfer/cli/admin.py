@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kvtransfer.cli.admin_timeline import add_timeline_parser, run_timeline
+
 if TYPE_CHECKING:
     from kvtransfer.clients.control import AdminClient
     from kvtransfer.control import EngineStatus, PeerInfo, TransferInfo
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 
 TOKEN_ENV = "KVTRANSFER_ADMIN_TOKEN"
 DEFAULT_TIMEOUT_S = 5.0
-ACTIONS = ("status", "peers", "transfers", "drain", "abort", "log-level")
+ACTIONS = ("status", "peers", "transfers", "drain", "abort", "log-level", "timeline")
 _TLS_FLAGS = {
     "cert_file": "--tls-cert",
     "key_file": "--tls-key",
@@ -77,6 +79,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
     level = add("log-level", parents=[common], help="set a logger's level on the server")
     level.add_argument("level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR, CRITICAL")
     level.add_argument("--logger", default="", metavar="NAME", help="default: the server's")
+    add_timeline_parser(actions)
 
 
 def _common_options() -> argparse.ArgumentParser:
@@ -184,6 +187,8 @@ def run_admin(args: argparse.Namespace) -> int:
 
     if getattr(args, "admin_command", None) is None:
         return _fail(f"kvtransfer admin needs an action: one of {', '.join(ACTIONS)}", 2)
+    if args.admin_command == "timeline":  # a saved answer: no server to call
+        return run_timeline(args)
     try:
         _check_action_args(args)
         client = _client(args)
