@@ -89,7 +89,7 @@ import aiohttp
 import zmq
 
 from kvtransfer.clients.control import AdminClient
-from kvtransfer.router.kv_events import decode_batch
+from kvtransfer.router.routing.kv_events import decode_batch
 from kvtransfer.serve.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored
 from kvtransfer.serve.launcher import (
     ServiceProcess,

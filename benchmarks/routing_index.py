@@ -42,9 +42,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtransfer.router.cache_policy import CacheAwarePolicy
-from kvtransfer.router.policy import InstanceLoad, RouteContext
-from kvtransfer.router.prefix_index import PrefixIndex
+from kvtransfer.router.routing.cache_policy import CacheAwarePolicy
+from kvtransfer.router.routing.policy import InstanceLoad, RouteContext
+from kvtransfer.router.routing.prefix_index import PrefixIndex
 from kvtransfer.serve.kv_events import BlockRemoved, BlockStored
 
 BLOCK_SIZE = 16

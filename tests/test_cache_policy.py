@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvtransfer.router.cache_policy import CacheAwarePolicy, CacheAwareSettings
 from kvtransfer.router.config import RouterConfig
-from kvtransfer.router.policy import InstanceLoad, RouteContext, create_policy, load_score
-from kvtransfer.router.prefix_index import PrefixIndex
+from kvtransfer.router.routing.cache_policy import CacheAwarePolicy, CacheAwareSettings
+from kvtransfer.router.routing.policy import InstanceLoad, RouteContext, create_policy, load_score
+from kvtransfer.router.routing.prefix_index import PrefixIndex
 from kvtransfer.serve.kv_events import BlockStored
 
 pytestmark = pytest.mark.unit

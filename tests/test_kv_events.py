@@ -12,7 +12,7 @@ from engine_helpers.scheduler_helpers import make_request
 from waiting import wait_until
 
 from kvtransfer.engine.scheduler.block_manager import BlockManager, hash_block_tokens
-from kvtransfer.router.kv_events import EventDecodeError, decode_batch
+from kvtransfer.router.routing.kv_events import EventDecodeError, decode_batch
 from kvtransfer.serve.kv_events import (
     END_OF_REPLAY,
     AllBlocksCleared,

@@ -12,9 +12,9 @@ from serve_helpers.daemons import exit_used_blocks, start_daemon
 from waiting import wait_until_async
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
-from kvtransfer.router.kv_events import EventSource, KVEventSubscriber
 from kvtransfer.router.openai.tokens import RouteTokenizer
-from kvtransfer.router.prefix_index import PrefixIndex
+from kvtransfer.router.routing.kv_events import EventSource, KVEventSubscriber
+from kvtransfer.router.routing.prefix_index import PrefixIndex
 from kvtransfer.serve.launcher import ServiceProcess
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,13 @@ import zmq
 import zmq.asyncio
 from waiting import wait_until_async
 
-from kvtransfer.router.kv_events import EventSource, EventStream, KVEventSubscriber, ReplayRequest
-from kvtransfer.router.prefix_index import PrefixIndex
+from kvtransfer.router.routing.kv_events import (
+    EventSource,
+    EventStream,
+    KVEventSubscriber,
+    ReplayRequest,
+)
+from kvtransfer.router.routing.prefix_index import PrefixIndex
 from kvtransfer.serve.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

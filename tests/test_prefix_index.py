@@ -9,7 +9,7 @@ import pytest
 from engine_helpers.scheduler_helpers import make_request
 
 from kvtransfer.engine.scheduler.block_manager import BlockManager
-from kvtransfer.router.prefix_index import PrefixIndex, block_keys
+from kvtransfer.router.routing.prefix_index import PrefixIndex, block_keys
 from kvtransfer.serve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 pytestmark = pytest.mark.unit
@@ -402,7 +402,7 @@ def test_an_ended_or_retried_pick_drops_only_its_own_claims():
     assert index.match(Q) == {"b": 3}
     index.picks_ended("b")  # nothing of the router runs on b any more
     assert index.match(Q) == {}
-    assert index._groups[BS].pending == {} and index._picks == {}
+    assert index._groups[BS].pending == {} and index._pending.live == {}
 
 
 def test_a_claim_made_after_a_block_was_stored_and_dropped_outlives_older_picks():
@@ -514,12 +514,14 @@ def test_a_chain_that_repeats_a_key_neither_raises_nor_leaves_keys(monkeypatch):
         def upto(self, count):
             return [11, 22, 11, 22]
 
-    monkeypatch.setattr("kvtransfer.router.prefix_index._chain_of", lambda *a, **k: Repeating())
+    monkeypatch.setattr(
+        "kvtransfer.router.routing.prefix_index.index.chain_of", lambda *a, **k: Repeating()
+    )
     for pick in ("r1", "r2"):
         index.observe("a", P, pick=pick)
         index.observe("b", P, pick=pick + "b")
     index.pick_ended("a", "r1")
     index.pick_ended("a", "r2")
     index.picks_ended("b")
-    assert index._groups[BS].pending == {} and index._picks == {}
+    assert index._groups[BS].pending == {} and index._pending.live == {}
     assert all(s.pending_blocks == 0 for s in index.stats())

@@ -39,7 +39,7 @@ from router_helpers.fakes import (
 )
 from waiting import wait_until_async
 
-from kvtransfer.router.policy import RouteContext
+from kvtransfer.router.routing.policy import RouteContext
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,7 @@ from kvtransfer.router.fleet import (
     host_port,
 )
 from kvtransfer.router.names import CACHE_AWARE_MODULE, check_policy_name
-from kvtransfer.router.policy import (
+from kvtransfer.router.routing.policy import (
     InstanceLoad,
     LeastLoad,
     PowerOfTwo,

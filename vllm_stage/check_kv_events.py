@@ -49,9 +49,9 @@ from vllm.distributed.kv_events import (
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler.block_manager import BlockManager, hash_block_tokens
 from kvtransfer.engine.scheduler.request import Request
-from kvtransfer.router import kv_events as router_events
-from kvtransfer.router.kv_events import EventSource, KVEventSubscriber, decode_batch
-from kvtransfer.router.prefix_index import PrefixIndex
+from kvtransfer.router.routing.kv_events import EventSource, KVEventSubscriber, decode_batch
+from kvtransfer.router.routing.kv_events import wire as router_events
+from kvtransfer.router.routing.prefix_index import PrefixIndex
 from kvtransfer.serve import kv_events as ours
 
 BLOCK = 4

@@ -85,7 +85,12 @@ from kvtransfer.router.openai.responses import (
     ResponseFormat,
     usage,
 )
-from kvtransfer.router.policy import PromptTokenizer, RouteContext, create_policy, token_ids_of
+from kvtransfer.router.routing.policy import (
+    PromptTokenizer,
+    RouteContext,
+    create_policy,
+    token_ids_of,
+)
 from kvtransfer.router.tracing import TraceExporter
 from kvtransfer.router.upstream import Upstream
 from kvtransfer.router.vllm_upstream import VllmCall, VllmProxy, check_vllm_body

@@ -21,12 +21,12 @@ from collections.abc import Iterator, Mapping
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvtransfer.router.cache_policy import CacheAwarePolicy
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.fleet import OPEN, FleetListener
-from kvtransfer.router.kv_events import EventSource, KVEventSubscribers
-from kvtransfer.router.policy import Policy
-from kvtransfer.router.prefix_index import PrefixIndex
+from kvtransfer.router.routing.cache_policy import CacheAwarePolicy
+from kvtransfer.router.routing.kv_events import EventSource, KVEventSubscribers
+from kvtransfer.router.routing.policy import Policy
+from kvtransfer.router.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger("kvtransfer.router.cache_wiring")
 

@@ -73,7 +73,7 @@ from kvtransfer.router.fleet import Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai.requests import Choice
-from kvtransfer.router.policy import RouteContext, UncachedEstimator, whole_prompt_uncached
+from kvtransfer.router.routing.policy import RouteContext, UncachedEstimator, whole_prompt_uncached
 from kvtransfer.router.tracing import RequestTrace, TraceExporter
 from kvtransfer.router.upstream import CallStream, PrefillResult, Upstream
 from kvtransfer.timeline import BOOK, Span, now_ns, relative, wall_ns

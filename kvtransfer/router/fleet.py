@@ -60,7 +60,7 @@ from kvtransfer.control.placement import Placement
 from kvtransfer.control.security import admin_token_metadata
 from kvtransfer.router.errors import NoHealthyDaemon
 from kvtransfer.router.names import AGGREGATED, ENGINES, KVTRANSFER, VLLM, WORKER_ROLES
-from kvtransfer.router.policy import CandidateEstimator, InstanceLoad, Policy, RouteContext
+from kvtransfer.router.routing.policy import CandidateEstimator, InstanceLoad, Policy, RouteContext
 from kvtransfer.router.vllm_endpoint import VllmEndpoint
 from kvtransfer.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 

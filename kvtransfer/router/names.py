@@ -23,7 +23,7 @@ POWER_OF_TWO = "power_of_two"
 CACHE_AWARE = "cache_aware"
 POLICY_NAMES = (ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, CACHE_AWARE)
 # Looked up by name, not imported: a build may leave the cache-aware policy out.
-CACHE_AWARE_MODULE = "kvtransfer.router.cache_policy"
+CACHE_AWARE_MODULE = "kvtransfer.router.routing.cache_policy"
 
 
 def check_policy_name(name: str) -> None:

@@ -17,7 +17,7 @@ from aiohttp import web
 from kvtransfer.router.app import ROUTER, RouterHandlers, make_app
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.fleet import Resolver, resolve_host
-from kvtransfer.router.policy import PromptTokenizer
+from kvtransfer.router.routing.policy import PromptTokenizer
 
 
 class RouterServer:

@@ -22,7 +22,7 @@ import math
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtransfer.router.policy import InstanceLoad
+from kvtransfer.router.routing.policy import InstanceLoad
 
 SERVING = "SERVING"
 KV_USAGE_SCALE = 10_000

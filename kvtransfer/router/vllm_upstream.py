@@ -68,7 +68,7 @@ from kvtransfer.router.fleet import Fleet, Instance
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai.requests import InvalidRequest, error_body, parse_json_body
-from kvtransfer.router.policy import RouteContext
+from kvtransfer.router.routing.policy import RouteContext
 from kvtransfer.router.vllm_endpoint import VllmEndpoint, read_at_most
 
 # What vLLM adds to a prefill's kv_transfer_params: the prompt tokens its prefix cache served.

@@ -21,7 +21,7 @@ from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig, RouterServer
 from kvtransfer.router.fleet import Resolver, resolve_host
-from kvtransfer.router.policy import PromptTokenizer, token_ids_of
+from kvtransfer.router.routing.policy import PromptTokenizer, token_ids_of
 from router_helpers.fakes import Behaviour, FakeDaemon
 
 # A safety net so a bug shows as a failure instead of a stuck run; no test relies on timing.

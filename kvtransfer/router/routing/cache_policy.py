@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtransfer.router.names import CACHE_AWARE
-from kvtransfer.router.policy import Candidate, RouteContext, load_score
-from kvtransfer.router.prefix_index import PrefixIndex
+from kvtransfer.router.routing.policy import Candidate, RouteContext, load_score
+from kvtransfer.router.routing.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
     from kvtransfer.router.config import RouterConfig
