@@ -1,0 +1,357 @@
+"""KV block pulls between two processes on one CUDA device: tagged and RMA, against UCX's limit.
+
+The GPU counterpart of ``benchmarks/transfer.py`` (host memory only). A producer process holds
+caches on ``cuda:0`` in the engine's paged layout (per layer
+``[num_blocks, 2, heads, block_size, head_dim]``; layout A: 8 layers x [512, 2, 8, 16, 128]
+float32, 1 MiB per block; layout B: 8 layers x [4096, 2, 1, 16, 128] bfloat16, 64 KiB per
+block), this process pulls scattered blocks into its own caches on the same device with
+`KVTransferAgent.pull`:
+
+* tagged: the producer gathers into a device buffer and sends it as UCX tagged messages (one
+  host's messages are eager: ``transport_options``), the consumer scatters;
+* rma: one-sided ``ucp_get`` of the contiguous runs from the producer's mapped device memory
+  (UCX's ``cuda_ipc`` between processes of one host);
+* local: the same gather and scatter inside one process (``index_select``/``index_copy_``),
+  what the device's own memory bandwidth allows;
+* limit: ``ucx_perftest -t ucp_get -m cuda`` of one contiguous buffer of the case's size
+  between two processes (from the ``libucx`` wheel), where the wheel has it.
+
+Every pull is checked bitwise against the producer's contents afterwards, so a row is also a
+correctness check of the CUDA data plane. Per case and method the median request time over
+``--iterations`` after ``--warmup``, and the GB/s it gives; which UCX path served the RMA
+reads (``ucx_reads``/``direct_reads``, the agent's counters) is in the JSON.
+
+    python benchmarks/transfer_gpu.py [--iterations 10] [--warmup 2] [--json out.json]
+        [--no-perftest] [--device cuda:0]
+
+Needs CUDA; exits with status 2 and says so without it. ``--device cpu`` runs the same cases
+on host memory (a dry run of the script where no GPU is; ``benchmarks/transfer.py`` is the
+host benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    num_blocks: int
+    num_layers: int
+    num_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def layer_name(self, layer: int) -> str:
+        return f"{self.name}.layers.{layer}.self_attn"
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_blocks, 2, self.num_heads, self.block_size, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.num_heads * self.block_size * self.head_dim * self.dtype.itemsize
+
+
+LAYOUT_A = Layout("a", 512, 8, 8, 16, 128, torch.float32)
+LAYOUT_B = Layout("b", 4096, 8, 1, 16, 128, torch.bfloat16)
+LAYOUTS = (LAYOUT_A, LAYOUT_B)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    layout: Layout
+    blocks: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.layout.block_bytes * self.layout.num_layers
+
+    def block_ids(self) -> tuple[list[int], list[int]]:
+        generator = torch.Generator().manual_seed(self.blocks * 31 + len(self.name))
+        remote = torch.randperm(self.layout.num_blocks, generator=generator)[: self.blocks]
+        local = torch.randperm(self.layout.num_blocks, generator=generator)[: self.blocks]
+        return remote.tolist(), local.tolist()
+
+
+CASES = (
+    Case("1 block", LAYOUT_A, 1),
+    Case("16 blocks", LAYOUT_A, 16),
+    Case("64 blocks", LAYOUT_A, 64),
+    Case("256 blocks", LAYOUT_A, 256),
+    Case("2048 blocks (B)", LAYOUT_B, 2048),
+)
+
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    return {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+
+
+def filled_caches(layout: Layout, device: str) -> dict[str, torch.Tensor]:
+    """The producer's contents: element index + layer * 7919, bitwise (cheap to rebuild)."""
+    numel = layout.block_bytes // layout.dtype.itemsize * layout.num_blocks
+    caches = {}
+    for layer in range(layout.num_layers):
+        values = torch.arange(numel, dtype=torch.int32, device=device).add_(layer * 7919)
+        caches[layout.layer_name(layer)] = (
+            values.to(_int_view(layout.dtype)).view(layout.dtype).view(layout.shape)
+        )
+    return caches
+
+
+def empty_caches(layout: Layout, device: str) -> dict[str, torch.Tensor]:
+    return {
+        layout.layer_name(layer): torch.zeros(layout.shape, dtype=layout.dtype, device=device)
+        for layer in range(layout.num_layers)
+    }
+
+
+def verify(
+    case: Case,
+    local: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    remote_ids: list[int],
+    local_ids: list[int],
+) -> None:
+    synchronize()
+    itype = _int_view(case.layout.dtype)
+    device = next(iter(local.values())).device
+    remote_index = torch.tensor(remote_ids, device=device)
+    local_index = torch.tensor(local_ids, device=device)
+    for name, tensor in local.items():
+        got = tensor.index_select(0, local_index).view(itype)
+        want = reference[name].index_select(0, remote_index).view(itype)
+        if not torch.equal(got, want):
+            raise RuntimeError(f"{case.name}: {name} differs from the producer's after the pull")
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], None], iterations: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def _producer(ready: Any, stop: Any, device: str) -> None:
+    from kvtransfer.transport import KVTransferAgent, TransportConfig
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    caches = {name: t for layout in LAYOUTS for name, t in filled_caches(layout, device).items()}
+    synchronize()
+    agent = KVTransferAgent(TransportConfig(data_plane="rma"))
+    agent.register_kv_caches(caches)
+    agent.start_server()
+    ready.put(agent.address)
+    stop.get()
+    agent.close()
+
+
+@dataclass
+class Row:
+    case: str
+    nbytes: int
+    method: str
+    p50_ms: float | None
+    gbps: float | None
+    iterations: int
+    note: str = ""
+
+
+def _row(case: Case, method: str, samples: list[float], note: str = "") -> Row:
+    p50 = statistics.median(samples)
+    return Row(
+        case.name, case.nbytes, method, p50 * 1e3, case.nbytes / p50 / 1e9, len(samples), note
+    )
+
+
+def run_local(base: int, warmup: int, device: str) -> list[Row]:
+    """Gather and scatter in this process: the device's own copy rate for the layout."""
+    rows = []
+    for layout in LAYOUTS:
+        reference = filled_caches(layout, device)
+        for case in (c for c in CASES if c.layout is layout):
+            local = empty_caches(layout, device)
+            remote_ids, local_ids = case.block_ids()
+            r_index = torch.tensor(remote_ids, device=device)
+            l_index = torch.tensor(local_ids, device=device)
+
+            def once(local=local, reference=reference, r=r_index, li=l_index) -> None:
+                for name, tensor in local.items():
+                    tensor.index_copy_(0, li, reference[name].index_select(0, r))
+
+            rows.append(_row(case, "local", timed(once, base, warmup)))
+            verify(case, local, reference, remote_ids, local_ids)
+        del reference
+    return rows
+
+
+def run_pulls(base: int, warmup: int, device: str) -> tuple[list[Row], dict[str, int]]:
+    from kvtransfer.transport import KVTransferAgent, PullSpec, TransportConfig
+
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Queue()
+    producer = ctx.Process(target=_producer, args=(ready, stop, device), daemon=True)
+    producer.start()
+    rows: list[Row] = []
+    agent = KVTransferAgent(TransportConfig(data_plane="rma"))
+    try:
+        address = ready.get(timeout=300)
+        local = {name: t for layout in LAYOUTS for name, t in empty_caches(layout, device).items()}
+        agent.register_kv_caches(local)
+        targets = {
+            "tagged": agent.connect(address),
+            "rma": agent.connect(address, one_sided=True),
+        }
+        for layout in LAYOUTS:
+            reference = filled_caches(layout, device)
+            layer_names = [layout.layer_name(i) for i in range(layout.num_layers)]
+            mine = {name: local[name] for name in layer_names}
+            for case in (c for c in CASES if c.layout is layout):
+                remote_ids, local_ids = case.block_ids()
+                spec = PullSpec(case.name, tuple(layer_names), remote_ids, local_ids)
+                for method, target in targets.items():
+                    for tensor in mine.values():
+                        tensor.zero_()
+
+                    def pull(target=target, spec=spec) -> None:
+                        agent.pull(target, spec).result(120)
+
+                    try:
+                        samples = timed(pull, base, warmup)
+                        verify(case, mine, reference, remote_ids, local_ids)
+                        rows.append(_row(case, method, samples))
+                    except Exception as exc:
+                        rows.append(Row(case.name, case.nbytes, method, None, None, 0, _why(exc)))
+                        print(traceback.format_exc(), file=sys.stderr, flush=True)
+            del reference
+        counters = asdict(agent.one_sided_counters)
+    finally:
+        agent.close()
+        stop.put(None)
+        producer.join(60)
+    return rows, counters
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+def run_perftest(case: Case, iterations: int, warmup: int, device: str) -> Row:
+    """``ucx_perftest -t ucp_get -m cuda`` of one buffer of the case's size, two processes."""
+    import libucx
+
+    root = Path(libucx.__file__).parent
+    binary = root / "bin" / "ucx_perftest"
+    if not binary.exists():
+        return Row(case.name, case.nbytes, "limit", None, None, 0, "no ucx_perftest in libucx")
+    env = {**os.environ, "LD_LIBRARY_PATH": str(root / "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [str(binary), "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        command = [str(binary), "127.0.0.1", "-p", str(port), "-t", "ucp_get"]
+        command += ["-m", "cuda" if device.startswith("cuda") else "host"]
+        command += ["-s", str(case.nbytes), "-n", str(iterations), "-w", str(warmup)]
+        for _ in range(50):
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+            if "Final:" in run.stdout:
+                break
+            time.sleep(0.1)  # the server is still starting: retry (not synchronisation)
+        else:
+            tail = (run.stdout + run.stderr).strip().splitlines()[-3:]
+            return Row(case.name, case.nbytes, "limit", None, None, 0, " | ".join(tail)[:300])
+    finally:
+        server.kill()
+        server.wait()
+    # Final: iterations, latency (usec) median, average, overall, bandwidth (MiB/s)...; the
+    # median of a few iterations is not one (2 iterations gave 34 us for 16 MiB), so the
+    # average stands in for it.
+    fields = run.stdout.split("Final:")[1].split()
+    p50_ms = float(fields[2]) / 1e3
+    rate = case.nbytes / (p50_ms / 1e3) / 1e9
+    return Row(case.name, case.nbytes, "limit", p50_ms, rate, iterations, "average, not median")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (a dry run)")
+    parser.add_argument("--no-perftest", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.iterations < 1 or args.warmup < 0:
+        parser.error("--iterations must be >= 1 and --warmup >= 0")
+    device = args.device
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            print("transfer_gpu: needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
+            return 2
+        torch.cuda.set_device(device)
+        name = torch.cuda.get_device_name(device)
+    elif device == "cpu":
+        name = "cpu"
+    else:
+        parser.error(f"--device must be cuda[:N] or cpu, got {device!r}")
+    rows = run_local(args.iterations, args.warmup, device)
+    pulled, counters = run_pulls(args.iterations, args.warmup, device)
+    rows += pulled
+    if not args.no_perftest:
+        rows += [run_perftest(case, args.iterations, args.warmup, device) for case in CASES]
+    print(f"device: {name}; RMA reads: {counters}")
+    print(f"{'case':<18} {'MiB':>8} {'method':<7} {'p50_ms':>9} {'GB/s':>8}  note")
+    for row in sorted(rows, key=lambda r: (r.nbytes, r.method)):
+        p50 = "n/a" if row.p50_ms is None else f"{row.p50_ms:.3f}"
+        rate = "n/a" if row.gbps is None else f"{row.gbps:.2f}"
+        size = f"{row.nbytes / MiB:>8.2f}"
+        print(f"{row.case:<18} {size} {row.method:<7} {p50:>9} {rate:>8}  {row.note}")
+    if args.json is not None:
+        report = {
+            "device": name,
+            "torch": torch.__version__,
+            "rma_counters": counters,
+            "rows": [asdict(row) for row in rows],
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    failed = [row for row in rows if row.p50_ms is None and row.method != "limit"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# The GPU checks in one run, for a CUDA machine with no network (what CI cannot do):
+#
+#   1. wheels carried in .whl/ (what the machine's Python lacks: ucxx, pydantic, grpcio...)
+#      installed into /tmp/site; the repository itself on PYTHONPATH, with its entry points
+#      (the connector registry reads them) written as a dist-info from pyproject.toml;
+#   2. the machine: nvidia-smi, torch/CUDA, UCX's version and transports (cuda_copy/cuda_ipc);
+#   3. the GPU tier: pytest -m gpu (tests/test_pd_gpu.py); if it fails, its CPU twin
+#      (tests/test_daemons.py, the 1-to-1 equality test) runs as a control in the same
+#      environment;
+#   4. benchmarks/transfer_gpu.py (tagged and RMA pulls between two processes on the GPU,
+#      checked bitwise) and benchmarks/pd_latency.py --quick with the daemons on CUDA
+#      (KVTRANSFER_DEVICE=cuda), then on CPU for comparison if time is left.
+#
+# Everything lands in $OUT (default /tmp/gpu_checks): info.txt, pytest.log, bench.log,
+# transfer_gpu.json, pd_latency_cuda.json, pd_latency_cpu.json, logs.tar.gz (the daemons'
+# logs) and summary.txt (each step's exit status and seconds). Steps share one deadline
+# (GPU_CHECKS_DEADLINE_S, default 400 s from the start): a step that would run past it is cut
+# short or skipped, and says so in summary.txt.
+#
+# Wheels (here, once; .whl/ is ignored through .git/info/exclude and travels with `carry`):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl NAME==VERSION
+# GPU_CHECKS_WHEELS names another folder of wheels; GPU_CHECKS_NO_WHEELS=1 skips step 1 (an
+# environment that has the project installed).
+set -u
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+DEADLINE=${GPU_CHECKS_DEADLINE_S:-400}
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+export PYTHONUNBUFFERED=1
+WORK=$(mktemp -d /tmp/gpu-checks.XXXXXX)
+export TMPDIR=$WORK/tmp
+mkdir -p "$TMPDIR"
+
+# step NAME CAP_S LOG COMMAND...: runs COMMAND with at most CAP_S seconds, fewer if the
+# deadline is nearer; output appended to LOG; status and duration to the summary.
+step() {
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local left=$((DEADLINE - SECONDS - 5))
+    local limit=$((cap < left ? cap : left))
+    if ((limit < 20)); then
+        echo "$name: skipped (deadline: ${left}s left)" | tee -a "$SUMMARY"
+        return 99
+    fi
+    local start=$SECONDS
+    echo "===== $name (limit ${limit}s): $*" >>"$log"
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - start))s (limit ${limit}s)" | tee -a "$SUMMARY"
+    return $rc
+}
+
+if [ -z "${GPU_CHECKS_NO_WHEELS:-}" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "${GPU_CHECKS_WHEELS:-$ROOT/.whl}"/*.whl >"$OUT/info.txt" 2>&1 || {
+        echo "wheel install failed" | tee -a "$SUMMARY"
+        exit 1
+    }
+    # The connector registry finds UcxConnector through the distribution's entry points.
+    "$PY" - <<'EOF' >>"$OUT/info.txt" 2>&1
+import tomllib
+from pathlib import Path
+
+project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+info = Path("/tmp/site") / f"kvtransfer-{project['version']}.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text(
+    f"Metadata-Version: 2.1\nName: kvtransfer\nVersion: {project['version']}\n"
+)
+lines = ["[console_scripts]", *(f"{k} = {v}" for k, v in project["scripts"].items()), ""]
+for group, entries in project["entry-points"].items():
+    lines += [f"[{group}]", *(f"{k} = {v}" for k, v in entries.items()), ""]
+(info / "entry_points.txt").write_text("\n".join(lines))
+EOF
+    export PYTHONPATH=$ROOT:/tmp/site
+else
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+(
+    echo "===== nvidia-smi"
+    nvidia-smi 2>&1 || echo "(no nvidia-smi)"
+    echo "===== python, torch, packages"
+    "$PY" - <<'EOF' 2>&1
+import importlib.metadata as md
+import platform
+
+import torch
+
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print("cuda available", torch.cuda.is_available(), "devices", torch.cuda.device_count())
+if torch.cuda.is_available():
+    print("device 0:", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+for name in ("grpcio", "protobuf", "pydantic", "pyzmq", "ucxx-cu12", "libucx-cu12", "pytest",
+             "numpy", "aiohttp", "kvtransfer"):
+    try:
+        print(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name} MISSING")
+import kvtransfer.router.__main__  # noqa: F401
+import kvtransfer.serve.daemon  # noqa: F401
+from kvtransfer.connector.factory import KVConnectorFactory
+
+print("connectors", sorted(KVConnectorFactory.discover()))
+EOF
+    echo "===== UCX"
+    UCX_ROOT=$("$PY" -c "import libucx, os; print(os.path.dirname(libucx.__file__))" 2>/dev/null)
+    if [ -n "$UCX_ROOT" ]; then
+        export LD_LIBRARY_PATH=$UCX_ROOT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+        "$UCX_ROOT/bin/ucx_info" -v 2>&1
+        "$UCX_ROOT/bin/ucx_info" -d 2>&1 | grep -E "Memory domain|Transport|memory types|Device:" \
+            | head -60
+    else
+        echo "(libucx not importable)"
+    fi
+) >>"$OUT/info.txt" 2>&1
+
+PYTEST=("$PY" -m pytest -p no:cacheprovider -v -rA)
+step "pytest -m gpu" 240 "$OUT/pytest.log" \
+    "${PYTEST[@]}" -m gpu --basetemp="$WORK/pt-gpu" tests/test_pd_gpu.py
+gpu_rc=$?
+if [ "$gpu_rc" -ne 0 ]; then
+    step "control: CPU twin" 120 "$OUT/pytest.log" "${PYTEST[@]}" --basetemp="$WORK/pt-cpu" \
+        "tests/test_daemons.py::test_disaggregated_equals_colocated_and_counters_show_the_transfer"
+fi
+
+step "transfer_gpu" 150 "$OUT/bench.log" \
+    "$PY" benchmarks/transfer_gpu.py --json "$OUT/transfer_gpu.json"
+step "pd_latency cuda" 150 "$OUT/bench.log" \
+    env KVTRANSFER_DEVICE=cuda "$PY" benchmarks/pd_latency.py --quick --json "$OUT/pd_latency_cuda.json"
+step "pd_latency cpu" 150 "$OUT/bench.log" \
+    "$PY" benchmarks/pd_latency.py --quick --json "$OUT/pd_latency_cpu.json"
+
+# The daemons' logs (pytest's tmp_path, pd_latency's kept log folders).
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null
+echo "total ${SECONDS}s" | tee -a "$SUMMARY"
