@@ -1056,7 +1056,7 @@ def test_vllm_kv_transfer_config_per_role(vllm):
 def test_vllm_kv_events_match_the_router(vllm):
     """The cache_aware role's servers publish vLLM's KV events where the router subscribes,
     in blocks of the router's size; the router tokenizes with the model they serve."""
-    from kvtransfer.router.cache_wiring import event_source
+    from kvtransfer.router.fleet.cache_wiring import event_source
 
     config = router_config(vllm.router)
     assert config.kv_events_port is not None, "cache_aware without events: approximate only"

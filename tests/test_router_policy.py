@@ -17,17 +17,10 @@ from kvtransfer.router.__main__ import _parser, config_from_args
 from kvtransfer.router.admission import Admission, QueueFull, QueueTimeout
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import (
-    CLOSED,
-    HALF_OPEN,
-    OPEN,
-    CircuitBreaker,
-    DnsTarget,
-    Fleet,
-    Instance,
-    InstancePresent,
-    host_port,
-)
+from kvtransfer.router.fleet.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvtransfer.router.fleet.dns import DnsTarget, host_port
+from kvtransfer.router.fleet.fleet import Fleet
+from kvtransfer.router.fleet.instance import Instance, InstancePresent
 from kvtransfer.router.names import CACHE_AWARE_MODULE, check_policy_name
 from kvtransfer.router.routing.policy import (
     InstanceLoad,
@@ -330,7 +323,7 @@ def test_cache_aware_picks_count_pending_until_they_end_fail_or_their_instance_g
     the load guard; leases ending, an open breaker or an ejection drop what was pending."""
     from prometheus_client import CollectorRegistry
 
-    from kvtransfer.router.cache_wiring import CacheIndexWiring
+    from kvtransfer.router.fleet.cache_wiring import CacheIndexWiring
 
     async def scenario():
         config = RouterConfig(**GOOD, prefill_policy="cache_aware")

@@ -31,7 +31,7 @@ from router_helpers.vllm_cluster import decode, prefill, vllm_cluster
 from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig
-from kvtransfer.router.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
+from kvtransfer.router.fleet.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
 from kvtransfer.router.vllm_upstream import (
     _ends_done,
     _reported_cached_tokens,

@@ -32,8 +32,9 @@ from router_helpers.fake_vllm import (
 from router_helpers.vllm_cluster import VllmCluster, decode, prefill, vllm_cluster
 from waiting import wait_until_async
 
-from kvtransfer.router import vllm_endpoint, vllm_upstream
-from kvtransfer.router.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
+from kvtransfer.router import vllm_upstream
+from kvtransfer.router.fleet import vllm_endpoint
+from kvtransfer.router.fleet.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,8 @@ from typing import Any
 from aiohttp import web
 
 from kvtransfer.router.config import check_address
-from kvtransfer.router.fleet import ADMIN, Fleet, InstancePresent
+from kvtransfer.router.fleet.fleet import Fleet
+from kvtransfer.router.fleet.instance import ADMIN, InstancePresent
 from kvtransfer.router.names import ROLES, WORKER_ROLES
 from kvtransfer.router.openai.requests import error_body
 

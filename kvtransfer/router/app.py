@@ -61,11 +61,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtransfer.router.admin_api import AdminApi
 from kvtransfer.router.admission import Admission, QueueFull, QueueTimeout
-from kvtransfer.router.cache_wiring import CacheIndexWiring
 from kvtransfer.router.choice import ChoiceRunner, Delta, Exchange
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import DnsTarget, Fleet, Resolver, resolve_host
+from kvtransfer.router.fleet.cache_wiring import CacheIndexWiring
+from kvtransfer.router.fleet.dns import DnsTarget, Resolver, resolve_host
+from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.metrics import CLIENT_CLOSED, RouterMetrics
 from kvtransfer.router.names import AGGREGATED, ROLES, VLLM, WORKER_ROLES
 from kvtransfer.router.openai.requests import (

@@ -69,7 +69,8 @@ from typing import Any
 from kvtransfer.clients.generation import spans_from_proto
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import Fleet, Instance
+from kvtransfer.router.fleet.fleet import Fleet
+from kvtransfer.router.fleet.instance import Instance
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai.requests import Choice

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from kvtransfer.router.app import ROUTER, RouterHandlers, make_app
 from kvtransfer.router.config import RouterConfig
-from kvtransfer.router.fleet import Resolver, resolve_host
+from kvtransfer.router.fleet.dns import Resolver, resolve_host
 from kvtransfer.router.routing.policy import PromptTokenizer
 
 

@@ -49,7 +49,8 @@ import grpc
 
 from kvtransfer.clients.generation import generate_request as build_generate_request
 from kvtransfer.router.errors import UpstreamError
-from kvtransfer.router.fleet import Fleet, Instance
+from kvtransfer.router.fleet.fleet import Fleet
+from kvtransfer.router.fleet.instance import Instance
 from kvtransfer.router.openai.requests import ChatMessages, Choice
 from kvtransfer.v1 import generation_pb2
 

@@ -64,12 +64,13 @@ from aiohttp import web
 from kvtransfer.router.choice import goes_alone, retry_pause
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
-from kvtransfer.router.fleet import Fleet, Instance
+from kvtransfer.router.fleet.fleet import Fleet
+from kvtransfer.router.fleet.instance import Instance
+from kvtransfer.router.fleet.vllm_endpoint import VllmEndpoint, read_at_most
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai.requests import InvalidRequest, error_body, parse_json_body
 from kvtransfer.router.routing.policy import RouteContext
-from kvtransfer.router.vllm_endpoint import VllmEndpoint, read_at_most
 
 # What vLLM adds to a prefill's kv_transfer_params: the prompt tokens its prefix cache served.
 REMOTE_CACHED_KEY = "remote_prefill_cached_tokens"

@@ -20,7 +20,7 @@ import aiohttp
 from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig, RouterServer
-from kvtransfer.router.fleet import Resolver, resolve_host
+from kvtransfer.router.fleet.dns import Resolver, resolve_host
 from kvtransfer.router.routing.policy import PromptTokenizer, token_ids_of
 from router_helpers.fakes import Behaviour, FakeDaemon
 

@@ -176,6 +176,6 @@ def _uncached(num_tokens: int, cached_blocks: int, block_size: int) -> int:
 def create_policy(role: str, config: RouterConfig) -> CacheAwarePolicy:
     """The ``cache_aware`` policy of ``role`` with its own prefix index (``policy.index``: feed
     it KV events with `kvtransfer.router.kv_events.KVEventSubscribers`; the router does that
-    in `kvtransfer.router.cache_wiring`). Its blocks are ``config.kv_block_size`` tokens; the
+    in `kvtransfer.router.fleet.cache_wiring`). Its blocks are ``config.kv_block_size`` tokens; the
     defaults of `CacheAwareSettings` apply."""
     return CacheAwarePolicy(PrefixIndex(default_block_size=config.kv_block_size), role=role)

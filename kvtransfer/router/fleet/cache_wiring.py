@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvtransfer.router.config import RouterConfig
-from kvtransfer.router.fleet import OPEN, FleetListener
+from kvtransfer.router.fleet.breaker import OPEN
+from kvtransfer.router.fleet.listener import FleetListener
 from kvtransfer.router.routing.cache_policy import CacheAwarePolicy
 from kvtransfer.router.routing.kv_events import EventSource, KVEventSubscribers
 from kvtransfer.router.routing.policy import Policy
