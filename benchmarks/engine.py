@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from plots import write_png
+
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.engine.config import EngineConfig
 from kvtransfer.engine.llm import LLM
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps({"config": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2)
         )
+        write_png("engine", args.json)
     return 0
 
 

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from plots import write_png
+
 from kvtransfer.clients.control import (
     HandshakeClient,
     close_all,
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
+        write_png("handshake", args.json)
     return 0
 
 

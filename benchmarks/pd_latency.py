@@ -60,6 +60,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
+from plots import write_png
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
 from kvtransfer.engine.model.loader import load_model_config
@@ -526,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, skipped, n)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        write_png("pd_latency", args.json)
     return 0
 
 

@@ -87,6 +87,7 @@ from typing import Any
 
 import aiohttp
 import zmq
+from plots import write_png
 
 from kvtransfer.clients.control import AdminClient
 from kvtransfer.router.routing.kv_events import decode_batch
@@ -848,6 +849,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"args": {k: str(v) for k, v in vars(args).items()}, "setups": rows}
         report["goals"] = goals(rows)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_png("routing", args.json)
     return 1 if bad else 0
 
 

@@ -42,6 +42,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from plots import write_png
+
 from kvtransfer.router.routing.cache_policy import CacheAwarePolicy
 from kvtransfer.router.routing.policy import InstanceLoad, RouteContext
 from kvtransfer.router.routing.prefix_index import PrefixIndex
@@ -275,6 +277,7 @@ def main() -> int:
         )
     )
     print(f"wrote {args.json}")
+    write_png("routing_index", args.json)
     return 0
 
 

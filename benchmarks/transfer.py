@@ -93,6 +93,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from plots import write_png
 
 from kvtransfer.transport.buffers import gather_into, row_view, scatter_from
 
@@ -991,6 +992,7 @@ def main() -> None:
             )
             + "\n"
         )
+        write_png("transfer", args.json)
 
 
 if __name__ == "__main__":
