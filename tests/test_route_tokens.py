@@ -10,9 +10,9 @@ import pytest
 
 from kvtransfer.engine.model.chat_template import ChatTemplate
 from kvtransfer.engine.model.loader import load_tokenizer
+from kvtransfer.router.daemon_flow.upstream import generate_request
 from kvtransfer.router.openai.requests import ChatMessages, parse_chat_request
 from kvtransfer.router.openai.tokens import RouteTokenizer
-from kvtransfer.router.upstream import generate_request
 from kvtransfer.serve.requests import parse_generate_request
 
 pytestmark = pytest.mark.unit

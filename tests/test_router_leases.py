@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtransfer.router.choice import _DecodeLeg, _Lease
+from kvtransfer.router.daemon_flow.decode_leg import DecodeLeg
+from kvtransfer.router.daemon_flow.leases import Lease
 
 pytestmark = pytest.mark.unit
 
@@ -34,9 +35,9 @@ async def _slow_to_unwind(started: asyncio.Event, unwinding: asyncio.Event) -> N
         await asyncio.sleep(3600)  # until cancelled once more
 
 
-def _leg(fleet: _Fleet, instance: object) -> _DecodeLeg:
+def _leg(fleet: _Fleet, instance: object) -> DecodeLeg:
     upstream = SimpleNamespace(fleet=fleet)
-    return _DecodeLeg(upstream, SimpleNamespace(), _Lease(upstream, instance))  # type: ignore[arg-type]
+    return DecodeLeg(upstream, SimpleNamespace(), Lease(upstream, instance))  # type: ignore[arg-type]
 
 
 def test_a_close_cancelled_while_its_call_unwinds_still_ends_the_lease():

@@ -42,7 +42,7 @@ from router_helpers.fakes import (
 from kvtransfer.clients.limits import DEFAULT_MAX_REQUEST_BYTES, GRPC_HEADROOM_BYTES
 from kvtransfer.router import RouterConfig
 from kvtransfer.router.__main__ import _parser, config_from_args
-from kvtransfer.router.choice import PREFILL_GRACE_S
+from kvtransfer.router.daemon_flow.releases import PREFILL_GRACE_S
 from kvtransfer.router.openai.requests import MAX_JSON_DEPTH
 from kvtransfer.v1 import generation_pb2
 

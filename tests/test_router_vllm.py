@@ -32,10 +32,10 @@ from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig
 from kvtransfer.router.fleet.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
-from kvtransfer.router.vllm_upstream import (
-    _ends_done,
-    _reported_cached_tokens,
-    _streamed_cached_tokens,
+from kvtransfer.router.vllm_flow.answers import (
+    ends_done,
+    reported_cached_tokens,
+    streamed_cached_tokens,
 )
 
 pytestmark = pytest.mark.integration
@@ -413,7 +413,7 @@ def test_the_servers_api_key_goes_on_every_completion_call_never_the_clients() -
     ],
 )
 def test_the_done_event_is_recognised_by_its_whole_last_line(tail: bytes, done: bool) -> None:
-    assert _ends_done(tail) is done
+    assert ends_done(tail) is done
 
 
 def test_a_stream_without_a_usage_chunk_is_not_counted() -> None:
@@ -439,7 +439,7 @@ def test_a_stream_without_a_usage_chunk_is_not_counted() -> None:
     ],
 )  # fmt: skip
 def test_a_streams_usage_chunk_is_read_from_its_last_bytes(tail: bytes, count: object) -> None:
-    assert _streamed_cached_tokens(tail) == count
+    assert streamed_cached_tokens(tail) == count
 
 
 @pytest.mark.parametrize(
@@ -456,4 +456,4 @@ def test_a_streams_usage_chunk_is_read_from_its_last_bytes(tail: bytes, count: o
     ],
 )
 def test_a_decodes_reported_hit_is_read_within_a_bound(raw: bytes, count: object) -> None:
-    assert _reported_cached_tokens(raw) == count
+    assert reported_cached_tokens(raw) == count

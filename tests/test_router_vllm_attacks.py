@@ -32,9 +32,9 @@ from router_helpers.fake_vllm import (
 from router_helpers.vllm_cluster import VllmCluster, decode, prefill, vllm_cluster
 from waiting import wait_until_async
 
-from kvtransfer.router import vllm_upstream
 from kvtransfer.router.fleet import vllm_endpoint
 from kvtransfer.router.fleet.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
+from kvtransfer.router.vllm_flow import proxy as vllm_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -404,7 +404,7 @@ def test_stream_as_a_string_is_vllms_to_judge_and_passes_through() -> None:
 def test_a_decode_answer_larger_than_the_router_holds_is_a_typed_502(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(vllm_upstream, "MAX_ANSWER_BYTES", 2**16)
+    monkeypatch.setattr(vllm_proxy, "MAX_ANSWER_BYTES", 2**16)
 
     async def scenario() -> None:
         big = json.dumps({**DECODE_JSON, "pad": "x" * 2**17}).encode()
@@ -683,7 +683,7 @@ ABSURD_COUNTS = [pytest.param(10**400, id="past-a-float"), pytest.param(2**64, i
 def test_an_absurd_prefill_cached_count_is_not_counted_and_fails_nothing(reported: int) -> None:
     async def scenario() -> None:
         async def odd(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-            params = {**PARAMS, vllm_upstream.REMOTE_CACHED_KEY: reported}
+            params = {**PARAMS, vllm_proxy.REMOTE_CACHED_KEY: reported}
             return web.json_response({"choices": [{"text": " w"}], "kv_transfer_params": params})
 
         async with vllm_cluster(

@@ -61,8 +61,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtransfer.router.admin_api import AdminApi
 from kvtransfer.router.admission import Admission, QueueFull, QueueTimeout
-from kvtransfer.router.choice import ChoiceRunner, Delta, Exchange
 from kvtransfer.router.config import RouterConfig
+from kvtransfer.router.daemon_flow.choice import ChoiceRunner
+from kvtransfer.router.daemon_flow.exchange import Delta, Exchange
+from kvtransfer.router.daemon_flow.upstream import Upstream
 from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
 from kvtransfer.router.fleet.cache_wiring import CacheIndexWiring
 from kvtransfer.router.fleet.dns import DnsTarget, Resolver, resolve_host
@@ -93,8 +95,8 @@ from kvtransfer.router.routing.policy import (
     token_ids_of,
 )
 from kvtransfer.router.tracing import TraceExporter
-from kvtransfer.router.upstream import Upstream
-from kvtransfer.router.vllm_upstream import VllmCall, VllmProxy, check_vllm_body
+from kvtransfer.router.vllm_flow.proxy import VllmProxy
+from kvtransfer.router.vllm_flow.request import VllmCall, check_vllm_body
 from kvtransfer.timeline import BOOK, now_ns, wall_ns
 
 logger = logging.getLogger("kvtransfer.router")
@@ -413,7 +415,7 @@ class RouterHandlers:
         started: float,
         log: logging.LoggerAdapter[logging.Logger],
     ) -> web.StreamResponse:
-        """A request on a fleet of vLLM servers (`vllm_upstream`): the body goes on as it came,
+        """A request on a fleet of vLLM servers (`vllm_flow`): the body goes on as it came,
         checked here only for what the flow needs."""
         proxy = self._vllm
         if proxy is None:

@@ -114,7 +114,7 @@ class RouterConfig:
     that port of its host; cache-aware policies subscribe (`cache_wiring`). ``kv_block_size``:
     the daemons' block size, the unit of the prefix index. ``engine``: what every instance is,
     kvtransfer daemons (``kvtransfer``: their gRPC address) or vLLM OpenAI servers (``vllm``:
-    their HTTP address; `vllm_upstream`); ``vllm_api_key``: the key they were started with
+    their HTTP address; `vllm_flow`); ``vllm_api_key``: the key they were started with
     (``--api-key``), sent as a bearer token on every completion call (the client's own
     credentials are never forwarded). ``otlp_traces_endpoint``: an OTLP/gRPC collector that
     gets every choice's timeline as a trace (`kvtransfer.router.tracing`).

@@ -1,7 +1,7 @@
 """The router's upstream failures: what went wrong on a daemon, as the HTTP status to answer.
 
-The table of statuses is in `kvtransfer.router.upstream`; `retryable` says which failures
-another instance may be asked to redo.
+The table of statuses is in `kvtransfer.router.daemon_flow.upstream`; `retryable` says which
+failures another instance may be asked to redo.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ any other gRPC status (INTERNAL, ...)         502
 ============================================  ======  ============================================
 
 A 5xx other than a deadline is `UpstreamError.retryable`: the caller may ask another instance
-(`kvtransfer.router.choice`). ``Upstream.release_kv`` gives a prefill's KV back
+(`kvtransfer.router.daemon_flow.choice`). ``Upstream.release_kv`` gives a prefill's KV back
 (``Generation.ReleaseKV``) when no decode will pull it; it answers an outcome label and never
 raises.
 """
