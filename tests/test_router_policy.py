@@ -14,7 +14,6 @@ import grpc
 import pytest
 
 from kvtransfer.router.__main__ import _parser, config_from_args
-from kvtransfer.router.admission import Admission, QueueFull, QueueTimeout
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
 from kvtransfer.router.fleet.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
@@ -32,6 +31,7 @@ from kvtransfer.router.routing.policy import (
     load_score,
     token_ids_of,
 )
+from kvtransfer.router.web.admission import Admission, QueueFull, QueueTimeout
 
 pytestmark = pytest.mark.unit
 

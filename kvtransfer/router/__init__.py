@@ -7,9 +7,9 @@ the instances and their health in `fleet`, the choice policies in `policy`.
 
 from __future__ import annotations
 
-from kvtransfer.router.app import make_app
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.errors import UpstreamError
 from kvtransfer.router.server import RouterServer
+from kvtransfer.router.web.app import make_app
 
 __all__ = ["RouterConfig", "RouterServer", "UpstreamError", "make_app"]

@@ -14,10 +14,10 @@ from types import TracebackType
 
 from aiohttp import web
 
-from kvtransfer.router.app import ROUTER, RouterHandlers, make_app
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.fleet.dns import Resolver, resolve_host
 from kvtransfer.router.routing.policy import PromptTokenizer
+from kvtransfer.router.web.app import ROUTER, RouterHandlers, make_app
 
 
 class RouterServer:
