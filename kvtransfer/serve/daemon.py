@@ -241,6 +241,9 @@ class Daemon:
             total_ms = (totals.handshake_s - self._totals_seen.handshake_s) * 1e3
             self.metrics.record_handshakes(count, total_ms)
             self.ledger.set_handshake_latency(total_ms / count)
+        expired = totals.leases_expired - self._totals_seen.leases_expired
+        if expired > 0:
+            self.metrics.leases_expired(expired)
         self._totals_seen = totals
 
 

@@ -384,6 +384,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         ctx.ledger.request_finished(output, ctx.bytes_per_block)
         ctx.ledger.record_load(parsed.kv_transfer_params, output)
         ctx.metrics.request_finished(reason)
+        ctx.metrics.prompt_finished(
+            len(parsed.prompt_token_ids),
+            output.num_cached_tokens,
+            stats.num_recomputed_tokens if stats is not None else 0,
+        )
         if reason == "error":
             ctx.metrics.failure("kv_load_failed" if "KV load" in (output.error or "") else "error")
             logger.warning("failed: %s", output.error, extra={"request_id": parsed.request_id})

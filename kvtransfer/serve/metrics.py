@@ -14,6 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
 
+# Every reason `failure` is called with, exported at 0 from start-up: a series that first
+# appears at 1 is invisible to rate() and increase(), so the first recompute fallback (say)
+# would raise no alert (deploy/prometheus/kvtransfer-rules.yaml).
+FAILURE_REASONS = ("kv_load_failed", "kv_load_recomputed", "error", "rejected")
+
 
 class DaemonMetrics:
     def __init__(self, role: str, engine_id: str) -> None:
@@ -34,6 +39,8 @@ class DaemonMetrics:
             "kvtransfer_requests", "Requests by how they finished", ("finish_reason",)
         )
         self._failures = counter("kvtransfer_failures", "Failures by reason", ("reason",))
+        for reason in FAILURE_REASONS:
+            self._failures.labels(**labels, reason=reason)
         self._releases = counter(
             "kvtransfer_kv_releases",
             "ReleaseKV calls by outcome (released, not_held, invalid, denied, unavailable)",
@@ -68,6 +75,22 @@ class DaemonMetrics:
         self.handshake_seconds = histogram(
             "kvtransfer_handshake_seconds", "Handshake latency", _LATENCY_BUCKETS
         )
+        self._prompt_tokens = counter(
+            "kvtransfer_prompt_tokens", "Prompt tokens of the requests that finished here"
+        )
+        self._prefix_hit_tokens = counter(
+            "kvtransfer_prefix_cache_hit_tokens",
+            "Of those prompt tokens, the ones this engine's prefix cache already held",
+        )
+        self._recomputed_tokens = counter(
+            "kvtransfer_kv_recomputed_tokens",
+            "Prompt tokens computed here because their KV load failed "
+            "(kv_load_failure_policy recompute)",
+        )
+        self._leases_expired = counter(
+            "kvtransfer_kv_leases_expired",
+            "Held KV freed because no consumer pulled it within its lease (a producer's count)",
+        )
         self._blocks_used = Gauge(
             "kvtransfer_kv_blocks_used", "KV blocks in use", names, registry=self.registry
         ).labels(**labels)
@@ -82,6 +105,14 @@ class DaemonMetrics:
 
     def failure(self, reason: str) -> None:
         self._failures.labels(**self._labels, reason=reason).inc()
+
+    def prompt_finished(self, prompt_tokens: int, prefix_hit_tokens: int, recomputed: int) -> None:
+        self._prompt_tokens.inc(prompt_tokens)
+        self._prefix_hit_tokens.inc(prefix_hit_tokens)
+        self._recomputed_tokens.inc(recomputed)
+
+    def leases_expired(self, count: int) -> None:
+        self._leases_expired.inc(count)
 
     def kv_release(self, outcome: str) -> None:
         self._releases.labels(**self._labels, outcome=outcome).inc()

@@ -238,7 +238,8 @@ class DaemonPair:
                 )
 
     def failures(self, role: str) -> dict[str, float]:
-        """The daemon's ``kvtransfer_failures_total`` by reason (its Prometheus endpoint)."""
+        """The daemon's ``kvtransfer_failures_total`` by reason (its Prometheus endpoint), the
+        reasons that happened: every known reason is exported at 0 from start-up."""
         port = self._daemon(role).ready["metrics_port"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             text = response.read().decode()
@@ -247,7 +248,7 @@ class DaemonPair:
             for family in text_string_to_metric_families(text)
             if family.name == "kvtransfer_failures"
             for sample in family.samples
-            if sample.name == "kvtransfer_failures_total"
+            if sample.name == "kvtransfer_failures_total" and sample.value
         }
 
     def worker_pids(self) -> list[int]:
