@@ -46,6 +46,20 @@ ENGINE_LAYERS: list[tuple[str, ...]] = [
     ("kvtransfer.engine.llm", "kvtransfer.engine"),
 ]
 
+# Inside the router, calls flow down: web (HTTP) -> one of the two P/D flows -> fleet -> routing
+# policies -> the OpenAI types and the config -> shared names.
+ROUTER_LAYERS: list[tuple[str, ...]] = [
+    ("kvtransfer.router.names", "kvtransfer.router.errors", "kvtransfer.router.tracing"),
+    ("kvtransfer.router.config", "kvtransfer.router.openai"),
+    ("kvtransfer.router.routing",),
+    ("kvtransfer.router.fleet", "kvtransfer.router.metrics"),
+    ("kvtransfer.router.flow_rules",),
+    ("kvtransfer.router.daemon_flow", "kvtransfer.router.vllm_flow"),
+    ("kvtransfer.router.web",),
+    ("kvtransfer.router.server",),
+    ("kvtransfer.router.__main__", "kvtransfer.router"),
+]
+
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
@@ -105,6 +119,58 @@ def test_no_package_imports_from_a_layer_above_or_beside_it():
 
 def test_engine_calls_flow_one_way():
     assert violations(ENGINE_LAYERS, "kvtransfer.engine") == []
+
+
+def test_router_calls_flow_one_way():
+    assert violations(ROUTER_LAYERS, "kvtransfer.router") == []
+
+
+def import_circles(scope: str) -> list[list[str]]:
+    """Every module of ``scope`` on a circle of imports (module to module, lazy ones too), one
+    circle per strongly connected group."""
+    modules = {module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
+    inside = {m: p for m, p in modules.items() if m == scope or m.startswith(scope + ".")}
+    edges = {
+        m: {t for t in imported_modules(p) if t in inside and t != m} for m, p in inside.items()
+    }
+    # Tarjan's strongly connected components, iteratively: a component of two or more is a circle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        circles.append(sorted(group))
+            elif target not in index:
+                index[target] = low[target] = len(index)
+                stack.append(target)
+                work.append((target, iter(sorted(edges[target]))))
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+    return circles
+
+
+def test_no_import_circle_in_the_router():
+    assert import_circles("kvtransfer.router") == []
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
