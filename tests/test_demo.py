@@ -3,6 +3,8 @@ checked against a colocated run, everything stopped cleanly."""
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
+
 import pytest
 
 from kvtransfer.cli import demo
@@ -11,8 +13,15 @@ pytestmark = pytest.mark.integration
 
 
 def test_demo_runs_end_to_end(capsys, tmp_path):
-    assert demo.main(["--max-tokens", "8", "--log-dir", str(tmp_path)]) == 0
+    pictures = tmp_path / "pictures"
+    argv = ["--max-tokens", "8", "--log-dir", str(tmp_path), "--picture-dir", str(pictures)]
+    assert demo.main(argv) == 0
     out = capsys.readouterr().out
+    # The longest default prompt's timeline, drawn.
+    png, svg = pictures / "handover.png", pictures / "handover.svg"
+    assert f"prompt 1's handover, drawn from its timeline: {png} and {svg}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ET.parse(svg).getroot().tag == "{http://www.w3.org/2000/svg}svg"
     assert out.count("tokens identical") == len(demo.DEFAULT_PROMPTS)
     assert "kv_tokens_recomputed=0" in out
     for name in ("router", "decode daemon", "prefill daemon"):

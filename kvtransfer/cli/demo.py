@@ -5,7 +5,8 @@
 2. send a few prompts through the router's OpenAI API (one of them streamed): prefill computes
    the prompt's KV, decode pulls it over UCX and generates;
 3. print each completion with its time to first token, the KV blocks and bytes decode received
-   and how long it waited for them;
+   and how long it waited for them, and draw the longest prompt's timeline (``handover.png``,
+   ``handover.svg``: what each side did when, layer by layer);
 4. run the same prompts colocated (one engine, no transfer) and compare the token ids;
 5. check the decode daemon's counters (KV received, nothing recomputed), stop everything with
    SIGTERM and require exit code 0 and no KV block in use at exit.
@@ -50,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     parser.add_argument("--log-dir", help="where the daemons' logs go (default: a temp dir)")
+    parser.add_argument(
+        "--picture-dir",
+        help="where handover.png and handover.svg go, the timeline of the longest prompt's "
+        "request (default: the log dir)",
+    )
     return parser
 
 
@@ -137,6 +143,7 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], log_dir: Path) -> Non
         ]
         for prompt, result in zip(prompts, results, strict=True):
             _show(prompt, result)
+        _draw_handover(prompts, results, Path(args.picture_dir or log_dir))
         _compare_with_colocated(args, prompts, results)
         _check_counters(decode.address)
     finally:
@@ -193,6 +200,22 @@ def _show(prompt: str, result: dict[str, Any]) -> None:
         f"{info['kv_transfer_s'] * 1e3:.1f} ms | recomputed tokens: "
         f"{info['num_recomputed_tokens']}"
     )
+
+
+def _draw_handover(
+    prompts: Sequence[str], results: Sequence[dict[str, Any]], picture_dir: Path
+) -> None:
+    """The longest prompt's request as a picture of its timeline: with the default prompts,
+    one after the first request's handshake, as a P/D handover usually runs."""
+    from kvtransfer.timeline_picture import TimelineError, draw, handover
+
+    index = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    png, svg = picture_dir / "handover.png", picture_dir / "handover.svg"
+    try:
+        draw(handover([results[index]["kvtransfer"]]), png, svg)
+    except TimelineError as exc:
+        raise DemoFailure(f"the timeline of prompt {index} cannot be drawn: {exc}") from None
+    print(f"\nprompt {index}'s handover, drawn from its timeline: {png} and {svg}")
 
 
 def _compare_with_colocated(
