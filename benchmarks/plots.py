@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,8 +50,9 @@ def png_beside(json_path: Path) -> Path:
 def plot_transfer(report: dict[str, Any], png: Path) -> Path:
     """GB/s and p50 per case, ours (RMA, tagged) against NIXL and UCX's own limit."""
     cases = sorted(_list(report, "cases"), key=lambda row: (row["bytes"], row["case"]))
-    figure, (rate, latency) = _figure(2, width=13.0)
-    labels = [f"{row['case']}\n{_size(row['bytes'])}" for row in cases]
+    # One above the other: seven cases of four methods need the width.
+    figure, (rate, latency) = _figure(2, width=12.0, height=8.0, rows=2)
+    labels = [f"{textwrap.fill(row['case'], 16)}\n{_size(row['bytes'])}" for row in cases]
     methods = (
         ("rma", "ours, RMA (one-sided)"),
         ("tagged", "ours, tagged"),
@@ -71,10 +73,12 @@ def plot_transfer(report: dict[str, Any], png: Path) -> Path:
     latency.set_ylabel("p50 ms, log scale (lower is better)")
     latency.set_title("latency per request")
     figure.legend(*rate.get_legend_handles_labels(), loc="outside lower center", ncols=4)
-    samples = cases[0].get("samples") if cases else None
+    samples = cases[0].get("samples")
+    # Its note names where NIXL came from (a path): the kind is enough here.
+    nixl = str(report.get("nixl", "?")).split(" (")[0].split(",")[0]
     figure.suptitle(
         f"KV block pulls between two processes on one host ({report.get('cpus', '?')} CPUs, "
-        f"{samples} timed requests per case); NIXL: {report.get('nixl', '?')}",
+        f"{samples} timed requests per case); NIXL: {nixl}",
         fontsize=10,
     )
     return _save(figure, png)
@@ -248,21 +252,23 @@ def write_png(kind: str, json_path: Path) -> Path:
 # ------------------------------------------------------------------ drawing helpers
 
 
-def _figure(panels: int, width: float, height: float = 4.8) -> tuple[Figure, list[Axes]]:
+def _figure(
+    panels: int, width: float, height: float = 4.8, rows: int = 1
+) -> tuple[Figure, list[Axes]]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(1, panels, squeeze=False)[0]
-    return figure, list(axes)
+    grid = figure.subplots(rows, panels // rows, squeeze=False)
+    return figure, [axes for row in grid for axes in row]
 
 
 def _bars(
     axes: Axes,
     labels: Sequence[str],
     series: Sequence[tuple[str, Sequence[float | None], str]],
-    fmt: str = "{:.2g}",
+    fmt: str | None = None,
 ) -> None:
     """Grouped bars, one group per label; a missing value (None) leaves a gap marked n/a."""
     width = 0.8 / len(series)
@@ -276,7 +282,8 @@ def _bars(
             label=name,
             color=COLORS.get(color, color),
         )
-        axes.bar_label(bars, [fmt.format(v) for _, v in shown], fontsize=6.5, padding=1)
+        texts = [_number(v) if fmt is None else fmt.format(v) for _, v in shown]
+        axes.bar_label(bars, texts, fontsize=6.5, padding=1)
         for x, value in zip(xs, values, strict=True):
             if value is None:
                 axes.annotate("n/a", (x, 0), ha="center", va="bottom", fontsize=6.5)
@@ -312,6 +319,11 @@ def _field(document: Any, key: str) -> Any:
     if not isinstance(document, dict) or key not in document:
         raise PlotError(f"missing {key!r} (not the JSON this benchmark writes?)")
     return document[key]
+
+
+def _number(value: float) -> str:
+    """Two significant digits, never in exponent form."""
+    return f"{value:.0f}" if abs(value) >= 10 else f"{value:.2g}"
 
 
 def _size(num_bytes: int) -> str:

@@ -139,7 +139,7 @@ HANDSHAKE = {
 }
 
 CASES = [
-    ("transfer", TRANSFER, (1300, 480)),
+    ("transfer", TRANSFER, (1200, 800)),
     ("pd_latency", PD_LATENCY, (1200, 480)),  # two models, two panels
     ("routing", ROUTING, (1200, 480)),
     ("routing_index", ROUTING_INDEX, (800, 480)),
