@@ -1,8 +1,10 @@
 """The OpenAI-compatible router in front of prefill and decode daemons (``kvtransfer-router``).
 
 In-process: ``async with RouterServer(RouterConfig(prefill=(...), decode=(...))) as server``;
-``make_app(config)`` for an aiohttp app to serve yourself. The request life cycle is in `app`,
-the instances and their health in `fleet`, the choice policies in `policy`.
+``make_app(config)`` for an aiohttp app to serve yourself. The request life cycle is in
+`web.app`, a choice's on the daemons in `daemon_flow.choice`, on vLLM servers in
+`vllm_flow.proxy`; the instances and their health in `fleet`, the choice policies in `routing`.
+The rooms and which may import which: tests/test_layers.py (ROUTER_LAYERS).
 """
 
 from __future__ import annotations

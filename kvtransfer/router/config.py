@@ -88,7 +88,7 @@ class RouterConfig:
     instance per address NAME resolves to, re-resolved every ``dns_interval_s``). A role may be
     empty only when the admin API is on (``admin_token``), which adds instances at run time.
     ``policy`` picks instances of both roles, ``prefill_policy``/``decode_policy`` override it
-    per role (`kvtransfer.router.policy`). ``port`` 0 binds a free port (`RouterServer.port`
+    per role (`kvtransfer.router.routing.policy`). ``port`` 0 binds a free port (`RouterServer.port`
     tells which). ``request_timeout_s`` bounds a whole request, prefill and decode together (and
     any wait for admission): it becomes the gRPC deadlines. ``health_interval_s`` is how often
     every daemon's health and load are read (each check's deadline ``health_timeout_s``); an

@@ -1,5 +1,5 @@
 """A stand-in for a vLLM OpenAI server, to test the router's vLLM flow alone
-(`kvtransfer.router.vllm_upstream`): it records every request (path, body, ``X-Request-Id``) and
+(`kvtransfer.router.vllm_flow`): it records every request (path, body, ``X-Request-Id``) and
 answers as its `VllmBehaviour` says. The real thing behind the router is checked in the vLLM
 stage (vllm_stage/check_pd.py)."""
 

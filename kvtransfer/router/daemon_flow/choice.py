@@ -1,6 +1,6 @@
 """One choice of a request, from its prefill to its decode's last token: `ChoiceRunner.run`.
 
-Life cycle of a choice (step 4 of a request, see `kvtransfer.router.app`):
+Life cycle of a choice (step 4 of a request, see `kvtransfer.router.web.app`):
 
 1. Route: the choice's `RouteContext` holds its id and, when the router knows them, its
    prompt's token ids. With ``disagg_min_prompt_tokens`` N > 0 and the token ids known, a

@@ -6,7 +6,7 @@ An instance that joins a role whose policy is ``cache_aware`` is added to that p
 compose service gives it), subscribed to; an instance that leaves is unsubscribed and
 forgotten. Without events the index learns from the router's own picks (approximate); with
 them it is precise while they flow and falls back per instance when they stop
-(`kvtransfer.router.prefix_index`). An instance taken out of the pool by a failed call (its
+(`kvtransfer.router.routing.prefix_index`). An instance taken out of the pool by a failed call (its
 health) or by its circuit breaker fails the requests it was running: the blocks they made
 pending there stop counting at once.
 """

@@ -2,7 +2,7 @@
 
 `CacheAwarePolicy.choose`, for a request whose token ids are known:
 
-1. The prefix index (`kvtransfer.router.prefix_index`) tells how many leading full blocks of
+1. The prefix index (`kvtransfer.router.routing.prefix_index`) tells how many leading full blocks of
    the prompt each candidate holds.
 2. The load guard: with ``n`` candidates carrying ``total`` requests (`policy.load_score`: this
    router's in flight plus other routers' share from the instances' reports), a candidate may
@@ -175,7 +175,7 @@ def _uncached(num_tokens: int, cached_blocks: int, block_size: int) -> int:
 
 def create_policy(role: str, config: RouterConfig) -> CacheAwarePolicy:
     """The ``cache_aware`` policy of ``role`` with its own prefix index (``policy.index``: feed
-    it KV events with `kvtransfer.router.kv_events.KVEventSubscribers`; the router does that
+    it KV events with `kvtransfer.router.routing.kv_events.KVEventSubscribers`; the router does that
     in `kvtransfer.router.fleet.cache_wiring`). Its blocks are ``config.kv_block_size`` tokens; the
     defaults of `CacheAwareSettings` apply."""
     return CacheAwarePolicy(PrefixIndex(default_block_size=config.kv_block_size), role=role)

@@ -21,10 +21,10 @@ Built in (vLLM Router's names):
 - ``least_load``: the lowest `load_score`, then the lowest KV-cache use; ties in turn (so an
   idle fleet is served round robin).
 - ``power_of_two``: two candidates drawn at random, the lower `load_score` of the two.
-- ``cache_aware``: lives in ``kvtransfer.router.cache_policy`` (a KV-event-driven prefix index).
-  That module provides ``create_policy(role: str, config: RouterConfig) -> Policy``; its policy
-  may also implement `UncachedEstimator`, which conditional disaggregation then uses (a build
-  without that module refuses the name, saying so).
+- ``cache_aware``: lives in ``kvtransfer.router.routing.cache_policy`` (a KV-event-driven prefix
+  index). That module provides ``create_policy(role: str, config: RouterConfig) -> Policy``; its
+  policy may also implement `UncachedEstimator`, which conditional disaggregation then uses (a
+  build without that module refuses the name, saying so).
 
 `RouteContext` carries what is known of the request: its id and, when known, its prompt's token
 ids (a prompt given as token ids; a text prompt when a `PromptTokenizer` is configured; never a

@@ -20,7 +20,7 @@ How a subscriber keeps the instance's precise set a subset of what the engine ho
    on its way.
 
 Every message, heartbeats (empty batches) included, is reported to the index, which uses it to
-tell live events from lagging ones (see `kvtransfer.router.prefix_index`).
+tell live events from lagging ones (see `kvtransfer.router.routing.prefix_index`).
 """
 
 from __future__ import annotations
