@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from kvtransfer.engine.outputs import IntermediateTensors
 from kvtransfer.engine.parallel import ParallelRank
+from kvtransfer.engine.runner.devices import cuda_device_for
 
 _BACKENDS = ("gloo", "nccl")
 
@@ -63,7 +64,7 @@ class WorkerDistributed:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process")
         if backend == "nccl":
-            device = torch.device("cuda", rank.rank % torch.cuda.device_count())
+            device = cuda_device_for(rank.rank)
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")

@@ -17,6 +17,7 @@ from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.model.loader import iter_weights, load_model_config
 from kvtransfer.engine.outputs import IntermediateTensors, ModelRunnerOutput
 from kvtransfer.engine.parallel import ParallelRank
+from kvtransfer.engine.runner.devices import cuda_device_for
 from kvtransfer.engine.runner.distributed import WorkerDistributed
 from kvtransfer.engine.runner.drafters import DraftModelProposer, NgramDraftProposer
 from kvtransfer.engine.runner.kv_cache import kv_cache_layout, num_kv_blocks, resolve_dtype
@@ -79,7 +80,7 @@ class Worker:
         config, rank = self.config, self.rank
         device = torch.device(config.device)
         if config.device == "cuda":
-            device = torch.device("cuda", rank.rank % torch.cuda.device_count())
+            device = cuda_device_for(rank.rank)
             torch.cuda.set_device(device)
         dtype = resolve_dtype(config)
         all_reduce = self.comm.tp_all_reduce if rank.tp_size > 1 else None
