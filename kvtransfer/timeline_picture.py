@@ -5,8 +5,7 @@ a choice, or in a streamed chunk) with its ``timeline`` rows (``name`` as ``proc
 ``start_ms`` and ``duration_ms`` from the request's arrival at the router). The picture has one
 lane per party, router, prefill, KV and decode, and in each lane as many rows as its spans need
 not to overlap; a span is one bar (its SVG element's id is ``name.N``, the N-th of that name),
-a span of no length (a token handed on) a marker. The first token's arrival at the client is
-a vertical line.
+a token handed on a marker. The router's TTFT (the answer's ``ttft_s``) is a vertical line.
 
 matplotlib is imported only when drawing, with its Agg canvas (no display, no global backend
 switched), so that reading answers costs nothing to a process that never draws.
@@ -14,6 +13,7 @@ switched), so that reading answers costs nothing to a process that never draws.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -61,7 +61,7 @@ class Handover:
     request_id: str
     rows: tuple[TimelineRow, ...]
     kv_bytes: int = 0
-    # The first token reaching the client, when the router measured it.
+    # TTFT as the router measured it (its answer's ttft_s), in ms from the same origin.
     ttft_ms: float | None = None
 
     def named(self, name: str) -> list[TimelineRow]:
@@ -258,7 +258,7 @@ _CALL = _Phase("router's gRPC call to a daemon", "#dfe6ee")
 _ADMIT = _Phase("daemon admits, engine queue", "#c9c9c9")
 _PREFILL = _Phase("prefill computes the prompt", "#fbd3a6")
 _LAYER = _Phase("a layer computed", "#e8743b", "#f3a46f")
-_SAVE = _Phase("a layer's KV saved (streamed)", "#2ca02c")
+_SAVE = _Phase("a layer's KV saved for decode", "#2ca02c")
 _CONNECT = _Phase("handshake, one-sided keys", "#9467bd")
 _READ = _Phase("KV read by decode (one-sided)", "#1f77b4", "#5fa2d6")
 _WAIT = _Phase("decode waits for KV", "#e15759")
@@ -307,7 +307,7 @@ _LEGEND_ORDER = (
 _SHORT = {
     "prefill_call": "prefill call",
     "decode_call": "decode call",
-    "decode_first_message": "decode call, first message",
+    "decode_first_message": "first message",
     "engine.queue": "queue",
     "engine.compute": "compute",
     "engine.kv_wait": "KV wait",
@@ -328,41 +328,53 @@ class _Placed:
 
 
 def layout(rows: Sequence[TimelineRow]) -> list[_Placed]:
-    """Each span's lane and row in it: spans in their lane's order, each in the first row
-    where it overlaps nothing."""
+    """Each span's lane and row in it. Names are placed in their lane's order, all spans of a
+    name together in the first row where none of them overlaps anything (so that a request's
+    layers, or its steps, read as one row); a name whose spans overlap one another is placed
+    span by span."""
     order = {name: (lane, i) for lane, names in LANES for i, name in enumerate(names)}
     lanes = [lane for lane, _ in LANES]
-    for row in rows:
-        if row.name not in order:
-            lane = _LANE_OF_PROCESS.get(row.process, row.process)
-            if lane not in lanes:
-                lanes.append(lane)
-    counts: dict[str, int] = {}
-    numbered = []
-    for row in sorted(rows, key=lambda r: r.start_ms):
-        numbered.append((row, counts.get(row.name, 0)))
-        counts[row.name] = counts.get(row.name, 0) + 1
 
-    def key(item: tuple[TimelineRow, int]) -> tuple[int, int, float]:
-        row = item[0]
-        lane, rank = order.get(row.name, (_LANE_OF_PROCESS.get(row.process, row.process), 99))
-        return lanes.index(lane), rank, row.start_ms
+    def lane_of(name: str) -> str:
+        if name in order:
+            return order[name][0]
+        process = name.partition(".")[0]
+        return _LANE_OF_PROCESS.get(process, process)
+
+    by_name: dict[str, list[TimelineRow]] = {}
+    for row in sorted(rows, key=lambda r: r.start_ms):
+        by_name.setdefault(row.name, []).append(row)
+        if lane_of(row.name) not in lanes:
+            lanes.append(lane_of(row.name))
+
+    def rank(name: str) -> tuple[int, int, float]:
+        return lanes.index(lane_of(name)), order.get(name, ("", 99))[1], by_name[name][0].start_ms
 
     placed: list[_Placed] = []
     taken: dict[str, list[list[tuple[float, float]]]] = {}
-    for row, number in sorted(numbered, key=key):
-        lane = order.get(row.name, (_LANE_OF_PROCESS.get(row.process, row.process), 0))[0]
+    for name in sorted(by_name, key=rank):
+        lane, spans = lane_of(name), list(enumerate(by_name[name]))
         lines = taken.setdefault(lane, [])
-        if _is_marker(row):
-            # A marker: drawn over whatever its lane's first row holds at that instant.
-            placed.append(_Placed(row, lane, 0, number))
+        if _is_marker(spans[0][1]):
+            # Markers are drawn over whatever their lane's first row holds at that instant.
+            placed += [_Placed(row, lane, 0, number) for number, row in spans]
             continue
-        free = [i for i, spans in enumerate(lines) if not any(_overlap(row, *s) for s in spans)]
-        if not free:
-            lines.append([])
-        line = free[0] if free else len(lines) - 1
-        lines[line].append((row.start_ms, row.end_ms))
-        placed.append(_Placed(row, lane, line, number))
+        together = not any(
+            _overlap(b, a.start_ms, a.end_ms) for (_, a), (_, b) in itertools.pairwise(spans)
+        )
+        for group in [spans] if together else [[span] for span in spans]:
+            line = next(
+                (
+                    i
+                    for i, used in enumerate(lines)
+                    if not any(_overlap(row, *u) for _, row in group for u in used)
+                ),
+                len(lines),
+            )
+            if line == len(lines):
+                lines.append([])
+            lines[line] += [(row.start_ms, row.end_ms) for _, row in group]
+            placed += [_Placed(row, lane, line, number) for number, row in group]
     return placed
 
 
@@ -421,7 +433,7 @@ def _draw_axes(axes: Axes, picture: Handover) -> None:
     span_ms = end or 1.0
     # A bar is at least this wide, so that a span of microseconds still shows.
     min_width = span_ms * 0.0025
-    px_per_ms = WIDTH_IN * DPI * 0.82 / span_ms
+    px_per_ms = WIDTH_IN * DPI * 0.92 / span_ms
     used: set[_Phase] = set()
     for item in placed:
         row = item.row
@@ -467,7 +479,7 @@ def _draw_axes(axes: Axes, picture: Handover) -> None:
         axes.text(
             picture.ttft_ms,
             -0.25,
-            f" first token at the client: {picture.ttft_ms:.1f} ms",
+            f" first token, TTFT at the router: {picture.ttft_ms:.1f} ms",
             color=_FIRST_TOKEN,
             fontsize=8.5,
             va="bottom",
@@ -495,10 +507,11 @@ def _draw_axes(axes: Axes, picture: Handover) -> None:
         handles.append(
             Line2D([], [], marker="v", color=_FIRST_TOKEN, linestyle="", label="token handed on")
         )
-    axes.legend(
-        handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False
+    # A figure legend, so that the layout keeps room for it below the lanes.
+    axes.figure.legend(
+        handles=handles, loc="outside lower center", ncols=5, fontsize=8, frameon=False
     )
-    axes.set_title(_title(picture), fontsize=11, loc="left")
+    axes.figure.suptitle(_title(picture), fontsize=11, x=0.01, ha="left")
 
 
 def _bar_text(row: TimelineRow, number: int) -> str:
@@ -521,7 +534,8 @@ def _title(picture: Handover) -> str:
         parts.append(f"{picture.prompt_tokens} prompt tokens")
     reads = picture.named("decode.kv.read")
     if picture.kv_bytes:
-        parts.append(f"{_size(picture.kv_bytes)} of KV moved in {len(reads)} reads")
+        count = f"{len(reads)} read" + ("" if len(reads) == 1 else "s")
+        parts.append(f"{_size(picture.kv_bytes)} of KV moved in {count}")
     layers = picture.named("prefill.model.layer")
     if layers:
         parts.append(f"{len(layers)} layers")

@@ -154,6 +154,20 @@ def test_spans_that_overlap_in_a_lane_take_rows_of_their_own():
 
 
 @pytest.mark.unit
+def test_a_names_spans_share_a_row_unless_they_overlap_each_other():
+    rows = (
+        TimelineRow("prefill.admit", 0.0, 4.0),
+        TimelineRow("prefill.model.layer", 3.0, 2.0),  # overlaps the admit
+        TimelineRow("prefill.model.layer", 5.0, 2.0),
+        TimelineRow("decode.kv.read", 1.0, 5.0),
+        TimelineRow("decode.kv.read", 2.0, 1.0),  # a read beside another
+    )
+    lines = {(p.row.name, p.number): p.line for p in layout(rows)}
+    assert lines["prefill.model.layer", 0] == lines["prefill.model.layer", 1] == 1
+    assert (lines["decode.kv.read", 0], lines["decode.kv.read", 1]) == (0, 1)
+
+
+@pytest.mark.unit
 def test_the_picture_is_a_png_and_an_svg_with_a_bar_per_span(tmp_path):
     picture = handover([INFO])
     png, svg = tmp_path / "h.png", tmp_path / "sub" / "h.svg"
@@ -169,7 +183,7 @@ def test_the_picture_is_a_png_and_an_svg_with_a_bar_per_span(tmp_path):
     assert "P/D handover: request cmpl-1, 40 prompt tokens, 16 KiB of KV moved in 2 reads" in text
     for label in ("a layer computed", "KV read by decode (one-sided)", "decode steps"):
         assert label in text
-    assert "first token at the client: 20.6 ms" in text
+    assert "first token, TTFT at the router: 20.6 ms" in text
     # The same timeline gives the same SVG (no date, stable ids): pictures can be committed.
     again = tmp_path / "again.svg"
     draw(picture, svg=again)
@@ -247,7 +261,7 @@ def test_a_real_pd_request_is_drawn_by_kvtransfer_admin_timeline(tmp_path, capsy
         assert drawn(name) == [f"{name}.{n}" for n in range(count)]
     text = svg_text(svg)
     assert f"P/D handover: request {info['request_id']}, {len(PROMPT)} prompt tokens" in text
-    for label in ("a layer computed", "a layer's KV saved (streamed)", "decode waits for KV"):
+    for label in ("a layer computed", "a layer's KV saved for decode", "decode waits for KV"):
         assert label in text
 
     # Another request id, and an answer with no timeline: typed, named, exit status 1.
