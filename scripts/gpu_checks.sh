@@ -10,11 +10,13 @@
 #      environment;
 #   4. benchmarks/transfer_gpu.py (tagged and RMA pulls between two processes on the GPU,
 #      checked bitwise) and benchmarks/pd_latency.py --quick with the daemons on CUDA
-#      (KVTRANSFER_DEVICE=cuda), then on CPU for comparison if time is left.
+#      (KVTRANSFER_DEVICE=cuda), then on CPU for comparison if time is left;
+#   3 and 4 run twice: as UCX leaves cuda_ipc gets, and with them on (IPC_GET below).
 #
-# Everything lands in $OUT (default /tmp/gpu_checks): info.txt, pytest.log, bench.log,
-# transfer_gpu.json, pd_latency_cuda.json, pd_latency_cpu.json, logs.tar.gz (the daemons'
-# logs) and summary.txt (each step's exit status and seconds). Steps share one deadline
+# Everything lands in $OUT (default /tmp/gpu_checks), 7 files: info.txt (with the protocol UCX
+# picks for a GPU get), pytest.log, bench.log, transfer_gpu.json, transfer_gpu_ipc_get.json,
+# results.tar.gz (pd_latency's JSON and pictures, the daemons' logs) and summary.txt (each
+# step's exit status and seconds). Steps share one deadline
 # (GPU_CHECKS_DEADLINE_S, default 400 s from the start): a step that would run past it is cut
 # short or skipped, and says so in summary.txt.
 #
@@ -121,10 +123,41 @@ EOF
     fi
 ) >>"$OUT/info.txt" 2>&1
 
+# UCX turns cuda_ipc gets off where it finds no NVLink ("cuda-ipc get zcopy disabled as no
+# nvlinks detected"): one-sided reads of GPU memory then run as software emulation through
+# shared memory (0.5-0.8 GB/s on an H200 VM, 2026-11). Each GPU step runs as UCX leaves it and
+# again with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on (IPC gets), for the A/B.
+IPC_GET=(env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on)
+
+# Which protocol UCX picks for a cross-process get of GPU memory, both ways.
+(
+    UCX_ROOT=$("$PY" -c "import libucx, os; print(os.path.dirname(libucx.__file__))" 2>/dev/null)
+    [ -n "$UCX_ROOT" ] || exit 0
+    export LD_LIBRARY_PATH=$UCX_ROOT/lib UCX_WARN_UNUSED_ENV_VARS=n UCX_PROTO_INFO=y
+    for setting in auto on; do
+        port=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+        echo "===== ucx_perftest ucp_get -m cuda, CUDA_IPC_ENABLE_GET_ZCOPY=$setting"
+        UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$setting "$UCX_ROOT/bin/ucx_perftest" -p "$port" >/dev/null 2>&1 &
+        server=$!
+        for _ in $(seq 50); do
+            out=$(UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$setting timeout 60 "$UCX_ROOT/bin/ucx_perftest" \
+                127.0.0.1 -p "$port" -t ucp_get -m cuda -s 16777216 -n 20 -w 2 2>&1)
+            grep -q "Connection refused" <<<"$out" || break
+            sleep 0.2 # the server is still starting: retry (not synchronisation)
+        done
+        grep -A2 "remote memory read" <<<"$out"
+        grep -E "Final:|ERROR" <<<"$out"
+        kill "$server" 2>/dev/null
+        wait "$server" 2>/dev/null
+    done
+) >>"$OUT/info.txt" 2>&1
+
 PYTEST=("$PY" -m pytest -p no:cacheprovider -v -rA)
 step "pytest -m gpu" 240 "$OUT/pytest.log" \
     "${PYTEST[@]}" -m gpu --basetemp="$WORK/pt-gpu" tests/test_pd_gpu.py
 gpu_rc=$?
+step "pytest -m gpu, IPC gets" 240 "$OUT/pytest.log" \
+    "${IPC_GET[@]}" "${PYTEST[@]}" -m gpu --basetemp="$WORK/pt-gpu-ipc-get" tests/test_pd_gpu.py
 if [ "$gpu_rc" -ne 0 ]; then
     step "control: CPU twin" 120 "$OUT/pytest.log" "${PYTEST[@]}" --basetemp="$WORK/pt-cpu" \
         "tests/test_daemons.py::test_disaggregated_equals_colocated_and_counters_show_the_transfer"
@@ -132,11 +165,20 @@ fi
 
 step "transfer_gpu" 150 "$OUT/bench.log" \
     "$PY" benchmarks/transfer_gpu.py --json "$OUT/transfer_gpu.json"
+step "transfer_gpu, IPC gets" 150 "$OUT/bench.log" \
+    "${IPC_GET[@]}" "$PY" benchmarks/transfer_gpu.py --json "$OUT/transfer_gpu_ipc_get.json"
+# pd_latency writes a picture next to its JSON: both go into results.tar.gz ($OUT takes 8 files).
+RESULTS=$WORK/results
+mkdir -p "$RESULTS"
 step "pd_latency cuda" 150 "$OUT/bench.log" \
-    env KVTRANSFER_DEVICE=cuda "$PY" benchmarks/pd_latency.py --quick --json "$OUT/pd_latency_cuda.json"
+    env KVTRANSFER_DEVICE=cuda "$PY" benchmarks/pd_latency.py --quick \
+    --json "$RESULTS/pd_latency_cuda.json"
+step "pd_latency cuda, IPC gets" 150 "$OUT/bench.log" \
+    "${IPC_GET[@]}" KVTRANSFER_DEVICE=cuda "$PY" benchmarks/pd_latency.py --quick \
+    --json "$RESULTS/pd_latency_cuda_ipc_get.json"
 step "pd_latency cpu" 150 "$OUT/bench.log" \
-    "$PY" benchmarks/pd_latency.py --quick --json "$OUT/pd_latency_cpu.json"
+    "$PY" benchmarks/pd_latency.py --quick --json "$RESULTS/pd_latency_cpu.json"
 
-# The daemons' logs (pytest's tmp_path, pd_latency's kept log folders).
-tar -czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null
+# Results and the daemons' logs (pytest's tmp_path, pd_latency's kept log folders).
+tar -czf "$OUT/results.tar.gz" -C "$WORK" . 2>/dev/null
 echo "total ${SECONDS}s" | tee -a "$SUMMARY"
