@@ -168,6 +168,44 @@ def test_a_decode_that_fails_before_its_first_byte_is_retried_with_the_same_para
     run(scenario)
 
 
+@pytest.mark.parametrize("other_decode", [True, False], ids=["another-decode", "none-left"])
+def test_a_decode_retry_carrying_a_prefills_kv_never_goes_to_an_aggregated_instance(
+    other_decode: bool,
+) -> None:
+    """An aggregated server computes its prompts itself: KV params from a prefill would have
+    it pull KV it never asked for. Round robin over [broken, (good,) aggregated] picks the
+    broken decode first; the retry's next turn would be the aggregated server were it a
+    candidate."""
+
+    async def scenario() -> None:
+        broken = VllmBehaviour(completions=status(503, "overloaded"))
+        decodes = [broken, decode()] if other_decode else [broken]
+        async with vllm_cluster(
+            [prefill()], decodes, aggregated=[decode()], policy="round_robin"
+        ) as c:
+            code, raw, _ = await c.post(BODY)
+            [agg] = c.aggregated
+            assert agg.seen == []
+            [first] = c.decodes[0].seen
+            assert first.body["kv_transfer_params"] == PARAMS
+            if other_decode:
+                assert (code, json.loads(raw)) == (200, DECODE_JSON)
+                [second] = c.decodes[1].seen
+                assert second.body == first.body
+            else:
+                # No decode left to pull the KV: the broken one's failure is the answer.
+                error = json.loads(raw)["error"]
+                assert (code, error["message"]) == (
+                    502,
+                    f"decode daemon {c.decodes[0].address}: HTTP 503: overloaded",
+                )
+            assert len(c.prefills[0].seen) == 1
+            text = await c.metrics_text()
+            assert 'kvtransfer_router_routes_total{mode="disaggregated"} 1.0' in text.splitlines()
+
+    run(scenario)
+
+
 def test_a_stream_cut_after_its_first_byte_ends_with_an_error_event() -> None:
     async def scenario() -> None:
         cut = VllmBehaviour(completions=decode_cut)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -39,6 +39,7 @@ class VllmCluster:
     http: aiohttp.ClientSession
     prefills: list[FakeVllm]
     decodes: list[FakeVllm]
+    aggregated: list[FakeVllm] = field(default_factory=list)
 
     async def post(
         self, body: Any, path: str = "/v1/completions", headers: dict[str, str] | None = None
@@ -77,10 +78,12 @@ class VllmCluster:
 async def vllm_cluster(
     prefills: Sequence[VllmBehaviour | FakeVllm],
     decodes: Sequence[VllmBehaviour | FakeVllm],
+    aggregated: Sequence[VllmBehaviour | FakeVllm] = (),
     **config: Any,
 ) -> AsyncIterator[VllmCluster]:
-    """The stand-ins started and a router in front of them; ``config`` goes to its
-    `RouterConfig` (a test that fails mid-request should not wait out the default drain)."""
+    """The stand-ins started and a router in front of them (``aggregated``: servers listed with
+    ``--aggregated``, after the decodes); ``config`` goes to its `RouterConfig` (a test that
+    fails mid-request should not wait out the default drain)."""
     config.setdefault("shutdown_timeout_s", 2.0)
     config.setdefault("admin_token", ADMIN_TOKEN)
     started: list[FakeVllm] = []
@@ -93,9 +96,11 @@ async def vllm_cluster(
     try:
         p = [await start(entry) for entry in prefills]
         d = [await start(entry) for entry in decodes]
+        a = [await start(entry) for entry in aggregated]
         router_config = RouterConfig(
             prefill=tuple(f.address for f in p),
             decode=tuple(f.address for f in d),
+            aggregated=tuple(f.address for f in a),
             engine="vllm",
             model_name="tiny",
             **config,
@@ -104,7 +109,7 @@ async def vllm_cluster(
             RouterServer(router_config) as router,
             aiohttp.ClientSession(base_url=router.url) as http,
         ):
-            yield VllmCluster(router, http, p, d)
+            yield VllmCluster(router, http, p, d, a)
     finally:
         for fake in started:
             await fake.stop()
