@@ -144,9 +144,12 @@ def plot_routing(report: dict[str, Any], png: Path) -> Path:
     for axes in (hits, ttft):
         axes.tick_params(axis="x", labelrotation=15)
     args = report.get("args", {})
+    # The benchmark writes its arguments as strings.
+    quick = ", --quick" if args.get("quick") == "True" else ""
     figure.suptitle(
-        f"Routing policies, {args.get('model', '?')}: {args.get('sessions', '?')} conversations "
-        f"x {args.get('turns', '?')} turns on {args.get('prefixes', '?')} shared system prompts",
+        f"Routing policies, {args.get('model', '?')}, multi-turn phase: "
+        f"{args.get('sessions', '?')} conversations x {args.get('turns', '?')} turns on "
+        f"{args.get('prefixes', '?')} shared system prompts{quick}",
         fontsize=11,
     )
     return _save(figure, png)
