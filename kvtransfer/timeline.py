@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -54,7 +54,16 @@ def now_ns() -> int:
 
 def wall_ns(monotonic_s: float) -> int:
     """The wall-clock instant (ns) of a ``time.monotonic()`` reading taken in this process."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+    return wall_clock()(monotonic_s)
+
+
+def wall_clock() -> Callable[[float], int]:
+    """A converter of ``time.monotonic()`` readings to wall-clock ns, anchored on one pair of
+    clock reads: instants converted through the same converter keep their order and gaps
+    (two `wall_ns` calls may not, as each pairs the clocks anew, some hundred ns apart)."""
+    anchor_wall = time.time_ns()
+    anchor_monotonic = time.monotonic()
+    return lambda monotonic_s: anchor_wall - int((anchor_monotonic - monotonic_s) * 1e9)
 
 
 class TimelineBook:

@@ -17,7 +17,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from serve_helpers.daemons import colocated, daemon_pair, running, start_router
 from serve_helpers.probes import get
 
-from kvtransfer.timeline import BOOK, Span, TimelineBook, relative
+from kvtransfer.timeline import BOOK, Span, TimelineBook, relative, wall_clock
 
 # A W3C trace context as a client would send it: the trace must continue under it.
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -77,6 +77,15 @@ def test_span_context_records_failures_and_rows_are_relative_ms():
 
 
 @pytest.mark.unit
+def test_instants_converted_by_one_wall_clock_keep_their_order_and_gaps():
+    # A request's queue and compute phases share an instant (scheduled); converting each
+    # reading with its own pair of clock reads could put the later phase first.
+    to_wall = wall_clock()
+    scheduled = time.monotonic()
+    assert to_wall(scheduled) == to_wall(scheduled)
+    assert to_wall(scheduled + 0.25) - to_wall(scheduled) == pytest.approx(250_000_000, abs=1)
+
+
 def test_a_request_puts_its_first_steps_on_its_timeline_and_no_more():
     from kvtransfer.engine.sampling_params import SamplingParams
     from kvtransfer.engine.scheduler.request import TIMELINE_STEPS, Request

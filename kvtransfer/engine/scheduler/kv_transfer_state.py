@@ -25,7 +25,7 @@ from kvtransfer.connector.config import KVLoadFailurePolicy
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.engine.scheduler.block_manager import BlockManager
 from kvtransfer.engine.scheduler.request import EngineCoreOutput, KVLoad, Request, RequestStatus
-from kvtransfer.timeline import BOOK, wall_ns
+from kvtransfer.timeline import BOOK, wall_clock
 
 _RECV = "recv"
 _SEND = "send"
@@ -166,11 +166,12 @@ class KVTransferState:
             stats = request.kv_stats
             now = time.monotonic()
             stats.load_wait_s += now - load.started_at
+            to_wall = wall_clock()
             BOOK.record(
                 rid,
                 "engine.kv_wait",
-                wall_ns(load.started_at),
-                wall_ns(now),
+                to_wall(load.started_at),
+                to_wall(now),
                 tokens=load.num_external_tokens,
                 failed=rid in failed or load.failed,
             )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.engine.sampling_params import SamplingParams
-from kvtransfer.timeline import BOOK, now_ns, wall_ns
+from kvtransfer.timeline import BOOK, now_ns, wall_clock
 
 if TYPE_CHECKING:
     import torch
@@ -182,10 +182,11 @@ class Request:
         first token was sampled here."""
         if self.first_sampled_at is None:
             return
-        sampled = wall_ns(self.first_sampled_at)
-        scheduled = wall_ns(self.first_scheduled_at) if self.first_scheduled_at else sampled
+        to_wall = wall_clock()
+        sampled = to_wall(self.first_sampled_at)
+        scheduled = to_wall(self.first_scheduled_at) if self.first_scheduled_at else sampled
         if self.arrived_at is not None:
-            BOOK.record(self.request_id, "engine.queue", wall_ns(self.arrived_at), scheduled)
+            BOOK.record(self.request_id, "engine.queue", to_wall(self.arrived_at), scheduled)
         BOOK.record(
             self.request_id,
             "engine.compute",
