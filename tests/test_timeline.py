@@ -77,6 +77,7 @@ def test_span_context_records_failures_and_rows_are_relative_ms():
 
 
 @pytest.mark.unit
+@pytest.mark.unit
 def test_instants_converted_by_one_wall_clock_keep_their_order_and_gaps():
     # A request's queue and compute phases share an instant (scheduled); converting each
     # reading with its own pair of clock reads could put the later phase first.
