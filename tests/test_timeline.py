@@ -77,7 +77,6 @@ def test_span_context_records_failures_and_rows_are_relative_ms():
 
 
 @pytest.mark.unit
-@pytest.mark.unit
 def test_instants_converted_by_one_wall_clock_keep_their_order_and_gaps():
     # A request's queue and compute phases share an instant (scheduled); converting each
     # reading with its own pair of clock reads could put the later phase first.
@@ -87,6 +86,7 @@ def test_instants_converted_by_one_wall_clock_keep_their_order_and_gaps():
     assert to_wall(scheduled + 0.25) - to_wall(scheduled) == pytest.approx(250_000_000, abs=1)
 
 
+@pytest.mark.unit
 def test_a_request_puts_its_first_steps_on_its_timeline_and_no_more():
     from kvtransfer.engine.sampling_params import SamplingParams
     from kvtransfer.engine.scheduler.request import TIMELINE_STEPS, Request
