@@ -3,7 +3,9 @@ a slot in arrival order; the next one is refused (`QueueFull`, 429 with ``Retry-
 
 A request waits no longer than its deadline (`QueueTimeout`, 503 with ``Retry-After``). A slot
 is handed straight to the oldest waiter when a request ends, so a newcomer never overtakes the
-queue. ``max_running`` 0 admits everything at once.
+queue. A waiter that leaves as a slot is handed to it, at its deadline or cancelled (its client
+left) before it saw the slot, passes the slot on: no slot outlives its request.
+``max_running`` 0 admits everything at once.
 """
 
 from __future__ import annotations
@@ -64,20 +66,30 @@ class Admission:
         self._waiters.append(waiter)
         self._changed()
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), max(0.0, deadline - time.monotonic()))
-        except BaseException as exc:
-            if waiter.done() and not waiter.cancelled():
-                # The slot was handed over just as the wait ended: give it on.
-                self._release()
-            else:
-                waiter.cancel()
-                self._waiters.remove(waiter)
-                self._changed()
-            if isinstance(exc, TimeoutError):
-                raise QueueTimeout(
-                    "the request timed out waiting for admission (--max-concurrent-requests)"
-                ) from None
+            # Not wait_for: on Python 3.11 it returns normally when a cancellation comes as the
+            # slot is handed over, and a request whose client left would run on. asyncio.wait
+            # ends on either, cancellation raised, and the waiter says whether a slot came.
+            await asyncio.wait({waiter}, timeout=max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            self._leave(waiter)
             raise
+        # A slot that came as the deadline passed goes to a request with time left: this one
+        # would only fail on its first upstream call.
+        if not waiter.done() or time.monotonic() >= deadline:
+            self._leave(waiter)
+            raise QueueTimeout(
+                "the request timed out waiting for admission (--max-concurrent-requests)"
+            )
+
+    def _leave(self, waiter: asyncio.Future[None]) -> None:
+        """The request of ``waiter`` gives up waiting: a slot handed to it just now (before
+        it could see it) goes on to the next waiter, or is freed."""
+        if waiter.done():
+            self._release()
+            return
+        waiter.cancel()
+        self._waiters.remove(waiter)
+        self._changed()
 
     def _release(self) -> None:
         # The slot passes to the oldest waiter still waiting; else it is free.
