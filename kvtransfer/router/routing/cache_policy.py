@@ -15,8 +15,9 @@
    ``min_match_blocks``) wins; ties go to the lower load, then the lower KV use.
 4. Otherwise (no tokens, nothing cached, or the guard ruled the holders out) the least loaded
    candidate wins; ties go to the lower KV use, the most blocks held, then to a choice fixed by
-   the prompt's first block (the same prefix lands on the same instance while loads tie,
-   different ones spread), or in turn when the prompt is unknown.
+   the prompt's first block (`tie_rank`: the same prefix lands on the same instance while loads
+   tie, on every router replica alike; different ones spread), or in turn when the prompt is
+   unknown.
 
 The same rule serves both roles: a prefill instance holding the prefix computes only the rest;
 a decode instance holding it pulls only the blocks it lacks. `observe` teaches the index the
@@ -40,6 +41,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import xxhash
 
 from kvtransfer.router.names import CACHE_AWARE
 from kvtransfer.router.routing.policy import Candidate, RouteContext, load_score
@@ -159,11 +162,22 @@ class CacheAwarePolicy:
         if len(tied) == 1:
             pick = tied[0]
         elif token_ids:
-            first = tuple(token_ids[: self.index.block_size(candidates[tied[0]].address)])
-            pick = max(tied, key=lambda i: hash((first, candidates[i].address)))
+            first = token_ids[: self.index.block_size(candidates[tied[0]].address)]
+            pick = max(tied, key=lambda i: tie_rank(first, candidates[i].address))
         else:
             pick = tied[self._turn % len(tied)]
         return candidates[pick], Decision(candidates[pick].address, reason, blocks[pick])
+
+
+def tie_rank(first_block: Sequence[int], address: str) -> int:
+    """Where a prompt whose first block is ``first_block`` goes among tied candidates: the
+    highest rank wins. Every router replica, in every run, ranks alike (Python's ``hash`` of a
+    str is salted per process, ``PYTHONHASHSEED``), so replicas behind one load balancer send
+    a prefix to one instance; the rank of one prefix differs from instance to instance, so
+    prefixes spread."""
+    # Token ids as decimal text, then the address: no two (block, address) pairs share bytes.
+    canonical = ",".join(map(str, first_block)) + "@" + address
+    return xxhash.xxh3_64_intdigest(canonical.encode())
 
 
 def _uncached(num_tokens: int, cached_blocks: int, block_size: int) -> int:

@@ -1,7 +1,9 @@
 """The router's keys of prompt blocks: block ``i`` of a prompt is keyed by ``hash((key of block
 i - 1, *its block_size token ids))`` (block 0 chains from `ROOT_KEY`), so a key names a whole
 prefix. Hashed in C, as far as a look-up needs, and once per request: the prompts of the latest
-requests keep their keys (per thread)."""
+requests keep their keys (per thread). Keys never leave the process, and Python salts the hash
+of str and bytes only (``PYTHONHASHSEED``), never of ints or tuples of them: router replicas
+key a prompt alike all the same (tests/test_router_tie_break.py)."""
 
 from __future__ import annotations
 
