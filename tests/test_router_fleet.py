@@ -106,6 +106,34 @@ def test_the_admin_api_is_off_without_a_token_and_needs_the_right_one():
     run(scenario)
 
 
+def test_a_refused_delete_leaves_the_instance_in_the_fleet():
+    async def scenario():
+        async with cluster(admin_token=ADMIN_TOKEN) as c:
+            path = f"/workers/{c.prefill.address}"
+            for token, message in [
+                (None, "missing admin token (send 'Authorization: Bearer <token>')"),
+                ("guess", "wrong admin token"),
+                (ADMIN_TOKEN + "x", "wrong admin token"),
+            ]:
+                status, body = await c.admin("DELETE", path, token=token)
+                assert (status, body["error"]["message"]) == (401, message)
+            async with c.http.delete(
+                path, headers={"Authorization": f"Basic {ADMIN_TOKEN}"}
+            ) as response:
+                assert response.status == 401
+                assert response.headers["WWW-Authenticate"] == "Bearer"
+            assert set(await c.workers()) == {c.prefill.address, c.decode.address}
+            assert (await route_of(c))["prefill"] == c.prefill.address
+        async with cluster() as c:
+            status, body = await c.admin("DELETE", f"/workers/{c.prefill.address}")
+            assert status == 403, body
+            assert body["error"]["code"] == "admin_api_disabled"
+            assert (await c.get("/health"))[1]["prefill"] == {c.prefill.address: "SERVING"}
+            assert (await route_of(c))["prefill"] == c.prefill.address
+
+    run(scenario)
+
+
 def test_workers_are_added_and_removed_while_requests_run():
     async def scenario():
         p0 = await FakeDaemon("prefill").start()
