@@ -7,6 +7,7 @@ disaggregation. Real vLLM servers behind the router: vllm_stage/check_pd.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -208,10 +209,16 @@ def test_a_decode_retry_carrying_a_prefills_kv_never_goes_to_an_aggregated_insta
 
 def test_a_stream_cut_after_its_first_byte_ends_with_an_error_event() -> None:
     async def scenario() -> None:
-        cut = VllmBehaviour(completions=decode_cut)
+        cut_now = asyncio.Event()
+        cut = VllmBehaviour(completions=decode_cut(cut_now))
         async with vllm_cluster([prefill()], [cut, decode()], policy="round_robin") as c:
-            code, raw, _ = await c.post({**BODY, "stream": True})
-            assert code == 200
+            body = {**BODY, "stream": True}
+            async with c.http.post("/v1/completions", json=body) as response:
+                assert response.status == 200
+                first = await response.content.readuntil(b"\n\n")
+                assert first == SSE_CHUNKS[0]  # passed on before the decode dies
+                cut_now.set()
+                raw = first + await response.content.read()
             events = sse_events(raw.decode())
             assert events[0] == SSE_CHUNKS[0].decode().removeprefix("data: ").strip()
             assert events[-1] == "[DONE]"

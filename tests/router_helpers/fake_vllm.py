@@ -92,16 +92,22 @@ async def decode_ok(request: web.Request, body: dict[str, Any]) -> web.StreamRes
     return response
 
 
-async def decode_cut(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-    """One event, then the connection dies (a decode that crashed mid-stream)."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    await response.write(SSE_CHUNKS[0])
-    await asyncio.sleep(0.05)
-    transport = request.transport
-    if transport is not None:
-        transport.abort()
-    return response
+def decode_cut(cut: asyncio.Event) -> Handler:
+    """One event, then, once ``cut`` is set, the connection dies (a decode that crashed
+    mid-stream); the test sets it when the event reached its client, so the router had
+    passed bytes on before the cut."""
+
+    async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(SSE_CHUNKS[0])
+        await cut.wait()
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
+        return response
+
+    return handler
 
 
 async def decode_truncated(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
