@@ -138,15 +138,29 @@ def test_a_prefill_answering_5xx_is_retried_on_another_and_counts_on_its_breaker
     run(scenario)
 
 
-def test_no_prefill_left_is_a_typed_503_naming_the_instances() -> None:
+def test_prefills_that_all_answer_5xx_end_in_a_typed_502_naming_the_last_one() -> None:
+    """Every prefill answered, with its own error: the last failure is the answer (502, the
+    server's fault), not the 503 of a role with nothing to pick (nothing sent, `Retry-After`)."""
+
     async def scenario() -> None:
         broken = VllmBehaviour(completions=status(500, "engine dead"))
-        async with vllm_cluster([broken, broken], [decode()], max_retries=1) as c:
-            code, raw, _ = await c.post(BODY)
-            error = json.loads(raw)["error"]
-            assert code == 502
-            assert "HTTP 500: engine dead" in error["message"]
-            assert error["message"].startswith("prefill daemon 127.0.0.1:")
+        async with vllm_cluster(
+            [broken, broken], [decode()], max_retries=1, policy="round_robin"
+        ) as c:
+            code, raw, headers = await c.post(BODY)
+            assert (code, json.loads(raw)) == (
+                502,
+                {
+                    "error": {
+                        "message": f"prefill daemon {c.prefills[1].address}: HTTP 500: engine dead",
+                        "type": "upstream_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+            )
+            assert "Retry-After" not in headers
+            assert [len(p.seen) for p in c.prefills] == [1, 1]
             assert c.decodes[0].seen == []
 
     run(scenario)
