@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvtransfer-router",
         description="OpenAI-compatible HTTP router over a fleet of prefill and decode daemons: "
         "/v1/completions and /v1/chat/completions (JSON and SSE), /v1/models, /health, "
-        "/metrics, and the admin API /workers.",
+        "/metrics, the admin API /workers and the fleet page /dashboard.",
     )
     daemons = (
         "a %s daemon's gRPC address, HOST:PORT, or dns:NAME:PORT for one per address NAME "
@@ -221,6 +221,12 @@ def _parser() -> argparse.ArgumentParser:
         "collector (e.g. http://otel-collector:4317), as vLLM's flag of the same name does",
     )
     parser.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="do not serve the fleet page (/dashboard: instances, last requests, timelines)",
+    )
+    parser.add_argument(
         "--admin-token-file",
         metavar="FILE",
         help=f"turns on the admin API (/workers) with this bearer token (or {ADMIN_TOKEN_ENV})",
@@ -297,6 +303,7 @@ def config_from_args(
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         engine=args.engine,
         aggregated=args.aggregated,
+        dashboard=args.dashboard,
         admin_token=_token(args.admin_token_file, environ.get(ADMIN_TOKEN_ENV)),
         daemon_admin_token=_token(
             args.daemon_admin_token_file, environ.get(DAEMON_ADMIN_TOKEN_ENV)

@@ -117,7 +117,8 @@ class RouterConfig:
     their HTTP address; `vllm_flow`); ``vllm_api_key``: the key they were started with
     (``--api-key``), sent as a bearer token on every completion call (the client's own
     credentials are never forwarded). ``otlp_traces_endpoint``: an OTLP/gRPC collector that
-    gets every choice's timeline as a trace (`kvtransfer.router.tracing`).
+    gets every choice's timeline as a trace (`kvtransfer.router.tracing`). ``dashboard``: serve
+    the fleet page (``/dashboard``, `kvtransfer.router.web.fleet_page`).
     """
 
     prefill: tuple[str, ...]
@@ -153,6 +154,7 @@ class RouterConfig:
     kv_block_size: int = 16
     otlp_traces_endpoint: str | None = None
     engine: str = KVTRANSFER
+    dashboard: bool = True
     admin_token: str | None = field(default=None, repr=False)
     daemon_admin_token: str | None = field(default=None, repr=False)
     vllm_api_key: str | None = field(default=None, repr=False)

@@ -60,9 +60,16 @@ class Answer:
 class AnswerWriter:
     """Writes the answers of requests whose choices one `ChoiceRunner` runs."""
 
-    def __init__(self, metrics: RouterMetrics, runner: Callable[[], ChoiceRunner]) -> None:
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        runner: Callable[[], ChoiceRunner],
+        choice_ended: Callable[[str, Delta], None] | None = None,
+    ) -> None:
         self.metrics = metrics
         self._runner = runner
+        # Told each choice's last delta (its kvtransfer object), with the request's id.
+        self._choice_ended = choice_ended
 
     async def deltas(self, answer: Answer, exchanges: Sequence[Exchange]) -> AsyncIterator[Delta]:
         """Every choice's deltas as they come; the first failure ends them all (raised)."""
@@ -72,6 +79,8 @@ class AnswerWriter:
                 if first_token and delta.token_ids:
                     first_token = False
                     self.metrics.first_token(time.monotonic() - answer.started)
+                if delta.finish_reason is not None and self._choice_ended is not None:
+                    self._choice_ended(answer.request_id, delta)
                 yield delta
 
     async def collect(self, answer: Answer, exchanges: Sequence[Exchange]) -> web.Response:

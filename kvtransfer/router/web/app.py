@@ -1,6 +1,6 @@
 """The router's HTTP app: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` in front of
 a fleet of prefill and decode daemons (`fleet.fleet.Fleet`), plus its admin API (``/workers``,
-`admin_api`).
+`admin_api`) and its fleet page (``/dashboard``, `fleet_page`).
 
 Life cycle of a request:
 
@@ -80,6 +80,7 @@ from kvtransfer.router.web.admin_api import AdminApi
 from kvtransfer.router.web.admission import Admission, QueueFull, QueueTimeout
 from kvtransfer.router.web.answers import Answer, AnswerWriter
 from kvtransfer.router.web.backend import Backend
+from kvtransfer.router.web.fleet_page import FleetPage
 from kvtransfer.router.web.http_errors import (
     error_response,
     openai_errors,
@@ -87,6 +88,7 @@ from kvtransfer.router.web.http_errors import (
     unknown_model,
     upstream_failure,
 )
+from kvtransfer.router.web.recent import RECENT_REQUESTS, RecentRequests, error_message
 from kvtransfer.timeline import BOOK, now_ns, wall_ns
 
 logger = logging.getLogger("kvtransfer.router")
@@ -119,6 +121,9 @@ def make_app(
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.prometheus)
     AdminApi(config.admin_token, lambda: router.fleet).add_routes(app)
+    if config.dashboard:
+        page = FleetPage(config, lambda: router.fleet, router.admission, router.recent)
+        page.add_routes(app)
     return app
 
 
@@ -137,7 +142,8 @@ class RouterHandlers:
         self.metrics = RouterMetrics()
         self._tokenizer = tokenizer or _config_tokenizer(config)
         self.backend = Backend(config, self.metrics, resolver)
-        self.answers = AnswerWriter(self.metrics, lambda: self.runner)
+        self.recent = RecentRequests(RECENT_REQUESTS)
+        self.answers = AnswerWriter(self.metrics, lambda: self.runner, self.recent.choice_ended)
         self.admission = Admission(
             config.max_concurrent_requests, config.max_queued_requests, self._admission_changed
         )
@@ -197,6 +203,7 @@ class RouterHandlers:
         request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         log = logging.LoggerAdapter(logger, {"request_id": request_id})
         status = 500
+        response: web.StreamResponse | None = None
         complete = self._complete if self.backend.vllm is None else self._complete_on_vllm
         try:
             response = await complete(request, fmt, parse, request_id, started, log)
@@ -217,7 +224,17 @@ class RouterHandlers:
             status = exc.status
             raise
         finally:
-            self.metrics.request_done(status, time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            self.metrics.request_done(status, elapsed)
+            self.recent.finished(
+                request_id,
+                request.path,
+                round(wall_ns(started) / 1e6, 3),
+                self.config.model_name,
+                status,
+                round(elapsed * 1e3, 3),
+                error_message(response),
+            )
 
     async def _complete(
         self,
