@@ -20,11 +20,11 @@ const INSTANCE_COLUMNS = [
   ['source', 'Source'],
   ['health', 'Health'],
   ['breaker', 'Breaker'],
-  ['in_flight', 'In flight', 'num'],
-  ['picks', 'Picks', 'num'],
-  ['load', 'Running / waiting', 'num'],
-  ['kv', 'KV blocks used', 'num'],
-  ['index', 'Prefix index', 'num'],
+  ['in_flight', 'In flight', 'num', 'requests this router runs on it now'],
+  ['picks', 'Picks', 'num', 'times its role\'s policy picked it (retries included)'],
+  ['load', 'Run / wait', 'num', 'running / waiting requests, as it last reported'],
+  ['kv', 'KV used', 'num', 'KV blocks in use / in all, as it last reported'],
+  ['index', 'Index', 'num', 'prefix blocks the router\'s index scores it by (cache_aware)'],
   ['action', ''],
 ];
 const REQUEST_COLUMNS = [
@@ -149,9 +149,10 @@ function roleSection(role) {
   title.append(' ', count);
   const table = el('table');
   const head = el('tr');
-  for (const [name, label, kind] of INSTANCE_COLUMNS) {
+  for (const [name, label, kind, explained] of INSTANCE_COLUMNS) {
     const cell = el('th', label, kind);
     cell.dataset.col = name;
+    if (explained) cell.title = explained;
     head.append(cell);
   }
   table.append(el('thead'), el('tbody'));
@@ -232,9 +233,11 @@ function fillInstance(row, instance) {
   cell(row, 'kv').textContent = load ? `${load.kv_blocks_used} / ${load.kv_blocks_total}` : '—';
   const index = instance.index;
   const indexCell = cell(row, 'index');
-  indexCell.textContent = index ? `${index.blocks} (${index.mode})` : '—';
+  // Where its blocks come from now: its KV events (precise) or this router's own picks.
+  const source = index && index.mode === 'precise' ? 'events' : 'routed';
+  indexCell.textContent = index ? `${index.blocks} (${source})` : '—';
   indexCell.title = index
-    ? `events ${index.events_blocks}, routed ${index.routed_blocks}, pending ${index.pending_blocks} blocks of ${index.block_size} tokens`
+    ? `${index.mode}: events ${index.events_blocks}, routed ${index.routed_blocks}, pending ${index.pending_blocks} blocks of ${index.block_size} tokens`
     : 'no prefix index: the role\'s policy is not cache_aware';
   cell(row, 'action').querySelector('button').dataset.address = instance.address;
 }
