@@ -3,11 +3,16 @@ checked against a colocated run, everything stopped cleanly."""
 
 from __future__ import annotations
 
+import ast
+import json
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
+from script_modules import load_script
 
 from kvtransfer.cli import demo
+from kvtransfer.models import demo_model_dir
 
 pytestmark = pytest.mark.integration
 
@@ -24,6 +29,10 @@ def test_demo_runs_end_to_end(capsys, tmp_path):
     assert ET.parse(svg).getroot().tag == "{http://www.w3.org/2000/svg}svg"
     assert out.count("tokens identical") == len(demo.DEFAULT_PROMPTS)
     assert "kv_tokens_recomputed=0" in out
+    # The demo model goes on as the docs it memorised do, through the router (one streamed).
+    corpus = _demo_model_corpus()
+    for prompt, completion in _completions(out):
+        assert prompt + completion in corpus, (prompt, completion)
     for name in ("router", "decode daemon", "prefill daemon"):
         assert f"{name}: exit code 0" in out
     assert out.rstrip().endswith(f"demo OK (logs: {tmp_path})")
@@ -33,7 +42,8 @@ def test_demo_with_parallel_sides_and_a_drafter(capsys, tmp_path):
     argv = ["--prefill-tp", "2", "--decode-pp", "2", "--speculative", "draft"]
     assert demo.main([*argv, "--max-tokens", "8", "--log-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "P/D: prefill TP2xPP1 -> decode TP1xPP2, model builtin, speculative draft" in out
+    # The demo model drafts for itself (no drafter shares its vocabulary).
+    assert "P/D: prefill TP2xPP1 -> decode TP1xPP2, model demo, speculative draft" in out
     assert out.count("tokens identical") == len(demo.DEFAULT_PROMPTS)
 
 
@@ -41,3 +51,18 @@ def test_demo_reports_a_daemon_that_cannot_start(capsys, tmp_path):
     assert demo.main(["--model", str(tmp_path / "no-such-model"), "--log-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "demo FAILED: prefill daemon exited with code 1 before it was ready" in out
+
+
+def _completions(out: str) -> list[tuple[str, str]]:
+    """(prompt, completion) of every request the demo printed, in order."""
+    pairs = re.findall(r"^> (.+)\n  completion: (.+)$", out, flags=re.MULTILINE)
+    assert len(pairs) == len(demo.DEFAULT_PROMPTS)
+    return [(ast.literal_eval(prompt), ast.literal_eval(text)) for prompt, text in pairs]
+
+
+def _demo_model_corpus() -> str:
+    """The prose the demo model was trained on, from git at the revision it records."""
+    train = load_script("train_demo_model")
+    revision = json.loads((demo_model_dir() / "training.json").read_text())["corpus_revision"]
+    files = train.corpus_files(revision)
+    return "".join(train.prose(train._git("show", f"{revision}:{name}")) for name in files)

@@ -27,11 +27,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtransfer.models import DEMO_MODEL, resolve_model
+
+BUILTIN = "builtin"
+
+# Sentence starts from the docs the demo model memorised (README.md, docs/connectors.md,
+# docs/architecture.md): it goes on as they do. The longest (two KV blocks) is not the first
+# request, so the picture shows a handover after the first request's handshake.
 DEFAULT_PROMPTS = (
-    "Prefill computes the prompt once; decode streams the answer.",
-    "KV blocks travel over UCX from the prefill workers to the decode workers, "
-    "layer by layer and head slice by head slice.",
-    "Hi",
+    "kvtransfer splits LLM inference into",
+    "The production path: the decode engine reads the prefill engine's KV blocks over UCX,",
+    "Sampling is greedy",
 )
 _REQUEST_TIMEOUT_S = 120.0
 
@@ -42,13 +48,23 @@ class DemoFailure(RuntimeError):
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtransfer demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="builtin", help="builtin[:preset] or a HF directory")
+    parser.add_argument(
+        "--model",
+        default=DEMO_MODEL,
+        help="demo (the small Llama trained on this project's docs, shipped in the package), "
+        "builtin[:preset] (random weights) or a Hugging Face directory",
+    )
     parser.add_argument("--prefill-tp", type=int, default=1)
     parser.add_argument("--prefill-pp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=1)
     parser.add_argument("--decode-pp", type=int, default=1)
     parser.add_argument("--speculative", choices=("draft", "ngram"), default=None)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument(
+        "--draft-model",
+        help="the drafter of --speculative draft (default: builtin:tiny-draft for a built-in "
+        "model; any other model drafts for itself, as no drafter shares its vocabulary)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     parser.add_argument("--log-dir", help="where the daemons' logs go (default: a temp dir)")
     parser.add_argument(
@@ -93,9 +109,12 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], log_dir: Path) -> Non
         print(f"[{time.monotonic() - started:5.1f}s] {name} ready at {service.address}")
         return service
 
-    common = ["--model", args.model, "--port", "0"]
+    common = ["--model", resolve_model(args.model), "--port", "0"]
     if args.speculative:
         common += ["--speculative", args.speculative]
+    draft_model = _draft_model(args)
+    if draft_model is not None:
+        common += ["--draft-model", draft_model]
     kv = json.dumps({"kv_port": 0})
     try:
         prefill = launch(
@@ -156,6 +175,17 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], log_dir: Path) -> Non
     for service in services:
         if service.name.endswith("daemon"):
             _check_exit_blocks(service)
+
+
+def _draft_model(args: argparse.Namespace) -> str | None:
+    """The drafter to name, or ``None`` for the engine's default (builtin:tiny-draft)."""
+    if args.speculative != "draft":
+        return None
+    if args.draft_model is not None:
+        return resolve_model(args.draft_model)
+    if args.model == BUILTIN or args.model.startswith(BUILTIN + ":"):
+        return None
+    return resolve_model(args.model)
 
 
 def _complete(base_url: str, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -225,8 +255,12 @@ def _compare_with_colocated(
     from kvtransfer.engine.llm import LLM
     from kvtransfer.engine.sampling_params import SamplingParams
 
-    speculative = SpeculativeConfig(method=args.speculative) if args.speculative else None
-    with LLM(EngineConfig(model=args.model, speculative=speculative)) as llm:
+    speculative = None
+    if args.speculative:
+        draft_model = _draft_model(args)
+        named = {} if draft_model is None else {"draft_model": draft_model}
+        speculative = SpeculativeConfig(method=args.speculative, **named)
+    with LLM(EngineConfig(model=resolve_model(args.model), speculative=speculative)) as llm:
         outputs = llm.generate(list(prompts), SamplingParams(max_tokens=args.max_tokens))
     print("\ncolocated check (same prompts on one engine, no transfer):")
     mismatches = 0
