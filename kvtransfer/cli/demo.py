@@ -3,7 +3,9 @@
 1. start a prefill daemon, a decode daemon and the router on 127.0.0.1 (free ports), showing
    progress while the engines load;
 2. send a few prompts through the router's OpenAI API (one of them streamed): prefill computes
-   the prompt's KV, decode pulls it over UCX and generates;
+   the prompt's KV, decode pulls it over UCX and generates. The default model, ``demo``
+   (``kvtransfer/models/demo-llama``), memorised this project's docs and the prompts start
+   sentences of them, so the completions read as the docs go on;
 3. print each completion with its time to first token, the KV blocks and bytes decode received
    and how long it waited for them, and draw the longest prompt's timeline (``handover.png``,
    ``handover.svg``: what each side did when, layer by layer);
@@ -62,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--draft-model",
         help="the drafter of --speculative draft (default: builtin:tiny-draft for a built-in "
-        "model; any other model drafts for itself, as no drafter shares its vocabulary)",
+        "model, else the model itself: the built-in drafters' byte vocabulary fits no other)",
     )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
