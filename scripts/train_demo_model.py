@@ -355,6 +355,25 @@ def hf_config(h: Hyper, bos: int, eos: int, pad: int) -> dict:
     }
 
 
+CORPUS_FILE = "corpus.json"
+
+
+def corpus_json(texts: dict[str, str]) -> str:
+    """The prose trained on, per file, as shipped next to the model: tests and readers need no
+    git history (a shallow clone lacks the recorded revision)."""
+    return json.dumps(texts, indent=0, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def load_corpus(directory: Path) -> dict[str, str]:
+    """The shipped corpus, checked against the SHA-256 that ``training.json`` records."""
+    raw = (directory / CORPUS_FILE).read_text(encoding="utf-8")
+    recorded = json.loads((directory / "training.json").read_text())["corpus_sha256"]
+    actual = hashlib.sha256(raw.encode()).hexdigest()
+    if actual != recorded:
+        raise ValueError(f"{directory / CORPUS_FILE} has SHA-256 {actual}, not {recorded}")
+    return json.loads(raw)
+
+
 def write_model(out: Path, model: nn.Module, tokenizer, h: Hyper, meta: dict) -> None:
     from safetensors.torch import save_file
 
@@ -396,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     files = corpus_files(commit)
     raw = {name: _git("show", f"{commit}:{name}") for name in files}
     texts = [prose(raw[name]) for name in files]
+    corpus = corpus_json(dict(zip(files, texts, strict=True)))
     tokenizer = train_tokenizer(texts, h.vocab_size)
     if tokenizer.get_vocab_size() != h.vocab_size:
         raise ValueError(
@@ -421,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
         "corpus_revision": commit,
         "corpus_files": {name: hashlib.sha256(raw[name].encode()).hexdigest() for name in files},
+        "corpus_sha256": hashlib.sha256(corpus.encode()).hexdigest(),
         "corpus_chars": sum(map(len, texts)),
         "corpus_tokens": len(tokens),
         "hyperparameters": asdict(h),
@@ -431,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "loss_curve": curve,
     }
     write_model(args.out, model, tokenizer, h, meta)
+    (args.out / CORPUS_FILE).write_text(corpus, encoding="utf-8")
     for prompt in ("Prefill computes", "The decode daemon", "kvtransfer splits"):
         ids = tokenizer.encode(prompt).ids
         print(f"{prompt!r} -> {tokenizer.decode(greedy(model, ids, 24))!r}")

@@ -4,7 +4,6 @@ checked against a colocated run, everything stopped cleanly."""
 from __future__ import annotations
 
 import ast
-import json
 import re
 import xml.etree.ElementTree as ET
 
@@ -61,8 +60,6 @@ def _completions(out: str) -> list[tuple[str, str]]:
 
 
 def _demo_model_corpus() -> str:
-    """The prose the demo model was trained on, from git at the revision it records."""
-    train = load_script("train_demo_model")
-    revision = json.loads((demo_model_dir() / "training.json").read_text())["corpus_revision"]
-    files = train.corpus_files(revision)
-    return "".join(train.prose(train._git("show", f"{revision}:{name}")) for name in files)
+    """The prose the demo model was trained on, as shipped beside it."""
+    texts = load_script("train_demo_model").load_corpus(demo_model_dir())
+    return "".join(texts[name] for name in sorted(texts))

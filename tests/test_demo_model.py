@@ -55,6 +55,7 @@ def test_the_demo_name_resolves_to_the_package_directory():
     assert sorted(p.name for p in DIRECTORY.iterdir()) == [
         "README.md",
         "config.json",
+        "corpus.json",
         "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
