@@ -50,7 +50,12 @@ ENGINE_LAYERS: list[tuple[str, ...]] = [
 # Inside the router, calls flow down: web (HTTP) -> one of the two P/D flows -> fleet -> routing
 # policies -> the OpenAI types and the config -> shared names.
 ROUTER_LAYERS: list[tuple[str, ...]] = [
-    ("kvtransfer.router.names", "kvtransfer.router.errors", "kvtransfer.router.tracing"),
+    (
+        "kvtransfer.router.names",
+        "kvtransfer.router.errors",
+        "kvtransfer.router.tracing",
+        "kvtransfer.router.echo",
+    ),
     ("kvtransfer.router.config", "kvtransfer.router.openai"),
     ("kvtransfer.router.routing",),
     ("kvtransfer.router.fleet", "kvtransfer.router.metrics"),

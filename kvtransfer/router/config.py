@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from kvtransfer.clients.limits import (
     check_max_request_bytes,
     grpc_message_options,
 )
+from kvtransfer.router.echo import echo
 from kvtransfer.router.names import (
     AGGREGATED,
     ENGINES,
@@ -38,33 +41,81 @@ _MIN_KEEPALIVE_MS = 1000
 _MIN_KEEPALIVE_TIMEOUT_MS = 2000
 _MIN_CONNECT_TIMEOUT_MS = 1000
 DNS_PREFIX = "dns:"
+# A DNS name's longest (RFC 1035); any IPv6 address in brackets is shorter.
+MAX_HOST_CHARS = 253
+_HOST_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class InvalidAddress(ValueError):
+    """An instance's address that is not ``HOST:PORT`` (or ``dns:NAME:PORT``); the message
+    names what is wrong with it, quoting at most `echo.ECHO_CHARS` of it."""
 
 
 def check_address(address: str) -> str:
-    """``HOST:PORT`` (``[v6]:PORT`` too); returns it unchanged or raises ``ValueError``."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= _MAX_PORT:
-        raise ValueError(f"{address!r} is not HOST:PORT")
+    """``HOST:PORT`` (``[v6]:PORT`` too); returns it unchanged or raises `InvalidAddress`.
+
+    HOST is a name or an IPv4 address (letters, digits, ``.``, ``-``, ``_``; at most
+    `MAX_HOST_CHARS`) or an IPv6 address in brackets: an address travels to DNS, into gRPC's
+    and aiohttp's targets, the logs, the metrics' labels and the fleet page, so nothing else
+    is taken."""
+    problem = _address_problem(address)
+    if problem is not None:
+        raise InvalidAddress(f"{echo(address)} is not HOST:PORT{problem}")
     return address
 
 
 def check_target(target: str) -> str:
-    """``HOST:PORT`` or ``dns:NAME:PORT``; returns it unchanged or raises ``ValueError``."""
+    """``HOST:PORT`` or ``dns:NAME:PORT``; returns it unchanged or raises `InvalidAddress`."""
     if target.startswith(DNS_PREFIX):
         parse_dns(target)
         return target
-    try:
-        return check_address(target)
-    except ValueError:
-        raise ValueError(f"{target!r} is not HOST:PORT or dns:NAME:PORT") from None
+    problem = _address_problem(target)
+    if problem is not None:
+        raise InvalidAddress(f"{echo(target)} is not HOST:PORT or dns:NAME:PORT{problem}")
+    return target
 
 
 def parse_dns(target: str) -> tuple[str, int]:
-    """``dns:NAME:PORT`` -> (NAME, PORT)."""
+    """``dns:NAME:PORT`` -> (NAME, PORT); raises `InvalidAddress`."""
     name, sep, port = target.removeprefix(DNS_PREFIX).rpartition(":")
-    if not sep or not name or not port.isdigit() or not 0 < int(port) <= _MAX_PORT:
-        raise ValueError(f"{target!r} is not dns:NAME:PORT")
+    if not sep or not name or not _is_port(port):
+        raise InvalidAddress(f"{echo(target)} is not dns:NAME:PORT")
+    problem = host_problem(name, "name", brackets=False)
+    if problem is not None:
+        raise InvalidAddress(f"{echo(target)} is not dns:NAME:PORT: {problem}")
     return name, int(port)
+
+
+def host_problem(host: str, what: str = "host", *, brackets: bool = True) -> str | None:
+    """What is wrong with ``host`` as an instance's host, called ``what`` (None: nothing);
+    ``brackets``: an IPv6 address in brackets is one."""
+    if len(host) > MAX_HOST_CHARS:
+        return f"its {what} is {len(host)} characters long, over {MAX_HOST_CHARS}"
+    if brackets and host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"its {what} in brackets is not an IPv6 address"
+        return None
+    if _HOST_NAME.fullmatch(host) is None:
+        also = ", or be an IPv6 address in brackets" if brackets else ""
+        return f"its {what} may hold only letters, digits, '.', '-' and '_'{also}"
+    return None
+
+
+def _address_problem(address: str) -> str | None:
+    """None for a good ``HOST:PORT``; else what follows "is not HOST:PORT" in its error:
+    nothing when its shape is wrong, ": why" when its host is."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not _is_port(port):
+        return ""
+    problem = host_problem(host)
+    return None if problem is None else f": {problem}"
+
+
+def _is_port(text: str) -> bool:
+    # isdigit() alone takes other scripts' digits (and superscripts, which int() refuses).
+    return 0 < len(text) <= 5 and text.isascii() and text.isdigit() and 0 < int(text) <= _MAX_PORT
 
 
 def check_token(token: str, what: str) -> str:

@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvtransfer.router.echo import ECHO_CHARS, clipped, echo
+
 MAX_STOP = 4
 # Choices one request may ask for (prompts x n): each is a prefill and a decode of its own.
 MAX_CHOICES = 128
@@ -259,7 +261,7 @@ class ChatCompletionRequest(SamplingRequest):
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise InvalidRequest(
-                f"response_format: type {kind!r} is not supported (only 'text')",
+                f"response_format: type {echo(kind)} is not supported (only 'text')",
                 "response_format",
             )
         return self
@@ -287,7 +289,8 @@ def _chat_message(message: Any, index: int) -> dict[str, Any]:
     if role == "tool" or ("tool_calls" in message and message["tool_calls"] is not None):
         raise ValueError(f"{where}: tool calls and tool messages are not supported")
     if role not in _ROLES:
-        raise ValueError(f"{where}.role: must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
+        roles = ", ".join(sorted(_ROLES))
+        raise ValueError(f"{where}.role: must be one of {roles}, got {echo(role)}")
     content = message.get("content")
     if isinstance(content, list):
         texts = []
@@ -296,7 +299,7 @@ def _chat_message(message: Any, index: int) -> dict[str, Any]:
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(
                     f"{where}.content[{k}]: only text parts are supported (text-only model), "
-                    f"got type {kind!r}"
+                    f"got type {echo(kind)}"
                 )
             texts.append(part["text"])
         content = "\n".join(texts)
@@ -395,7 +398,7 @@ def _check_unicode(text: str, path: tuple[str | int, ...], *, key: bool = False)
         surrogate = f"\\u{ord(text[exc.start]):04x}"
         raise InvalidRequest(
             f"{where}: {what} holds a lone surrogate ({surrogate}), which is not valid Unicode",
-            str(path[0]) if path else None,
+            clipped(str(path[0]), ECHO_CHARS) if path else None,
         ) from None
 
 
@@ -403,7 +406,7 @@ def _json_path(path: tuple[str | int, ...]) -> str:
     parts = []
     for step in path:
         parts.append(f"[{step}]" if isinstance(step, int) else f".{step}" if parts else step)
-    return "".join(parts)
+    return clipped("".join(parts), ECHO_CHARS)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtransfer.router.config import check_address
+from kvtransfer.router.echo import ECHO_CHARS, clipped, echo
 from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.fleet.instance import ADMIN, InstancePresent
 from kvtransfer.router.names import ROLES, WORKER_ROLES
@@ -125,7 +126,10 @@ def _worker(raw: bytes) -> tuple[str, str]:
         raise _BadBody(f"the body must be a JSON object {shape}")
     unknown = sorted(set(body) - set(_FIELDS))
     if unknown:
-        raise _BadBody(f"unknown field(s) {', '.join(unknown)}; expected {shape}", unknown[0])
+        listed = clipped(", ".join(unknown), ECHO_CHARS)
+        raise _BadBody(
+            f"unknown field(s) {listed}; expected {shape}", clipped(unknown[0], ECHO_CHARS)
+        )
     for name in _FIELDS:
         if name not in body:
             raise _BadBody(f"{name}: required; expected {shape}", name)
@@ -133,7 +137,9 @@ def _worker(raw: bytes) -> tuple[str, str]:
             raise _BadBody(f"{name}: must be a string", name)
     address, role = body["address"], body["role"]
     if role not in WORKER_ROLES:
-        raise _BadBody(f"role: must be 'prefill', 'decode' or 'aggregated', got {role!r}", "role")
+        raise _BadBody(
+            f"role: must be 'prefill', 'decode' or 'aggregated', got {echo(role)}", "role"
+        )
     try:
         check_address(address)
     except ValueError as exc:
