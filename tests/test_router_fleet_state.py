@@ -20,17 +20,11 @@ from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.daemon_flow.exchange import Delta
 from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.fleet.instance import ADMIN
-from kvtransfer.router.openai.requests import error_body
 from kvtransfer.router.routing.policy import InstanceLoad, RoundRobin, create_policy
 from kvtransfer.router.web.admission import Admission
-from kvtransfer.router.web.app import make_app
+from kvtransfer.router.web.app import ROUTER, make_app
 from kvtransfer.router.web.fleet_page import FleetPage
-from kvtransfer.router.web.recent import (
-    MAX_TIMELINE_ROWS,
-    RecentRequests,
-    choice_summary,
-    error_message,
-)
+from kvtransfer.router.web.recent import MAX_TIMELINE_ROWS, RecentRequests, choice_summary
 
 pytestmark = pytest.mark.unit
 
@@ -103,6 +97,8 @@ def test_a_choice_waits_for_its_requests_status_and_no_entry_outlives_it():
         "status": 400,
         "duration_ms": 0.5,
         "error": "prompt: bad",
+        "stream_failed": False,
+        "timelines_kept": True,
         "prompt_tokens": None,
         "completion_tokens": 0,
         "choices": [],
@@ -157,15 +153,6 @@ def test_a_requests_timeline_rows_are_bounded_over_its_choices():
     assert (len(first.timeline), first.timeline_rows_dropped) == (MAX_TIMELINE_ROWS - 1, 0)
     assert second.detail()["timeline"] == PD_TIMELINE[:1]
     assert (second.timeline_rows_dropped, second.brief()["timeline_spans"]) == (4, 5)
-
-
-def test_the_error_message_of_an_openai_error_answer():
-    failed = web.json_response(error_body("no healthy decode daemon", "upstream_error"), status=503)
-    assert error_message(failed) == "no healthy decode daemon"
-    assert error_message(web.json_response({"ok": True})) is None
-    assert error_message(web.Response(status=500, text="not json")) is None
-    assert error_message(web.StreamResponse(status=500)) is None
-    assert error_message(None) is None
 
 
 # ---------------------------------------------------------------------- the state
@@ -340,6 +327,9 @@ def test_the_page_is_served_unless_turned_off():
     assert page_routes <= routes(CONFIG)
     off = RouterConfig(prefill=(P,), decode=(D,), dashboard=False)
     assert not {r for r in routes(off) if r.startswith("/dashboard")}
+    # Nor is any request recorded for it.
+    assert make_app(off)[ROUTER].recent is None
+    assert make_app(CONFIG)[ROUTER].recent is not None
     args = ["--prefill", P, "--decode", D]
     assert config_from_args(_parser().parse_args(args), {}).dashboard is True
     assert config_from_args(_parser().parse_args([*args, "--no-dashboard"]), {}).dashboard is False

@@ -1,12 +1,14 @@
 """The router's upstream failures: what went wrong on a daemon, as the HTTP status to answer.
 
 The table of statuses is in `kvtransfer.router.daemon_flow.upstream`; `retryable` says which
-failures another instance may be asked to redo.
+failures another instance may be asked to redo. An answer that failed carries a `FailedAnswer`
+(under `FAILED_ANSWER`) for the router's record of it (the fleet page's last requests).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -64,3 +66,17 @@ class ClientGone(Exception):
     def __init__(self, response: web.StreamResponse) -> None:
         super().__init__("client disconnected")
         self.response = response
+
+
+@dataclass(frozen=True)
+class FailedAnswer:
+    """What the router records of an answer that failed, in words of its own: the message of
+    an error body it wrote; for an answer passed through from a vLLM server, who refused and
+    the status, never the body (the server's text, up to megabytes); for a stream that failed
+    after its first bytes (its status 200 already sent), the error event's message."""
+
+    message: str
+    mid_stream: bool = False
+
+
+FAILED_ANSWER = web.ResponseKey("kvtransfer_failed_answer", FailedAnswer)

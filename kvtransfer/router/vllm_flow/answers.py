@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvtransfer.router.errors import FAILED_ANSWER, FailedAnswer
 from kvtransfer.router.fleet.instance import Instance
 from kvtransfer.router.fleet.vllm_endpoint import VllmEndpoint, read_at_most
 from kvtransfer.router.openai.requests import InvalidRequest, parse_json_body
@@ -123,8 +124,15 @@ def answer_headers(call: VllmCall, upstream: Mapping[str, str]) -> dict[str, str
 
 
 def passed_through(
-    request_id: str, status: int, raw: bytes, upstream: Mapping[str, str]
+    instance: Instance, request_id: str, status: int, raw: bytes, upstream: Mapping[str, str]
 ) -> web.Response:
+    """vLLM's answer as it came; a refusal (4xx) is recorded by who refused and its status
+    alone (its body is vLLM's text, echoing the client's input, up to `MAX_ANSWER_BYTES`)."""
     headers = {name: upstream[name] for name in PASSED_HEADERS if name in upstream}
     headers["x-request-id"] = request_id
-    return web.Response(status=status, body=raw, headers=headers)
+    response = web.Response(status=status, body=raw, headers=headers)
+    if status >= 400:
+        message = f"{instance.name} refused the request (HTTP {status}); its answer went to the "
+        message += "client as vLLM wrote it"
+        response[FAILED_ANSWER] = FailedAnswer(message)
+    return response

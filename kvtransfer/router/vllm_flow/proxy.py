@@ -57,7 +57,13 @@ import aiohttp
 from aiohttp import web
 
 from kvtransfer.router.config import RouterConfig
-from kvtransfer.router.errors import ClientGone, NoHealthyDaemon, UpstreamError
+from kvtransfer.router.errors import (
+    FAILED_ANSWER,
+    ClientGone,
+    FailedAnswer,
+    NoHealthyDaemon,
+    UpstreamError,
+)
 from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.fleet.instance import Instance
 from kvtransfer.router.flow_rules import goes_alone, retry_pause
@@ -162,7 +168,7 @@ class VllmProxy:
                 try:
                     status, raw, headers = await self.calls.prefill(call, instance, body)
                     if 400 <= status < 500:
-                        return passed_through(call.request_id, status, raw, headers)
+                        return passed_through(instance, call.request_id, status, raw, headers)
                     if status != 200:
                         raise vllm_error(instance, status, raw)
                     params = kv_transfer_params(instance, raw, call.log)
@@ -204,7 +210,7 @@ class VllmProxy:
                     self.metrics.first_token(time.monotonic() - call.started)
                     if self._decode_predicted(call, params):
                         self._prediction(call, "decode", reported_cached_tokens(raw))
-                return passed_through(call.request_id, status, raw, upstream.headers)
+                return passed_through(instance, call.request_id, status, raw, upstream.headers)
             response, tail = await self._stream(call, instance, upstream)
             if tail is not None and self._decode_predicted(call, params):
                 self._prediction(call, "decode", streamed_cached_tokens(tail))
@@ -251,6 +257,7 @@ class VllmProxy:
             self.metrics.upstream_error(failure.role, failure.reason)
             call.log.warning("failed mid-stream: %s", failure)
             event = json.dumps(error_body(str(failure), "upstream_error"))
+            response[FAILED_ANSWER] = FailedAnswer(str(failure), mid_stream=True)
             closing = closing_bytes(tail) + f"data: {event}\n\ndata: [DONE]\n\n".encode()
             await response.write(closing)
             return response, None

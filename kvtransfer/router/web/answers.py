@@ -17,11 +17,12 @@ from aiohttp import web
 
 from kvtransfer.router.daemon_flow.choice import ChoiceRunner
 from kvtransfer.router.daemon_flow.exchange import Delta, Exchange
-from kvtransfer.router.errors import ClientGone, UpstreamError
+from kvtransfer.router.errors import FAILED_ANSWER, ClientGone, FailedAnswer, UpstreamError
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.openai.requests import Choice, CompletionRequest, SamplingRequest, error_body
 from kvtransfer.router.openai.responses import CHAT, ChoiceOutput, ResponseFormat, usage
 from kvtransfer.router.web.http_errors import count_failure, error_kind
+from kvtransfer.router.web.recent import HookFailures
 from kvtransfer.timeline import BOOK, now_ns
 
 SSE_HEADERS = {
@@ -70,6 +71,7 @@ class AnswerWriter:
         self._runner = runner
         # Told each choice's last delta (its kvtransfer object), with the request's id.
         self._choice_ended = choice_ended
+        self._hook_failures = HookFailures("a choice's summary")
 
     async def deltas(self, answer: Answer, exchanges: Sequence[Exchange]) -> AsyncIterator[Delta]:
         """Every choice's deltas as they come; the first failure ends them all (raised)."""
@@ -80,7 +82,10 @@ class AnswerWriter:
                     first_token = False
                     self.metrics.first_token(time.monotonic() - answer.started)
                 if delta.finish_reason is not None and self._choice_ended is not None:
-                    self._choice_ended(answer.request_id, delta)
+                    try:
+                        self._choice_ended(answer.request_id, delta)
+                    except Exception:  # the fleet page's bookkeeping; the answer goes on
+                        self._hook_failures.record()
                 yield delta
 
     async def collect(self, answer: Answer, exchanges: Sequence[Exchange]) -> web.Response:
@@ -174,6 +179,7 @@ class AnswerWriter:
             if sse.response is None:
                 raise
             count_failure(self.metrics, answer.request_id, exc)
+            sse.response[FAILED_ANSWER] = FailedAnswer(str(exc), mid_stream=True)
             await sse.send(error_body(str(exc), error_kind(exc.status)))
             await sse.done()
             return

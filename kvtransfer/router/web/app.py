@@ -88,7 +88,12 @@ from kvtransfer.router.web.http_errors import (
     unknown_model,
     upstream_failure,
 )
-from kvtransfer.router.web.recent import RECENT_REQUESTS, RecentRequests, error_message
+from kvtransfer.router.web.recent import (
+    RECENT_REQUESTS,
+    HookFailures,
+    RecentRequests,
+    answer_failure,
+)
 from kvtransfer.timeline import BOOK, now_ns, wall_ns
 
 logger = logging.getLogger("kvtransfer.router")
@@ -121,7 +126,7 @@ def make_app(
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.prometheus)
     AdminApi(config.admin_token, lambda: router.fleet).add_routes(app)
-    if config.dashboard:
+    if router.recent is not None:
         page = FleetPage(config, lambda: router.fleet, router.admission, router.recent)
         page.add_routes(app)
     return app
@@ -142,8 +147,11 @@ class RouterHandlers:
         self.metrics = RouterMetrics()
         self._tokenizer = tokenizer or _config_tokenizer(config)
         self.backend = Backend(config, self.metrics, resolver)
-        self.recent = RecentRequests(RECENT_REQUESTS)
-        self.answers = AnswerWriter(self.metrics, lambda: self.runner, self.recent.choice_ended)
+        # Kept for the fleet page alone: none without it.
+        self.recent = RecentRequests(RECENT_REQUESTS) if config.dashboard else None
+        self._summary_failures = HookFailures("a request's summary")
+        choice_ended = None if self.recent is None else self.recent.choice_ended
+        self.answers = AnswerWriter(self.metrics, lambda: self.runner, choice_ended)
         self.admission = Admission(
             config.max_concurrent_requests, config.max_queued_requests, self._admission_changed
         )
@@ -226,15 +234,35 @@ class RouterHandlers:
         finally:
             elapsed = time.monotonic() - started
             self.metrics.request_done(status, elapsed)
+            self._summarise(request_id, request.path, started, elapsed, status, response)
+
+    def _summarise(
+        self,
+        request_id: str,
+        path: str,
+        started: float,
+        elapsed: float,
+        status: int,
+        response: web.StreamResponse | None,
+    ) -> None:
+        """The request's summary for the fleet page; a failure here is logged, never the
+        request's (the answer is written, or its error on its way)."""
+        if self.recent is None:
+            return
+        try:
+            failure = answer_failure(response)
             self.recent.finished(
                 request_id,
-                request.path,
+                path,
                 round(wall_ns(started) / 1e6, 3),
                 self.config.model_name,
                 status,
                 round(elapsed * 1e3, 3),
-                error_message(response),
+                None if failure is None else failure.message,
+                stream_failed=failure is not None and failure.mid_stream,
             )
+        except Exception:
+            self._summary_failures.record()
 
     async def _complete(
         self,

@@ -9,11 +9,20 @@
   rows; 404 when it is not among them.
 
 Reading is open, as ``/health`` and ``/metrics`` are: the page shows what those and the logs
-already tell (addresses, states, counts, timings), never a prompt, a completion or a token id,
-so it needs no secret to look at. Changing the fleet from the page (adding or removing an
-instance) calls the admin API (`admin_api`) with the token typed into the page, sent as
-``Authorization: Bearer`` and kept in the tab's ``sessionStorage``, never in a URL; its 401 and
-403 answers are shown as they come. ``--no-dashboard`` leaves these routes out (404).
+tell (addresses, states, counts, timings, the timeline rows answers carry) and no prompt,
+completion or token id. A request's error message is shown as the router wrote it, and may
+quote a field of the request (an unknown model's name: at most `echo.ECHO_CHARS` of it, the
+message at most `recent.MAX_ERROR_CHARS`). The page changes nothing by itself: changing the
+fleet from it (adding or removing an instance) calls the admin API (`admin_api`) with the token
+typed into the page, sent as ``Authorization: Bearer`` and kept in the tab's
+``sessionStorage``, never in a URL; its 401 and 403 answers are shown as they come.
+
+Who may read it is the network's business: the router binds 127.0.0.1 by default, which keeps
+the page off the network but not from a web page that a browser on the same host opened and
+that rebinds its own name to 127.0.0.1 (DNS rebinding: it could read what this page shows,
+and change nothing without the token). Expose ``/dashboard`` only where the operators' network
+policy lets them reach it, or start the router with ``--no-dashboard``: these routes are left
+out (404) and no record of requests is kept.
 
 The page is served with a Content-Security-Policy that runs only its own script and reaches
 only this router, and may not be framed (its buttons cannot be clickjacked); its script writes
@@ -107,4 +116,6 @@ class FleetPage:
             )
             body = error_body(message, "invalid_request_error", None, "request_not_found")
             return web.json_response(body, status=404, headers=_LIVE)
-        return web.json_response(summary.detail(), headers=_LIVE)
+        return web.Response(
+            body=summary.detail_json, content_type="application/json", headers=_LIVE
+        )

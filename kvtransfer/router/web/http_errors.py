@@ -12,7 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-from kvtransfer.router.errors import NoHealthyDaemon, UpstreamError
+from kvtransfer.router.echo import echo
+from kvtransfer.router.errors import FAILED_ANSWER, FailedAnswer, NoHealthyDaemon, UpstreamError
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.openai.requests import error_body
 
@@ -53,15 +54,16 @@ def error_response(
 ) -> web.Response:
     body = error_body(message, kind, param, code)
     headers = {"x-request-id": request_id, **(headers or {})}
-    return web.json_response(body, status=status, headers=headers)
+    response = web.json_response(body, status=status, headers=headers)
+    response[FAILED_ANSWER] = FailedAnswer(message)
+    return response
 
 
 def unknown_model(
     served: str, request_id: str, log: logging.LoggerAdapter[logging.Logger], model: object
 ) -> web.Response:
-    log.info("rejected (404): unknown model %r", model)
-    message = f"model {model!r} does not exist (this router serves "
-    message += f"{served!r})"
+    log.info("rejected (404): unknown model %s", echo(model))
+    message = f"model {echo(model)} does not exist (this router serves {served!r})"
     return error_response(request_id, 404, message, param="model", code="model_not_found")
 
 
