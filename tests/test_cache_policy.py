@@ -10,7 +10,11 @@ from dataclasses import dataclass
 import pytest
 
 from kvtransfer.router.config import RouterConfig
-from kvtransfer.router.routing.cache_policy import CacheAwarePolicy, CacheAwareSettings
+from kvtransfer.router.routing.cache_policy import (
+    CacheAwarePolicy,
+    CacheAwareSettings,
+    tie_rank,
+)
 from kvtransfer.router.routing.policy import InstanceLoad, RouteContext, create_policy, load_score
 from kvtransfer.router.routing.prefix_index import PrefixIndex
 from kvtransfer.serve.kv_events import BlockStored
@@ -136,6 +140,30 @@ def test_nothing_cached_goes_to_the_least_loaded_and_ties_stay_with_a_prefix():
     assert all(policy.choose(idle, _route(PROMPT)) is first for _ in range(5))
     chosen = {policy.choose(idle, _route(range(100 * n, 100 * n + 9))).address for n in range(40)}
     assert len(chosen) >= 3
+
+
+def test_a_tie_between_block_sizes_is_broken_alike_whatever_the_fleets_order():
+    # Two router replicas may list a role's instances in different orders; with the first
+    # block as long as the first tied one's block size, the one listing the 8-token instance
+    # first hashed another prefix and sent the prompt elsewhere.
+    small, large = Instance("10.0.0.1:8100"), Instance("10.0.0.2:8100")
+    picks = []
+    for fleet in ([small, large], [large, small]):
+        policy = _policy()
+        policy.index.add_instance(small.address, block_size=4)
+        policy.index.add_instance(large.address, block_size=8)
+        picks.append(policy.choose(fleet, _route(PROMPT)).address)
+    # The smallest block size (4) decides: 10.0.0.2 ranks higher for PROMPT[:4], 10.0.0.1
+    # for PROMPT[:8].
+    assert picks == ["10.0.0.2:8100", "10.0.0.2:8100"]
+
+
+def test_the_tie_rank_of_a_known_block_stays_what_it_was():
+    # Router replicas of two versions run side by side during a rolling upgrade: a change of
+    # this value (another hash, another canonical form) sends a prefix to different instances
+    # from each version, and each computes it. Change it only knowingly.
+    assert tie_rank((1, 2, 3, 4), "10.0.0.1:8100") == 4706019938515969173
+    assert tie_rank((1, 2, 3, 4), "10.0.0.2:8100") == 9813250235339990789
 
 
 def test_unknown_prompts_go_round_the_least_loaded_in_turn():

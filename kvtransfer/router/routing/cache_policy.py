@@ -16,8 +16,9 @@
 4. Otherwise (no tokens, nothing cached, or the guard ruled the holders out) the least loaded
    candidate wins; ties go to the lower KV use, the most blocks held, then to a choice fixed by
    the prompt's first block (`tie_rank`: the same prefix lands on the same instance while loads
-   tie, on every router replica alike; different ones spread), or in turn when the prompt is
-   unknown.
+   tie, on every router replica alike, whatever order it lists the fleet in; different ones
+   spread), or in turn when the prompt is unknown. The first block is as long as the smallest
+   block size among the tied instances.
 
 The same rule serves both roles: a prefill instance holding the prefix computes only the rest;
 a decode instance holding it pulls only the blocks it lacks. `observe` teaches the index the
@@ -162,7 +163,10 @@ class CacheAwarePolicy:
         if len(tied) == 1:
             pick = tied[0]
         elif token_ids:
-            first = token_ids[: self.index.block_size(candidates[tied[0]].address)]
+            # The smallest block size among the tied, not the first one's: replicas that list
+            # the fleet in another order must hash the same prefix.
+            size = min(self.index.block_size(candidates[i].address) for i in tied)
+            first = token_ids[:size]
             pick = max(tied, key=lambda i: tie_rank(first, candidates[i].address))
         else:
             pick = tied[self._turn % len(tied)]
