@@ -49,7 +49,8 @@ DETAILED_REQUESTS = 10
 # Over all the choices of one request: a 1000-token decode alone records ~1500 spans; the page
 # draws no more than a screen's width of bars anyway.
 MAX_TIMELINE_ROWS = 1024
-# And of their size, as `row_chars` estimates it (JSON characters).
+# And of their size in JSON characters (`row_chars`, from above): with `DETAILED_REQUESTS`, the
+# ring holds a few MiB of timelines at most, whatever the daemons write.
 MAX_TIMELINE_CHARS = 256 * 1024
 MAX_ERROR_CHARS = 256
 # A row as stored: its name, and at most this many attributes, keys and strings cut.

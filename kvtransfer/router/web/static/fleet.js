@@ -29,6 +29,7 @@ const INSTANCE_COLUMNS = [
 ];
 const REQUEST_COLUMNS = [
   'arrived', 'id', 'status', 'prompt', 'out', 'route', 'kv_stream', 'retries', 'ttft', 'total',
+  'error',
 ];
 
 const query = new URLSearchParams(window.location.search);
@@ -283,7 +284,7 @@ function requestRow(requestId) {
 
 function routeText(request) {
   const first = request.choices[0];
-  if (!first) return request.error || '—';
+  if (!first) return '—';
   const route = first.prefill ? `${first.prefill} → ${first.decode}` : `${dash(first.decode)} alone`;
   const more = request.choices.length - 1;
   return more ? `${route} (+${more} choice${more > 1 ? 's' : ''})` : route;
@@ -291,13 +292,15 @@ function routeText(request) {
 
 function fillRequest(row, request) {
   const first = request.choices[0];
-  const failed = request.status >= 400;
+  // A stream that failed after its first bytes: its 200 went out before the error.
+  const failed = request.status >= 400 || request.stream_failed;
   row.dataset.status = String(request.status);
+  row.dataset.streamFailed = String(request.stream_failed);
   row.classList.toggle('failed', failed);
   const text = {
     arrived: new Date(request.arrived_unix_ms).toLocaleTimeString(),
     id: request.request_id,
-    status: request.status,
+    status: request.stream_failed ? `${request.status}, stream failed` : request.status,
     prompt: dash(request.prompt_tokens),
     out: request.completion_tokens,
     route: routeText(request),
@@ -305,10 +308,11 @@ function fillRequest(row, request) {
     retries: request.choices.reduce((sum, c) => sum + c.retries, 0),
     ttft: ms(first ? first.ttft_ms : null),
     total: ms(request.duration_ms),
+    error: request.error || '',
   };
   for (const name of REQUEST_COLUMNS) cell(row, name).textContent = text[name];
-  cell(row, 'status').title = request.error || '';
-  cell(row, 'route').title = request.error || '';
+  // The cell shows the message's start; the whole (at most 257 characters) on hover.
+  cell(row, 'error').title = request.error || '';
 }
 
 function select(requestId) {
@@ -341,9 +345,14 @@ async function loadTimeline(requestId) {
   }
   if (page.selected !== requestId) return; // another request was picked meanwhile
   const parts = [];
+  if (detail.stream_failed) {
+    parts.push(el('p', `The stream failed after its first bytes: ${detail.error}`, 'failure'));
+  }
   if (!detail.choices.length) {
-    const why = detail.error ? `: ${detail.error}` : '';
+    const why = detail.stream_failed ? ' (no choice ended)' : detail.error ? `: ${detail.error}` : '';
     parts.push(el('p', `No timeline: the router answered ${detail.status}${why}`, 'muted'));
+  } else if (!detail.timelines_kept) {
+    parts.push(el('p', 'Timeline not kept: only the newest requests keep theirs.', 'muted'));
   }
   const width = Math.max(480, body.clientWidth - 8);
   for (const choice of detail.choices) {
@@ -354,8 +363,8 @@ async function loadTimeline(requestId) {
     figure.dataset.choice = String(choice.index);
     figure.append(el('figcaption', title));
     if (choice.timeline.length) figure.append(drawTimeline(choice, width));
-    else figure.append(el('p', 'No spans recorded.', 'muted'));
-    if (choice.timeline_rows_dropped) {
+    else if (detail.timelines_kept) figure.append(el('p', 'No spans recorded.', 'muted'));
+    if (choice.timeline_rows_dropped && detail.timelines_kept) {
       figure.append(el('p', `${choice.timeline_rows_dropped} more spans not kept.`, 'muted'));
     }
     parts.push(figure);
