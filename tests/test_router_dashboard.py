@@ -3,18 +3,22 @@
 fleet renders by role, healthy; a P/D request shows up with its route and its timeline drawn;
 an instance added through the admin API appears and one killed turns unhealthy, without a
 reload; the page's own admin actions are refused without the right token (the API's message
-shown, nothing changed) and done with it; no script error. Screenshots go to the artifacts
-folder (``$KVTRANSFER_ARTIFACTS``, CI keeps them). Without chromium this fails, it does not
-skip. The page's JSON and the recent-requests ring alone: tests/test_router_fleet_state.py."""
+shown, nothing changed) and done with it; a client's markup in an error shows as text; no
+script error, failed load or policy violation but the refused calls (`Browser.console_errors`).
+Screenshots go to the artifacts folder (``$KVTRANSFER_ARTIFACTS``, CI keeps them). Without
+chromium this fails, it does not skip. The page's JSON and the recent-requests ring alone:
+tests/test_router_fleet_state.py and tests/test_router_recent.py."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ TOKEN = "fleet-page-admin-token"
 # The page polls this often in the test (its default is 1 s): changes show within a poll.
 INTERVAL_MS = 200
 MAX_TOKENS = 8
+HOSTILE = "<img src=x onerror=alert(1)>"
 
 # Every instance row the page shows, as the test reads it.
 INSTANCE_ROWS = """
@@ -158,6 +163,25 @@ def complete(base_url: str) -> dict[str, Any]:
     return json.loads(text)
 
 
+def to_fixed_1(value: float) -> str:
+    """JavaScript's ``value.toFixed(1)`` of a value >= 0: the float's exact value rounded half
+    up (Python's ``f"{value:.1f}"`` rounds a tie to even: 12.25 is "12.2", toFixed's "12.3")."""
+    return str(Decimal(value).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP))
+
+
+def refused(base_url: str, body: dict[str, Any]) -> tuple[int, str, dict[str, Any]]:
+    """(status, request id, error) of a request the router refuses."""
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        urllib.request.urlopen(request, timeout=30)
+    error = failed.value
+    return error.code, error.headers["x-request-id"], json.loads(error.read())["error"]
+
+
 def type_token(browser: Browser, token: str) -> None:
     browser.evaluate(
         "(() => { const t = document.getElementById('token'); "
@@ -242,8 +266,10 @@ def test_the_fleet_page_follows_the_fleet_live(fleet: Fleet, browser: Browser):
         "retries": "0",
         "ttft": "",
         "total": "",
+        "error": "",
     }
-    assert requests[rid]["ttft"] == f"{info['ttft_s'] * 1e3:.1f}"
+    # The ring rounds the answer's TTFT to the microsecond, the page shows it to 0.1 ms.
+    assert requests[rid]["ttft"] == to_fixed_1(round(info["ttft_s"] * 1e3, 3))
     timeline = browser.wait_for(
         TIMELINE, f"{rid}'s timeline drawn", check=lambda t: t["id"] == rid and t["bars"] > 0
     )
@@ -336,4 +362,22 @@ def test_the_fleet_page_follows_the_fleet_live(fleet: Fleet, browser: Browser):
     )
     assert workers(url) == {p, spare}
 
-    assert browser.console_errors == []
+    # A client's markup in an error the page lists: shown as text, never parsed.
+    status, failed, error = refused(url, {"prompt": "x", "model": HOSTILE})
+    assert (status, error["message"]) == (
+        404,
+        f"model '{HOSTILE}' does not exist (this router serves 'builtin')",
+    )
+    requests = browser.wait_for(
+        REQUEST_ROWS, f"request {failed} listed", check=lambda rows: failed in rows
+    )
+    assert (requests[failed]["status"], requests[failed]["error"]) == ("404", error["message"])
+    assert browser.evaluate("document.querySelectorAll('img').length") == 0
+
+    # The browser logged the two refused admin calls as failed loads, and nothing else: no
+    # script error, no other failed load, no policy violation.
+    refusal = "network: Failed to load resource: the server responded with a status of 401"
+    assert browser.console_errors == [
+        f"{refusal} (Unauthorized) ({url}/workers)",
+        f"{refusal} (Unauthorized) ({url}/workers/{urllib.parse.quote(spare, safe='')})",
+    ]

@@ -1,5 +1,7 @@
 """A real browser for tests: Debian's ``chromium``, headless, driven over the Chrome DevTools
-Protocol (CDP) on a websocket.
+Protocol (CDP) on a websocket. ``console_errors`` collects what a page got wrong: uncaught
+exceptions, ``console.error``, and the browser's own error log (a resource that failed to load,
+a Content-Security-Policy violation).
 
 `Browser.start` launches one chromium with a throwaway profile and asks it for a free debugging
 port (``--remote-debugging-port=0``; chromium writes the port it took into the profile's
@@ -85,6 +87,8 @@ class Browser:
         browser = cls(process, profile, loop, session, ws, itertools.count(1), [])
         browser.call("Page.enable")
         browser.call("Runtime.enable")
+        # The browser's own errors: failed loads (a 404), Content-Security-Policy violations.
+        browser.call("Log.enable")
         return browser
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
@@ -99,20 +103,27 @@ class Browser:
             if message.type != aiohttp.WSMsgType.TEXT:
                 raise BrowserError(f"chromium's debugging socket closed during {method}")
             data = json.loads(message.data)
-            if data.get("method") == "Runtime.exceptionThrown":
-                details = data["params"]["exceptionDetails"]
-                self.console_errors.append(json.dumps(details.get("exception", details)))
-            elif (
-                data.get("method") == "Runtime.consoleAPICalled"
-                and data["params"].get("type") == "error"
-            ):
-                args = data["params"].get("args", [])
-                self.console_errors.append(" ".join(str(a.get("value")) for a in args))
+            self._collect_error(data)
             if data.get("id") != ident:
                 continue
             if "error" in data:
                 raise BrowserError(f"{method}: {data['error']}")
             return data["result"]
+
+    def _collect_error(self, event: dict[str, Any]) -> None:
+        """``console_errors`` gets the page's uncaught exceptions, its ``console.error`` calls
+        and the browser's error entries (with the URL they are about)."""
+        method, params = event.get("method"), event.get("params") or {}
+        if method == "Runtime.exceptionThrown":
+            details = params["exceptionDetails"]
+            self.console_errors.append(json.dumps(details.get("exception", details)))
+        elif method == "Runtime.consoleAPICalled" and params.get("type") == "error":
+            args = params.get("args", [])
+            self.console_errors.append(" ".join(str(a.get("value")) for a in args))
+        elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
+            entry = params["entry"]
+            where = f" ({entry['url']})" if entry.get("url") else ""
+            self.console_errors.append(f"{entry.get('source')}: {entry.get('text')}{where}")
 
     def navigate(self, url: str) -> None:
         self.call("Page.navigate", url=url)
