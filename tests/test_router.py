@@ -21,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from router_helpers.cluster import (
     SCENARIO_TIMEOUT_S,
+    WAIT_S,
     cluster,
     free_port,
     post_stream,
@@ -502,6 +503,19 @@ def test_stream_errors_before_and_after_the_first_byte():
             assert texts == [FIRST_PIECE[1], "ab"]
             assert [json.loads(e) for e in events[2:-1]] == [error]
             assert events[-1] == "[DONE]"
+            # Its 200 went out first; the fleet page records it as failed.
+            recent = c.router.handlers.recent
+            assert recent is not None
+
+            async def recorded() -> list[Any]:
+                return recent.newest_first()
+
+            [summary] = await wait_until_async(recorded, "the request recorded", WAIT_S)
+            assert (summary.status, summary.stream_failed, summary.error) == (
+                200,
+                True,
+                error["error"]["message"],
+            )
             # The first token (from the prefill) is out before the decode daemon answers:
             # a decode that fails at once is an error event after it.
             d.behaviour = finish_error("KV load failed")

@@ -157,6 +157,11 @@ def test_workers_are_added_and_removed_while_requests_run():
                     ({"address": p0.address}, "role", "role: required"),
                     ({"address": p0.address, "role": "both"}, "role", "role: must be"),
                     ({"address": "nohost", "role": "prefill"}, "address", "address: 'nohost'"),
+                    (
+                        {"address": "<img src=x>:80", "role": "prefill"},
+                        "address",
+                        "address: '<img src=x>:80' is not HOST:PORT: its host may hold only",
+                    ),
                     ({"address": 5, "role": "prefill"}, "address", "address: must be a string"),
                     ({"address": p0.address, "role": "prefill", "x": 1}, "x", "unknown field"),
                 ]:

@@ -28,7 +28,7 @@ from router_helpers.fake_vllm import (
     status,
     vllm_metrics,
 )
-from router_helpers.vllm_cluster import decode, prefill, vllm_cluster
+from router_helpers.vllm_cluster import VllmCluster, decode, prefill, vllm_cluster
 from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig
@@ -38,10 +38,23 @@ from kvtransfer.router.vllm_flow.answers import (
     reported_cached_tokens,
     streamed_cached_tokens,
 )
+from kvtransfer.router.web.recent import RequestSummary
 
 pytestmark = pytest.mark.integration
 
 BODY = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
+
+
+async def recorded(c: VllmCluster) -> list[RequestSummary]:
+    """The requests the fleet page lists, once there is one (the handler records a request
+    as it returns, which may come after the client read the last byte)."""
+    recent = c.router.handlers.recent
+    assert recent is not None
+
+    async def listed() -> list[RequestSummary]:
+        return recent.newest_first()
+
+    return await wait_until_async(listed, "the request on the fleet page", WAIT_S)
 
 
 def test_the_prefill_gets_one_token_and_its_params_go_verbatim_to_the_decode() -> None:
@@ -100,6 +113,13 @@ def test_vllm_refusing_the_input_is_passed_to_the_client_and_no_decode_runs() ->
             assert json.loads(raw)["error"]["message"] == refusal
             assert c.decodes[0].seen == []
             assert len(c.prefills[0].seen) == 1  # a refusal is not retried
+            # The fleet page records who refused, not vLLM's body (its text, any size).
+            [summary] = await recorded(c)
+            assert (summary.status, summary.error) == (
+                400,
+                f"prefill daemon {c.prefills[0].address} refused the request (HTTP 400); its "
+                "answer went to the client as vLLM wrote it",
+            )
 
     run(scenario)
 
@@ -240,6 +260,13 @@ def test_a_stream_cut_after_its_first_byte_ends_with_an_error_event() -> None:
             assert error["message"].startswith(f"decode daemon {c.decodes[0].address}:")
             assert "cut" in error["message"]
             assert c.decodes[1].seen == []  # bytes were out: no retry
+            # Its 200 went out first; the fleet page records it as failed.
+            [summary] = await recorded(c)
+            assert (summary.status, summary.stream_failed, summary.error) == (
+                200,
+                True,
+                error["message"],
+            )
 
     run(scenario)
 

@@ -251,6 +251,33 @@ def test_a_5xx_whose_body_is_deeply_nested_json_is_a_typed_502(role: str) -> Non
     run(scenario)
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_4xx_whose_body_is_deeply_nested_json_goes_to_the_client_as_it_came(role: str) -> None:
+    """The router passes a refusal through without reading it: the fleet page's record of the
+    request (its handler's last step) reads no body either, so no parser's recursion turns it
+    into a 500."""
+    nested = b'{"error": ' * 100_000 + b"1" + b"}" * 100_000
+
+    async def scenario() -> None:
+        refusing = VllmBehaviour(completions=answering(nested, status=400))
+        good = prefill() if role == "decode" else refusing
+        async with vllm_cluster([good], [refusing if role == "decode" else decode()]) as c:
+            code, body, _ = await c.post(BODY)
+            assert (code, body) == (400, nested)
+            recent = c.router.handlers.recent
+            assert recent is not None
+            [summary] = recent.newest_first()
+            address = (c.decodes if role == "decode" else c.prefills)[0].address
+            assert (summary.status, summary.error) == (
+                400,
+                f"{role} daemon {address} refused the request (HTTP 400); its answer went to "
+                "the client as vLLM wrote it",
+            )
+            await c.wait_idle()
+
+    run(scenario)
+
+
 def test_a_huge_error_message_is_cut_short() -> None:
     async def scenario() -> None:
         huge = json.dumps({"error": {"message": "x" * 1_000_000}}).encode()
