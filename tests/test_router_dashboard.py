@@ -295,10 +295,11 @@ def test_the_fleet_page_follows_the_fleet_live(fleet: Fleet, browser: Browser):
     # An instance added through the admin API appears, without a reload.
     status, added = admin_api(url, "POST", "/workers", {"address": spare, "role": "decode"})
     assert (status, added["state"]) == (201, "SERVING"), added
+    # A poll during the API's first check of it may show it unchecked: wait for the next.
     rows = browser.wait_for(
         INSTANCE_ROWS,
-        f"the added decode {spare}",
-        check=lambda rows: spare in rows_by_address(rows),
+        f"the added decode {spare}, healthy",
+        check=lambda rows: rows_by_address(rows).get(spare, {}).get("health") == "healthy",
     )
     assert {k: rows_by_address(rows)[spare][k] for k in ("section", "health", "source")} == {
         "section": "decode",
