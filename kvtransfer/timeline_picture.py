@@ -6,6 +6,12 @@ a choice, or in a streamed chunk) with its ``timeline`` rows (``name`` as ``proc
 lane per party, router, prefill, KV and decode, and in each lane as many rows as its spans need
 not to overlap; a span is one bar (its SVG element's id is ``name.N``, the N-th of that name),
 a token handed on a marker. The router's TTFT (the answer's ``ttft_s``) is a vertical line.
+A span reaching outside the axes (before the request's arrival: another host's clock) is cut
+at their edge; one wholly outside is left out.
+
+Answers are read as untrusted: every time must be a finite number within `MAX_MS`, text is
+drawn as it is (a ``$`` is not mathtext), a timeline of more than `MAX_ROWS` rows or
+`MAX_LANES` lanes is refused; anything that cannot be drawn is a `TimelineError` naming what.
 
 matplotlib is imported only when drawing, with its Agg canvas (no display, no global backend
 switched), so that reading answers costs nothing to a process that never draws.
@@ -17,6 +23,7 @@ import itertools
 import json
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +37,15 @@ if TYPE_CHECKING:
 # Pixels: 12 x 6.4 inches at 100 dpi. Fixed, so that pictures of requests compare side by side.
 WIDTH_IN, HEIGHT_IN, DPI = 12.0, 6.4, 100
 PNG_SIZE_PX = (int(WIDTH_IN * DPI), int(HEIGHT_IN * DPI))
+# A request's timeline holds at most 512 rows from each process on its path (the timeline
+# book's limit): more is a broken or hostile answer, and would take matplotlib minutes to draw.
+MAX_ROWS = 4096
+# A lane per process: router, prefill, KV, decode, and one per other process named. More than
+# this do not fit the picture's height, and each costs matplotlib a tick label to lay out.
+MAX_LANES = 64
+# Times (ms from the request's arrival) lie within this of 0, about 32 years: no request's
+# timeline comes near, and matplotlib's axes fail on ranges near float's limits.
+MAX_MS = 1e12
 
 
 class TimelineError(ValueError):
@@ -85,7 +101,7 @@ def read_answer(text: str) -> list[dict[str, Any]]:
     """The ``kvtransfer`` objects in a saved answer: one JSON document (an answer, a chunk, a
     list of them, or the object itself) or a stream as sent (``data: {...}`` lines)."""
     try:
-        document: Any = json.loads(text)
+        document: Any = _loads(text)
     except json.JSONDecodeError as exc:
         chunks = [
             line.removeprefix("data: ")
@@ -98,19 +114,46 @@ def read_answer(text: str) -> list[dict[str, Any]]:
                 f"{exc.lineno} column {exc.colno})"
             ) from None
         try:
-            document = [json.loads(chunk) for chunk in chunks]
+            document = [_loads(chunk) for chunk in chunks]
         except json.JSONDecodeError as chunk_exc:
             raise TimelineError(f"a streamed chunk is not JSON: {chunk_exc.msg}") from None
     return list(_infos(document))
 
 
+def _loads(text: str) -> Any:
+    """JSON, with what the parser refuses past its syntax as a TimelineError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise TimelineError("the answer is nested too deeply to read") from None
+    except ValueError:
+        # The only other refusal of json.loads: an integer of more digits than Python
+        # converts (sys.get_int_max_str_digits).
+        raise TimelineError(
+            f"the answer holds an integer of more than {sys.get_int_max_str_digits()} digits"
+        ) from None
+
+
 def _infos(document: Any) -> Iterable[dict[str, Any]]:
-    if isinstance(document, list):
-        for item in document:
-            yield from _infos(item)
-        return
-    if not isinstance(document, dict):
-        return
+    # Lists within lists are walked with a stack of iterators, not by recursion: a document
+    # the parser could read nests no deeper than this walk can go.
+    stack = [iter((document,))]
+    while stack:
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+        elif isinstance(item, list):
+            stack.append(iter(item))
+        elif isinstance(item, dict):
+            yield from _infos_of(item)
+
+
+_END = object()
+
+
+def _infos_of(document: dict[str, Any]) -> Iterable[dict[str, Any]]:
     if "timeline" in document:
         yield document
         return
@@ -141,16 +184,27 @@ def handover(infos: Sequence[Mapping[str, Any]], request_id: str | None = None) 
     else:
         chosen = timed
     info = chosen[-1]  # a stream repeats it: the last chunk's is the complete one
-    rid = str(info.get("request_id", ""))
+    rid = _text(str(info.get("request_id", "")), "request id")
     rows = tuple(_row(rid, index, raw) for index, raw in enumerate(_rows_of(rid, info)))
     reads = sum(_int(row.attributes.get("bytes")) for row in rows if row.name == "decode.kv.read")
-    ttft = info.get("ttft_s")
     return Handover(
         request_id=rid,
         rows=rows,
         kv_bytes=_int(info.get("kv_bytes_received")) or reads,
-        ttft_ms=ttft * 1e3 if isinstance(ttft, int | float) else None,
+        ttft_ms=_ttft_ms(rid, info.get("ttft_s")),
     )
+
+
+def _ttft_ms(rid: str, ttft_s: Any) -> float | None:
+    if ttft_s is None:  # the router found no first token
+        return None
+    seconds = _finite(ttft_s)
+    if seconds is None or not 0 <= seconds * 1e3 <= MAX_MS:
+        raise TimelineError(
+            f"request {rid!r}: ttft_s must be a number from 0 to {MAX_MS / 1e3:g}, got "
+            f"{_brief(ttft_s)}"
+        )
+    return seconds * 1e3
 
 
 def _rows_of(rid: str, info: Mapping[str, Any]) -> list[Any]:
@@ -159,6 +213,10 @@ def _rows_of(rid: str, info: Mapping[str, Any]) -> list[Any]:
         raise TimelineError(f"request {rid!r}: timeline must be a list, got {type(rows).__name__}")
     if not rows:
         raise TimelineError(f"request {rid!r} has an empty timeline: nothing to draw")
+    if len(rows) > MAX_ROWS:
+        raise TimelineError(
+            f"request {rid!r} has {len(rows)} timeline rows: more than {MAX_ROWS} are not drawn"
+        )
     return rows
 
 
@@ -168,27 +226,66 @@ def _row(rid: str, index: int, raw: Any) -> TimelineRow:
         raise TimelineError(f"{where} must be an object, got {type(raw).__name__}")
     name = raw.get("name")
     if not isinstance(name, str) or not name:
-        raise TimelineError(f"{where}: name must be a non-empty string, got {name!r}")
+        raise TimelineError(f"{where}: name must be a non-empty string, got {_brief(name)}")
+    name = _text(name, f"{where}: name")
     numbers = {}
     for key in ("start_ms", "duration_ms"):
         value = raw.get(key)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise TimelineError(f"{where} ({name}): {key} must be a finite number, got {value!r}")
-        numbers[key] = float(value)
+        number = _finite(value)
+        if number is None:
+            raise TimelineError(
+                f"{where} ({name}): {key} must be a finite number, got {_brief(value)}"
+            )
+        numbers[key] = number
     if numbers["duration_ms"] < 0:
         raise TimelineError(f"{where} ({name}): duration_ms must be >= 0, got {raw['duration_ms']}")
+    start, end = numbers["start_ms"], numbers["start_ms"] + numbers["duration_ms"]
+    if not -MAX_MS <= start <= end <= MAX_MS:  # an end past float's range is inf
+        raise TimelineError(
+            f"{where} ({name}): start_ms and its end (start_ms + duration_ms) must lie within "
+            f"±{MAX_MS:g} ms, got {start!r} and {end!r}"
+        )
     attributes = raw.get("attributes") or {}
     if not isinstance(attributes, dict):
         raise TimelineError(f"{where} ({name}): attributes must be an object")
+    for key, value in attributes.items():
+        if isinstance(value, str):
+            _text(value, f"{where} ({name}): attribute {key!r}")
     return TimelineRow(name, numbers["start_ms"], numbers["duration_ms"], attributes)
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a float if it is a finite JSON number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _text(value: str, what: str) -> str:
+    # JSON's \ud800 escapes give str that no font draws and no file encodes.
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise TimelineError(
+            f"{what} is not Unicode text (a lone surrogate): {_brief(value)}"
+        ) from None
+    return value
+
+
+def _brief(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    # Byte counts: an unsigned 64-bit int as the daemons send; anything else is not drawn.
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64:
+        return value
+    return 0
 
 
 # ------------------------------------------------------------------ drawing
@@ -333,7 +430,7 @@ def layout(rows: Sequence[TimelineRow]) -> list[_Placed]:
     layers, or its steps, read as one row); a name whose spans overlap one another is placed
     span by span."""
     order = {name: (lane, i) for lane, names in LANES for i, name in enumerate(names)}
-    lanes = [lane for lane, _ in LANES]
+    lanes = {lane: i for i, (lane, _) in enumerate(LANES)}
 
     def lane_of(name: str) -> str:
         if name in order:
@@ -344,38 +441,134 @@ def layout(rows: Sequence[TimelineRow]) -> list[_Placed]:
     by_name: dict[str, list[TimelineRow]] = {}
     for row in sorted(rows, key=lambda r: r.start_ms):
         by_name.setdefault(row.name, []).append(row)
-        if lane_of(row.name) not in lanes:
-            lanes.append(lane_of(row.name))
+        lanes.setdefault(lane_of(row.name), len(lanes))
 
     def rank(name: str) -> tuple[int, int, float]:
-        return lanes.index(lane_of(name)), order.get(name, ("", 99))[1], by_name[name][0].start_ms
+        return lanes[lane_of(name)], order.get(name, ("", 99))[1], by_name[name][0].start_ms
 
-    placed: list[_Placed] = []
-    taken: dict[str, list[list[tuple[float, float]]]] = {}
+    # Markers are drawn over whatever their lane's first row holds at that instant; the other
+    # spans take room, in groups that each go to one row. Groups is None for markers.
+    plan: list[tuple[str, list[tuple[int, TimelineRow]], list[list[int]] | None]] = []
     for name in sorted(by_name, key=rank):
         lane, spans = lane_of(name), list(enumerate(by_name[name]))
-        lines = taken.setdefault(lane, [])
         if _is_marker(spans[0][1]):
-            # Markers are drawn over whatever their lane's first row holds at that instant.
-            placed += [_Placed(row, lane, 0, number) for number, row in spans]
+            plan.append((lane, spans, None))
             continue
         together = not any(
             _overlap(b, a.start_ms, a.end_ms) for (_, a), (_, b) in itertools.pairwise(spans)
         )
-        for group in [spans] if together else [[span] for span in spans]:
-            line = next(
-                (
-                    i
-                    for i, used in enumerate(lines)
-                    if not any(_overlap(row, *u) for _, row in group for u in used)
-                ),
-                len(lines),
-            )
-            if line == len(lines):
-                lines.append([])
-            lines[line] += [(row.start_ms, row.end_ms) for _, row in group]
-            placed += [_Placed(row, lane, line, number) for number, row in group]
+        numbers = range(len(spans))
+        plan.append((lane, spans, [list(numbers)] if together else [[i] for i in numbers]))
+    in_lane: dict[str, list[TimelineRow]] = {}
+    for lane, spans, groups in plan:
+        if groups is not None:
+            in_lane.setdefault(lane, []).extend(row for _, row in spans)
+    rooms = {lane: _LaneRows(lane_rows) for lane, lane_rows in in_lane.items()}
+
+    placed: list[_Placed] = []
+    for lane, spans, groups in plan:
+        if groups is None:
+            placed += [_Placed(row, lane, 0, number) for number, row in spans]
+            continue
+        for group in groups:
+            line = rooms[lane].place([spans[i][1] for i in group])
+            placed += [_Placed(spans[i][1], lane, line, i) for i in group]
     return placed
+
+
+class _LaneRows:
+    """The rows of one lane and what each holds: `place` puts spans in the first row where
+    none overlaps anything there, in time logarithmic in the lane's spans however many rows
+    (first fit by scanning the rows is quadratic: a pile of 20000 alike spans took minutes).
+
+    Overlap is `_overlap`'s, with its very sums: a span overlaps one placed before where its
+    open interval (start, end) meets the placed one's narrowed by the slack, (start + slack,
+    end - slack). A placed span of at most twice the slack has no such interval: it overlaps
+    where the open interval holds all of [end - slack, start + slack]. A row is taken for
+    holding one of those within a span when it holds one that begins within it and one that
+    ends within it: the same one, but where two of them straddle the span's two ends."""
+
+    def __init__(self, rows: Sequence[TimelineRow]) -> None:
+        times = {t for row in rows for t in (row.start_ms, row.end_ms, *_narrowed(row))}
+        # Units: 2k is the k-th time, 2k + 1 the open stretch after it.
+        self._unit = {t: 2 * k for k, t in enumerate(sorted(times))}
+        units = 2 * len(times) - 1
+        self._long = _RowSets(units)  # the narrowed open interval of each longer span
+        self._short_firsts = _RowSets(units)  # each shorter one's [end - slack, start + slack]
+        self._short_lasts = _RowSets(units)
+
+    def place(self, rows: Sequence[TimelineRow]) -> int:
+        held = 0
+        for row in rows:
+            if row.end_ms == row.start_ms:  # an instant: in what holds it
+                instant = self._unit[row.start_ms]
+                held |= self._long.held(instant, instant)
+                continue
+            first, last = self._unit[row.start_ms] + 1, self._unit[row.end_ms] - 1
+            shorts = self._short_firsts.held(first, last) & self._short_lasts.held(first, last)
+            held |= self._long.held(first, last) | shorts
+        line = (~held & (held + 1)).bit_length() - 1  # the first row holding none of them
+        for row in rows:
+            low, high = (self._unit[t] for t in _narrowed(row))
+            if low < high:
+                self._long.add(low + 1, high - 1, 1 << line)
+            else:
+                self._short_firsts.add(high, high, 1 << line)
+                self._short_lasts.add(low, low, 1 << line)
+        return line
+
+
+def _narrowed(row: TimelineRow) -> tuple[float, float]:
+    return row.start_ms + _SLACK_MS, row.end_ms - _SLACK_MS
+
+
+class _RowSets:
+    """For each of ``size`` consecutive units, the set of rows (bits of an int) holding it: a
+    segment tree, so that adding rows to a run of units, or asking which rows hold some unit
+    of a run, costs a logarithm of ``size`` whatever the run's length."""
+
+    def __init__(self, size: int) -> None:
+        self._leaves = 1 << max(size - 1, 0).bit_length()
+        self._all = [0] * (2 * self._leaves)  # rows added over the node's whole stretch
+        self._any = [0] * (2 * self._leaves)  # rows holding some unit under the node
+
+    def add(self, first: int, last: int, rows: int) -> None:
+        for node in self._cover(first, last):
+            self._all[node] |= rows
+            self._any[node] |= rows
+        for leaf in (first + self._leaves, last + self._leaves):
+            node = leaf >> 1
+            while node:
+                self._any[node] |= rows
+                node >>= 1
+
+    def held(self, first: int, last: int) -> int:
+        """The rows holding some unit from ``first`` to ``last``."""
+        found = 0
+        # What was added over a stretch holding an end of this run holds a unit of it.
+        for leaf in (first + self._leaves, last + self._leaves):
+            node = leaf >> 1
+            while node:
+                found |= self._all[node]
+                node >>= 1
+        for node in self._cover(first, last):
+            found |= self._any[node]
+        return found
+
+    def _cover(self, first: int, last: int) -> list[int]:
+        """The nodes whose stretches make up the units from ``first`` to ``last``."""
+        nodes = []
+        low, high = first + self._leaves, last + self._leaves + 1
+        while low < high:
+            if low & 1:
+                nodes.append(low)
+                low += 1
+            if high & 1:
+                high -= 1
+                nodes.append(high)
+            low >>= 1
+            high >>= 1
+        return nodes
 
 
 def _is_marker(row: TimelineRow) -> bool:
@@ -396,18 +589,27 @@ def draw(picture: Handover, png: Path | None = None, svg: Path | None = None) ->
         raise TimelineError("nothing to write: give a PNG path, an SVG path or both")
     if not picture.rows:
         raise TimelineError(f"request {picture.request_id!r} has an empty timeline")
+    placed = layout(picture.rows)
+    lanes = {item.lane for item in placed}
+    if len(lanes) > MAX_LANES:
+        raise TimelineError(
+            f"request {picture.request_id!r}: its timeline names {len(lanes)} processes, a lane "
+            f"each: more than {MAX_LANES} do not fit the picture"
+        )
     import matplotlib as mpl
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    # Text stays text in the SVG, and its element ids do not change from run to run.
-    with mpl.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvtransfer"}):
+    # Text stays text in the SVG, and its element ids do not change from run to run. Text is
+    # the answer's, drawn as it is: a "$" in it is no mathtext for matplotlib to parse.
+    settings = {"svg.fonttype": "none", "svg.hashsalt": "kvtransfer", "text.parse_math": False}
+    with mpl.rc_context(settings):
         for path, kind in targets:
             # A figure per file: one laid out for another format first would shift the SVG's
             # clip boxes by a rounding, and with them its ids.
             figure = Figure(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, layout="constrained")
             FigureCanvasAgg(figure)
-            _draw_axes(figure.add_subplot(), picture)
+            _draw_axes(figure.add_subplot(), picture, placed)
             path.parent.mkdir(parents=True, exist_ok=True)
             # No date or version in the metadata: the same timeline gives the same file.
             metadata = {"Date": None} if kind == "svg" else {"Software": None}
@@ -415,12 +617,13 @@ def draw(picture: Handover, png: Path | None = None, svg: Path | None = None) ->
     return [path for path, _ in targets]
 
 
-def _draw_axes(axes: Axes, picture: Handover) -> None:
+def _draw_axes(axes: Axes, picture: Handover, placed: Sequence[_Placed]) -> None:
     from matplotlib.patches import Patch
 
-    placed = layout(picture.rows)
-    lanes = list(dict.fromkeys(p.lane for p in placed))
-    depth = {lane: 1 + max(p.line for p in placed if p.lane == lane) for lane in lanes}
+    depth: dict[str, int] = {}  # lanes in the order of their first span, and their rows
+    for item in placed:
+        depth[item.lane] = max(depth.get(item.lane, 0), item.line + 1)
+    lanes = list(depth)
     # y of each lane's first row, top down; a gap between lanes.
     top: dict[str, float] = {}
     y = 0.0
@@ -430,10 +633,13 @@ def _draw_axes(axes: Axes, picture: Handover) -> None:
     end = max(p.row.end_ms for p in placed)
     if picture.ttft_ms is not None:
         end = max(end, picture.ttft_ms)
-    span_ms = end or 1.0
+    span_ms = end if end > 0 else 1.0
     # A bar is at least this wide, so that a span of microseconds still shows.
     min_width = span_ms * 0.0025
     px_per_ms = WIDTH_IN * DPI * 0.92 / span_ms
+    # What is drawn is cut to a little more than the axes show: a row far outside (a skewed
+    # clock, a hostile answer) would put the renderer's coordinates past what it handles.
+    window = (-0.01 * span_ms, 1.02 * span_ms)
     used: set[_Phase] = set()
     for item in placed:
         row = item.row
@@ -441,21 +647,26 @@ def _draw_axes(axes: Axes, picture: Handover) -> None:
         centre = top[item.lane] + item.line + 0.5
         gid = f"{row.name}.{item.number}"
         if _is_marker(row):
+            if not window[0] <= row.start_ms <= window[1]:
+                continue
             # On its row's top edge, pointing at the instant (and at the bar there, if any).
             (marker,) = axes.plot(
                 [row.start_ms], [centre - 0.42], marker="v", color=_FIRST_TOKEN, markersize=8
             )
             marker.set_gid(gid)
             continue
+        shown = _shown(row.start_ms, max(row.duration_ms, min_width), window)
+        if shown is None:
+            continue
+        left, width = shown
         used.add(phase)
         color = phase.color
         if phase.other is not None and item.number % 2:
             color = phase.other
-        width = max(row.duration_ms, min_width)
         (bar,) = axes.barh(
             centre,
             width,
-            left=row.start_ms,
+            left=left,
             height=0.72,
             color=color,
             edgecolor="#4d4d4d",
@@ -465,7 +676,7 @@ def _draw_axes(axes: Axes, picture: Handover) -> None:
         text = _bar_text(row, item.number)
         if text and len(text) * 6.5 + 4 < width * px_per_ms:
             axes.text(
-                row.start_ms + width / 2,
+                left + width / 2,
                 centre,
                 text,
                 ha="center",
@@ -512,6 +723,15 @@ def _draw_axes(axes: Axes, picture: Handover) -> None:
         handles=handles, loc="outside lower center", ncols=5, fontsize=8, frameon=False
     )
     axes.figure.suptitle(_title(picture), fontsize=11, x=0.01, ha="left")
+
+
+def _shown(left: float, width: float, window: tuple[float, float]) -> tuple[float, float] | None:
+    """The part of a bar from ``left``, ``width`` wide, within ``window``; None if none is."""
+    low, high = window
+    if low <= left and left + width <= high:
+        return left, width  # as it is (no arithmetic to round)
+    start, end = max(left, low), min(left + width, high)
+    return (start, end - start) if start < end else None
 
 
 def _bar_text(row: TimelineRow, number: int) -> str:

@@ -5,6 +5,7 @@ through `kvtransfer admin timeline`."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 import urllib.request
 import xml.etree.ElementTree as ET
@@ -15,6 +16,8 @@ from serve_helpers.daemons import daemon_pair, running, start_router
 
 from kvtransfer.cli import main
 from kvtransfer.timeline_picture import (
+    MAX_LANES,
+    MAX_ROWS,
     PNG_SIZE_PX,
     Handover,
     TimelineError,
@@ -200,6 +203,195 @@ def test_a_span_of_an_unknown_process_gets_a_lane_of_its_own(tmp_path):
     ]
     assert draw(Handover("r", rows), svg=tmp_path / "x.svg") == [tmp_path / "x.svg"]
     assert "cache.lookup.0" in svg_ids(tmp_path / "x.svg")
+
+
+# ---------------------------------------------------------------------- hostile answers
+
+
+def _refused(info: dict) -> str:
+    with pytest.raises(TimelineError) as caught:
+        handover([info])
+    return str(caught.value)
+
+
+@pytest.mark.unit
+def test_a_ttft_that_is_no_finite_number_of_seconds_is_refused():
+    # JSON's Infinity and NaN, a bool (True was 1000 ms), an int past float's range: each
+    # reached matplotlib's axis limits (an uncaught ValueError) or drew a line nowhere.
+    for ttft, shown in (
+        (math.inf, "inf"),
+        (math.nan, "nan"),
+        (True, "True"),
+        (-0.5, "-0.5"),
+        ("0.02", "'0.02'"),
+        (10**400, repr(10**400)[:57] + "..."),
+    ):
+        assert _refused({**INFO, "ttft_s": ttft}) == (
+            f"request 'cmpl-1': ttft_s must be a number from 0 to 1e+09, got {shown}"
+        )
+    assert handover([{**INFO, "ttft_s": None}]).ttft_ms is None
+
+
+@pytest.mark.unit
+def test_a_row_whose_end_is_past_floats_range_is_refused():
+    # Each of start_ms and duration_ms is finite; their sum is not.
+    huge = {**INFO, "timeline": [_row("router.parse", 1e308, 1e308)]}
+    assert _refused(huge) == (
+        "request 'cmpl-1': timeline row 0 (router.parse): start_ms and its end "
+        "(start_ms + duration_ms) must lie within ±1e+12 ms, got 1e+308 and inf"
+    )
+    beyond = {**INFO, "timeline": [_row("router.parse", 10**400, 1)]}
+    assert _refused(beyond) == (
+        "request 'cmpl-1': timeline row 0 (router.parse): start_ms must be a finite number, "
+        f"got {repr(10**400)[:57]}..."
+    )
+
+
+@pytest.mark.unit
+def test_text_no_font_draws_is_refused_naming_where():
+    # JSON's "\ud800" is a str that matplotlib cannot draw (a TypeError) nor a file hold.
+    assert _refused({**INFO, "request_id": "cmpl-\ud800"}) == (
+        "request id is not Unicode text (a lone surrogate): 'cmpl-\\ud800'"
+    )
+    row = _row("router.pick", 0.5, 0.08, role="\udfff")
+    assert _refused({**INFO, "timeline": [row]}) == (
+        "request 'cmpl-1': timeline row 0 (router.pick): attribute 'role' is not Unicode text "
+        "(a lone surrogate): '\\udfff'"
+    )
+
+
+@pytest.mark.unit
+def test_json_nested_past_the_parser_or_with_overlong_integers_is_refused():
+    deep = "[" * 100_000 + "]" * 100_000
+    for text in (deep, f"data: {deep}\n\ndata: [DONE]\n"):
+        with pytest.raises(TimelineError) as caught:
+            read_answer(text)
+        assert str(caught.value) == "the answer is nested too deeply to read"
+    with pytest.raises(TimelineError) as caught:
+        read_answer('{"kv_bytes_received": ' + "7" * 5000 + "}")
+    assert str(caught.value) == "the answer holds an integer of more than 4300 digits"
+    # As deep as the parser reads, the answer is walked without recursion.
+    nested = "[" * 600 + json.dumps(INFO) + "]" * 600
+    assert read_answer(nested) == [INFO]
+
+
+@pytest.mark.unit
+def test_a_timeline_past_the_row_limit_is_refused_and_one_at_it_laid_out():
+    row = _row("decode.kv.read", 0.0, 1.0)
+    assert _refused({**INFO, "timeline": [row] * (MAX_ROWS + 1)}) == (
+        f"request 'cmpl-1' has {MAX_ROWS + 1} timeline rows: more than {MAX_ROWS} are not drawn"
+    )
+    # A pile of alike spans at the limit, each overlapping all the others: one row each (first
+    # fit by scanning rows took minutes for 20000 such spans).
+    pile = handover([{**INFO, "timeline": [row] * MAX_ROWS}])
+    assert [p.line for p in layout(pile.rows)] == list(range(MAX_ROWS))
+
+
+@pytest.mark.unit
+def test_more_processes_than_lanes_fit_are_refused(tmp_path):
+    rows = tuple(TimelineRow(f"p{n}.work", 0.0, 1.0) for n in range(MAX_LANES + 1))
+    with pytest.raises(TimelineError) as caught:
+        draw(Handover("r", rows), svg=tmp_path / "never-written.svg")
+    assert str(caught.value) == (
+        f"request 'r': its timeline names {MAX_LANES + 1} processes, a lane each: more than "
+        f"{MAX_LANES} do not fit the picture"
+    )
+    assert not (tmp_path / "never-written.svg").exists()
+
+
+@pytest.mark.unit
+def test_text_with_dollar_signs_is_drawn_as_it_is_not_as_mathtext(tmp_path):
+    # matplotlib parses text between two $ as mathtext: "$^^$" was a ParseSyntaxException.
+    rows = [
+        _row("router.parse", 0.0, 1.0),
+        _row("router.pick", 1.0, 30.0, role="$^^$"),
+        _row("x$^^$.work", 2.0, 30.0),
+        _row("decode.cost$^$", 3.0, 30.0),
+    ]
+    picture = handover([{"request_id": "cmpl-$^^$", "timeline": rows}])
+    svg = tmp_path / "d.svg"
+    assert draw(picture, svg=svg) == [svg]
+    text = svg_text(svg)
+    for drawn in ("P/D handover: request cmpl-$^^$", "x$^^$", "cost$^$"):
+        assert drawn in text
+    assert {"x$^^$.work.0", "decode.cost$^$.0"} <= set(svg_ids(svg))
+
+
+@pytest.mark.unit
+def test_a_span_far_before_the_arrival_is_cut_at_the_axes(tmp_path):
+    # Another host's clock 16 minutes behind: the read's label, centred a million ms left of
+    # the axes, was past what FreeType renders (a RuntimeError).
+    rows = (
+        TimelineRow("router.parse", 0.0, 1.0),
+        TimelineRow("decode.kv.read", -1e6, 1e6 + 1.0, {"bytes": 4096}),
+        TimelineRow("decode.kv.handshake", -1e6, 1.0),  # wholly outside: left out
+    )
+    png, svg = tmp_path / "far.png", tmp_path / "far.svg"
+    assert draw(Handover("r", rows), png, svg) == [png, svg]
+    ids = svg_ids(svg)
+    assert "decode.kv.read.0" in ids and "decode.kv.handshake.0" not in ids
+    assert "4 KiB" in svg_text(svg)
+
+
+# The answers above through `kvtransfer admin timeline`: exit status 1 and the message, no
+# traceback, nothing written.
+_HOSTILE = {
+    "infinite-ttft": (
+        json.dumps({"kvtransfer": INFO}).replace("0.0206", "Infinity"),
+        "request 'cmpl-1': ttft_s must be a number from 0 to 1e+09, got inf",
+    ),
+    "nan-ttft": (
+        json.dumps({"kvtransfer": INFO}).replace("0.0206", "NaN"),
+        "request 'cmpl-1': ttft_s must be a number from 0 to 1e+09, got nan",
+    ),
+    "bool-ttft": (
+        json.dumps({"kvtransfer": {**INFO, "ttft_s": True}}),
+        "request 'cmpl-1': ttft_s must be a number from 0 to 1e+09, got True",
+    ),
+    "infinite-end": (
+        json.dumps({"kvtransfer": {**INFO, "timeline": [_row("router.parse", 1e308, 1e308)]}}),
+        "request 'cmpl-1': timeline row 0 (router.parse): start_ms and its end "
+        "(start_ms + duration_ms) must lie within ±1e+12 ms, got 1e+308 and inf",
+    ),
+    "deep": ("[" * 100_000 + "]" * 100_000, "the answer is nested too deeply to read"),
+    "many-rows": (
+        json.dumps({**INFO, "timeline": [_row("decode.kv.read", 0.0, 1.0)] * (MAX_ROWS + 1)}),
+        f"request 'cmpl-1' has {MAX_ROWS + 1} timeline rows: more than {MAX_ROWS} are not drawn",
+    ),
+    "many-lanes": (
+        json.dumps(
+            {**INFO, "timeline": [_row(f"p{n}.work", 0.0, 1.0) for n in range(MAX_LANES + 1)]}
+        ),
+        f"request 'cmpl-1': its timeline names {MAX_LANES + 1} processes, a lane each: more "
+        f"than {MAX_LANES} do not fit the picture",
+    ),
+    "surrogate": (
+        json.dumps({**INFO, "request_id": "cmpl-\ud800"}),
+        "request id is not Unicode text (a lone surrogate): 'cmpl-\\ud800'",
+    ),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", sorted(_HOSTILE))
+def test_admin_timeline_exits_1_naming_what_a_hostile_answer_lacks(case, tmp_path, capsys):
+    text, message = _HOSTILE[case]
+    saved = tmp_path / "answer.json"
+    saved.write_text(text)
+    png, svg = tmp_path / "out.png", tmp_path / "out.svg"
+    assert main(["admin", "timeline", str(saved), "--png", str(png), "--svg", str(svg)]) == 1
+    assert capsys.readouterr() == ("", f"error: {saved}: {message}\n")
+    assert not png.exists() and not svg.exists()
+
+
+@pytest.mark.unit
+def test_admin_timeline_draws_an_answer_with_dollar_signs(tmp_path, capsys):
+    saved = tmp_path / "answer.json"
+    saved.write_text(json.dumps({"kvtransfer": {**INFO, "request_id": "cmpl-$^^$"}}))
+    svg = tmp_path / "out.svg"
+    assert main(["admin", "timeline", str(saved), "--svg", str(svg)]) == 0
+    assert capsys.readouterr() == (f"request cmpl-$^^$: {len(TIMELINE)} spans drawn to {svg}\n", "")
+    assert "P/D handover: request cmpl-$^^$, 40 prompt tokens" in svg_text(svg)
 
 
 # ---------------------------------------------------------------------- end to end

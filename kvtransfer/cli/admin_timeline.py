@@ -4,7 +4,8 @@ The router sends each request's timeline in its answer (the ``kvtransfer`` objec
 none of them: save the answer (``curl ... > answer.json``; a stream's ``data:`` lines as they
 came are fine too) and draw it here, as PNG and/or SVG (`kvtransfer.timeline_picture`).
 Exit status as the other actions: 2 for bad arguments (no output named, an unreadable file),
-1 when the answer holds nothing to draw (no timeline, another request id).
+1 when the answer holds nothing to draw (no timeline, another request id) or nothing that can
+be (a time that is no finite number, too many rows: `kvtransfer.timeline_picture`'s limits).
 """
 
 from __future__ import annotations
