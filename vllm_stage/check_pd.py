@@ -565,7 +565,11 @@ def run_tp(model: str, logs: Path) -> None:
     # share core 0 (vLLM pins the whole worker process, our threads included). That is where
     # the producer's UCX loop, spinning at 100% of core 0, once kept the decode's rank 0 from
     # running for minutes and vLLM's executor killed the decode (issue 27; the loop now naps).
-    pinned = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    # Both sides wait passively too: a TP 1 prefill's team kept spinning on core 0 after each
+    # step while its request waited to be pulled, and the decode's rank 0 on that core once sat
+    # past vLLM's 60 s step timeout ("No available shared memory broadcast block", issue 29's
+    # CI run; the TP 2 -> TP 1 runs already waited passively).
+    pinned = {"VLLM_CPU_OMP_THREADS_BIND": "0", **passive}
     for producer_tp, consumer_tp in ((2, 1), (1, 2)):
         label = f"TP {producer_tp} -> TP {consumer_tp}"
         # TP 2 -> TP 1: the TP 1 server unpinned, so the OS spreads the three engines.
@@ -577,7 +581,7 @@ def run_tp(model: str, logs: Path) -> None:
         d = Server(
             f"tp{consumer_tp}-decode", model, logs, kv_config("kv_consumer", **timeout),
             *(tp2 if consumer_tp == 2 else ()), core=None,
-            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if consumer_tp == 2 else passive,
+            env=both if consumer_tp == 2 else passive,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
