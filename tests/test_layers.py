@@ -18,7 +18,13 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "kvtransfer"
 
 LAYERS: list[tuple[str, ...]] = [
     # kvtransfer.models: data shipped in the package (the demo model), named from above.
-    ("kvtransfer.v1", "kvtransfer.logs", "kvtransfer.timeline", "kvtransfer.models"),
+    (
+        "kvtransfer.v1",
+        "kvtransfer.logs",
+        "kvtransfer.timeline",
+        "kvtransfer.models",
+        "kvtransfer.threads",
+    ),
     # The picture draws what answers carry: it reads the timeline's types, nothing else.
     ("kvtransfer.connector", "kvtransfer.timeline_picture"),
     ("kvtransfer.transport", "kvtransfer.control"),

@@ -38,6 +38,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from stall_catcher import StallCatcher
+
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 MAX_TOKENS = 32
 PROMPTS = [
@@ -143,7 +145,7 @@ class Server(_Http):
         name: str,
         model: str,
         logs: Path,
-        kv: dict,
+        kv: dict | None,
         *flags: str,
         core: int | None,
         env: dict[str, str] | None = None,
@@ -172,7 +174,7 @@ class Server(_Http):
             "--model", model, "--dtype", "float32", "--enforce-eager",
             "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE),
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--kv-transfer-config", json.dumps(kv), *flags,
+            *(() if kv is None else ("--kv-transfer-config", json.dumps(kv))), *flags,
         ]  # fmt: skip
         self.model = model
         # Its own process group: vLLM's engine and worker processes (the worker serves the KV)
@@ -533,84 +535,126 @@ def run(model: str, logs: Path) -> None:
 
 TP_PROMPTS = PROMPTS[:3]
 TP_TOKENS = 8
+# OpenMP teams busy-wait after each step by default: a TP 2 engine's two teams on both cores
+# starved the other server's UCX and loader threads (a UCX endpoint took over 5 s to be
+# created). Waiting passively costs a few microseconds per parallel region.
+_PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+_BOTH_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **_PASSIVE}
+_TP2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+# Generous timeouts: these runs check TP, not how fast a dead peer is noticed. Three vLLM
+# engines on 2 cores, each stepped about every millisecond while a request waits for KV (the
+# producer's lease, the consumer's load) and their workers spinning on vLLM's queues, starve
+# the threads that serve and ask the handshake: with the defaults (5 s per handshake attempt,
+# two attempts) and one more busy process on the host, the TP 1 -> TP 2 decode's first
+# GetHandshake failed with DEADLINE_EXCEEDED; the 10 s transfer timeout was once too short for
+# a TP 2 engine's first UCX endpoint. Typed errors, that request only, but not what this run
+# checks.
+_TP_TIMEOUTS = {"transfer_timeout_s": 60, "handshake_timeout_s": 20}
+# TP 1 -> TP 2 runs pinned as two instances on one small host are: the prefill's OpenMP thread
+# on core 0, the decode's on cores 0 and 1, so the prefill and the decode's TP rank 0 share
+# core 0 (vLLM pins the whole worker process, our threads included). That pairing is where the
+# decode's engine died three times (issues 27, 29 and 34; the cause and its fix:
+# docs/operations.md, "Our threads on vLLM's cores"). Both sides wait passively too.
+_PINNED = {"VLLM_CPU_OMP_THREADS_BIND": "0", **_PASSIVE}
+PAIRINGS = ((2, 1), (1, 2))
+
+
+def tp_servers(
+    model: str, logs: Path, producer_tp: int, consumer_tp: int, suffix: str = ""
+) -> tuple[Server, Server]:
+    """The prefill and the decode of one TP pairing, started (not yet healthy). TP 2 -> TP 1:
+    the TP 1 decode unpinned, so the OS spreads the three engines; TP 1 -> TP 2: pinned as
+    above."""
+    p = Server(
+        f"tp{producer_tp}-prefill{suffix}", model, logs,
+        kv_config("kv_producer", **_TP_TIMEOUTS), *(_TP2 if producer_tp == 2 else ()),
+        core=None, env=_BOTH_CORES if producer_tp == 2 else _PINNED,
+    )  # fmt: skip
+    d = Server(
+        f"tp{consumer_tp}-decode{suffix}", model, logs,
+        kv_config("kv_consumer", **_TP_TIMEOUTS), *(_TP2 if consumer_tp == 2 else ()),
+        core=None, env=_BOTH_CORES if consumer_tp == 2 else _PASSIVE,
+    )  # fmt: skip
+    return p, d
+
+
+def single_servers(model: str, logs: Path) -> dict[int, Server]:
+    """A single vLLM per TP size (no connector), placed as the pairings place their engines:
+    the references P/D tokens are held against."""
+    return {
+        1: Server("single-tp1", model, logs, None, core=None, env=_PINNED),
+        2: Server("single-tp2", model, logs, None, *_TP2, core=None, env=_BOTH_CORES),
+    }
+
+
+def check_tp_pairing(
+    p: Server,
+    d: Server,
+    producer_tp: int,
+    consumer_tp: int,
+    references: dict[str, dict[int, list[int]]] | None = None,
+) -> None:
+    """P/D of every TP prompt through ``p`` and ``d`` (both healthy): vLLM counts every prompt
+    token as transferred, the tokens equal a single vLLM of either TP size (``references``:
+    prompt -> TP size -> tokens; None: computed afresh on each engine), and the producer's KV
+    is given back. A TP 2 engine sums in another order than a TP 1 engine (fp32), so each P/D
+    run says which reference it matches; it must match one."""
+    label = f"TP {producer_tp} -> TP {consumer_tp}"
+    for n, prompt in enumerate(TP_PROMPTS):
+        # The P/D request first: the decode has never seen this prompt.
+        answer = pd_decode(d, prompt, TP_TOKENS, prefill(p, prompt), label)
+        if references is not None:
+            expected = references[prompt]
+        else:
+            # Computed afresh on each engine: a cache salt keeps them from reusing the blocks
+            # the P/D run left (wrong KV would match itself).
+            expected = {}
+            for server, tp in ((p, producer_tp), (d, consumer_tp)):
+                status, reference = server.complete(prompt, TP_TOKENS, cache_salt=f"ref-{n}")
+                check(status == 200, f"{label}: the TP {tp} reference answered")
+                expected[tp] = tokens(reference)
+        matches = [tp for tp, ref in sorted(expected.items()) if tokens(answer) == ref]
+        check(
+            bool(matches),
+            f"{label}: P/D tokens equal a single vLLM for {prompt[:30]!r}... "
+            f"(matches the TP {' and TP '.join(map(str, matches)) or '-'} reference)",
+        )
+    wait_for(
+        lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0,
+        f"{label}: the producer's KV to be given back",
+    )
+    check(True, f"{label}: the producer's KV cache usage is back to 0")
 
 
 def run_tp(model: str, logs: Path) -> None:
-    """TP 2 prefill -> TP 1 decode, then TP 1 -> TP 2: tokens equal a single vLLM's. A TP 2
-    engine sums in another order than a TP 1 engine (fp32), so each P/D run is compared with
-    both single-instance references and says which it matches; it must match one.
+    """TP 2 prefill -> TP 1 decode, then TP 1 -> TP 2: tokens equal a single vLLM's, with a
+    `StallCatcher` on both servers (a stalled step leaves its stacks in ``logs/dumps-*``).
 
     Under heavy CPU load (load average 9 on 2 cores) the TP 2 -> TP 1 decode's load was once
     refused because its lease expired: the decode's keep-alives reached the producer 25-30 s
     late (a stalled first gRPC connection), past the former 30 s default lease. The lease is
     120 s now and the producer's lease clock stops while its keep-alive server cannot run
     (docs/operations.md, "Leases under CPU starvation")."""
-    # OpenMP teams busy-wait after each step by default: a TP 2 engine's two teams on both
-    # cores starved the other server's UCX and loader threads (a UCX endpoint took over 5 s to
-    # be created). Waiting passively costs a few microseconds per parallel region.
-    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
-    both = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **passive}
-    tp2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
-    # Generous timeouts: these runs check TP, not how fast a dead peer is noticed. Three vLLM
-    # engines on 2 cores, each stepped about every millisecond while a request waits for KV
-    # (the producer's lease, the consumer's load) and their workers spinning on vLLM's queues,
-    # starve the threads that serve and ask the handshake: with the defaults (5 s per
-    # handshake attempt, two attempts) and one more busy process on the host, the TP 1 -> TP 2
-    # decode's first GetHandshake failed with DEADLINE_EXCEEDED; the 10 s transfer timeout was
-    # once too short for a TP 2 engine's first UCX endpoint. Typed errors, that request only,
-    # but not what this run checks.
-    timeout = {"transfer_timeout_s": 60, "handshake_timeout_s": 20}
-    # TP 1 -> TP 2 runs pinned as two instances on one small host are: the prefill's OpenMP
-    # thread on core 0, the decode's on cores 0 and 1, so the prefill and the decode's TP rank 0
-    # share core 0 (vLLM pins the whole worker process, our threads included). That is where
-    # the producer's UCX loop, spinning at 100% of core 0, once kept the decode's rank 0 from
-    # running for minutes and vLLM's executor killed the decode (issue 27; the loop now naps).
-    # Both sides wait passively too: a TP 1 prefill's team kept spinning on core 0 after each
-    # step while its request waited to be pulled, and the decode's rank 0 on that core once sat
-    # past vLLM's 60 s step timeout ("No available shared memory broadcast block", issue 29's
-    # CI run; the TP 2 -> TP 1 runs already waited passively).
-    pinned = {"VLLM_CPU_OMP_THREADS_BIND": "0", **passive}
-    for producer_tp, consumer_tp in ((2, 1), (1, 2)):
-        label = f"TP {producer_tp} -> TP {consumer_tp}"
-        # TP 2 -> TP 1: the TP 1 server unpinned, so the OS spreads the three engines.
-        p = Server(
-            f"tp{producer_tp}-prefill", model, logs, kv_config("kv_producer", **timeout),
-            *(tp2 if producer_tp == 2 else ()), core=None,
-            env=both if producer_tp == 2 else pinned,
-        )  # fmt: skip
-        d = Server(
-            f"tp{consumer_tp}-decode", model, logs, kv_config("kv_consumer", **timeout),
-            *(tp2 if consumer_tp == 2 else ()), core=None,
-            env=both if consumer_tp == 2 else passive,
-        )  # fmt: skip
+    for producer_tp, consumer_tp in PAIRINGS:
+        p, d = tp_servers(model, logs, producer_tp, consumer_tp)
+        catcher = StallCatcher(
+            [p.log, d.log],
+            [p.process.pid, d.process.pid],
+            logs / f"dumps-tp{producer_tp}-tp{consumer_tp}",
+        )
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
             p.wait_healthy(deadline)
             d.wait_healthy(deadline)
-            for n, prompt in enumerate(TP_PROMPTS):
-                # The P/D request first: the decode has never seen this prompt.
-                answer = pd_decode(d, prompt, TP_TOKENS, prefill(p, prompt), label)
-                # References computed afresh on each engine: a cache salt keeps them from
-                # reusing the blocks the P/D run left (wrong KV would match itself).
-                references = {}
-                for server, tp in ((p, producer_tp), (d, consumer_tp)):
-                    status, reference = server.complete(prompt, TP_TOKENS, cache_salt=f"ref-{n}")
-                    check(status == 200, f"{label}: the TP {tp} reference answered")
-                    references[tp] = tokens(reference)
-                matches = [tp for tp, ref in sorted(references.items()) if tokens(answer) == ref]
-                check(
-                    status == 200 and bool(matches),
-                    f"{label}: P/D tokens equal a single vLLM for {prompt[:30]!r}... "
-                    f"(matches the TP {' and TP '.join(map(str, matches)) or '-'} reference)",
-                )
-            wait_for(
-                lambda p=p: p.metric("vllm:kv_cache_usage_perc") == 0.0,
-                f"{label}: the producer's KV to be given back",
-            )
-            check(True, f"{label}: the producer's KV cache usage is back to 0")
+            check_tp_pairing(p, d, producer_tp, consumer_tp)
         finally:
+            catcher.stop()
             d.stop()
             p.stop()
+        check(
+            catcher.stall_lines == 0 and not catcher.deaths,
+            f"TP {producer_tp} -> TP {consumer_tp}: no stalled step, no engine death",
+        )
 
 
 def report_failure(failure: StageFailure, logs: Path) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kvtransfer.threads import enter_own_thread
 from kvtransfer.transport.access import AccessDenied, LeaseAccess
 from kvtransfer.transport.buffers import (
     BufferPool,
@@ -567,6 +568,7 @@ class PullClient:
             completion()
 
     def _work(self) -> None:
+        enter_own_thread(threading.current_thread().name)
         while True:
             with self._jobs_cond:
                 while not self._jobs:

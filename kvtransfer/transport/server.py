@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvtransfer.threads import enter_own_thread
 from kvtransfer.transport.access import AccessDenied, LeaseAccess, LeaseGrants
 from kvtransfer.transport.buffers import (
     BufferPool,
@@ -176,6 +177,7 @@ class KVServer:
     # -- handler threads ----------------------------------------------------------------------
 
     def _serve(self) -> None:
+        enter_own_thread(threading.current_thread().name)
         while True:
             item = self._queue.get()
             if item is None:
@@ -188,6 +190,7 @@ class KVServer:
 
     def _unpark(self) -> None:
         """Requeue parked requests once their grant (or revocation) came, or their wait ran out."""
+        enter_own_thread("kvtransfer-serve-park")
         grants = self._grants
         if grants is None:
             return

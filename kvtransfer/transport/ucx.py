@@ -62,6 +62,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvtransfer.threads import enter_own_thread
 from kvtransfer.transport.errors import PeerUnreachable, TransportClosed
 from kvtransfer.transport.locality import Locality, WorkerAddresses
 from kvtransfer.transport.messages import peer_name
@@ -79,14 +80,24 @@ _MAX_SLEEP_S = 1.0
 _SHUTDOWN_DRAIN_S = 0.2
 # Progress calls per pass before the loop serves its queue, probes and deadlines again.
 _MAX_PROGRESS_PER_PASS = 64
-# While UCX cannot be armed (it has work its descriptor will not announce: a pending send, a
-# polled transport), the loop spins this long, then naps `_BUSY_NAP_MS` per pass. Spinning
-# without end starved a peer on the same core: vLLM pins a whole worker process, our threads
-# included, to its OpenMP core, and a producer's loop at 100% of core 0 kept the TP rank 0 of
-# its consumer, pinned there too, from running for minutes (issue 27).
+# The loop sleeps in ``poll`` on UCX's event descriptor and its wake-up pipe, and runs a pass
+# whenever either is readable. A pass that finds nothing to do (no queued call, no completion,
+# UCX progressed nothing) after a wake-up is an *empty* wake-up. A descriptor that stays
+# readable although UCX has nothing for us, or a worker that can never be armed, would turn
+# that into a spin at 100% of a core: vLLM pins a whole worker process, our threads included,
+# to its OpenMP core, and such a spin in a producer kept the TP rank 0 of its consumer, pinned
+# to the same core, from running until vLLM's executor killed the engine (issues 27 and 34).
+# So after `_EMPTY_WAKES_BEFORE_NAP` empty wake-ups in a row, or `_BUSY_SPIN_S` of UCX unable
+# to arm, each pass naps `_NAP_MS` on the wake-up pipe alone (a queued call still ends the nap;
+# UCX's descriptor cannot): the thread's share of a core while nothing moves is bounded by one
+# pass's cost per `_NAP_MS`, whatever UCX reports.
+_EMPTY_WAKES_BEFORE_NAP = 4
 _BUSY_SPIN_S = 200e-6
-_BUSY_NAP_MS = 1.0
-# A loop busy this long without a break is logged (once per busy spell).
+_NAP_MS = 1.0
+# UCX saying it progressed something for this long while none of our requests completed and
+# no call came counts as nothing done (a transport that claims work forever).
+_UNSEEN_PROGRESS_S = 2.0
+# A loop napping this long without a break is logged (once per spell).
 _BUSY_WARN_S = 5.0
 
 
@@ -162,6 +173,78 @@ def _ucx_modules() -> tuple[Any, Any, Any]:
     return libucxx, Array, numpy
 
 
+class _Pacer:
+    """Decides when the loop naps instead of polling (see `_EMPTY_WAKES_BEFORE_NAP`)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._empty_wakes = 0
+        self._woke = False
+        self._busy_since: float | None = None
+        self._unseen_since: float | None = None
+        self._napping_since: float | None = None
+        self._warned = False
+
+    def pass_done(self, ours: int, progressed: bool) -> None:
+        """A pass ran ``ours`` calls, completions and expiries; UCX said it ``progressed``."""
+        now = time.monotonic()
+        if ours:
+            self._unseen_since = None
+        elif progressed and self._unseen_since is None:
+            self._unseen_since = now
+        unseen = self._unseen_since is not None and now - self._unseen_since >= _UNSEEN_PROGRESS_S
+        if ours or (progressed and not unseen):
+            self._empty_wakes = 0
+            self._busy_since = None
+            self._rested()
+        elif self._woke:
+            self._empty_wakes += 1
+
+    def woke(self, by_event: bool) -> None:
+        """The poll returned: because a descriptor was readable (else its timeout ran out)."""
+        self._woke = by_event
+        if not by_event:
+            self._empty_wakes = 0
+            self._rested()
+
+    def should_nap(self) -> bool:
+        """UCX is armed: nap rather than poll when its descriptor keeps waking us for nothing."""
+        self._busy_since = None
+        if self._empty_wakes < _EMPTY_WAKES_BEFORE_NAP:
+            return False
+        self._napping()
+        return True
+
+    def busy(self) -> bool:
+        """UCX could not be armed: whether to nap (past `_BUSY_SPIN_S` of it) or spin on."""
+        now = time.monotonic()
+        if self._busy_since is None:
+            self._busy_since = now
+        if now - self._busy_since < _BUSY_SPIN_S:
+            return False
+        self._napping()
+        return True
+
+    def _napping(self) -> None:
+        now = time.monotonic()
+        if self._napping_since is None:
+            self._napping_since = now
+        if not self._warned and now - self._napping_since >= _BUSY_WARN_S:
+            self._warned = True
+            logger.warning(
+                "UCX loop %s: UCX has kept waking it for nothing, or had unannounced work, for "
+                "%.0f s (a descriptor that stays readable, pending sends to a peer that does "
+                "not progress?); polling it every %g ms",
+                self._name,
+                now - self._napping_since,
+                _NAP_MS,
+            )
+
+    def _rested(self) -> None:
+        self._napping_since = None
+        self._warned = False
+
+
 class UcxLoop:
     """A UCX worker plus its progress thread. Methods marked *loop thread* must run on it."""
 
@@ -198,6 +281,8 @@ class UcxLoop:
         self._poller = select.poll()
         self._poller.register(self._epoll_fd, select.POLLIN)
         self._poller.register(self._wake_r, select.POLLIN)
+        self._wake_poller = select.poll()
+        self._wake_poller.register(self._wake_r, select.POLLIN)
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
@@ -213,8 +298,10 @@ class UcxLoop:
         self._close_hooks: dict[bytes, list[Callable[[], None]]] = {}
         self._listeners: dict[int, MessageHandler] = {}
         self.name = name
-        # Naps taken while UCX could not be armed (see `_BUSY_SPIN_S`); for tests and stats.
+        # Naps taken while UCX could not be armed, and after empty wake-ups (see
+        # `_EMPTY_WAKES_BEFORE_NAP`); for tests and stats.
         self.busy_naps = 0
+        self.idle_naps = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -423,63 +510,62 @@ class UcxLoop:
             )
 
     def _run(self) -> None:
-        busy_since: float | None = None
-        warned = False
+        enter_own_thread(self.name)
+        pacer = _Pacer(self.name)
         try:
             while True:
-                self._run_calls()
+                ran = self._run_calls()
                 with self._lock:
                     if self._closing and not self._calls:
                         break
-                self._progress()
+                progressed, ours = self._progress()
                 if self._calls:
                     continue
+                pacer.pass_done(ran + ours, progressed)
                 if self._worker.arm():
-                    busy_since, warned = None, False
-                    self._poller.poll(self._sleep_s() * 1e3)
+                    if pacer.should_nap():
+                        self._nap()
+                        self.idle_naps += 1
+                        continue
+                    pacer.woke(bool(self._poller.poll(self._sleep_s() * 1e3)))
                     self._drain_wake()
-                    continue
-                now = time.monotonic()
-                if busy_since is None:
-                    busy_since = now
-                busy_s = now - busy_since
-                if busy_s >= _BUSY_SPIN_S:
-                    # A nap a queued call still ends (the wake-up pipe); UCX is progressed
-                    # again right after it.
-                    self._poller.poll(min(_BUSY_NAP_MS, self._sleep_s() * 1e3))
-                    self._drain_wake()
+                elif pacer.busy():
+                    self._nap()
                     self.busy_naps += 1
-                if busy_s >= _BUSY_WARN_S and not warned:
-                    warned = True
-                    logger.warning(
-                        "UCX loop %s: UCX has had unannounced work for %.0f s (pending sends "
-                        "to a peer that does not progress?); polling it every %g ms",
-                        self.name,
-                        busy_s,
-                        _BUSY_NAP_MS,
-                    )
         except Exception:
             logger.exception("UCX progress thread crashed")
         finally:
             self._shutdown()
 
-    def _progress(self) -> None:
+    def _nap(self) -> None:
+        """Sleep `_NAP_MS` (less if a deadline is nearer) unless a call is queued; UCX's
+        descriptor is not watched, so one that stays readable cannot end the nap."""
+        self._wake_poller.poll(min(_NAP_MS, self._sleep_s() * 1e3))
+        self._drain_wake()
+
+    def _progress(self) -> tuple[bool, int]:
+        """Progress UCX, probe listeners, complete and expire requests: (whether UCX said it
+        progressed anything, how many of our requests completed or expired)."""
+        progressed = False
         for _ in range(_MAX_PROGRESS_PER_PASS):
             if not self._worker.progress_once():
                 break
+            progressed = True
         if self._listeners:
             self._probe()
-        self._complete()
-        self._expire()
+        return progressed, self._complete() + self._expire()
 
-    def _run_calls(self) -> None:
+    def _run_calls(self) -> int:
+        """Run the queued calls; how many ran."""
+        ran = 0
         while True:
             with self._lock:
                 if not self._calls:
-                    return
+                    return ran
                 fn, future = self._calls.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
+            ran += 1
             try:
                 result = fn()
             except BaseException as exc:
@@ -505,15 +591,15 @@ class UcxLoop:
                     None,
                 )
 
-    def _complete(self) -> None:
+    def _complete(self) -> int:
         if not self._tracked:
-            return
+            return 0
         pending = []
         finished = []
         for tracked in self._tracked:
             (finished if tracked.request.completed else pending).append(tracked)
         if not finished:
-            return
+            return 0
         self._tracked = pending
         for tracked in finished:
             tracked.done = True
@@ -523,6 +609,7 @@ class UcxLoop:
             except Exception as exc:
                 error = exc
             self._notify(tracked, error)
+        return len(finished)
 
     def _notify(self, tracked: _Tracked, error: BaseException | None) -> None:
         callback, tracked.on_done = tracked.on_done, None
@@ -533,17 +620,20 @@ class UcxLoop:
         except Exception:
             logger.exception("UCX completion callback failed")
 
-    def _expire(self) -> None:
+    def _expire(self) -> int:
         now = time.monotonic()
+        expired = 0
         while self._deadlines and self._deadlines[0].at <= now:
             tracked = heapq.heappop(self._deadlines).tracked
             if tracked.done or tracked.on_timeout is None:
                 continue
             on_timeout, tracked.on_timeout = tracked.on_timeout, None
+            expired += 1
             try:
                 on_timeout()
             except Exception:
                 logger.exception("UCX timeout callback failed")
+        return expired
 
     def _sleep_s(self) -> float:
         while self._deadlines and self._deadlines[0].tracked.done:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvtransfer.threads import enter_own_thread
 from kvtransfer.transport.access import LeaseGrants
 
 
@@ -77,6 +78,7 @@ class LayerReadiness:
             self._watcher = None
 
     def _watch(self) -> None:
+        enter_own_thread("kvtransfer-layer-ready")
         while (item := self._pending.get()) is not None:
             event, lease_ids, layer_name = item
             event.synchronize()

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvtransfer.connectors.ucx.leases import LeaseBook, LeaseSecretMismatch
 from kvtransfer.connectors.ucx.metadata import RemotePrefill
 from kvtransfer.control.security import TLSFiles, channel_credentials, channel_options
+from kvtransfer.threads import enter_own_thread
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class Notifier:
         ready = threading.Event()
 
         def run() -> None:
+            enter_own_thread("kvtransfer-ucx-notify")
             asyncio.set_event_loop(loop)
             self._changed = asyncio.Event()
             heartbeat = loop.create_task(self._heartbeat())

@@ -40,6 +40,7 @@ from kvtransfer.connectors.ucx.metadata import (
 )
 from kvtransfer.connectors.ucx.notify import Notifier
 from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines, encode_agent_address
+from kvtransfer.threads import enter_own_thread
 from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,10 @@ class UcxWorker:
         self._loads[spec.req_id] = (spec, job)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
-                self._ucx.max_concurrent_loads, thread_name_prefix="kvtransfer-ucx-load"
+                self._ucx.max_concurrent_loads,
+                thread_name_prefix="kvtransfer-ucx-load",
+                initializer=enter_own_thread,
+                initargs=("kvtransfer-load",),
             )
         self._pool.submit(self._run, job)
 
