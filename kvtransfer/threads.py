@@ -13,7 +13,6 @@ environment variable or the connector's ``thread_cpus``), it moves itself onto i
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -85,7 +84,8 @@ def enter_own_thread(name: str) -> None:
     global _libc
     try:
         if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            # The process's own symbols hold libc's prctl (find_library would fork a helper).
+            _libc = ctypes.CDLL(None, use_errno=True)
         _libc.prctl(_PR_SET_NAME, kernel_name(name).encode(), 0, 0, 0)
     except (OSError, AttributeError):
         logger.debug("cannot name thread %s for the kernel", name, exc_info=True)

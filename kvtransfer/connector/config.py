@@ -12,6 +12,18 @@ KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KVLoadFailurePolicy = Literal["fail", "recompute"]
 
 
+# Keys of ``kv_connector_extra_config`` that vLLM's adapter reads itself (never a hosted
+# connector's): which kvtransfer connector to host, how vLLM's backend lays K and V in a block,
+# the hook watchdog's bound and metrics port, a CPU set for our threads.
+VLLM_ADAPTER_KEYS = (
+    "kvtransfer_connector",
+    "vllm_kv_split",
+    "hook_bound_s",
+    "watchdog_metrics_port",
+    "thread_cpus",
+)
+
+
 class KVTransferConfigError(ValueError):
     """A ``kv_transfer_config`` that cannot be used; the message names every offending key."""
 
@@ -74,14 +86,14 @@ class KVTransferConfig(BaseModel):
         ``KVTransferConfig`` (read by attribute; vLLM is not imported).
 
         vLLM refuses a top-level ``kv_ip``, so the handshake host comes from
-        ``kv_connector_extra_config.kv_ip``; ``kvtransfer_connector`` there (the generic
-        adapter's choice of connector) and ``vllm_kv_split`` (how vLLM's backend lays K and V
-        in a block) are vLLM-side only and dropped.
+        ``kv_connector_extra_config.kv_ip``; the adapter's own keys there
+        (`VLLM_ADAPTER_KEYS`: the generic adapter's choice of connector, how vLLM's backend
+        lays K and V in a block, the hook watchdog's and our threads' settings) are dropped.
         """
         extra = dict(getattr(vllm_config, "kv_connector_extra_config", None) or {})
         kv_ip = extra.pop("kv_ip", None)
-        extra.pop("kvtransfer_connector", None)
-        extra.pop("vllm_kv_split", None)
+        for key in VLLM_ADAPTER_KEYS:
+            extra.pop(key, None)
         device = getattr(vllm_config, "kv_buffer_device", None)
         return cls.from_dict(
             {

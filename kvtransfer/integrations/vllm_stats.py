@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvtransfer.connector.metadata import KVConnectorStats
+from kvtransfer.connector.watchdog import LOAD_HOOK
 
 # Our counters exported as Prometheus counters: data key -> (metric name, what it counts).
 COUNTERS = {
@@ -37,6 +38,14 @@ COUNTERS = {
     "num_sends": ("vllm:kvtransfer_sends", "Held requests released after their consumer read"),
     "num_leases_expired": ("vllm:kvtransfer_leases_expired", "Held requests nobody read"),
     "num_handshakes": ("vllm:kvtransfer_handshakes", "Handshakes with producer engines"),
+    "num_hook_stalls": (
+        "vllm:kvtransfer_hook_stalls",
+        "Connector hooks inside a step that ran past their bound (logged with their stack)",
+    ),
+    "num_loads_overdue": (
+        "vllm:kvtransfer_loads_overdue",
+        "KV loads still running past their deadline (logged with their stack)",
+    ),
 }
 # Buckets of the per-load transfer time (seconds).
 PULL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
@@ -73,6 +82,20 @@ class TransferStats(VllmConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data
+
+
+def with_stalls(stats: KVConnectorStats | None, stalls: dict[str, int]) -> KVConnectorStats | None:
+    """``stats`` plus the watchdog's stalls since the last step (loads counted apart)."""
+    if not stalls:
+        return stats
+    data = dict(stats.data) if stats is not None else {}
+    overdue = stalls.get(LOAD_HOOK, 0)
+    hooks = sum(stalls.values()) - overdue
+    if hooks:
+        data["num_hook_stalls"] = data.get("num_hook_stalls", 0) + hooks
+    if overdue:
+        data["num_loads_overdue"] = data.get("num_loads_overdue", 0) + overdue
+    return KVConnectorStats(data=data)
 
 
 def vllm_stats(stats: KVConnectorStats | None) -> TransferStats | None:

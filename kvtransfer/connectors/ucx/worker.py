@@ -28,6 +28,7 @@ from kvtransfer.connector.base import TransferResults
 from kvtransfer.connector.completions import CompletionQueue
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorStats, canonical_kv_caches
+from kvtransfer.connector.watchdog import LOAD_HOOK, process_watchdog
 from kvtransfer.connectors.ucx.config import UcxConfig
 from kvtransfer.connectors.ucx.identity import WorkerIdentity
 from kvtransfer.connectors.ucx.layer_ready import LayerReadiness, cuda_event
@@ -44,6 +45,10 @@ from kvtransfer.threads import enter_own_thread
 from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig
 
 logger = logging.getLogger(__name__)
+
+# Past its transfer timeout plus this, a load still running is reported by the watchdog (the
+# load's own result wait gives up 5 s after the timeout: `loads._RESULT_GRACE_S`).
+_LOAD_OVERDUE_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -244,8 +249,13 @@ class UcxWorker:
         self._pool.submit(self._run, job)
 
     def _run(self, job: LoadJob) -> None:
+        # A load bounds itself by its transfer timeout; one still running well past it is a bug
+        # of ours holding a loader thread (and maybe the request): logged with its stack.
+        overdue_s = self._ucx.transfer_timeout_s + _LOAD_OVERDUE_GRACE_S
+        watch = process_watchdog().watch(LOAD_HOOK, overdue_s, f"request {job.spec.req_id}")
         try:
-            finished = _Finished(job.spec, outcome=job.run())
+            with watch:
+                finished = _Finished(job.spec, outcome=job.run())
         except LoadCancelled:
             finished = _Finished(job.spec, cancelled=True)
         except BaseException as exc:
