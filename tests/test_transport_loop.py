@@ -159,6 +159,11 @@ def test_an_armed_loop_whose_descriptor_stays_readable_naps_and_still_moves_mess
     finally:
         _swap_on_loop(loop, _poller=real)
         readable.close()
+    # Once the descriptor is quiet again the loop sleeps for real: no more naps.
+    time.sleep(0.2)
+    naps = loop.idle_naps
+    share = _cpu_share_over(loop, 1.0)
+    assert loop.idle_naps - naps <= 2 and share < 0.05, (loop.idle_naps - naps, share)
 
 
 def test_a_worker_claiming_progress_forever_is_bounded_too(loops):

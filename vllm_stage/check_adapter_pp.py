@@ -39,11 +39,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import pickle
 import socket
 import sys
+import threading
 import time
 import traceback
+import urllib.request
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -165,8 +168,9 @@ class ModelLookAlike:
 class Group:
     """Stands in for vLLM's ``GroupCoordinator`` in one worker process."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, world_size: int = 1) -> None:
         self.rank_in_group = rank
+        self.world_size = world_size
 
 
 @contextlib.contextmanager
@@ -587,6 +591,77 @@ def check_startup_answers() -> None:
         raise StageFailure("kv_buffer_device 'cpu' with CUDA caches was accepted")
 
 
+def check_watchdog() -> None:
+    """A worker hook made to block, in a worker built by vLLM's factory: our adapter's
+    watchdog logs it with the blocked thread's stack and serves it on the worker's own metrics
+    port while the step is still blocked (vLLM's /metrics cannot show it then), and the step's
+    stats count it once the step has ended."""
+    port = free_port()
+    config = vllm_config("watched", "kv_consumer", 4, 1, 1, "rma")
+    config.kv_transfer_config.kv_connector_extra_config.update(
+        hook_bound_s=0.3, watchdog_metrics_port=port
+    )
+    kv_cache_config, views = worker_caches(stage_layers(4, 0, 1), NUM_KV_HEADS)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("kvtransfer.connector.watchdog").addHandler(handler)
+    release = threading.Event()
+
+    def blocking_start_load_kv(forward_context: Any, **kwargs: Any) -> None:
+        release.wait(30)
+
+    def served() -> str:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+
+    with worker_process(0, 0):
+        worker = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.WORKER, kv_cache_config
+        )
+    try:
+        worker.register_kv_caches(views)
+        worker._inner.start_load_kv = blocking_start_load_kv
+        step = threading.Thread(target=worker.start_load_kv, args=(None,), name="vllm-step")
+        step.start()
+        deadline = time.monotonic() + WAIT_S
+        while 'kvtransfer_connector_hook_stalls_total{hook="start_load_kv"} 1.0' not in served():
+            if time.monotonic() > deadline:
+                raise StageFailure("the watchdog never served the blocked start_load_kv")
+            time.sleep(0.05)
+        check(
+            'kvtransfer_connector_hook_blocked_seconds{hook="start_load_kv"}' in served(),
+            "watchdog: the blocked start_load_kv is served on the worker's own port while "
+            "the step is still blocked",
+        )
+        logged = [r.getMessage() for r in records]
+        check(
+            len(logged) == 1
+            and "start_load_kv has run for" in logged[0]
+            and "on thread 'vllm-step'" in logged[0]
+            and "blocking_start_load_kv" in logged[0],
+            "watchdog: logged once at ERROR with the blocked thread's stack down to the hook",
+        )
+        release.set()
+        step.join(10)
+        stats = worker.get_kv_connector_stats()
+        check(
+            stats is not None and stats.reduce().get("num_hook_stalls") == 1,
+            "watchdog: the step's stats count the stall for vLLM's "
+            f"vllm:kvtransfer_hook_stalls_total ({None if stats is None else stats.reduce()})",
+        )
+        again = worker.get_kv_connector_stats()
+        check(
+            again is None or "num_hook_stalls" not in again.data,
+            "watchdog: and count it once",
+        )
+    finally:
+        release.set()
+        logging.getLogger("kvtransfer.connector.watchdog").removeHandler(handler)
+        worker.shutdown()
+
+
 def check_kernel_split_mismatch(plane: str) -> None:
     """A producer in 8-token kernel blocks and a consumer in whole 16-token blocks (two
     backends): the load fails for that request, typed, and writes nothing."""
@@ -643,6 +718,7 @@ def main() -> int:
 
     def checks() -> None:
         check_startup_answers()
+        check_watchdog()
         for producer_split, consumer_split, num_layers, fmt in PAIRINGS:
             run_pairing(producer_split, consumer_split, num_layers, args.data_plane, fmt)
         check_kernel_split_mismatch(args.data_plane)

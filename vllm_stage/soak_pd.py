@@ -73,7 +73,7 @@ def one_run(
     p, d = tp_servers(model, logs, producer_tp, consumer_tp)
     groups = [p.process.pid, d.process.pid]
     catcher = StallCatcher([p.log, d.log], groups, logs / "dumps")
-    sampler = ThreadSampler(groups)
+    sampler = ThreadSampler({p.process.pid: p.name, d.process.pid: d.name}, logs / "dumps-spin")
     row: dict = {"passed": False, "error": None}
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -94,7 +94,7 @@ def one_run(
     row["total_s"] = round(time.monotonic() - began, 1)
     row["stall_lines"] = catcher.stall_lines
     row["engine_deaths"] = catcher.deaths
-    row["dumps"] = None if catcher.caught is None else str(catcher.caught)
+    row["dumps"] = [str(where) for where in (catcher.caught, sampler.caught) if where]
     row["ours_peak_cpu"] = {name: round(share, 3) for name, share in sampler.ours_max.items()}
     row["passed"] = row["passed"] and not catcher.stall_lines and not catcher.deaths
     return row

@@ -43,9 +43,9 @@ class ThreadRow:
     cpu_share: float  # of one core, over the sampling interval
 
 
-def group_pids(pgids: list[int]) -> list[int]:
-    """Every live process whose process group is one of ``pgids``."""
-    pids = []
+def group_members(pgids: list[int]) -> dict[int, int]:
+    """pid -> process group of every live process in one of ``pgids``."""
+    members = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -53,8 +53,13 @@ def group_pids(pgids: list[int]) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
             fields = stat[stat.rindex(")") + 2 :].split()
             if int(fields[2]) in pgids:
-                pids.append(int(entry))
-    return sorted(pids)
+                members[int(entry)] = int(fields[2])
+    return members
+
+
+def group_pids(pgids: list[int]) -> list[int]:
+    """Every live process whose process group is one of ``pgids``."""
+    return sorted(group_members(pgids))
 
 
 def _thread_ticks(pid: int) -> dict[int, tuple[int, str, str]]:
@@ -85,15 +90,19 @@ def _process_name(pid: int) -> str:
 
 
 def sample_threads(pids: list[int], interval_s: float = 1.0) -> list[ThreadRow]:
-    """Every thread of ``pids`` with its CPU share over ``interval_s``, busiest first."""
-    before = {pid: _thread_ticks(pid) for pid in pids}
+    """Every thread of ``pids`` with its CPU share over about ``interval_s``, busiest first.
+    Each process's share is over the time between its own two readings (a starved sampler
+    reads late)."""
+    before = {pid: (time.monotonic(), _thread_ticks(pid)) for pid in pids}
     time.sleep(interval_s)
     rows = []
     for pid in pids:
+        read_at, ticks_before = before[pid]
         after = _thread_ticks(pid)
+        elapsed = max(time.monotonic() - read_at, 1e-3)
         for tid, (ticks, state, name) in after.items():
-            start = before.get(pid, {}).get(tid, (ticks, "", ""))[0]
-            share = (ticks - start) / _CLOCK_TICKS / interval_s
+            start = ticks_before.get(tid, (ticks, "", ""))[0]
+            share = (ticks - start) / _CLOCK_TICKS / elapsed
             rows.append(
                 ThreadRow(pid, tid, _process_name(pid), name, state, _affinity(pid, tid), share)
             )
@@ -110,31 +119,32 @@ def format_rows(rows: list[ThreadRow]) -> str:
     return "\n".join(lines)
 
 
-def dump_everything(pgids: list[int], out: Path, reason: str) -> Path:
+def dump_everything(pgids: list[int], out: Path, reason: str, first_pid: int | None = None) -> Path:
     """py-spy stacks (Python and native) of every process of ``pgids`` and the CPU, affinity
-    and state of each of their threads, into ``out``; returns ``out``."""
+    and state of each of their threads, into ``out``; returns ``out``. ``first_pid`` (a
+    process seen spinning) is read before anything else, while it may still spin."""
     out.mkdir(parents=True, exist_ok=True)
     pids = group_pids(pgids)
     (out / "reason.txt").write_text(f"{time.strftime('%H:%M:%S')} {reason}\npids {pids}\n")
-    # CPU first: py-spy stops each process while it reads it, which would skew the shares.
-    (out / "threads.txt").write_text(format_rows(sample_threads(pids)) + "\n")
     spy = shutil.which("py-spy")
-    for pid in pids:
-        if spy is None:
-            (out / "py-spy-missing.txt").write_text("py-spy is not installed\n")
-            break
+    if spy is None:
+        (out / "py-spy-missing.txt").write_text("py-spy is not installed\n")
+    elif first_pid is not None:
+        _spy(spy, first_pid, [], out / f"py-spy-first-{first_pid}.txt")
+    # CPU next: py-spy stops each process while it reads it, which would skew the shares.
+    (out / "threads.txt").write_text(format_rows(sample_threads(pids)) + "\n")
+    for pid in pids if spy is not None else ():
         for flags, name in (([], "py-spy"), (["--native"], "py-spy-native")):
-            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                done = subprocess.run(
-                    [spy, "dump", "--pid", str(pid), *flags],
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                )
-                (out / f"{name}-{pid}.txt").write_text(
-                    f"# {_process_name(pid)}\n{done.stdout}{done.stderr}"
-                )
+            _spy(spy, pid, flags, out / f"{name}-{pid}.txt")
     return out
+
+
+def _spy(spy: str, pid: int, flags: list[str], path: Path) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+        done = subprocess.run(
+            [spy, "dump", "--pid", str(pid), *flags], capture_output=True, text=True, timeout=60
+        )
+        path.write_text(f"# {_process_name(pid)}\n{done.stdout}{done.stderr}")
 
 
 class StallCatcher:
@@ -183,22 +193,42 @@ class StallCatcher:
 
 class ThreadSampler:
     """Samples every thread's CPU share of ``pgids`` each ``every_s``: the most any thread named
-    ``kvtx-*`` (kvtransfer's) took, and the samples themselves."""
+    ``kvtx-*`` (kvtransfer's) took. The first time one of ours takes more than ``spin_share``
+    of a core, everything is dumped into ``out`` (as `StallCatcher` does): a spin caught in the
+    act, whether or not vLLM stalls on it."""
 
-    def __init__(self, pgids: list[int], every_s: float = 3.0) -> None:
-        self._pgids = pgids
+    def __init__(
+        self, groups: dict[int, str], out: Path, every_s: float = 2.0, spin_share: float = 0.5
+    ) -> None:
+        """``groups``: process group -> the server's name (each server is a group)."""
+        self._groups = groups
+        self._pgids = list(groups)
+        self._out = out
         self._every_s = every_s
+        self._spin_share = spin_share
         self._stop = threading.Event()
         self.ours_max: dict[str, float] = {}
+        self.caught: Path | None = None
         self._thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._every_s):
-            for row in sample_threads(group_pids(self._pgids), 1.0):
-                if row.name.startswith("kvtx-"):
-                    self.ours_max[row.name] = max(self.ours_max.get(row.name, 0.0), row.cpu_share)
+            members = group_members(self._pgids)
+            for row in sample_threads(sorted(members), 1.0):
+                if not row.name.startswith("kvtx-"):
+                    continue
+                process = row.process.split()[0].rsplit("/", 1)[-1] if row.process else "?"
+                where = f"{self._groups.get(members.get(row.pid, 0), '?')}/{process}/{row.name}"
+                self.ours_max[where] = max(self.ours_max.get(where, 0.0), row.cpu_share)
+                if row.cpu_share > self._spin_share and self.caught is None:
+                    reason = (
+                        f"thread {row.name} (tid {row.tid}, pid {row.pid}, cpus {row.cpus}) at "
+                        f"{row.cpu_share:.0%} of a core"
+                    )
+                    print(f"spin caught ({reason}); dumping to {self._out}", flush=True)
+                    self.caught = dump_everything(self._pgids, self._out, reason, row.pid)
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join(120)

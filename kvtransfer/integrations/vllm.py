@@ -169,9 +169,9 @@ class KVTransferConnector(VllmConnectorBase):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        with self._watch("register_kv_caches"):
-            views = vllm_kv_views(kv_caches, self._layout, self._kv_split)
-            self._inner.register_kv_caches(views)
+        # At start-up, not in a step (UCX's import and context alone take seconds on a busy
+        # host): not watched.
+        self._inner.register_kv_caches(vllm_kv_views(kv_caches, self._layout, self._kv_split))
 
     def unregister_kv_caches(self) -> None:
         # vLLM 0.33: the worker sleeps (or discards its KV cache) after draining transfers.

@@ -526,6 +526,8 @@ class UcxLoop:
                     if pacer.should_nap():
                         self._nap()
                         self.idle_naps += 1
+                        # A descriptor that went quiet lets the loop sleep for real again.
+                        pacer.woke(bool(self._poller.poll(0)))
                         continue
                     pacer.woke(bool(self._poller.poll(self._sleep_s() * 1e3)))
                     self._drain_wake()
