@@ -42,6 +42,14 @@ COUNTERS = {
         "vllm:kvtransfer_hook_stalls",
         "Connector hooks inside a step that ran past their bound (logged with their stack)",
     ),
+    "ucx_idle_naps": (
+        "vllm:kvtransfer_ucx_idle_naps",
+        "Naps of our UCX loop after UCX woke it for nothing (a spin its pacing prevented)",
+    ),
+    "ucx_busy_naps": (
+        "vllm:kvtransfer_ucx_busy_naps",
+        "Naps of our UCX loop while UCX could not be armed (a spin its pacing prevented)",
+    ),
     "num_loads_overdue": (
         "vllm:kvtransfer_loads_overdue",
         "KV loads still running past their deadline (logged with their stack)",

@@ -406,6 +406,12 @@ class KVTransferAgent:
             lock.release()
 
     @property
+    def loop_naps(self) -> tuple[int, int]:
+        """The UCX loop's naps so far: (after empty wake-ups, while UCX could not be armed);
+        each is a spin its pacing prevented (see `ucx._EMPTY_WAKES_BEFORE_NAP`)."""
+        return self._loop.idle_naps, self._loop.busy_naps
+
+    @property
     def one_sided_counters(self) -> ReadCounters:
         """What this agent's one-sided reads moved so far, by path (a copy)."""
         return replace(self._reader.counters)

@@ -91,6 +91,7 @@ class UcxWorker:
         self._stats_lock = threading.Lock()
         self._stats: dict[str, float | list[float]] = {}
         self._pulls_served = 0
+        self._naps_seen = (0, 0)
         self._bytes_served = 0
         self._bytes_per_block = 0
         self._closed = False
@@ -146,6 +147,7 @@ class UcxWorker:
             raise
         self._agent = agent
         self._pulls_served = self._bytes_served = 0  # the new server counts from zero
+        self._naps_seen = (0, 0)  # and the new loop
         self._engines = RemoteEngines(
             identity,
             agent,
@@ -352,6 +354,16 @@ class UcxWorker:
             values.append(value)  # type: ignore[union-attr]
 
     def stats(self) -> KVConnectorStats | None:
+        if self._agent is not None:
+            # Spins the UCX loop's pacing prevented: UCX woke it for nothing, or could not be
+            # armed (issue 34); its thread stayed within a small share of a core meanwhile.
+            naps = self._agent.loop_naps
+            for key, now, before in zip(
+                ("ucx_idle_naps", "ucx_busy_naps"), naps, self._naps_seen, strict=True
+            ):
+                if now > before:
+                    self._add(key, now - before)
+            self._naps_seen = naps
         server = self._agent.server if self._agent is not None else None
         if server is not None:
             # What crossed the wire, whoever asked and whatever became of the pull after: a
