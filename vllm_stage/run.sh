@@ -36,6 +36,9 @@ PY
   rm -f "$work.requirements"
   touch "$stamp"
 fi
+# py-spy: the TP pairings' stall catcher dumps every process's stacks with it (check_pd.py).
+[ -x "$venv/bin/py-spy" ] || "$venv/bin/python" -m pip install -q "py-spy==0.4.3" >&2 \
+  || fail "cannot install py-spy into $venv"
 "$venv/bin/python" -c "import vllm, kvtransfer.integrations.vllm" \
   || fail "vLLM or kvtransfer.integrations.vllm does not import in $venv"
 # Bytes first: kvtransfer between caches built by vLLM's own view builder, every KV layout.

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -126,7 +127,8 @@ def dump_everything(pgids: list[int], out: Path, reason: str, first_pid: int | N
     out.mkdir(parents=True, exist_ok=True)
     pids = group_pids(pgids)
     (out / "reason.txt").write_text(f"{time.strftime('%H:%M:%S')} {reason}\npids {pids}\n")
-    spy = shutil.which("py-spy")
+    beside = Path(sys.executable).with_name("py-spy")
+    spy = str(beside) if beside.exists() else shutil.which("py-spy")
     if spy is None:
         (out / "py-spy-missing.txt").write_text("py-spy is not installed\n")
     elif first_pid is not None:
