@@ -2,9 +2,11 @@
 
 `UcxLoop` owns a UCX context and worker in blocking progress mode and runs its own progress
 thread: progress the worker, finish completed requests, then `arm` the worker and sleep in
-``select`` on its epoll descriptor plus a wake-up pipe. When UCX cannot be armed (work its
-descriptor will not announce) the thread spins briefly, then naps a millisecond per pass: it
-never holds a core, which a peer pinned to the same core needs. That thread is the only one
+``poll`` on its epoll descriptor plus a wake-up pipe. When UCX cannot be armed (work its
+descriptor will not announce) the thread spins briefly, then naps a millisecond per pass; when
+it keeps being woken for nothing (a descriptor that stays readable), it naps the same way on
+the wake-up pipe alone (`_Pacer`): it never holds a core, which a peer pinned to the same core
+needs. That thread is the only one
 that touches UCX objects; other threads hand it closures through `UcxLoop.call`. This gives
 completion callbacks without polling (ucxx's built-in progress thread would leave request
 completion to be polled from Python) and makes every UCX call single-threaded.
