@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import threading
 
 import pytest
 import torch
@@ -161,6 +162,29 @@ def test_handshake_is_cached_per_producer(pool):
     # 6 layers x 5 blocks x K/V x 2 heads x 8 tokens x 4 dims x 4 bytes.
     assert stats["bytes_received"] == 3 * 6 * 5 * 2 * 2 * 8 * 4 * 4
     assert len(stats["transfer_s"]) == 3
+
+
+def test_the_steps_hooks_never_start_a_thread(pool, monkeypatch):
+    """Starting a thread waits until it runs: on a core starved by other engines the
+    watchdog caught vLLM's `start_load_kv` held 8.6 s inside ThreadPoolExecutor.submit
+    (issue 34). More loads than loader threads, step by step: no hook starts a thread (the
+    loaders started with the caches; pulls start theirs on the loader threads)."""
+    p = pool.get("kv_producer", 1, 1)
+    with pool.engines({"engine_id": "no-spawn", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
+        step = threading.current_thread()
+        started_by_step: list[str] = []
+        real_start = threading.Thread.start
+
+        def recording_start(thread: threading.Thread) -> None:
+            if threading.current_thread() is step:
+                started_by_step.append(thread.name)
+            real_start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", recording_start)
+        for i in range(6):
+            spec = LoadSpec(f"n{i}", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+            assert run_load(c, spec)[(0, 0)] == ({f"n{i}"}, set(), set())
+        assert started_by_step == []
 
 
 def test_abort_while_pulling_writes_nothing_and_never_waits_on_the_step(pool):

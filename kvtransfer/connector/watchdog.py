@@ -100,7 +100,10 @@ class HookWatchdog:
         self.stalls: dict[str, int] = {}
         self._unreported: dict[str, int] = {}
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # Started here, at start-up: starting a thread waits for it to run, which a hook
+        # must never do (on a starved core that took seconds).
+        self._thread = threading.Thread(target=self._run, name="kvtransfer-watchdog", daemon=True)
+        self._thread.start()
 
     @contextlib.contextmanager
     def watch(self, hook: str, bound_s: float | None = None, detail: str = "") -> Iterator[None]:
@@ -119,11 +122,6 @@ class HookWatchdog:
         key = next(self._ids)
         with self._lock:
             self._calls[key] = call
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="kvtransfer-watchdog", daemon=True
-                )
-                self._thread.start()
         try:
             yield
         finally:
@@ -157,7 +155,7 @@ class HookWatchdog:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._thread is not threading.current_thread():
             self._thread.join(5)
 
     # -- the watchdog's thread ---------------------------------------------------------------

@@ -237,6 +237,13 @@ class Notifier:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Start the event loop thread now (else the first message starts it, and waits for
+        it to run); idempotent."""
+        with self._lock:
+            if not self._closed and self._loop is None:
+                self._start()
+
     def _submit(self, callback: Callable[[], None]) -> None:
         with self._lock:
             if self._closed:

@@ -134,6 +134,10 @@ class UcxScheduler:
         self._advertised: tuple[str, int] | None = None
         self._serve_error = "no handshake metadata received from the workers yet"
         self._notifier: Notifier | None = None
+        if config.is_kv_consumer:
+            # Started now, not in the first hook that needs it: starting a thread waits for it
+            # to run, and on a starved core that held a scheduler step for seconds (issue 34).
+            self._notifier_for().start()
         # Answer of the latest get_num_new_matched_tokens, until update_state_after_alloc.
         self._matched: dict[str, tuple[RemotePrefill, int]] = {}
         # Requests whose remote prefill was used (or found useless) once: never again.

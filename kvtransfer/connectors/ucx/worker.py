@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,6 +31,7 @@ from kvtransfer.connector.watchdog import LOAD_HOOK, process_watchdog
 from kvtransfer.connectors.ucx.config import UcxConfig
 from kvtransfer.connectors.ucx.identity import WorkerIdentity
 from kvtransfer.connectors.ucx.layer_ready import LayerReadiness, cuda_event
+from kvtransfer.connectors.ucx.loaders import LoaderThreads
 from kvtransfer.connectors.ucx.loads import LoadCancelled, LoadJob, LoadOutcome
 from kvtransfer.connectors.ucx.metadata import (
     LoadSpec,
@@ -41,7 +41,6 @@ from kvtransfer.connectors.ucx.metadata import (
 )
 from kvtransfer.connectors.ucx.notify import Notifier
 from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines, encode_agent_address
-from kvtransfer.threads import enter_own_thread
 from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class UcxWorker:
         # The canonical views registered; kept while the engine sleeps (no agent then).
         self._caches: dict[str, torch.Tensor] | None = None
         self._asleep = False
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: LoaderThreads | None = None
         self._notifier = Notifier(timeout_s=ucx.handshake_timeout_s, tls=ucx.tls)
         # Loads not reported yet, by request id; the job is None for one that could not start.
         self._loads: dict[str, tuple[LoadSpec, LoadJob | None]] = {}
@@ -146,6 +145,8 @@ class UcxWorker:
             agent.close()
             raise
         self._agent = agent
+        if self._config.is_kv_consumer:
+            self._loaders()
         self._pulls_served = self._bytes_served = 0  # the new server counts from zero
         self._naps_seen = (0, 0)  # and the new loop
         self._engines = RemoteEngines(
@@ -241,14 +242,13 @@ class UcxWorker:
             spec, self._engines, self._agent, self._ucx.transfer_timeout_s, self._notifier.ask_held
         )
         self._loads[spec.req_id] = (spec, job)
+        self._loaders().submit(lambda: self._run(job))
+
+    def _loaders(self) -> LoaderThreads:
+        """The loader threads, started with the caches (`_attach`), never in a step."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                self._ucx.max_concurrent_loads,
-                thread_name_prefix="kvtransfer-ucx-load",
-                initializer=enter_own_thread,
-                initargs=("kvtransfer-load",),
-            )
-        self._pool.submit(self._run, job)
+            self._pool = LoaderThreads(self._ucx.max_concurrent_loads)
+        return self._pool
 
     def _run(self, job: LoadJob) -> None:
         # A load bounds itself by its transfer timeout; one still running well past it is a bug
@@ -394,7 +394,7 @@ class UcxWorker:
             # Closing the agent fails pulls still in flight, so loader threads end promptly.
             self._agent.close()
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.close()
         self._readiness.close()
         self._notifier.close()
 
