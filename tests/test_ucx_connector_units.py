@@ -107,6 +107,27 @@ def test_connector_needs_a_role_and_a_layout():
     scheduler.shutdown()
 
 
+def test_a_consumer_schedulers_notifier_runs_before_any_hook():
+    """Its first hook must not start the notifier's thread (starting one waits until it runs:
+    seconds on a starved core, inside the engine core's step); a producer needs none."""
+    consumer = UcxConnector(
+        KVTransferConfig(kv_connector="UcxConnector", kv_role="kv_consumer"),
+        KVConnectorRole.SCHEDULER,
+    )
+    producer = UcxConnector(
+        KVTransferConfig(kv_connector="UcxConnector", kv_role="kv_producer"),
+        KVConnectorRole.SCHEDULER,
+    )
+    try:
+        thread = consumer.scheduler_half._notifier._thread
+        assert thread is not None and thread.is_alive()
+        assert producer.scheduler_half._notifier is None
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+    assert not thread.is_alive()
+
+
 # ------------------------------------------------------------------ kv_transfer_params
 
 PARAMS = {
