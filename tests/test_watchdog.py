@@ -109,6 +109,7 @@ def test_a_load_past_its_own_deadline_is_reported_with_its_request():
         ({"hook_bound_s": 0}, "hook_bound_s must be a number of seconds > 0, got 0"),
         ({"hook_bound_s": "1"}, "hook_bound_s must be a number of seconds > 0, got '1'"),
         ({"hook_bound_s": True}, "hook_bound_s must be a number of seconds > 0, got True"),
+        ({"step_bound_s": -1}, "step_bound_s must be a number of seconds > 0, got -1"),
         ({"watchdog_metrics_port": 0}, "watchdog_metrics_port must be a port (1-65535), got 0"),
         ({"watchdog_metrics_port": "9"}, "watchdog_metrics_port must be a port (1-65535), got '9'"),
         ({"thread_cpus": 3}, "thread_cpus must be a CPU list such as '2-3', got 3"),
@@ -123,10 +124,15 @@ def test_bad_watchdog_settings_are_typed_errors_naming_the_key(extra, message):
 
 
 def test_watchdog_settings_defaults_and_values():
-    assert WatchdogSettings.from_extra({}) == WatchdogSettings(1.0, None, None)
+    assert WatchdogSettings.from_extra({}) == WatchdogSettings(1.0, None, None, 30.0)
     assert WatchdogSettings.from_extra(
-        {"hook_bound_s": 2.5, "watchdog_metrics_port": 9400, "thread_cpus": "0,2-3"}
-    ) == WatchdogSettings(2.5, 9400, frozenset({0, 2, 3}))
+        {
+            "hook_bound_s": 2.5,
+            "watchdog_metrics_port": 9400,
+            "thread_cpus": "0,2-3",
+            "step_bound_s": 45,
+        }
+    ) == WatchdogSettings(2.5, 9400, frozenset({0, 2, 3}), 45.0)
 
 
 def test_kernel_names_fit_the_kernels_15_bytes():

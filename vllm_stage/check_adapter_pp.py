@@ -58,6 +58,9 @@ from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata as VllmConnectorMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.utils import get_pp_indices
 from vllm.v1.kv_cache_interface import (
@@ -599,7 +602,7 @@ def check_watchdog() -> None:
     port = free_port()
     config = vllm_config("watched", "kv_consumer", 4, 1, 1, "rma")
     config.kv_transfer_config.kv_connector_extra_config.update(
-        hook_bound_s=0.3, watchdog_metrics_port=port
+        hook_bound_s=0.3, step_bound_s=0.6, watchdog_metrics_port=port
     )
     kv_cache_config, views = worker_caches(stage_layers(4, 0, 1), NUM_KV_HEADS)
     records: list[logging.LogRecord] = []
@@ -655,6 +658,28 @@ def check_watchdog() -> None:
         check(
             again is None or "num_hook_stalls" not in again.data,
             "watchdog: and count it once",
+        )
+        # A step stuck outside our hooks (vLLM compiling in its forward, as issue 34 caught):
+        # the whole step, from binding its metadata to clearing it, is watched too.
+        records.clear()
+
+        def model_forward_stuck() -> None:
+            time.sleep(1.5)
+
+        worker.bind_connector_metadata(VllmConnectorMetadata())
+        model_forward_stuck()
+        worker.clear_connector_metadata()
+        logged = [r.getMessage() for r in records]
+        check(
+            len(logged) == 1
+            and logged[0].startswith("step (from binding its connector metadata")
+            and "model_forward_stuck" in logged[0],
+            "watchdog: a step stuck outside our hooks is logged with the stack of where it is",
+        )
+        stats = worker.get_kv_connector_stats()
+        check(
+            stats is not None and stats.reduce().get("num_step_stalls") == 1,
+            "watchdog: and counted for vllm:kvtransfer_step_stalls_total",
         )
     finally:
         release.set()

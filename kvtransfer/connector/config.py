@@ -19,6 +19,7 @@ VLLM_ADAPTER_KEYS = (
     "kvtransfer_connector",
     "vllm_kv_split",
     "hook_bound_s",
+    "step_bound_s",
     "watchdog_metrics_port",
     "thread_cpus",
 )

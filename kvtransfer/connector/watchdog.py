@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOOK_BOUND_S = 1.0
 # The hook name loads are watched under (their bound: their own deadline plus a grace).
 LOAD_HOOK = "load"
+# The name a whole engine step is watched under (from binding its connector metadata to clearing
+# it): a step stuck anywhere, in our hooks or not, is logged with the stack of its thread.
+STEP_HOOK = "step"
+DEFAULT_STEP_BOUND_S = 30.0
 # How often a call still stuck is logged again.
 _RELOG_S = 30.0
 
@@ -50,12 +54,12 @@ class WatchdogSettings:
     hook_bound_s: float = DEFAULT_HOOK_BOUND_S
     metrics_port: int | None = None
     thread_cpus: frozenset[int] | None = None
+    step_bound_s: float = DEFAULT_STEP_BOUND_S
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> WatchdogSettings:
-        bound = extra.get("hook_bound_s", DEFAULT_HOOK_BOUND_S)
-        if isinstance(bound, bool) or not isinstance(bound, int | float) or not bound > 0:
-            raise ValueError(f"hook_bound_s must be a number of seconds > 0, got {bound!r}")
+        bound = _seconds(extra, "hook_bound_s", DEFAULT_HOOK_BOUND_S)
+        step_bound = _seconds(extra, "step_bound_s", DEFAULT_STEP_BOUND_S)
         port = extra.get("watchdog_metrics_port")
         if port is not None and (
             isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
@@ -64,7 +68,14 @@ class WatchdogSettings:
         cpus = extra.get("thread_cpus")
         if cpus is not None and not isinstance(cpus, str):
             raise ValueError(f"thread_cpus must be a CPU list such as '2-3', got {cpus!r}")
-        return cls(float(bound), port, None if cpus is None else parse_cpus(cpus))
+        return cls(bound, port, None if cpus is None else parse_cpus(cpus), step_bound)
+
+
+def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{key} must be a number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 @dataclass
@@ -110,6 +121,15 @@ class HookWatchdog:
         """Run the body as the call ``hook`` (``detail``: what it works on, for the log),
         watched against ``bound_s`` (default: the hook bound). Costs a lock and a dict entry:
         fine once per hook per step."""
+        key = self.enter(hook, bound_s, detail)
+        try:
+            yield
+        finally:
+            self.leave(key)
+
+    def enter(self, hook: str, bound_s: float | None = None, detail: str = "") -> int:
+        """`watch` in two halves, for a span that is not one call (an engine step, from
+        binding its metadata to clearing it): the key to `leave` with."""
         current = threading.current_thread()
         call = _Call(
             hook,
@@ -122,19 +142,20 @@ class HookWatchdog:
         key = next(self._ids)
         with self._lock:
             self._calls[key] = call
-        try:
-            yield
-        finally:
-            with self._lock:
-                del self._calls[key]
-            if call.reported_at is not None:
-                logger.warning(
-                    "%s%s returned after %.1f s (past its %.1f s bound)",
-                    self._prefix(),
-                    call.what(),
-                    time.monotonic() - call.started,
-                    call.bound_s,
-                )
+        return key
+
+    def leave(self, key: int) -> None:
+        """The span `enter` began has ended (a key already left: nothing)."""
+        with self._lock:
+            call = self._calls.pop(key, None)
+        if call is not None and call.reported_at is not None:
+            logger.warning(
+                "%s%s returned after %.1f s (past its %.1f s bound)",
+                self._prefix(),
+                call.what(),
+                time.monotonic() - call.started,
+                call.bound_s,
+            )
 
     def blocked_s(self) -> dict[str, float]:
         """Per hook with a call in flight past its bound: how long the oldest has run."""
@@ -186,7 +207,8 @@ class HookWatchdog:
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
             logger.error(
                 "%s%s has run for %.1f s, past its %.1f s bound, on thread %r: an engine step "
-                "that does not come back is killed by vLLM's executor (300 s). Its stack:\n%s",
+                "that does not come back is killed by vLLM's executor (300 s). Its stack "
+                "(where the thread is now):\n%s",
                 self._prefix(),
                 call.what(),
                 now - call.started,

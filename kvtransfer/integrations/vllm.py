@@ -70,6 +70,7 @@ from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.factory import KVConnectorFactory
 from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole, PpTpRank
 from kvtransfer.connector.watchdog import (
+    STEP_HOOK,
     HookWatchdog,
     WatchdogSettings,
     process_watchdog,
@@ -165,6 +166,10 @@ class KVTransferConnector(VllmConnectorBase):
         self._failed_blocks: list[RefusedLoad] = []
         # Scheduler hooks hold the engine core's step as worker hooks hold the workers'.
         self._watchdog = _watchdog(vllm_kv, self._config.kv_ip, serve=not is_scheduler)
+        self._step_bound_s = WatchdogSettings.from_extra(
+            vllm_kv.kv_connector_extra_config or {}
+        ).step_bound_s
+        self._step: int | None = None
 
     # ------------------------------------------------------------------ worker side
 
@@ -189,6 +194,13 @@ class KVTransferConnector(VllmConnectorBase):
         return None
 
     def bind_connector_metadata(self, connector_metadata: VllmConnectorMetadata) -> None:
+        # The step runs until its metadata is cleared: watched whole, so a step stuck outside
+        # our hooks (vLLM compiling, a peer rank) is logged with its stack too.
+        if self._step is not None:
+            self._watchdog.leave(self._step)
+        self._step = self._watchdog.enter(
+            STEP_HOOK, self._step_bound_s, "from binding its connector metadata to clearing it"
+        )
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, _Metadata):
             self._failed_loads.extend(connector_metadata.refused)
@@ -200,6 +212,9 @@ class KVTransferConnector(VllmConnectorBase):
         super().clear_connector_metadata()
         with self._watch("clear_connector_metadata"):
             self._inner.clear_connector_metadata()
+        if self._step is not None:
+            self._watchdog.leave(self._step)
+            self._step = None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         with self._watch("start_load_kv"):

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvtransfer.connector.metadata import KVConnectorStats
-from kvtransfer.connector.watchdog import LOAD_HOOK
+from kvtransfer.connector.watchdog import LOAD_HOOK, STEP_HOOK
 
 # Our counters exported as Prometheus counters: data key -> (metric name, what it counts).
 COUNTERS = {
@@ -49,6 +49,10 @@ COUNTERS = {
     "ucx_busy_naps": (
         "vllm:kvtransfer_ucx_busy_naps",
         "Naps of our UCX loop while UCX could not be armed (a spin its pacing prevented)",
+    ),
+    "num_step_stalls": (
+        "vllm:kvtransfer_step_stalls",
+        "Engine steps that ran past step_bound_s, in our hooks or not (logged with their stack)",
     ),
     "num_loads_overdue": (
         "vllm:kvtransfer_loads_overdue",
@@ -97,12 +101,15 @@ def with_stalls(stats: KVConnectorStats | None, stalls: dict[str, int]) -> KVCon
     if not stalls:
         return stats
     data = dict(stats.data) if stats is not None else {}
-    overdue = stalls.get(LOAD_HOOK, 0)
-    hooks = sum(stalls.values()) - overdue
-    if hooks:
-        data["num_hook_stalls"] = data.get("num_hook_stalls", 0) + hooks
-    if overdue:
-        data["num_loads_overdue"] = data.get("num_loads_overdue", 0) + overdue
+    overdue, steps = stalls.get(LOAD_HOOK, 0), stalls.get(STEP_HOOK, 0)
+    hooks = sum(stalls.values()) - overdue - steps
+    for key, count in (
+        ("num_hook_stalls", hooks),
+        ("num_loads_overdue", overdue),
+        ("num_step_stalls", steps),
+    ):
+        if count:
+            data[key] = data.get(key, 0) + count
     return KVConnectorStats(data=data)
 
 
