@@ -557,25 +557,59 @@ _TP_TIMEOUTS = {"transfer_timeout_s": 60, "handshake_timeout_s": 20}
 # docs/operations.md, "Our threads on vLLM's cores"). Both sides wait passively too.
 _PINNED = {"VLLM_CPU_OMP_THREADS_BIND": "0", **_PASSIVE}
 PAIRINGS = ((2, 1), (1, 2))
+# vLLM's NixlConnector in the same pairings (benchmarks and vllm_stage/soak_pd.py; NIXL is not
+# installed by the stage): kv_both on both sides, host buffers, UCX over shared memory and TCP.
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+NIXL_ENV = {"UCX_TLS": "self,sm,tcp", "UCX_NET_DEVICES": "lo"}
+# One plain request per server before any P/D: vLLM compiles `get_masked_input_and_mask`
+# (torch.compile with inductor, a gcc build, even with --enforce-eager) at a TP > 1 engine's
+# first forward. Pinned beside a prefill whose worker busy-waits on core 0 while it holds a
+# request, that build took over 60 s on the decode's first P/D request (issue 34's stall,
+# caught with py-spy, and the same with NixlConnector); warmed up, it runs while core 0 idles.
+WARM_UP = "Warm up the engine before serving."
 
 
 def tp_servers(
-    model: str, logs: Path, producer_tp: int, consumer_tp: int, suffix: str = ""
+    model: str,
+    logs: Path,
+    producer_tp: int,
+    consumer_tp: int,
+    suffix: str = "",
+    connector: str = "ucx",
 ) -> tuple[Server, Server]:
     """The prefill and the decode of one TP pairing, started (not yet healthy). TP 2 -> TP 1:
     the TP 1 decode unpinned, so the OS spreads the three engines; TP 1 -> TP 2: pinned as
-    above."""
+    above. ``connector``: ours ("ucx") or vLLM's NixlConnector ("nixl")."""
+
+    def kv(role: str) -> tuple[dict, dict]:
+        if connector == "ucx":
+            return kv_config(role, **_TP_TIMEOUTS), {}
+        env = {
+            **NIXL_ENV,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        }
+        return NIXL, env
+
+    (p_kv, p_env), (d_kv, d_env) = kv("kv_producer"), kv("kv_consumer")
     p = Server(
-        f"tp{producer_tp}-prefill{suffix}", model, logs,
-        kv_config("kv_producer", **_TP_TIMEOUTS), *(_TP2 if producer_tp == 2 else ()),
-        core=None, env=_BOTH_CORES if producer_tp == 2 else _PINNED,
+        f"tp{producer_tp}-prefill{suffix}", model, logs, p_kv,
+        *(_TP2 if producer_tp == 2 else ()), core=None,
+        env={**(_BOTH_CORES if producer_tp == 2 else _PINNED), **p_env},
     )  # fmt: skip
     d = Server(
-        f"tp{consumer_tp}-decode{suffix}", model, logs,
-        kv_config("kv_consumer", **_TP_TIMEOUTS), *(_TP2 if consumer_tp == 2 else ()),
-        core=None, env=_BOTH_CORES if consumer_tp == 2 else _PASSIVE,
+        f"tp{consumer_tp}-decode{suffix}", model, logs, d_kv,
+        *(_TP2 if consumer_tp == 2 else ()), core=None,
+        env={**(_BOTH_CORES if consumer_tp == 2 else _PASSIVE), **d_env},
     )  # fmt: skip
     return p, d
+
+
+def warm_up(*servers: Server) -> None:
+    """One plain request to each server (see `WARM_UP`)."""
+    for server in servers:
+        status, _ = server.complete(WARM_UP, 1)
+        check(status == 200, f"{server.name} warmed up (HTTP {status})")
 
 
 def single_servers(model: str, logs: Path) -> dict[int, Server]:
@@ -646,6 +680,7 @@ def run_tp(model: str, logs: Path) -> None:
             deadline = time.monotonic() + START_TIMEOUT_S
             p.wait_healthy(deadline)
             d.wait_healthy(deadline)
+            warm_up(p, d)
             check_tp_pairing(p, d, producer_tp, consumer_tp)
         finally:
             catcher.stop()

@@ -40,6 +40,7 @@ from check_pd import (
     single_servers,
     tokens,
     tp_servers,
+    warm_up,
 )
 from stall_catcher import StallCatcher, ThreadSampler
 
@@ -66,11 +67,13 @@ def one_run(
     logs: Path,
     pairing: tuple[int, int],
     expected: dict[str, dict[int, list[int]]],
+    connector: str,
+    cold: bool,
 ) -> dict:
     producer_tp, consumer_tp = pairing
     logs.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    p, d = tp_servers(model, logs, producer_tp, consumer_tp)
+    p, d = tp_servers(model, logs, producer_tp, consumer_tp, connector=connector)
     groups = [p.process.pid, d.process.pid]
     catcher = StallCatcher([p.log, d.log], groups, logs / "dumps")
     sampler = ThreadSampler({p.process.pid: p.name, d.process.pid: d.name}, logs / "dumps-spin")
@@ -79,6 +82,8 @@ def one_run(
         deadline = time.monotonic() + START_TIMEOUT_S
         p.wait_healthy(deadline)
         d.wait_healthy(deadline)
+        if not cold:
+            warm_up(p, d)
         row["start_s"] = round(time.monotonic() - began, 1)
         pd_began = time.monotonic()
         check_tp_pairing(p, d, producer_tp, consumer_tp, expected)
@@ -96,7 +101,10 @@ def one_run(
     row["engine_deaths"] = catcher.deaths
     row["dumps"] = [str(where) for where in (catcher.caught, sampler.caught) if where]
     row["ours_peak_cpu"] = {name: round(share, 3) for name, share in sampler.ours_max.items()}
-    row["passed"] = row["passed"] and not catcher.stall_lines and not catcher.deaths
+    # Passed: every check held and no engine died. A step vLLM reported stalled is counted
+    # apart (its dumps say whose it was) and still fails the soak's exit status.
+    row["passed"] = row["passed"] and not catcher.deaths
+    row["result"] = "FAIL" if not row["passed"] else "stall" if catcher.stall_lines else "pass"
     return row
 
 
@@ -111,20 +119,37 @@ def main() -> int:
     parser.add_argument(
         "--keep-going", action="store_true", help="run every run even after a failure"
     )
+    parser.add_argument(
+        "--connector", choices=("ucx", "nixl"), default="ucx",
+        help="ours, or vLLM's NixlConnector (needs NIXL in the venv)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cold", action="store_true",
+        help="no warm-up request: the first P/D request meets vLLM's first-forward compile",
+    )  # fmt: skip
     args = parser.parse_args()
     check_pd.DATA_PLANE["value"] = args.data_plane
     pairing = tuple(int(x) for x in args.pairing.split("-"))
-    label = f"TP {pairing[0]} -> TP {pairing[1]} ({args.data_plane})"
+    label = (
+        f"TP {pairing[0]} -> TP {pairing[1]} "
+        f"({'NixlConnector' if args.connector == 'nixl' else 'UcxConnector ' + args.data_plane}"
+        f"{', cold' if args.cold else ''})"
+    )
     args.logs.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     expected = references(args.model, args.logs / "references")
     print(f"references computed in {time.monotonic() - began:.0f} s", flush=True)
     rows = []
     for n in range(1, args.runs + 1):
-        row = {"run": n, **one_run(args.model, args.logs / f"run-{n}", pairing, expected)}
+        row = {
+            "run": n,
+            **one_run(
+                args.model, args.logs / f"run-{n}", pairing, expected, args.connector, args.cold
+            ),
+        }
         rows.append(row)
         print(
-            f"{label} run {n}/{args.runs}: {'PASS' if row['passed'] else 'FAIL'} "
+            f"{label} run {n}/{args.runs}: {row['result']} "
             f"start {row.get('start_s', '-')} s, P/D {row.get('pd_s', '-')} s, "
             f"total {row['total_s']} s, stalls {row['stall_lines']}, "
             f"deaths {len(row['engine_deaths'])}, ours peak {row['ours_peak_cpu']}"
@@ -132,7 +157,7 @@ def main() -> int:
             + (f"\n  dumps: {row['dumps']}" if row["dumps"] else ""),
             flush=True,
         )
-        if not row["passed"] and not args.keep_going:
+        if row["result"] != "pass" and not args.keep_going:
             break
     passed = sum(row["passed"] for row in rows)
     peak = max((s for row in rows for s in row["ours_peak_cpu"].values()), default=0.0)
@@ -153,7 +178,7 @@ def main() -> int:
     for row in rows:
         ours = max(row["ours_peak_cpu"].values(), default=0.0)
         print(
-            f"{row['run']:>4} {'pass' if row['passed'] else 'FAIL':>6} "
+            f"{row['run']:>4} {row['result']:>6} "
             f"{row.get('start_s', '-'):>8} {row.get('pd_s', '-'):>6} {row['total_s']:>8} "
             f"{row['stall_lines']:>6} {len(row['engine_deaths']):>6} {ours * 100:>12.1f}%"
         )
@@ -165,7 +190,8 @@ def main() -> int:
     out = args.json or args.logs / f"soak-tp{pairing[0]}-tp{pairing[1]}.json"
     out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {out}")
-    return 0 if passed == len(rows) == args.runs else 1
+    clean = passed == len(rows) == args.runs and not summary["stalled_runs"]
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":
