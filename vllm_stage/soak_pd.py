@@ -1,7 +1,7 @@
 """The vLLM TP pairings in a loop, servers started afresh each run, stalls caught in the act.
 
     python vllm_stage/soak_pd.py --model DIR --pairing 1-2 --runs 20 [--logs DIR]
-        [--data-plane rma|tagged] [--json FILE]
+        [--data-plane rma|tagged] [--connector ucx|nixl] [--cold] [--keep-going] [--json FILE]
 
 Issue 34: the pinned TP 1 prefill -> TP 2 decode pairing (the prefill on core 0, the decode's
 ranks on cores 0 and 1) killed the decode's engine in one run of three, three times over, each
@@ -9,17 +9,22 @@ ranks on cores 0 and 1) killed the decode's engine in one run of three, three ti
 
 1. the single-vLLM references (a TP 1 and a TP 2 server, no connector, placed as the pairing
    places its engines) are computed once;
-2. each run starts the pairing's prefill and decode afresh (`check_pd.tp_servers`), P/Ds every
-   TP prompt, holds the tokens against the references and waits for the producer's KV to be
-   given back (`check_pd.check_tp_pairing`), then stops both;
+2. each run starts the pairing's prefill and decode afresh (`check_pd.tp_servers`; ours, or
+   vLLM's NixlConnector with ``--connector nixl``), warms each up with one plain request
+   (``--cold``: not, so the first P/D request meets vLLM's first-forward compile, see
+   `check_pd.WARM_UP`), P/Ds every TP prompt, holds the tokens against the references and
+   waits for the producer's KV to be given back (`check_pd.check_tp_pairing`), then stops
+   both;
 3. a `StallCatcher` watches both servers' logs: at vLLM's first "No available shared memory
    broadcast block" it dumps every process's stacks (py-spy, Python and native) and every
    thread's CPU share and affinity into ``LOGS/run-N/dumps``; a `ThreadSampler` records the
    most CPU any of kvtransfer's threads (``kvtx-*``) took in each run;
-4. a table per run (start-up, P/D, total seconds, pass/fail, stalls, engine deaths, our threads'
-   peak CPU) and a JSON file with the same.
+4. a table per run (start-up, P/D, total seconds, pass / stall / FAIL, stall lines, engine
+   deaths, our threads' peak CPU) and a JSON file with the same.
 
-Exits 1 if any run failed, stalled or lost its engine.
+"pass": every check held, no stall; "stall": every check held and no engine died, but vLLM
+reported a step stalled (the dumps say where); "FAIL": a check failed or an engine died.
+Exits 1 unless every run passed.
 """
 
 from __future__ import annotations
