@@ -51,7 +51,9 @@ def test_a_blocked_hook_is_logged_with_its_stack_counted_and_served_while_blocke
         assert len(errors) == 1
         message = errors[0].getMessage()
         assert message.startswith("[worker 0] start_load_kv has run for ")
-        assert "past its 0.2 s bound, on thread 'vllm-step'" in message
+        assert "past its 0.2 s bound, on thread 'vllm-step' (" in message
+        # Blocked in a wait: little CPU used, and the thread sleeps.
+        assert "s of CPU in " in message and "sleeping: blocked on something" in message
         # The stack is the blocked thread's, down to the call it is blocked in.
         assert "_blocking_hook_body" in message and "release.wait(10)" in message
         wait_until(lambda: "start_load_kv" in watchdog.blocked_s(), "blocked_s to show it", 10)
@@ -67,6 +69,20 @@ def test_a_blocked_hook_is_logged_with_its_stack_counted_and_served_while_blocke
     assert watchdog.blocked_s() == {}
     assert "kvtransfer_connector_hook_blocked_seconds{" not in _metrics(port)
     assert any("start_load_kv returned after" in r.getMessage() for r in caplog.records)
+    watchdog.close()
+
+
+def test_a_slow_hook_that_computes_is_told_from_a_blocked_one(caplog):
+    watchdog = HookWatchdog(hook_bound_s=0.2, poll_s=0.05)
+    caplog.set_level(logging.ERROR, logger="kvtransfer.connector.watchdog")
+    with watchdog.watch("save_kv_layer"):
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            sum(range(1000))
+    message = caplog.records[0].getMessage()
+    assert "save_kv_layer has run for" in message
+    # It used its time computing: the CPU its thread got, not a sleeping state, says so.
+    assert ", computing)" in message
     watchdog.close()
 
 

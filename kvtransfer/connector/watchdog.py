@@ -86,6 +86,8 @@ class _Call:
     started: float
     bound_s: float
     detail: str
+    native_id: int
+    cpu_started: float
     reported_at: float | None = None
 
     def what(self) -> str:
@@ -138,6 +140,8 @@ class HookWatchdog:
             time.monotonic(),
             self.hook_bound_s if bound_s is None else bound_s,
             detail,
+            threading.get_native_id(),
+            time.thread_time(),
         )
         key = next(self._ids)
         with self._lock:
@@ -206,19 +210,42 @@ class HookWatchdog:
             frame = frames.get(call.thread)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
             logger.error(
-                "%s%s has run for %.1f s, past its %.1f s bound, on thread %r: an engine step "
-                "that does not come back is killed by vLLM's executor (300 s). Its stack "
+                "%s%s has run for %.1f s, past its %.1f s bound, on thread %r (%s): an engine "
+                "step that does not come back is killed by vLLM's executor (300 s). Its stack "
                 "(where the thread is now):\n%s",
                 self._prefix(),
                 call.what(),
                 now - call.started,
                 call.bound_s,
                 call.thread_name,
+                _how_it_spent(call, now),
                 stack.rstrip(),
             )
 
     def _prefix(self) -> str:
         return f"[{self._name}] " if self._name else ""
+
+
+_STATES = {"S": "sleeping: blocked on something", "D": "in uninterruptible I/O"}
+
+
+def _how_it_spent(call: _Call, now: float) -> str:
+    """Whether a slow call computed, waited for a CPU or was blocked: the CPU its thread used
+    since the call began, and the thread's state now (a starved thread is runnable, a blocked
+    one sleeps)."""
+    try:
+        used = time.clock_gettime(time.pthread_getcpuclockid(call.thread)) - call.cpu_started
+        with open(f"/proc/self/task/{call.native_id}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return "its CPU use and state unknown"
+    elapsed = now - call.started
+    if state == "R":
+        # Running or waiting for a CPU: the CPU it got says which.
+        how = "computing" if used > elapsed / 2 else "runnable: waiting for a CPU, starved"
+    else:
+        how = _STATES.get(state, f"state {state}")
+    return f"{used:.2f} s of CPU in {elapsed:.1f} s, {how}"
 
 
 _PROCESS_WATCHDOG: HookWatchdog | None = None
