@@ -245,7 +245,7 @@ def _how_it_spent(call: _Call, now: float) -> str:
         how = "computing" if used > elapsed / 2 else "runnable: waiting for a CPU, starved"
     else:
         how = _STATES.get(state, f"state {state}")
-    return f"{used:.2f} s of CPU in {elapsed:.1f} s, {how}"
+    return f"{used:.3f} s of CPU in {elapsed:.3f} s, {how}"
 
 
 _PROCESS_WATCHDOG: HookWatchdog | None = None
