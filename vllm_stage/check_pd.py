@@ -125,7 +125,8 @@ class _Http:
     def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples with ``labels``; `StageFailure` when the server
         exports no such sample (a missing metric must not read as 0)."""
-        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as response:
+        # Generous: a server starved by busy-waiting neighbours answers late, not wrong.
+        with urllib.request.urlopen(self.url("/metrics"), timeout=60) as response:
             text = response.read().decode()
         total, found = 0.0, False
         for line in text.splitlines():

@@ -96,6 +96,8 @@ def one_run(
         row["passed"] = True
     except StageFailure as failure:
         row["error"] = str(failure)
+    except Exception as exc:  # a server that stops answering (timeouts) fails that run only
+        row["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         sampler.stop()
         catcher.stop()
