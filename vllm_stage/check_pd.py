@@ -566,7 +566,8 @@ NIXL_ENV = {"UCX_TLS": "self,sm,tcp", "UCX_NET_DEVICES": "lo"}
 # (torch.compile with inductor, a gcc build, even with --enforce-eager) at a TP > 1 engine's
 # first forward. Pinned beside a prefill whose worker busy-waits on core 0 while it holds a
 # request, that build took over 60 s on the decode's first P/D request (issue 34's stall,
-# caught with py-spy, and the same with NixlConnector); warmed up, it runs while core 0 idles.
+# caught with py-spy; the compile is in vLLM's model code, whatever the connector); warmed up,
+# it runs while core 0 idles.
 WARM_UP = "Warm up the engine before serving."
 
 
