@@ -48,6 +48,8 @@ def test_a_blocked_hook_is_logged_with_its_stack_counted_and_served_while_blocke
     stepper.start()
     try:
         wait_until(lambda: watchdog.stalls.get("start_load_kv") == 1, "a stall counted", 10)
+        # Counted just before it is logged.
+        wait_until(lambda: [r for r in caplog.records if r.levelno == logging.ERROR], "the log", 10)
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1
         message = errors[0].getMessage()

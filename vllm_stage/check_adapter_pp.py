@@ -638,6 +638,9 @@ def check_watchdog() -> None:
             "watchdog: the blocked start_load_kv is served on the worker's own port while "
             "the step is still blocked",
         )
+        # Counted (and served) just before it is logged: wait for the log line too.
+        while not records and time.monotonic() < deadline:
+            time.sleep(0.05)
         logged = [r.getMessage() for r in records]
         check(
             len(logged) == 1

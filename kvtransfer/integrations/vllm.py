@@ -165,10 +165,9 @@ class KVTransferConnector(VllmConnectorBase):
         self._failed_loads: list[RefusedLoad] = []
         self._failed_blocks: list[RefusedLoad] = []
         # Scheduler hooks hold the engine core's step as worker hooks hold the workers'.
-        self._watchdog = _watchdog(vllm_kv, self._config.kv_ip, serve=not is_scheduler)
-        self._step_bound_s = WatchdogSettings.from_extra(
-            vllm_kv.kv_connector_extra_config or {}
-        ).step_bound_s
+        settings = WatchdogSettings.from_extra(vllm_kv.kv_connector_extra_config or {})
+        self._watchdog = _watchdog(settings, self._config.kv_ip, serve=not is_scheduler)
+        self._step_bound_s = settings.step_bound_s
         self._step: int | None = None
 
     # ------------------------------------------------------------------ worker side
@@ -382,13 +381,12 @@ class MultiConnector(KVTransferConnector):
     kvtransfer_name = "MultiConnector"
 
 
-def _watchdog(vllm_kv: Any, host: str | None, serve: bool) -> HookWatchdog:
+def _watchdog(settings: WatchdogSettings, host: str | None, serve: bool) -> HookWatchdog:
     """This process's watchdog over our hooks (see `HookWatchdog`), from the adapter's own
     keys of ``kv_connector_extra_config``: ``hook_bound_s`` (default 1 s),
     ``watchdog_metrics_port`` (a worker's counts served at port + its rank index, while a step
     is stuck too; unset: not served; ``serve`` False: the scheduler's process serves none) and
     ``thread_cpus`` (a CPU set for our threads; unset: they stay on the process's cores)."""
-    settings = WatchdogSettings.from_extra(vllm_kv.kv_connector_extra_config or {})
     if settings.thread_cpus is not None:
         set_thread_cpus(settings.thread_cpus)
     watchdog = process_watchdog()
