@@ -40,6 +40,13 @@ def pytest_collection_modifyitems(config, items):
         )
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # matplotlib builds its font cache on first import by running fc-list, a child process a
+    # unit test may not start: on a fresh machine (no cache yet) the plotting unit tests failed
+    # on that alone. Built here, before any test, it is read from disk afterwards.
+    import matplotlib.font_manager
+
+
 def _refuse(what: str):
     def refuse(*args, **kwargs):
         raise AssertionError(
