@@ -44,7 +44,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # matplotlib builds its font cache on first import by running fc-list, a child process a
     # unit test may not start: on a fresh machine (no cache yet) the plotting unit tests failed
     # on that alone. Built here, before any test, it is read from disk afterwards.
-    import matplotlib.font_manager
+    import matplotlib.font_manager  # noqa: F401 - imported for its side effect
 
 
 def _refuse(what: str):
