@@ -122,13 +122,21 @@ def check_factory_and_sleep_mode(model: str) -> None:
 def sleep_and_wake(engine: Engine, buffer_bytes: dict[tuple[int, int], int]) -> None:
     """As 0.33's Worker.sleep / wake_up on every worker, then its EngineCore's re-publication.
     ``buffer_bytes``: the size of the one buffer behind each worker's layer views."""
+    old = {rank: next(iter(views.values())).data_ptr() for rank, views in engine.caches.items()}
     for rank, worker in engine.workers.items():
         worker.unregister_kv_caches()
         worker.unregister_kv_caches()  # idempotent, as 0.33 says
         next(iter(engine.caches[rank].values())).untyped_storage().resize_(0)
     # What the freed memory may hold meanwhile (another tenant of the GPU): the woken pool
-    # then lands elsewhere, as it may after a real sleep.
-    squatters = [torch.empty(size, dtype=torch.int8) for size in buffer_bytes.values()]
+    # then lands elsewhere, as it may after a real sleep. The squatter must sit on the freed
+    # range itself: the allocator does not always hand it back first (threads exiting or
+    # starting meanwhile map memory too), and a woken pool on its old range proves nothing.
+    squatters = []
+    for rank, size in buffer_bytes.items():
+        for _ in range(64):
+            squatters.append(torch.empty(size, dtype=torch.int8))
+            if squatters[-1].data_ptr() <= old[rank] < squatters[-1].data_ptr() + size:
+                break
     handshakes: dict[tuple[int, int], Any] = {}
     for rank, worker in engine.workers.items():
         next(iter(engine.caches[rank].values())).untyped_storage().resize_(buffer_bytes[rank])
