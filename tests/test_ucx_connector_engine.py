@@ -138,7 +138,8 @@ def test_prefix_hit_on_the_consumer_pulls_only_the_missing_blocks(producer, expe
     assert first[0].token_ids == again[0].token_ids == expected[2]
     # 40 tokens: the second request finds blocks 0-3 cached and pulls only the fifth.
     assert [len(load.local_block_ids) for load in loads] == [5, 1]
-    assert loads[1].remote_block_ids == loads[1].remote.block_ids[4:]
+    (run,) = loads[1].runs
+    assert run.remote_block_ids == loads[1].remote.block_ids[0][4:]
 
 
 def test_pulled_blocks_equal_the_producers_bytes_drafter_included():

@@ -97,7 +97,7 @@ def _check_caches(consumer: SyntheticEngine, remote_ids, local_ids) -> None:
 def test_every_layer_and_head_slice_arrives(pool, producer, consumer):
     p = pool.get("kv_producer", *producer)
     c = pool.get("kv_consumer", *consumer)
-    spec = LoadSpec("req", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+    spec = LoadSpec.one_group("req", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
     results = run_load(c, spec)
     assert results == {rank: ({"req"}, set(), set()) for rank in c.workers}
     _check_caches(c, REMOTE_IDS, LOCAL_IDS)
@@ -115,7 +115,7 @@ def _plan(consumer: SyntheticEngine, rank, producer: SyntheticEngine):
 def test_replicated_heads_are_read_once_and_layers_from_their_stage(pool):
     p = pool.get("kv_producer", 4, 2)
     c = pool.get("kv_consumer", 2, 1)
-    run_load(c, LoadSpec("plan", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS))
+    run_load(c, LoadSpec.one_group("plan", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS))
     # Consumer tp 1 holds head 1; producer ranks tp 2 and 3 both hold it: read from tp 2 only.
     assert _plan(c, (0, 1), p) == [
         (
@@ -138,7 +138,9 @@ def test_replicated_heads_are_read_once_and_layers_from_their_stage(pool):
     ]
     # A consumer with both heads reads each from one producer TP rank per stage.
     single = pool.get("kv_consumer", 1, 1)
-    run_load(single, LoadSpec("plan1", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS))
+    run_load(
+        single, LoadSpec.one_group("plan1", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+    )
     assert [(rank, heads) for rank, _, _, heads in _plan(single, (0, 0), p)] == [
         ((0, 0), range(0, 1)),
         ((0, 2), range(1, 2)),
@@ -152,7 +154,7 @@ def test_handshake_is_cached_per_producer(pool):
     with pool.engines({"engine_id": "cache-c", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
         worker = c.workers[(0, 0)]
         for i in range(3):
-            spec = LoadSpec(f"r{i}", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+            spec = LoadSpec.one_group(f"r{i}", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
             assert run_load(c, spec)[(0, 0)] == ({f"r{i}"}, set(), set())
         stats = worker.get_kv_connector_stats().data
     assert stats["num_handshakes"] == 1
@@ -182,7 +184,7 @@ def test_the_steps_hooks_never_start_a_thread(pool, monkeypatch):
 
         monkeypatch.setattr(threading.Thread, "start", recording_start)
         for i in range(6):
-            spec = LoadSpec(f"n{i}", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+            spec = LoadSpec.one_group(f"n{i}", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
             assert run_load(c, spec)[(0, 0)] == ({f"n{i}"}, set(), set())
         assert started_by_step == []
 
@@ -195,7 +197,7 @@ def test_abort_while_pulling_writes_nothing_and_never_waits_on_the_step(pool):
         # The producer still answers handshakes but its agent no longer serves pulls.
         p.workers[(0, 0)].worker_half.agent.server.stop()
         worker = c.workers[(0, 0)]
-        spec = LoadSpec("slow", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+        spec = LoadSpec.one_group("slow", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
         worker.bind_connector_metadata(UcxConnectorMetadata(loads=(spec,)))
         worker.start_load_kv(None)
         wait_until(
@@ -272,7 +274,7 @@ def test_failed_load_reports_its_blocks(pool, caplog, case):
     p = pool.get("kv_producer", 1, 1)
     c = pool.get("kv_consumer", 1, 1)
     local_ids = LOCAL_IDS[: len(remote_ids)]
-    spec = LoadSpec("bad", p.remote("pre", remote_ids, **changes), remote_ids, local_ids)
+    spec = LoadSpec.one_group("bad", p.remote("pre", remote_ids, **changes), remote_ids, local_ids)
     with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
         results = run_load(c, spec)
     assert results == {(0, 0): ({"bad"}, {"bad"}, set(local_ids))}
@@ -289,7 +291,7 @@ def test_block_size_mismatch_is_refused_at_handshake(pool, caplog):
     with pool.engines(
         {"engine_id": "bs16", "tp": 1, "pp": 1, "role": "kv_consumer", "block_size": 16}
     ) as (c,):
-        spec = LoadSpec("bs", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+        spec = LoadSpec.one_group("bs", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
         with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
             assert run_load(c, spec)[(0, 0)] == ({"bs"}, {"bs"}, set(LOCAL_IDS))
     assert (
@@ -310,7 +312,7 @@ def test_fp8_caches_load_through_the_handshake_byte_for_byte(pool, producer, con
         {"engine_id": "fp8-c", "tp": consumer[0], "pp": consumer[1], "role": "kv_consumer",
          **fp8},
     ) as (p, c):  # fmt: skip
-        spec = LoadSpec("fp8", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+        spec = LoadSpec.one_group("fp8", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
         assert run_load(c, spec) == {rank: ({"fp8"}, set(), set()) for rank in c.workers}
         for rank, caches in c.caches.items():
             for name, cache in caches.items():
@@ -327,7 +329,7 @@ def test_two_fp8_formats_refuse_each_other_at_handshake(pool, caplog):
         {"engine_id": "e5m2", "tp": 1, "pp": 1, "role": "kv_consumer",
          "cache_dtype": "fp8_e5m2"},
     ) as (p, c):  # fmt: skip
-        spec = LoadSpec("fmt", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+        spec = LoadSpec.one_group("fmt", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
         with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
             assert run_load(c, spec)[(0, 0)] == ({"fmt"}, {"fmt"}, set(LOCAL_IDS))
     assert "dtype: local='uint8:fp8_e5m2' remote='uint8:fp8_e4m3'" in caplog.text
@@ -345,7 +347,7 @@ def test_a_producer_without_drafter_cannot_feed_a_drafter(pool, caplog):
         }
     ) as (p,):
         c = pool.get("kv_consumer", 1, 1)
-        spec = LoadSpec("d", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+        spec = LoadSpec.one_group("d", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
         with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
             assert run_load(c, spec)[(0, 0)] == ({"d"}, {"d"}, set(LOCAL_IDS))
     assert "RemoteLayoutError: engine 'nodraft' holds no drafter layers; this worker does" in (
@@ -356,8 +358,8 @@ def test_a_producer_without_drafter_cannot_feed_a_drafter(pool, caplog):
 def test_failed_pull_drops_the_cached_handshake(pool):
     p = pool.get("kv_producer", 1, 1)
     with pool.engines({"engine_id": "retry-c", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
-        bad = LoadSpec("bad", p.remote("pre", (99,)), (99,), (0,))
-        good = LoadSpec("good", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+        bad = LoadSpec.one_group("bad", p.remote("pre", (99,)), (99,), (0,))
+        good = LoadSpec.one_group("good", p.remote("pre", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
         assert run_load(c, bad)[(0, 0)][1] == {"bad"}
         assert c.workers[(0, 0)].worker_half.remote_engines == []
         assert run_load(c, good)[(0, 0)] == ({"good"}, set(), set())
@@ -368,7 +370,7 @@ def test_failed_pull_drops_the_cached_handshake(pool):
 def test_empty_load_completes_without_a_handshake(pool):
     p = pool.get("kv_producer", 1, 1)
     with pool.engines({"engine_id": "empty-c", "tp": 1, "pp": 1, "role": "kv_consumer"}) as (c,):
-        spec = LoadSpec("empty", p.remote("pre", ()), (), ())
+        spec = LoadSpec.one_group("empty", p.remote("pre", ()), (), ())
         assert run_load(c, spec) == {(0, 0): ({"empty"}, set(), set())}
         assert c.workers[(0, 0)].worker_half.remote_engines == []
 
@@ -378,7 +380,7 @@ def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
     c = pool.get("kv_consumer", 1, 1)
     # A consumer that read from this producer before (in RMA mode: it holds its keys, so only
     # the one-sided lease check stands between it and the released blocks).
-    fine = LoadSpec("fine", p.remote("held", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+    fine = LoadSpec.one_group("fine", p.remote("held", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
     assert run_load(c, fine) == {(0, 0): ({"fine"}, set(), set())}
     for cache in c.caches[(0, 0)].values():
         cache.fill_(SENTINEL)
@@ -387,7 +389,7 @@ def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
     leases.finish([("expired", 0, remote.secret)])
     # The producer let go of the blocks before the consumer read them: its workers' grant ends.
     p.step(releases=tuple(leases.take()))
-    spec = LoadSpec("late", remote, REMOTE_IDS, LOCAL_IDS)
+    spec = LoadSpec.one_group("late", remote, REMOTE_IDS, LOCAL_IDS)
     with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
         assert run_load(c, spec) == {(0, 0): ({"late"}, {"late"}, set(LOCAL_IDS))}
     if pool.data_plane == "tagged":

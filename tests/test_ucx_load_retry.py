@@ -57,7 +57,7 @@ class _Engines:
             metadata={0: SimpleNamespace(block_size=16)},
             plan=[
                 SimpleNamespace(
-                    layer_names=LAYERS, remote_rank=0, remote_heads=None, local_heads=None
+                    layer_names=LAYERS, remote_rank=0, remote_heads=None, local_heads=None, group=0
                 )
             ],
             peers={0: "peer"},
@@ -74,7 +74,7 @@ def _job(agent: _Agent, engines: _Engines) -> LoadJob:
     remote = RemotePrefill(
         engine_id="p0",
         request_id="r0",
-        block_ids=(5, 6),
+        block_ids=((5, 6),),
         host="127.0.0.1",
         port=9,
         tp_size=1,
@@ -83,7 +83,7 @@ def _job(agent: _Agent, engines: _Engines) -> LoadJob:
         secret="s" * 64,
         prompt_digest="d" * 64,
     )
-    spec = LoadSpec("r0", remote, (5, 6), (1, 2))
+    spec = LoadSpec.one_group("r0", remote, (5, 6), (1, 2))
     return LoadJob(spec, engines, agent, transfer_timeout_s=5.0)  # type: ignore[arg-type]
 
 

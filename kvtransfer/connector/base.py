@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvtransfer.connector.kv_groups import BlockIds
 from kvtransfer.connector.metadata import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
@@ -299,6 +300,10 @@ class KVConnectorBase_V1:
         """Blocks were allocated for ``request``; runs once per admission right after
         `get_num_new_matched_tokens`, also with ``num_external_tokens=0``. A load borrow of
         ``block_ids`` starts here when the connector answered ``load_kv_async=True``.
+
+        A `SupportsHMA` connector gets `BlockIds` (one tuple per KV cache group, in the
+        layout's group order; a sliding-window group's out-of-window blocks are the engine's
+        null block); any other connector gets the one group's list.
         """
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -407,3 +412,31 @@ class KVConnectorBase_V1:
                 "size 1"
             )
         self.set_xfer_handshake_metadata({tp: md for (_, tp), md in metadata.items()})
+
+
+class SupportsHMA:
+    """Mixin of a connector that follows hybrid KV caches (vLLM's name: its "hybrid memory
+    allocator"): several KV cache groups, one block list per group (`kv_groups`).
+
+    An engine whose layout has more than one group refuses, at start-up, a connector that is
+    not one. For one that is, the scheduler calls `request_finished_all_groups` instead of
+    `request_finished` and hands `update_state_after_alloc` one block list per group.
+    """
+
+    def request_finished_all_groups(
+        self, request: KVRequest, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` with every group's blocks (``block_ids[g]`` for group ``g``);
+        runs once per request, before any of its blocks is freed. ``delay_free=True`` keeps
+        every group's blocks allocated until the request is reported in ``finished_sending``."""
+        raise NotImplementedError
+
+
+def supports_hma(connector: object) -> bool:
+    """Whether a connector (class or instance) follows hybrid KV caches."""
+    if isinstance(connector, type):
+        return issubclass(connector, SupportsHMA)
+    answer = getattr(connector, "follows_kv_groups", None)
+    if callable(answer):
+        return bool(answer())
+    return isinstance(connector, SupportsHMA)

@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvtransfer.connector.kv_groups import KVCacheGroup
+
 
 class KVConnectorRole(enum.IntEnum):
     """Which half of a connector an instance is: one class, two instances, two processes."""
@@ -81,6 +83,16 @@ class KVCacheLayout:
     # ``--kv-cache-dtype``, e.g. "fp8_e4m3": the tensors are uint8); "auto": ``dtype``. Part of
     # the compatibility hash: bytes of one fp8 format are not another's.
     cache_dtype: str = "auto"
+    # The KV cache groups of a hybrid model (see `kvtransfer.connector.kv_groups`), in the
+    # order the engine lists a request's block ids; empty: one full-attention group of every
+    # layer. ``null_block_id``: the block the engine puts in a group's list for blocks it
+    # skipped (before a sliding window); never moved, never lent.
+    groups: tuple[KVCacheGroup, ...] = ()
+    null_block_id: int | None = None
+
+    @property
+    def num_groups(self) -> int:
+        return max(1, len(self.groups))
 
     @property
     def rank(self) -> PpTpRank | None:

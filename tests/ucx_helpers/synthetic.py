@@ -98,7 +98,7 @@ class SyntheticEngine:
         fields = {
             "engine_id": self.engine_id,
             "request_id": request_id,
-            "block_ids": tuple(block_ids),
+            "block_ids": (tuple(block_ids),),
             "host": host,
             "port": int(port),
             "tp_size": self.tp_size,

@@ -35,10 +35,13 @@ The scheduler half serves every ``(pp_rank, tp_rank)`` worker's handshake payloa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvtransfer.connector.base import SupportsHMA
 from kvtransfer.connector.config import KVTransferConfig
-from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole
+from kvtransfer.connector.kv_groups import BlockIds, as_block_ids
+from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole, KVRequest
 from kvtransfer.connector.split import RoleSplitConnector
 from kvtransfer.connectors.ucx.config import UcxConfig
 from kvtransfer.connectors.ucx.metadata import UcxConnectorMetadata, UcxHandshakeMetadata
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class UcxConnector(RoleSplitConnector[UcxScheduler, UcxWorker]):
+class UcxConnector(RoleSplitConnector[UcxScheduler, UcxWorker], SupportsHMA):
     connector_name = "UcxConnector"
     metadata_cls = UcxConnectorMetadata
     handshake_metadata_cls = UcxHandshakeMetadata
@@ -68,11 +71,32 @@ class UcxConnector(RoleSplitConnector[UcxScheduler, UcxWorker]):
                 "UcxConnector expects a KVCacheLayout as kv_cache_config, got "
                 f"{type(kv_cache_config).__name__}"
             )
+        self._num_groups = 1 if kv_cache_config is None else kv_cache_config.num_groups
         ucx = UcxConfig.from_transfer_config(config)
         self._build_half(
             lambda: UcxScheduler(config, ucx, kv_cache_config),
             lambda: UcxWorker(config, ucx, kv_cache_config),
         )
+
+    # Scheduler hooks: one block list per KV cache group inside (a flat list is one group).
+
+    def update_state_after_alloc(
+        self, request: KVRequest, block_ids: Sequence[Any], num_external_tokens: int
+    ) -> None:
+        half = self._scheduler_half("update_state_after_alloc")
+        groups = as_block_ids(block_ids, self._num_groups)
+        half.update_state_after_alloc(request, groups, num_external_tokens)
+
+    def request_finished(
+        self, request: KVRequest, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, as_block_ids(block_ids, 1))
+
+    def request_finished_all_groups(
+        self, request: KVRequest, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        half = self._scheduler_half("request_finished")
+        return half.request_finished(request, as_block_ids(block_ids, self._num_groups))
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvtransfer.connector.kv_groups import FULL_ATTENTION, KVCacheGroup, check_groups
 from kvtransfer.connector.metadata import KVCacheLayout
 from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.connectors.ucx.metadata import UcxHandshakeMetadata, UcxLayer
@@ -100,6 +101,13 @@ class WorkerIdentity:
     cache_dtype: str = "auto"  # the engine's cache format (`KVCacheLayout.cache_dtype`)
     # The caches hold each engine block as this many kernel blocks (vLLM's kernel split).
     kernel_blocks: int = 1
+    # The engine's KV cache groups (`KVCacheLayout.groups`; one full-attention group when it
+    # lists none) and each layer's index among them.
+    groups: tuple[KVCacheGroup, ...] = ()
+    layer_groups: Mapping[str, int] = field(default_factory=dict)
+
+    def group_of(self, layer_name: str) -> int:
+        return self.layer_groups.get(layer_name, 0)
 
     @property
     def kv_heads(self) -> range:
@@ -178,12 +186,20 @@ class WorkerIdentity:
                     f"KV cache {name!r} differs from the others in num_blocks, block_size, "
                     "head_dim, dtype or device"
                 )
+        groups = layout.groups if layout is not None and layout.groups else ()
+        if groups:
+            check_groups(groups, list(caches))
+        layer_groups = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         layers = []
         for name, cache in caches.items():
             is_draft, index = parse_layer_name(name)
             layers.append(
                 UcxLayer(
-                    name=name, index=index, is_draft=is_draft, num_kv_heads=int(cache.shape[2])
+                    name=name,
+                    index=index,
+                    is_draft=is_draft,
+                    num_kv_heads=int(cache.shape[2]),
+                    kv_group=groups[layer_groups[name]].label if groups else FULL_ATTENTION,
                 )
             )
         target = [la for la in layers if not la.is_draft]
@@ -248,6 +264,8 @@ class WorkerIdentity:
             * sum(c[0].numel() * c.element_size() for c in caches.values()),
             cache_dtype=layout.cache_dtype,
             kernel_blocks=kernel_blocks,
+            groups=groups or (KVCacheGroup(FULL_ATTENTION, tuple(caches)),),
+            layer_groups={name: layer_groups.get(name, 0) for name in caches},
         )
 
 

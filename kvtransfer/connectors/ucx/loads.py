@@ -27,8 +27,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtransfer.connector.kv_groups import FULL_ATTENTION, KVCacheGroup
 from kvtransfer.connectors.ucx.liveness import PROBE_INTERVAL_S, AskHeld, ProducerWatch
 from kvtransfer.connectors.ucx.metadata import LoadSpec
 from kvtransfer.connectors.ucx.plan import check_request_blocks
@@ -73,8 +75,11 @@ class LoadJob:
         agent: KVTransferAgent,
         transfer_timeout_s: float,
         ask_held: AskHeld | None = None,
+        groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
         self.spec = spec
+        # The engine's KV cache groups (a model without any: one of full attention).
+        self._groups = tuple(groups or (KVCacheGroup(FULL_ATTENTION, ()),))
         self._engines = engines
         self._agent = agent
         self._ask_held = ask_held
@@ -124,7 +129,9 @@ class LoadJob:
             return LoadOutcome(0, 0, 0.0)
         self._check_cancelled()
         engine = self._engines.get(spec.remote, spec.req_id)
-        check_request_blocks(spec.remote, next(iter(engine.metadata.values())).block_size)
+        check_request_blocks(
+            spec.remote, next(iter(engine.metadata.values())).block_size, self._groups
+        )
         watch = ProducerWatch(spec.remote, self._ask_held)
         try:
             try:
@@ -164,14 +171,18 @@ class LoadJob:
     def _start(self, engine: RemoteEngine, watch: ProducerWatch) -> list[PullHandle]:
         """Start every pull (a one-sided one runs to completion right here)."""
         spec = self.spec
+        runs = {run.group: run for run in spec.runs}
         for pull in engine.plan:
+            run = runs.get(pull.group)
+            if run is None or not run.local_block_ids:
+                continue  # nothing of this group's layers to move (e.g. all out of window)
             # KV still being computed is pulled layer by layer, each as soon as it is.
-            groups = (
+            batches = (
                 [(name,) for name in pull.layer_names]
                 if spec.remote.streaming
                 else [pull.layer_names]
             )
-            for layer_names in groups:
+            for layer_names in batches:
                 with self._starting:
                     with self._lock:
                         # One section with `stop_nowait`: a stopped load begins no pull.
@@ -184,11 +195,11 @@ class LoadJob:
                         PullSpec(
                             request_id=spec.req_id,
                             layer_names=layer_names,
-                            remote_block_ids=spec.remote_kernel_ids,
-                            local_block_ids=spec.local_kernel_ids,
+                            remote_block_ids=spec.kernel_ids(run.remote_block_ids),
+                            local_block_ids=spec.kernel_ids(run.local_block_ids),
                             remote_heads=pull.remote_heads,
                             local_heads=pull.local_heads,
-                            lease=spec.lease,
+                            lease=spec.lease_at(run),
                         ),
                         timeout_s=self._timeout_s,
                         on_wait=watch.check,

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvtransfer.connector.kv_groups import FULL_ATTENTION, BlockIds
 from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata, KVConnectorMetadata
 from kvtransfer.transport import KVLayout, LeaseAccess
 
@@ -37,6 +38,9 @@ class UcxLayer(BaseModel):
     index: int = _NonNegative
     is_draft: bool
     num_kv_heads: int = _Positive
+    # The layer's KV cache group, as `kv_groups.KVCacheGroup.label` (kind and window): a
+    # consumer pulls a layer only from a producer layer of the same kind.
+    kv_group: str = FULL_ATTENTION
 
 
 class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -127,7 +131,10 @@ class RemotePrefill:
 
     engine_id: str
     request_id: str
-    block_ids: tuple[int, ...]
+    # One tuple per KV cache group (the params' flat list is the one-group case): each group's
+    # blocks the producer holds, ending at the last computed block (a sliding-window group's
+    # list is that tail).
+    block_ids: BlockIds
     host: str
     port: int
     tp_size: int
@@ -141,6 +148,11 @@ class RemotePrefill:
     generation: int | None = None
     # Announced while the producer computes it: pull it layer by layer, as each is ready.
     streaming: bool = False
+
+    @property
+    def lease_blocks(self) -> tuple[int, ...]:
+        """Every group's blocks, group after group: the lease's block list."""
+        return tuple(b for group in self.block_ids for b in group)
 
     @property
     def address(self) -> str:
@@ -160,7 +172,7 @@ class RemotePrefill:
         return cls(
             engine_id=_text(params, "remote_engine_id"),
             request_id=_text(params, "remote_request_id"),
-            block_ids=_block_ids(params, "remote_block_ids"),
+            block_ids=_block_id_groups(params, "remote_block_ids"),
             host=_text(params, "remote_host"),
             port=_port(params, "remote_port"),
             tp_size=_count(params, "tp_size", 1),
@@ -185,41 +197,62 @@ def wants_kv_stream(params: Mapping[str, Any] | None) -> bool:
 
 
 @dataclass(frozen=True)
+class BlockRun:
+    """Copy the producer's ``remote_block_ids`` into this engine's ``local_block_ids`` (index
+    by index) for the layers of KV cache group ``group``. ``lease_offset``: the position of
+    the first remote block in the lease's block list (every group's blocks, in order)."""
+
+    group: int
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    lease_offset: int = 0
+
+
+@dataclass(frozen=True)
 class LoadSpec:
-    """Copy the producer's ``remote_block_ids`` into this engine's ``local_block_ids`` (index by
-    index; blocks already in the local prefix cache are not listed, so the first one is block
-    ``remote_offset`` of the producer's list)."""
+    """Load a producer's KV into this engine's blocks: one `BlockRun` per KV cache group with
+    something to move (blocks already in the local prefix cache are not listed)."""
 
     req_id: str
     remote: RemotePrefill
-    remote_block_ids: tuple[int, ...]
-    local_block_ids: tuple[int, ...]
-    remote_offset: int = 0
+    runs: tuple[BlockRun, ...]
     # Kernel blocks per engine block in the caches both workers registered (vLLM splits a
     # block into kernel blocks for some backends): set by the consumer worker, which reads and
     # writes kernel blocks; the scheduler plans in engine blocks.
     kernel_blocks: int = 1
 
-    @property
-    def remote_kernel_ids(self) -> tuple[int, ...]:
-        return kernel_block_ids(self.remote_block_ids, self.kernel_blocks)
+    @classmethod
+    def one_group(
+        cls,
+        req_id: str,
+        remote: RemotePrefill,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        remote_offset: int = 0,
+    ) -> LoadSpec:
+        """The load of a model with one KV cache group (full attention everywhere)."""
+        run = BlockRun(0, tuple(remote_block_ids), tuple(local_block_ids), remote_offset)
+        return cls(req_id, remote, (run,))
 
     @property
-    def local_kernel_ids(self) -> tuple[int, ...]:
-        return kernel_block_ids(self.local_block_ids, self.kernel_blocks)
+    def local_block_ids(self) -> tuple[int, ...]:
+        """Every local block the load writes (what a failed load leaves invalid)."""
+        return tuple(b for run in self.runs for b in run.local_block_ids)
 
-    @property
-    def lease(self) -> LeaseAccess:
-        """What this load's pulls present (the prompt digest was checked against this
-        engine's own prompt before the load was planned), in the registered (kernel) blocks
-        the producer granted."""
+    def kernel_ids(self, block_ids: Sequence[int]) -> tuple[int, ...]:
+        return kernel_block_ids(block_ids, self.kernel_blocks)
+
+    def lease_at(self, run: BlockRun) -> LeaseAccess:
+        """What ``run``'s pulls present (the prompt digest was checked against this engine's
+        own prompt before the load was planned), in the registered (kernel) blocks the
+        producer granted."""
         remote = self.remote
         return LeaseAccess(
             remote.request_id,
             remote.secret,
             remote.prompt_digest,
-            self.remote_offset * self.kernel_blocks,
-            kernel_block_ids(remote.block_ids, self.kernel_blocks),
+            run.lease_offset * self.kernel_blocks,
+            kernel_block_ids(remote.lease_blocks, self.kernel_blocks),
         )
 
 
@@ -315,14 +348,23 @@ def _port(params: Mapping[str, Any], key: str) -> int:
     return value
 
 
-def _block_ids(params: Mapping[str, Any], key: str) -> tuple[int, ...]:
+def _block_id_groups(params: Mapping[str, Any], key: str) -> BlockIds:
+    """A flat list of block ids (one KV cache group) or a list of such lists (one per group,
+    vLLM's hybrid shape)."""
     value = _present(params, key)
-    if (
-        isinstance(value, str | bytes)
-        or not isinstance(value, Sequence)
-        or not all(_is_int(b) and b >= 0 for b in value)
-    ):
+    if _is_list(value) and value and all(_is_list(group) for group in value):
+        groups = value
+    elif _is_list(value) and not any(_is_list(b) for b in value):
+        groups = [value]
+    else:
+        groups = None
+    if groups is None or not all(_is_int(b) and b >= 0 for group in groups for b in group):
         raise ValueError(
-            f"kv_transfer_params.{key} must be a list of block ids (ints >= 0), got {value!r}"
+            f"kv_transfer_params.{key} must be a list of block ids (ints >= 0), or one such "
+            f"list per KV cache group, got {value!r}"
         )
-    return tuple(value)
+    return tuple(tuple(group) for group in groups)
+
+
+def _is_list(value: object) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)

@@ -11,11 +11,12 @@ engines' layouts, so it is computed once per remote engine and reused for every 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvtransfer.connector.kv_groups import KVCacheGroup, for_group
 from kvtransfer.connector.metadata import PpTpRank
 from kvtransfer.connector.topology import EngineTransferInfo, TransferTopology, kv_head_range
 from kvtransfer.connectors.ucx.identity import WorkerIdentity
@@ -33,6 +34,7 @@ class PlannedPull:
     layer_names: tuple[str, ...]
     remote_heads: range  # indexes the remote worker's head axis
     local_heads: range  # indexes this worker's head axis
+    group: int = 0  # the local KV cache group of every layer in it
 
 
 @dataclass
@@ -103,16 +105,33 @@ def check_remote_engine(
             )
 
 
-def check_request_blocks(remote: RemotePrefill, block_size: int) -> None:
-    """A producer lists exactly the blocks of ``remote_num_tokens`` at its block size: any
-    other list was not returned by it, and must not pick (or skip) blocks silently."""
+def check_request_blocks(
+    remote: RemotePrefill, block_size: int, groups: Sequence[KVCacheGroup]
+) -> None:
+    """A producer lists, per KV cache group, exactly the blocks of ``remote_num_tokens`` at its
+    block size (a sliding-window group: at most the tail its window reaches): any other list
+    was not returned by it, and must not pick (or skip) blocks silently."""
     needed = -(-remote.num_tokens // block_size)
-    if len(remote.block_ids) != needed:
+    if len(remote.block_ids) != len(groups):
         raise RemoteLayoutError(
-            f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} blocks, "
-            f"remote_num_tokens {remote.num_tokens} needs exactly {needed} of engine "
-            f"{remote.engine_id!r}'s {block_size}-token blocks"
+            f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} block list(s); "
+            f"this engine has {len(groups)} KV cache group(s) "
+            f"({', '.join(g.describe() for g in groups)})"
         )
+    for group, blocks in zip(groups, remote.block_ids, strict=True):
+        kept = group.blocks_kept(block_size)
+        if kept is None and len(blocks) != needed:
+            raise RemoteLayoutError(
+                f"kv_transfer_params.remote_block_ids holds {len(blocks)} blocks"
+                f"{for_group(group, len(groups))}, remote_num_tokens {remote.num_tokens} needs "
+                f"exactly {needed} of engine {remote.engine_id!r}'s {block_size}-token blocks"
+            )
+        if kept is not None and not (min(1, needed) <= len(blocks) <= min(kept, needed)):
+            raise RemoteLayoutError(
+                f"kv_transfer_params.remote_block_ids holds {len(blocks)} blocks for "
+                f"{group.describe()}; its window reaches at most {min(kept, needed)} of "
+                f"engine {remote.engine_id!r}'s {block_size}-token blocks (at least one)"
+            )
 
 
 def plan_pulls(
@@ -134,7 +153,7 @@ def plan_pulls(
             f"{sorted(split)} kernel block(s) each, this worker as {identity.kernel_blocks} "
             "(different attention backends): kernel block sizes must match"
         )
-    merged: dict[tuple[PpTpRank, range, range], list[str]] = {}
+    merged: dict[tuple[PpTpRank, range, range, int], list[str]] = {}
     models = [(False, topologies.target, identity.target_layers())]
     if topologies.draft is not None:
         models.append((True, topologies.draft, identity.draft_layers()))
@@ -142,22 +161,24 @@ def plan_pulls(
         if not layers:
             continue
         _register(topology, engine_id, metadata, is_draft)
-        names = {layer.index: layer.name for layer in layers}
+        by_index = {layer.index: layer for layer in layers}
         for source in topology.layer_sources(engine_id):
-            layer_names = [names[i] for i in source.layers]
+            held = [by_index[i] for i in source.layers]
             for head in topology.head_sources(engine_id, source.remote_pp_rank):
                 rank = (source.remote_pp_rank, head.remote_tp_rank)
-                _check_serves(engine_id, metadata[rank], layer_names)
-                key = (
-                    rank,
-                    range(head.remote_offset, head.remote_offset + head.num_heads),
-                    range(head.local_offset, head.local_offset + head.num_heads),
-                )
-                merged.setdefault(key, []).extend(layer_names)
+                _check_serves(engine_id, metadata[rank], held)
+                for layer in held:
+                    key = (
+                        rank,
+                        range(head.remote_offset, head.remote_offset + head.num_heads),
+                        range(head.local_offset, head.local_offset + head.num_heads),
+                        identity.group_of(layer.name),
+                    )
+                    merged.setdefault(key, []).append(layer.name)
     return [
-        PlannedPull(rank, tuple(names), remote_heads, local_heads)
-        for (rank, remote_heads, local_heads), names in sorted(
-            merged.items(), key=lambda item: (item[0][0], item[0][2].start)
+        PlannedPull(rank, tuple(names), remote_heads, local_heads, group)
+        for (rank, remote_heads, local_heads, group), names in sorted(
+            merged.items(), key=lambda item: (item[0][0], item[0][2].start, item[0][3])
         )
     ]
 
@@ -217,11 +238,20 @@ def _register(
         raise RemoteLayoutError(f"engine {engine_id!r} holds no {kind} layers; this worker does")
 
 
-def _check_serves(engine_id: str, md: UcxHandshakeMetadata, names: list[str]) -> None:
-    held = {layer.name for layer in md.layers}
-    missing = [name for name in names if name not in held]
+def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLayer]) -> None:
+    held = {layer.name: layer for layer in md.layers}
+    missing = [layer.name for layer in wanted if layer.name not in held]
     if missing:
         raise RemoteLayoutError(
             f"worker ({md.pp_rank}, {md.tp_rank}) of engine {engine_id!r} does not hold layers "
             f"{missing}"
         )
+    for layer in wanted:
+        theirs = held[layer.name].kv_group
+        if theirs != layer.kv_group:
+            # Another kind (or window) of cache: its blocks mean other tokens, or other state.
+            raise RemoteLayoutError(
+                f"layer {layer.name!r} is {theirs} on engine {engine_id!r} (worker "
+                f"({md.pp_rank}, {md.tp_rank})) and {layer.kv_group} on this engine: the two "
+                "engines' KV cache groups differ"
+            )

@@ -29,10 +29,17 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connector.kv_groups import (
+    FULL_ATTENTION,
+    BlockIds,
+    KVCacheGroup,
+    for_group,
+    transferable_blocks,
+)
 from kvtransfer.connector.metadata import (
     KVCacheLayout,
     KVConnectorHandshakeMetadata,
@@ -45,6 +52,7 @@ from kvtransfer.connectors.ucx.config import UcxConfig
 from kvtransfer.connectors.ucx.identity import UNSPECIFIED_MODEL, compat_from_layout, compat_info
 from kvtransfer.connectors.ucx.leases import LeaseBook
 from kvtransfer.connectors.ucx.metadata import (
+    BlockRun,
     Grant,
     LoadSpec,
     RemotePrefill,
@@ -128,6 +136,11 @@ class UcxScheduler:
         self._ucx = ucx
         self._layout = layout
         self._leases = LeaseBook(ucx.lease_s)
+        # The KV cache groups whose block lists the hooks get, in order (see `kv_groups`).
+        self._groups = (layout.groups if layout is not None else ()) or (
+            KVCacheGroup(FULL_ATTENTION, ()),
+        )
+        self._null_block = None if layout is None else layout.null_block_id
         self._split: EngineSplit | None = None
         self._book: HandshakeBook | None = None
         self._server: ControlServerThread | None = None
@@ -272,13 +285,20 @@ class UcxScheduler:
             )
         block_size = self._block_size()
         needed = -(-remote.num_tokens // block_size)
-        if len(remote.block_ids) < needed:
-            # The exact count is checked against the producer's block size once its
-            # handshake is known (`plan.check_request_blocks`).
+        if len(remote.block_ids) != len(self._groups):
             raise ValueError(
-                f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} blocks, "
-                f"remote_num_tokens {remote.num_tokens} needs {needed} of {block_size} tokens"
+                f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} block "
+                f"list(s); this engine has {len(self._groups)} KV cache group(s)"
             )
+        for group, blocks in zip(self._groups, remote.block_ids, strict=True):
+            if group.blocks_kept(block_size) is None and len(blocks) < needed:
+                # The exact count is checked against the producer's block size once its
+                # handshake is known (`plan.check_request_blocks`).
+                raise ValueError(
+                    f"kv_transfer_params.remote_block_ids holds {len(blocks)} blocks"
+                    f"{for_group(group, len(self._groups))}, remote_num_tokens "
+                    f"{remote.num_tokens} needs {needed} of {block_size} tokens"
+                )
         prompt = request.prompt_token_ids
         if len(prompt) < remote.num_tokens or (
             prompt_digest(prompt[: remote.num_tokens]) != remote.prompt_digest
@@ -298,31 +318,71 @@ class UcxScheduler:
         return count, True
 
     def update_state_after_alloc(
-        self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int
+        self, request: KVRequest, block_ids: BlockIds, num_external_tokens: int
     ) -> None:
         rid = request.request_id
         if (
             self._config.is_kv_producer
+            and len(self._groups) == 1
             and wants_kv_stream(request.kv_transfer_params)
             and len(request.prompt_token_ids) >= self._ucx.stream_min_tokens
         ):
-            self._streams[rid] = (request, list(block_ids))
+            self._streams[rid] = (request, list(block_ids[0]))
         matched = self._matched.pop(rid, None)
         if matched is None or num_external_tokens == 0:
             return
         remote, start = matched
         block_size = self._block_size()
         first, end = start // block_size, -(-(start + num_external_tokens) // block_size)
-        local = tuple(block_ids[first:end])
-        if len(local) != end - first:
-            raise ValueError(
-                f"request {rid}: {start + num_external_tokens} tokens need {end} blocks, "
-                f"{len(block_ids)} were allocated"
-            )
-        self._loads.append(LoadSpec(rid, remote, remote.block_ids[first:end], local, first))
+        remote_blocks = -(-remote.num_tokens // block_size)
+        runs = []
+        lease_offset = 0
+        for index, (group, theirs, ours) in enumerate(
+            zip(self._groups, remote.block_ids, block_ids, strict=True)
+        ):
+            run = self._block_run(rid, index, group, theirs, ours, first, end, remote_blocks)
+            if run.local_block_ids:
+                runs.append(replace(run, lease_offset=lease_offset + run.lease_offset))
+            lease_offset += len(theirs)
+        self._loads.append(LoadSpec(rid, remote, tuple(runs)))
         self._consumed.add(rid)
-        self._loading[rid] = (remote, len(local))
+        self._loading[rid] = (remote, sum(len(run.local_block_ids) for run in runs))
         self._notifier_for().watch(rid, remote)
+
+    def _block_run(
+        self,
+        rid: str,
+        index: int,
+        group: KVCacheGroup,
+        theirs: Sequence[int],
+        ours: Sequence[int],
+        first: int,
+        end: int,
+        remote_blocks: int,
+    ) -> BlockRun:
+        """Which of group ``index``'s blocks [first, end) this engine needs, and from where in
+        the producer's list (which ends at its block ``remote_blocks - 1``)."""
+        if len(ours) < end:
+            raise ValueError(
+                f"request {rid}: {group.describe()}: {end} blocks needed, {len(ours)} were "
+                "allocated"
+            )
+        # Blocks before a sliding window are this engine's null block: nothing to write.
+        lo = first
+        while lo < end and self._null_block is not None and ours[lo] == self._null_block:
+            lo += 1
+        local = tuple(ours[lo:end])
+        if self._null_block is not None and self._null_block in local:
+            raise ValueError(f"request {rid}: {group.describe()}: a null block among {local}")
+        remote_first = remote_blocks - len(theirs)
+        if lo < remote_first:
+            raise ValueError(
+                f"request {rid}: {group.describe()}: this engine needs blocks from position "
+                f"{lo}; the producer holds positions {remote_first} to {remote_blocks - 1} "
+                "(its window is shorter than this engine's)"
+            )
+        remote = tuple(theirs[lo - remote_first : end - remote_first])
+        return BlockRun(index, remote, local, lo - remote_first)
 
     @property
     def stats_totals(self) -> dict[str, float]:
@@ -378,7 +438,7 @@ class UcxScheduler:
     # ------------------------------------------------------------------ both
 
     def request_finished(
-        self, request: KVRequest, block_ids: Sequence[int]
+        self, request: KVRequest, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._matched.pop(rid, None)
@@ -401,7 +461,7 @@ class UcxScheduler:
         return params["remote_num_tokens"] > 0, params
 
     def _hold(
-        self, request: KVRequest, block_ids: Sequence[int], *, streaming: bool
+        self, request: KVRequest, block_ids: BlockIds, *, streaming: bool
     ) -> dict[str, Any]:
         """The params a consumer pulls ``request``'s computed prompt KV with; unless there is
         none, its blocks are held under a new lease and the next step grants them."""
@@ -411,11 +471,13 @@ class UcxScheduler:
         num_tokens = _num_computed_prompt_tokens(request)
         num_blocks = -(-num_tokens // self._split.block_size)
         host, port = self._advertised
+        held = self._held_blocks(block_ids, num_blocks)
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "remote_engine_id": self._config.engine_id,
             "remote_request_id": rid,
-            "remote_block_ids": list(block_ids[:num_blocks]),
+            # NIXL's shape: one list per group; a model of one group keeps the flat list.
+            "remote_block_ids": list(held[0]) if len(held) == 1 else [list(g) for g in held],
             "remote_host": host,
             "remote_port": port,
             "remote_generation": self._book.generation,
@@ -423,9 +485,10 @@ class UcxScheduler:
             "pp_size": self._split.pp_size,
             "remote_num_tokens": num_tokens,
         }
-        if num_tokens == 0 or len(block_ids) < num_blocks:
+        if num_tokens == 0 or not all(held):
             # Nothing is held: the consumer computes the prompt itself.
             num_tokens = 0
+            held = ()
             params.update(remote_num_tokens=0, remote_block_ids=[])
         params["remote_kv_secret"] = secret = new_secret()
         params["remote_prompt_digest"] = digest = prompt_digest(
@@ -436,9 +499,24 @@ class UcxScheduler:
         if streaming:
             params["remote_streaming"] = True
         self._leases.hold(rid, secret)
-        blocks = tuple(params["remote_block_ids"])
+        blocks = tuple(b for group in held for b in group)
         self._grants.append(Grant(rid, secret_digest(secret), blocks, digest, streaming))
         return params
+
+    def _held_blocks(self, block_ids: BlockIds, num_blocks: int) -> BlockIds:
+        """Each group's blocks a consumer may read (a sliding-window group: its tail); all
+        empty when a group lacks blocks (a request that did not complete its prompt)."""
+        if len(block_ids) != len(self._groups):
+            raise ValueError(
+                f"{len(block_ids)} block list(s) for an engine with {len(self._groups)} KV "
+                "cache group(s)"
+            )
+        if num_blocks == 0 or any(len(ids) < num_blocks for ids in block_ids):
+            return tuple(() for _ in block_ids)
+        return tuple(
+            transferable_blocks(g, ids, num_blocks, self._split.block_size, self._null_block)
+            for g, ids in zip(self._groups, block_ids, strict=True)
+        )
 
     def _release_unused(self, request: KVRequest) -> None:
         """A consumer request that finished without loading (aborted while it waited):
@@ -480,7 +558,7 @@ class UcxScheduler:
             del self._streams[rid]
             if self._book is None or self._advertised is None or self._split is None:
                 continue  # request_finished reports why nothing can be served
-            params = self._hold(request, blocks, streaming=True)
+            params = self._hold(request, (tuple(blocks),), streaming=True)
             if params["remote_num_tokens"] > 0:
                 self._streamed[rid] = params
                 self._early[rid] = params

@@ -239,7 +239,12 @@ class UcxWorker:
         if self._identity is not None and self._identity.kernel_blocks > 1:
             spec = replace(spec, kernel_blocks=self._identity.kernel_blocks)
         job = LoadJob(
-            spec, self._engines, self._agent, self._ucx.transfer_timeout_s, self._notifier.ask_held
+            spec,
+            self._engines,
+            self._agent,
+            self._ucx.transfer_timeout_s,
+            self._notifier.ask_held,
+            groups=self._identity.groups if self._identity is not None else None,
         )
         self._loads[spec.req_id] = (spec, job)
         self._loaders().submit(lambda: self._run(job))

@@ -1,0 +1,147 @@
+"""KV cache groups: which layers share a block table, and which of a request's blocks move.
+
+A hybrid model's KV cache is several groups (vLLM's ``KVCacheGroupSpec`` list): each group is a
+set of layers that index one block table per request, with its own rule for which blocks still
+matter. A request's block ids are then one list per group (``BlockIds``), drawn from one pool:
+a block id belongs to one group of one request at a time, so the union of a request's lists
+names exactly the memory its KV lives in, in every layer.
+
+Full attention is the one-group case: one list, every block moves. A sliding-window group keeps
+only the blocks its window can still reach: the engine replaces the ones before the window by
+its null block (vLLM's block 0, shared by every request and never moved), and a transfer moves
+the tail, at most ``cdiv(window, block_size) + 1`` blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+GROUP_KINDS = (FULL_ATTENTION, SLIDING_WINDOW)
+
+BlockIds = tuple[tuple[int, ...], ...]
+"""A request's block ids, one tuple per KV cache group, in the engine's group order."""
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """One KV cache group: its kind, its layers (names as `register_kv_caches` gets them) and,
+    for a sliding-window group, its window in tokens."""
+
+    kind: str
+    layer_names: tuple[str, ...]
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(
+                f"KV cache group kind must be one of {list(GROUP_KINDS)}, got {self.kind!r}"
+            )
+        window = self.sliding_window
+        if (self.kind == SLIDING_WINDOW) != (window is not None):
+            raise ValueError(
+                f"a {self.kind} group {'needs' if self.kind == SLIDING_WINDOW else 'has no'} "
+                f"sliding_window (got {window!r})"
+            )
+        if window is not None and (isinstance(window, bool) or window <= 0):
+            raise ValueError(f"sliding_window must be a positive int, got {window!r}")
+
+    @property
+    def label(self) -> str:
+        """Kind and window, as workers publish each layer's group: peers compare it."""
+        if self.kind == SLIDING_WINDOW:
+            return f"{SLIDING_WINDOW}:{self.sliding_window}"
+        return self.kind
+
+    def describe(self) -> str:
+        layers = f" ({len(self.layer_names)} layers)" if self.layer_names else ""
+        if self.kind == SLIDING_WINDOW:
+            return f"the sliding-window group (window {self.sliding_window}){layers}"
+        return f"the full-attention group{layers}"
+
+    def blocks_kept(self, block_size: int) -> int | None:
+        """How many trailing blocks a transfer of this group moves at most (None: all)."""
+        if self.sliding_window is None:
+            return None
+        return -(-self.sliding_window // block_size) + 1
+
+
+def transferable_blocks(
+    group: KVCacheGroup,
+    block_ids: Sequence[int],
+    num_blocks: int,
+    block_size: int,
+    null_block_id: int | None,
+) -> tuple[int, ...]:
+    """The blocks of one group a transfer of ``num_blocks`` blocks' worth of tokens moves: the
+    first ``num_blocks``, of which a sliding-window group keeps the tail its window reaches,
+    without the null blocks the engine put before the window. The result is contiguous and ends
+    at block ``num_blocks - 1``; `ValueError` for a null block inside it or a short list."""
+    if len(block_ids) < num_blocks:
+        raise ValueError(f"{group.describe()}: {len(block_ids)} blocks listed, {num_blocks} needed")
+    blocks = tuple(block_ids[:num_blocks])
+    kept = group.blocks_kept(block_size)
+    if kept is not None:
+        blocks = blocks[-kept:] if kept < len(blocks) else blocks
+    if null_block_id is None:
+        return blocks
+    first_real = next((i for i, b in enumerate(blocks) if b != null_block_id), len(blocks))
+    if group.kind == FULL_ATTENTION and first_real:
+        raise ValueError(
+            f"{group.describe()}: null block at position 0 of a full-attention block list"
+        )
+    tail = blocks[first_real:]
+    if null_block_id in tail:
+        raise ValueError(f"{group.describe()}: null block inside the blocks to move {list(blocks)}")
+    return tail
+
+
+def check_groups(groups: Sequence[KVCacheGroup], layer_names: Sequence[str]) -> None:
+    """Every layer in exactly one group; `ValueError` naming the first that is not."""
+    seen: dict[str, int] = {}
+    for index, group in enumerate(groups):
+        for name in group.layer_names:
+            if name in seen:
+                raise ValueError(f"layer {name!r} is in KV cache groups {seen[name]} and {index}")
+            seen[name] = index
+    missing = [name for name in layer_names if name not in seen]
+    if missing:
+        raise ValueError(f"layers {missing[:4]} are in no KV cache group")
+
+
+def for_group(group: KVCacheGroup, num_groups: int) -> str:
+    """" for <group>" in a message about one of several groups ("" for the only one)."""
+    return f" for {group.describe()}" if num_groups > 1 else ""
+
+
+def label_window(label: str) -> int | None:
+    """The window of a group label (None: full attention); `ValueError` for an unknown one."""
+    if label == FULL_ATTENTION:
+        return None
+    kind, _, window = label.partition(":")
+    if kind == SLIDING_WINDOW and window.isdigit() and int(window) > 0:
+        return int(window)
+    raise ValueError(f"unknown KV cache group {label!r}")
+
+
+def as_block_ids(block_ids: object, num_groups: int) -> BlockIds:
+    """A request's block ids as one tuple per group: a flat list is the one-group case;
+    `ValueError` when the lists do not match the engine's ``num_groups`` groups."""
+    if not isinstance(block_ids, Sequence) or isinstance(block_ids, str | bytes):
+        raise ValueError(
+            f"block ids must be a list (or one list per KV cache group), got {block_ids!r}"
+        )
+    nested = [isinstance(b, Sequence) and not isinstance(b, str | bytes) for b in block_ids]
+    if block_ids and all(nested):
+        groups = tuple(tuple(int(b) for b in group) for group in block_ids)
+    elif not any(nested):
+        groups = (tuple(int(b) for b in block_ids),)
+    else:
+        raise ValueError("block ids mix lists and ids")
+    if len(groups) != num_groups:
+        raise ValueError(
+            f"{len(groups)} block list(s) for an engine with {num_groups} KV cache group(s)"
+        )
+    return groups
