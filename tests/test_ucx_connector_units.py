@@ -149,7 +149,9 @@ def test_params_parse_to_a_remote_prefill():
     assert RemotePrefill.parse(None) is None
     assert RemotePrefill.parse({"do_remote_decode": True}) is None
     remote = RemotePrefill.parse({**PARAMS, "remote_generation": 9})
-    assert remote == RemotePrefill("p", "r", ((3, 4),), "::1", 7000, 2, 1, 10, "s3cret", "ab" * 32, 9)
+    assert remote == RemotePrefill(
+        "p", "r", ((3, 4),), "::1", 7000, 2, 1, 10, "s3cret", "ab" * 32, 9
+    )
     assert remote.address == "[::1]:7000"
     assert "s3cret" not in repr(remote)
     assert RemotePrefill.parse(PARAMS).generation is None

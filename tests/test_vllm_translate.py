@@ -3,7 +3,7 @@
 Covers `KVTransferConfig.from_vllm` and, from `kvtransfer.integrations.vllm_translate`,
 `vllm_kv_cache_layout`, `vllm_kv_views` (checked against how each vLLM backend reads K and V,
 on dense and block-outermost views), the refusals of hybrid, MLA and malformed caches,
-`single_group_block_ids`, `SchedulerStep.of` and `connector_output`.
+`group_block_ids`, `SchedulerStep.of` and `connector_output`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from kvtransfer.integrations.vllm_translate import (
     VLLM_KV_ORDER,
     SchedulerStep,
     connector_output,
+    group_block_ids,
     kv_split_for,
-    single_group_block_ids,
     single_group_spec,
     vllm_kv_cache_layout,
     vllm_kv_views,
@@ -178,6 +178,7 @@ def test_vllm_kv_cache_layout(rank, pp_rank, tp_rank):
         tp_rank=tp_rank,
         pp_rank=pp_rank,
         kv_order="B2HND",
+        null_block_id=0,
     )
     assert layout.rank == rank
 
@@ -292,15 +293,44 @@ def _groups(*kinds: str):
     )
 
 
-def test_hybrid_models_and_sparse_or_padded_mla_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"2 KV cache groups \(FullAttentionSpec, MambaSpec\)"):
+def test_recurrent_state_and_sparse_or_padded_mla_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"group 1 of 2 is MambaSpec \(recurrent state"):
         single_group_spec(_groups("FullAttentionSpec", "MambaSpec"))
     sparse = _groups("MLAAttentionSpec")
     sparse.kv_cache_groups[0].kv_cache_spec.topk_buffer_width = 2048
     with pytest.raises(ValueError, match=r"MLAAttentionSpec \(topk_buffer_width\).*not sparse"):
         single_group_spec(sparse)
-    with pytest.raises(ValueError, match=r"SlidingWindowMLASpec \(not a plain latent\)"):
+    with pytest.raises(ValueError, match=r"SlidingWindowMLASpec \(sliding-window MLA"):
         single_group_spec(_groups("SlidingWindowMLASpec"))
+
+
+def _hybrid(window: int, block_size: int = BLOCK_SIZE):
+    full = type("FullAttentionSpec", (), {"dtype": torch.float32, "block_size": block_size})()
+    local = type(
+        "SlidingWindowSpec",
+        (),
+        {"dtype": torch.float32, "block_size": block_size, "sliding_window": window},
+    )()
+    return SimpleNamespace(
+        num_blocks=BLOCKS,
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=full, layer_names=["model.layers.1.self_attn.attn"]),
+            SimpleNamespace(kv_cache_spec=local, layer_names=["model.layers.0.self_attn.attn"]),
+        ],
+    )
+
+
+def test_a_sliding_window_model_is_two_groups_in_vllms_order():
+    layout = vllm_kv_cache_layout(vllm_config(), _hybrid(48), (0, 0))
+    assert [(g.kind, g.layer_names, g.sliding_window) for g in layout.groups] == [
+        ("full_attention", ("model.layers.1.self_attn.attn",), None),
+        ("sliding_window", ("model.layers.0.self_attn.attn",), 48),
+    ]
+    assert (layout.num_groups, layout.null_block_id) == (2, 0)
+    # One full-attention group stays the layout's default: no groups listed.
+    assert vllm_kv_cache_layout(vllm_config(), _groups("FullAttentionSpec"), (0, 0)).groups == ()
+    with pytest.raises(ValueError, match=r"group 0 \(FullAttentionSpec\) has 64-token blocks"):
+        vllm_kv_cache_layout(vllm_config(), _hybrid(48, block_size=64), (0, 0))
 
 
 def _mla(latent: int):
@@ -332,20 +362,23 @@ def test_an_fp8_cache_is_moved_as_bytes_with_its_format_in_the_layout():
 
 
 # ---------------------------------------------------------------------------------------------
-# single_group_block_ids
+# group_block_ids
 
 
-def test_single_group_block_ids_gives_the_group_as_a_list():
+def test_group_block_ids_gives_one_list_or_one_per_group():
     group = [3, 1, 4]
-    ids = single_group_block_ids(FakeKVCacheBlocks((group,)))
+    ids = group_block_ids(FakeKVCacheBlocks((group,)), 1)
     assert ids == [3, 1, 4]
     assert type(ids) is list
     assert ids is not group
+    assert group_block_ids(FakeKVCacheBlocks(([0, 1], [2, 3])), 2) == ([0, 1], [2, 3])
 
 
-def test_single_group_block_ids_refuses_two_groups():
-    with pytest.raises(ValueError, match=r"the request has 2 KV cache groups"):
-        single_group_block_ids(FakeKVCacheBlocks(([0, 1], [2, 3])))
+def test_group_block_ids_refuses_lists_that_do_not_match_the_groups():
+    with pytest.raises(
+        ValueError, match=r"the request has 2 KV cache groups; the engine's layout has 1"
+    ):
+        group_block_ids(FakeKVCacheBlocks(([0, 1], [2, 3])), 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,10 +47,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from kvtransfer.connector.base import FinishedIds, KVConnectorBase_V1, TransferResults
+from kvtransfer.connector.base import (
+    FinishedIds,
+    KVConnectorBase_V1,
+    SupportsHMA,
+    TransferResults,
+    supports_hma,
+)
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.factory import KVConnectorFactory
+from kvtransfer.connector.kv_groups import BlockIds, as_block_ids
 from kvtransfer.connector.metadata import (
+    KVCacheLayout,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -164,7 +172,10 @@ class _Load:
     withheld_block_ids: set[int] = field(default_factory=set)
 
 
-class MultiConnector(KVConnectorBase_V1):
+class MultiConnector(KVConnectorBase_V1, SupportsHMA):
+    """Follows hybrid KV caches (`SupportsHMA`) exactly when every child does: an engine
+    whose layout has several KV cache groups refuses it, naming the child, otherwise."""
+
     handshake_metadata_cls = MultiKVConnectorHandshakeMetadata
 
     def __init__(
@@ -193,6 +204,17 @@ class MultiConnector(KVConnectorBase_V1):
                 self._connectors.append(
                     KVConnectorFactory.create_connector(child_config, role, kv_cache_config)
                 )
+            self._num_groups = (
+                kv_cache_config.num_groups if isinstance(kv_cache_config, KVCacheLayout) else 1
+            )
+            unfit = [
+                child_slot(i, c) for i, c in enumerate(self._connectors) if not supports_hma(c)
+            ]
+            if self._num_groups > 1 and unfit:
+                raise ValueError(
+                    f"MultiConnector child {', '.join(unfit)} follows one KV cache group (it "
+                    f"is not SupportsHMA); this model has {self._num_groups}"
+                )
         except BaseException:
             self.shutdown()
             raise
@@ -212,6 +234,19 @@ class MultiConnector(KVConnectorBase_V1):
     def connectors(self) -> tuple[KVConnectorBase_V1, ...]:
         return tuple(self._connectors)
 
+    def follows_kv_groups(self) -> bool:
+        return all(supports_hma(child) for child in self._connectors)
+
+    def _blocks_for(self, child: KVConnectorBase_V1, block_ids: Sequence[Any]) -> Any:
+        """``block_ids`` (a flat list, or one list per group) as ``child`` takes them: a child
+        that follows one group gets that group's flat list."""
+        if supports_hma(child):
+            return block_ids
+        return list(as_block_ids(block_ids, 1)[0])
+
+    def _no_blocks(self, child: KVConnectorBase_V1) -> Any:
+        return tuple(() for _ in range(self._num_groups)) if supports_hma(child) else ()
+
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
         # Only if every child follows a sleep; a malformed child list is refused at creation.
@@ -228,12 +263,32 @@ class MultiConnector(KVConnectorBase_V1):
         return True
 
     def unregister_kv_caches(self) -> None:
-        for child in self._connectors:
-            child.unregister_kv_caches()
+        self._sleep_hook("unregister_kv_caches")
 
     def restore_kv_caches(self) -> None:
-        for child in self._connectors:
-            child.restore_kv_caches()
+        self._sleep_hook("restore_kv_caches")
+
+    def _sleep_hook(self, hook: str) -> None:
+        """``hook`` on every child in order, even after one raised: a child skipped by
+        `unregister_kv_caches` would keep serving memory a host may free next, and one skipped
+        by `restore_kv_caches` would stay unregistered. Both hooks are idempotent, so the host
+        may call them again; the first child's error is raised once all were asked."""
+        errors: list[Exception] = []
+        for index, child in enumerate(self._connectors):
+            try:
+                getattr(child, hook)()
+            except Exception as exc:
+                if errors:  # only the first is raised: the others are logged
+                    logger.error(
+                        "MultiConnector: %s of child %s failed too: %s: %s",
+                        hook,
+                        child_slot(index, child),
+                        type(exc).__name__,
+                        exc,
+                    )
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     # ------------------------------------------------------------------ worker side
 
@@ -393,9 +448,10 @@ class MultiConnector(KVConnectorBase_V1):
         for index, child in enumerate(self._connectors):
             view = self._child_request(request, index)
             if index == chosen:
-                child.update_state_after_alloc(view, block_ids, num_external_tokens)
+                blocks = self._blocks_for(child, block_ids)
+                child.update_state_after_alloc(view, blocks, num_external_tokens)
             else:
-                child.update_state_after_alloc(view, (), 0)
+                child.update_state_after_alloc(view, self._no_blocks(child), 0)
         if chosen is not None and num_external_tokens > 0:
             self._loaded.add(request.request_id)
         if admission is not None and admission.fallbacks and num_external_tokens > 0:
@@ -427,6 +483,11 @@ class MultiConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: KVRequest, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, as_block_ids(block_ids, 1))
+
+    def request_finished_all_groups(
+        self, request: KVRequest, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._admissions.pop(rid, None)
         self._loaded.discard(rid)
@@ -436,9 +497,11 @@ class MultiConnector(KVConnectorBase_V1):
         num_saving = 0
         per_child: list[dict[str, Any] | None] = []
         for index, child in enumerate(self._connectors):
-            delay_free, child_params = child.request_finished(
-                self._child_request(request, index), block_ids
-            )
+            view = self._child_request(request, index)
+            if supports_hma(child):
+                delay_free, child_params = child.request_finished_all_groups(view, block_ids)
+            else:
+                delay_free, child_params = child.request_finished(view, list(block_ids[0]))
             num_saving += bool(delay_free)
             per_child.append(child_params)
         if num_saving > 1:
@@ -605,7 +668,8 @@ class MultiConnector(KVConnectorBase_V1):
                 )
                 if num_tokens is None or num_tokens < load.num_external_tokens or not load_async:
                     continue
-                child.update_state_after_alloc(view, load.block_ids, load.num_external_tokens)
+                blocks = self._blocks_for(child, load.block_ids)
+                child.update_state_after_alloc(view, blocks, load.num_external_tokens)
             except (ValueError, RuntimeError, OSError) as exc:
                 logger.warning(
                     "request %s: %s cannot load it after %s failed: %s",

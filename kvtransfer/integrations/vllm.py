@@ -64,8 +64,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    SupportsHMA as VllmSupportsHMA,
+)
 
-from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.base import KVConnectorBase_V1, supports_hma
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.factory import KVConnectorFactory
 from kvtransfer.connector.metadata import KVConnectorMetadata, KVConnectorRole, PpTpRank
@@ -87,9 +90,9 @@ from kvtransfer.integrations.vllm_translate import (
     SchedulerStep,
     check_deployment,
     connector_output,
+    group_block_ids,
     kv_split_for,
     needs_piecewise_cudagraph,
-    single_group_block_ids,
     single_group_spec,
     uses_mla,
     vllm_kv_cache_layout,
@@ -157,6 +160,12 @@ class KVTransferConnector(VllmConnectorBase):
             KVConnectorRole.SCHEDULER if is_scheduler else KVConnectorRole.WORKER,
             self._layout,
         )
+        if self._layout.num_groups > 1 and not supports_hma(self._inner):
+            raise ValueError(
+                f"the model has {self._layout.num_groups} KV cache groups "
+                f"({', '.join(g.describe() for g in self._layout.groups)}) and kvtransfer "
+                f"connector {name!r} follows one (it is not SupportsHMA)"
+            )
         # Scheduler: loads refused since the last step, and those waiting for their blocks.
         self._refusing: dict[str, str] = {}
         self._refused: list[RefusedLoad] = []
@@ -327,10 +336,13 @@ class KVTransferConnector(VllmConnectorBase):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         reason = self._refusing.pop(request.request_id, None)
-        block_ids = single_group_block_ids(blocks)
+        block_ids = group_block_ids(blocks, self._layout.num_groups)
         if reason is not None:
             if num_external_tokens > 0:
-                self._refused.append(RefusedLoad(request.request_id, tuple(block_ids), reason))
+                groups = [block_ids] if self._layout.num_groups == 1 else block_ids
+                null = self._layout.null_block_id
+                flat = tuple(b for group in groups for b in group if b != null)
+                self._refused.append(RefusedLoad(request.request_id, flat, reason))
             return
         with self._watch("update_state_after_alloc"):
             self._inner.update_state_after_alloc(request, block_ids, num_external_tokens)
@@ -356,6 +368,22 @@ class KVTransferConnector(VllmConnectorBase):
             logger.warning("request %s: not handed over: %s", request.request_id, exc)
             return False, None
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this, not request_finished, on SupportsHMA connectors: every KV cache
+        # group's blocks, before any is freed.
+        if self._layout.num_groups == 1 and not supports_hma(self._inner):
+            (only,) = block_ids
+            return self.request_finished(request, list(only))
+        self._refusing.pop(request.request_id, None)
+        try:
+            with self._watch("request_finished"):
+                return self._inner.request_finished_all_groups(request, tuple(block_ids))
+        except ValueError as exc:
+            logger.warning("request %s: not handed over: %s", request.request_id, exc)
+            return False, None
+
     def take_events(self) -> Iterable[Any]:
         return ()
 
@@ -369,7 +397,10 @@ class KVTransferConnector(VllmConnectorBase):
         self._inner.set_xfer_handshake_metadata(metadata)
 
 
-class UcxConnector(KVTransferConnector):
+class UcxConnector(KVTransferConnector, VllmSupportsHMA):
+    """Keeps vLLM's hybrid KV cache manager on: full-attention, MLA and sliding-window groups
+    are moved (a model with recurrent state is refused at start-up, naming the group)."""
+
     kvtransfer_name = "UcxConnector"
 
 
@@ -377,8 +408,27 @@ class SharedStorageConnector(KVTransferConnector):
     kvtransfer_name = "SharedStorageConnector"
 
 
-class MultiConnector(KVTransferConnector):
+class MultiConnector(KVTransferConnector, VllmSupportsHMA):
+    """vLLM keeps its hybrid KV cache manager on for a connector named "MultiConnector" only
+    if every child is SupportsHMA, looked up by name in its own registry: ours are registered
+    there below, so their children resolve to these classes."""
+
     kvtransfer_name = "MultiConnector"
+
+
+def _register_children_with_vllm() -> None:
+    """Make our connectors' names resolvable by vLLM's factory (the children of a
+    MultiConnector carry no module path), leaving any name vLLM already has alone."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
+        KVConnectorFactory as VllmFactory,
+    )
+
+    for cls in (UcxConnector, SharedStorageConnector):
+        if cls.__name__ not in VllmFactory._registry:
+            VllmFactory.register_connector(cls.__name__, __name__, cls.__name__)
+
+
+_register_children_with_vllm()
 
 
 def _watchdog(settings: WatchdogSettings, host: str | None, serve: bool) -> HookWatchdog:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvtransfer.connector.kv_groups import FULL_ATTENTION, SLIDING_WINDOW, KVCacheGroup
 from kvtransfer.connector.metadata import KVCacheLayout, PpTpRank
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.transport.spec import dtype_name
@@ -26,6 +27,7 @@ from kvtransfer.transport.spec import dtype_name
 KV_SPLITS = ("rows", "last_axis", "heads")
 # The views handed to our connectors are B2HND-indexed whatever vLLM's physical layout.
 VLLM_KV_ORDER = "B2HND"
+VLLM_NULL_BLOCK_ID = 0
 # kvtransfer connectors whose transfers never depend on vLLM's per-layer hooks (which a full
 # CUDA graph does not replay): they load in start_load_kv and save in wait_for_save or on
 # background threads. UcxConnector's save_kv_layer only makes a streaming lease's layer
@@ -123,6 +125,10 @@ def vllm_kv_cache_layout(
         pp_rank=None if rank is None else rank[0],
         tp_rank=None if rank is None else rank[1],
         kv_order=VLLM_KV_ORDER,
+        groups=vllm_kv_groups(kv_cache_config, int(vllm_config.cache_config.block_size)),
+        # vLLM's block pool hands out its first block as the null block every request's
+        # skipped (out-of-window) positions point at.
+        null_block_id=VLLM_NULL_BLOCK_ID,
     )
 
 
@@ -136,32 +142,83 @@ def uses_mla(vllm_config: Any, spec: Any | None) -> bool:
 
 # MLA variants whose caches are more than one latent plane per layer, or padded pages.
 _MLA_EXTRAS = ("topk_buffer_width", "model_version", "page_size_padded", "alignment")
+# vLLM's KV cache specs our connectors move, by the group kind they are (`kv_groups`).
+_GROUP_KINDS = {
+    "FullAttentionSpec": FULL_ATTENTION,
+    "MLAAttentionSpec": FULL_ATTENTION,
+    "SlidingWindowSpec": SLIDING_WINDOW,
+}
+# What the others hold, for the start-up refusal.
+_NOT_MOVED = {
+    "MambaSpec": "recurrent state (Mamba / Mamba2 / Gated DeltaNet / KDA conv and SSM state)",
+    "SlidingWindowMLASpec": "sliding-window MLA latents",
+    "ChunkedLocalAttentionSpec": "chunked local attention",
+    "CrossAttentionSpec": "encoder-decoder cross attention",
+    "EncoderOnlyAttentionSpec": "encoder-only attention",
+    "SinkFullAttentionSpec": "attention sinks",
+    "UniformTypeKVCacheSpecs": "layers of one kind with unequal page sizes",
+}
 
 
 def single_group_spec(kv_cache_config: Any | None) -> Any | None:
-    """The one KV cache group's spec of vLLM's ``KVCacheConfig`` (None before vLLM made one);
-    `ValueError` naming the kinds of a hybrid model's groups, and for the MLA variants with a
-    sparse indexer or padded pages (DeepSeek V3.2 / V4), refused at start-up rather than
-    moving wrong bytes. Plain MLA (DeepSeek V2 / V3) is one group and is moved."""
+    """The spec the engine's `KVCacheLayout` is read from (its KV cache groups' first; None
+    before vLLM made one); `ValueError` at start-up, naming the group, for what kvtransfer does
+    not move (see `vllm_kv_groups`)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups:
         return None
-    kinds = [type(getattr(group, "kv_cache_spec", None)).__name__ for group in groups]
-    if len(groups) > 1:
-        raise ValueError(
-            f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}): kvtransfer "
-            "connectors in vLLM support one group of full attention (no sliding-window or "
-            "Mamba layers beside it)"
+    vllm_kv_groups(kv_cache_config)
+    return groups[0].kv_cache_spec
+
+
+def vllm_kv_groups(
+    kv_cache_config: Any | None, block_size: int | None = None
+) -> tuple[KVCacheGroup, ...]:
+    """vLLM's KV cache groups as ours, in vLLM's order (the order of a request's block lists);
+    ``()`` for one full-attention group (the layout's default). `ValueError` at start-up naming
+    the group vLLM built that kvtransfer does not move: recurrent state, sliding-window or
+    sparse-indexer MLA, padded pages, a group of another block size."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    ours = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if (
+            "MLA" in kind
+            and kind != "SlidingWindowMLASpec"
+            and (kind != "MLAAttentionSpec" or _has_mla_extras(spec))
+        ):
+            extras = [name for name in _MLA_EXTRAS if getattr(spec, name, None) is not None]
+            raise ValueError(
+                f"the model's KV cache is {kind} ({', '.join(extras) or 'not a plain latent'}"
+                "): kvtransfer connectors in vLLM move plain MLA caches (one latent per token, "
+                "DeepSeek V2/V3), not sparse-indexer or padded ones"
+            )
+        if kind not in _GROUP_KINDS:
+            what = _NOT_MOVED.get(kind, "a kind of KV cache kvtransfer does not know")
+            layers = list(getattr(group, "layer_names", ()))[:3]
+            raise ValueError(
+                f"KV cache group {index} of {len(groups)} is {kind} ({what}, layers {layers}): "
+                "kvtransfer connectors in vLLM move full-attention, MLA and sliding-window KV; "
+                "this model's cannot be transferred"
+            )
+        spec_block = getattr(spec, "block_size", None)
+        if block_size is not None and spec_block is not None and int(spec_block) != block_size:
+            raise ValueError(
+                f"KV cache group {index} ({kind}) has {spec_block}-token blocks, the engine "
+                f"{block_size}: kvtransfer connectors need one block size for every group"
+            )
+        window = getattr(spec, "sliding_window", None) if kind == "SlidingWindowSpec" else None
+        ours.append(
+            KVCacheGroup(
+                _GROUP_KINDS[kind],
+                tuple(getattr(group, "layer_names", ()) or ()),
+                None if window is None else int(window),
+            )
         )
-    spec = groups[0].kv_cache_spec
-    if "MLA" in kinds[0] and (kinds[0] != "MLAAttentionSpec" or _has_mla_extras(spec)):
-        extras = [name for name in _MLA_EXTRAS if getattr(spec, name, None) is not None]
-        raise ValueError(
-            f"the model's KV cache is {kinds[0]} ({', '.join(extras) or 'not a plain latent'}"
-            "): kvtransfer connectors in vLLM move plain MLA caches (one latent per token, "
-            "DeepSeek V2/V3), not sparse-indexer or padded ones"
-        )
-    return spec
+    if len(ours) <= 1 and all(g.kind == FULL_ATTENTION for g in ours):
+        return ()
+    return tuple(ours)
 
 
 def _has_mla_extras(spec: Any) -> bool:
@@ -242,15 +299,17 @@ def _b2hnd(name: str, cache: torch.Tensor, layout: KVCacheLayout, split: str) ->
     return cache.as_strided(shape, strides, cache.storage_offset())
 
 
-def single_group_block_ids(blocks: Any) -> list[int]:
-    """The block ids of vLLM's ``KVCacheBlocks`` for a model with one KV cache group."""
+def group_block_ids(blocks: Any, num_groups: int) -> list[int] | tuple[list[int], ...]:
+    """The block ids of vLLM's ``KVCacheBlocks``: the one group's list for a model with one KV
+    cache group, else one list per group (`ValueError` when they do not match the groups)."""
     groups = blocks.get_block_ids()
-    if len(groups) != 1:
+    if len(groups) != num_groups:
         raise ValueError(
-            f"the request has {len(groups)} KV cache groups; kvtransfer connectors in vLLM "
-            "support models with one (full attention everywhere)"
+            f"the request has {len(groups)} KV cache groups; the engine's layout has {num_groups}"
         )
-    return list(groups[0])
+    if num_groups == 1:
+        return list(groups[0])
+    return tuple(list(group) for group in groups)
 
 
 @dataclass(frozen=True)
