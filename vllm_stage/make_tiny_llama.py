@@ -25,7 +25,8 @@ CORPUS = [
 ] * 50
 
 
-def build(out: Path) -> None:
+def save_tokenizer(out: Path) -> None:
+    """The byte-level BPE tokenizer every tiny stage model uses, saved into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -38,6 +39,10 @@ def build(out: Path) -> None:
     tokenizer.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
+
+
+def build(out: Path) -> None:
+    save_tokenizer(out)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,

@@ -112,7 +112,7 @@ def check_groups(groups: Sequence[KVCacheGroup], layer_names: Sequence[str]) -> 
 
 
 def for_group(group: KVCacheGroup, num_groups: int) -> str:
-    """" for <group>" in a message about one of several groups ("" for the only one)."""
+    """The words " for <group>" in a message about one of several groups ("" for one)."""
     return f" for {group.describe()}" if num_groups > 1 else ""
 
 

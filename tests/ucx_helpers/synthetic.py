@@ -18,6 +18,7 @@ import torch
 from waiting import wait_until
 
 from kvtransfer.connector.config import KVTransferConfig
+from kvtransfer.connector.kv_groups import KVCacheGroup
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole, merge_handshake_metadata
 from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.connectors.ucx import LoadSpec, RemotePrefill, UcxConnector, UcxConnectorMetadata
@@ -135,7 +136,12 @@ def _config(engine_id: str, role: str, **extra) -> KVTransferConfig:
 
 
 def _layout(
-    tp: int, pp: int, rank: tuple[int, int] | None, block_size: int, cache_dtype: str = "auto"
+    tp: int,
+    pp: int,
+    rank: tuple[int, int] | None,
+    block_size: int,
+    cache_dtype: str = "auto",
+    groups: tuple[KVCacheGroup, ...] = (),
 ) -> KVCacheLayout:
     return KVCacheLayout(
         model=MODEL,
@@ -150,6 +156,9 @@ def _layout(
         pp_size=pp,
         pp_rank=None if rank is None else rank[0],
         tp_rank=None if rank is None else rank[1],
+        groups=groups,
+        # A hybrid engine's skipped positions point at block 0, as vLLM's do.
+        null_block_id=0 if groups else None,
     )
 
 
@@ -191,6 +200,7 @@ def start_engine(
     draft: bool = True,
     block_size: int = BLOCK_SIZE,
     cache_dtype: str = "auto",
+    groups: tuple[KVCacheGroup, ...] = (),
     **extra,
 ) -> SyntheticEngine:
     """``cache_dtype``: "auto" (float32 caches) or a quantised format (uint8 caches, the
@@ -199,15 +209,14 @@ def start_engine(
     workers: dict[tuple[int, int], UcxConnector] = {}
     caches: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     scheduler = UcxConnector(
-        config, KVConnectorRole.SCHEDULER, _layout(tp, pp, None, block_size, cache_dtype)
+        config, KVConnectorRole.SCHEDULER, _layout(tp, pp, None, block_size, cache_dtype, groups)
     )
     engine = SyntheticEngine(engine_id, tp, pp, scheduler, workers, caches)
     try:
         for p in range(pp):
             for t in range(tp):
-                worker = UcxConnector(
-                    config, KVConnectorRole.WORKER, _layout(tp, pp, (p, t), block_size, cache_dtype)
-                )
+                layout = _layout(tp, pp, (p, t), block_size, cache_dtype, groups)
+                worker = UcxConnector(config, KVConnectorRole.WORKER, layout)
                 workers[(p, t)] = worker
                 caches[(p, t)] = rank_caches(tp, pp, (p, t), seed, draft, block_size, cache_dtype)
                 worker.register_kv_caches(caches[(p, t)])

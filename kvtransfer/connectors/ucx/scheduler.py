@@ -460,9 +460,7 @@ class UcxScheduler:
         params = self._hold(request, block_ids, streaming=False)
         return params["remote_num_tokens"] > 0, params
 
-    def _hold(
-        self, request: KVRequest, block_ids: BlockIds, *, streaming: bool
-    ) -> dict[str, Any]:
+    def _hold(self, request: KVRequest, block_ids: BlockIds, *, streaming: bool) -> dict[str, Any]:
         """The params a consumer pulls ``request``'s computed prompt KV with; unless there is
         none, its blocks are held under a new lease and the next step grants them."""
         if self._book is None or self._advertised is None or self._split is None:

@@ -1,0 +1,186 @@
+"""Hybrid KV caches through `UcxConnector`: one block list per KV cache group, over real UCX.
+
+Two synthetic engines whose layers are two groups (layers 1 and 3 full attention, 0 and 2 a
+16-token sliding window over 8-token blocks, so a transfer keeps cdiv(16, 8) + 1 = 3 blocks of
+that group), with vLLM's null block 0 in front of a sliding window: what the producer holds and
+lends, which bytes land where on the consumer (byte for byte, and nothing else written), and the
+typed refusals (groups that differ between the engines, block lists that do not match them).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ucx_helpers.synthetic import (
+    BLOCK_SIZE,
+    SENTINEL,
+    engines,
+    global_layer,
+    run_load,
+)
+
+from kvtransfer.connector.kv_groups import (
+    FULL_ATTENTION,
+    SLIDING_WINDOW,
+    KVCacheGroup,
+    as_block_ids,
+    transferable_blocks,
+)
+from kvtransfer.connectors.ucx import UcxConnectorMetadata
+
+pytestmark = pytest.mark.integration
+
+SEED = 11
+FULL = ("model.layers.1.self_attn", "model.layers.3.self_attn")
+WINDOWED = ("model.layers.0.self_attn", "model.layers.2.self_attn")
+
+
+def hybrid(window: int = 16) -> tuple[KVCacheGroup, ...]:
+    return (
+        KVCacheGroup(FULL_ATTENTION, FULL),
+        KVCacheGroup(SLIDING_WINDOW, WINDOWED, window),
+    )
+
+
+def request(rid: str, num_tokens: int, params: dict | None) -> SimpleNamespace:
+    prompt = list(range(100, 100 + num_tokens))
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        kv_transfer_params=params,
+        num_tokens=num_tokens,
+        num_computed_tokens=num_tokens,
+    )
+
+
+# 6 blocks of prompt (44 tokens): the producer's window group already dropped blocks 0-2.
+PROMPT_TOKENS = 44
+PRODUCER_BLOCKS = ((3, 4, 5, 6, 7, 8), (0, 0, 0, 9, 10, 11))
+CONSUMER_BLOCKS = ((13, 14, 15, 16, 17, 18), (0, 0, 0, 19, 20, 21))
+
+
+def test_a_group_moves_what_its_kind_keeps():
+    full, window = hybrid()
+    assert transferable_blocks(full, [3, 4, 5, 6], 3, 8, 0) == (3, 4, 5)
+    assert transferable_blocks(window, [0, 0, 7, 8, 9], 5, 8, 0) == (7, 8, 9)
+    assert transferable_blocks(window, [0, 6, 7, 8, 9], 5, 8, 0) == (7, 8, 9)
+    assert transferable_blocks(window, [5, 6], 2, 8, 0) == (5, 6)
+    with pytest.raises(ValueError, match="null block at position 0 of a full-attention"):
+        transferable_blocks(full, [0, 4], 2, 8, 0)
+    with pytest.raises(ValueError, match="null block inside the blocks to move"):
+        transferable_blocks(window, [0, 5, 0, 6], 4, 8, 0)
+    with pytest.raises(ValueError, match=r"window 16\).*: 1 blocks listed, 2 needed"):
+        transferable_blocks(window, [5], 2, 8, 0)
+    with pytest.raises(ValueError, match="sliding_window group needs sliding_window"):
+        KVCacheGroup(SLIDING_WINDOW, WINDOWED)
+    assert as_block_ids([1, 2], 1) == ((1, 2),)
+    assert as_block_ids([[1], [2]], 2) == ((1,), (2,))
+    with pytest.raises(ValueError, match=r"1 block list\(s\) for an engine with 2 KV cache"):
+        as_block_ids([1, 2], 2)
+
+
+def runs(spec) -> list[tuple]:
+    return [(r.group, r.remote_block_ids, r.local_block_ids, r.lease_offset) for r in spec.runs]
+
+
+def _producer_params(p) -> dict:
+    """Finish a prefill of `PROMPT_TOKENS` on ``p`` and grant its lease, as the engine would."""
+    half = p.scheduler
+    delay_free, params = half.request_finished_all_groups(
+        request("pre", PROMPT_TOKENS, {"do_remote_decode": True}), PRODUCER_BLOCKS
+    )
+    assert delay_free
+    meta = half.build_connector_meta(SimpleNamespace())
+    p.step(grants=meta.grants)
+    return params
+
+
+def _consumer_load(c, params: dict, local_hit: int = 0):
+    half = c.scheduler
+    req = request("dec", PROMPT_TOKENS, params)
+    req.num_computed_tokens = local_hit
+    count, is_async = half.get_num_new_matched_tokens(req, local_hit)
+    assert (count, is_async) == (PROMPT_TOKENS - local_hit, True)
+    half.update_state_after_alloc(req, CONSUMER_BLOCKS, count)
+    meta: UcxConnectorMetadata = half.build_connector_meta(SimpleNamespace())
+    (spec,) = meta.loads
+    return spec
+
+
+@pytest.mark.parametrize("plane", ["rma", "tagged"])
+def test_each_group_lands_in_its_own_blocks_and_nothing_else_is_written(plane):
+    with engines(
+        dict(engine_id="hp", tp=1, pp=1, role="kv_producer", seed=SEED, draft=False,
+             groups=hybrid(), data_plane=plane),
+        dict(engine_id="hc", tp=1, pp=1, role="kv_consumer", draft=False, groups=hybrid(),
+             data_plane=plane),
+    ) as (p, c):  # fmt: skip
+        params = _producer_params(p)
+        # NIXL's wire shape: one list per group; the window's tail without the null blocks.
+        assert params["remote_block_ids"] == [[3, 4, 5, 6, 7, 8], [9, 10, 11]]
+        spec = _consumer_load(c, params)
+        assert runs(spec) == [
+            (0, (3, 4, 5, 6, 7, 8), (13, 14, 15, 16, 17, 18), 0),
+            (1, (9, 10, 11), (19, 20, 21), 6),
+        ]  # fmt: skip
+        assert run_load(c, spec) == {(0, 0): ({"dec"}, set(), set())}
+        caches = c.caches[(0, 0)]
+        for names, pairs in (
+            (FULL, list(zip(PRODUCER_BLOCKS[0], CONSUMER_BLOCKS[0], strict=True))),
+            (WINDOWED, [(9, 19), (10, 20), (11, 21)]),
+        ):
+            for name in names:
+                source = global_layer(SEED, name)
+                expected = torch.full_like(source, SENTINEL)
+                for remote, local in pairs:
+                    expected[local] = source[remote]
+                assert torch.equal(caches[name], expected), name
+
+
+def test_a_prefix_hit_moves_only_the_missing_blocks_of_each_group():
+    with engines(
+        dict(engine_id="hp2", tp=1, pp=1, role="kv_producer", seed=SEED, draft=False,
+             groups=hybrid()),
+        dict(engine_id="hc2", tp=1, pp=1, role="kv_consumer", draft=False, groups=hybrid()),
+    ) as (p, c):  # fmt: skip
+        spec = _consumer_load(c, _producer_params(p), local_hit=4 * BLOCK_SIZE)
+        assert runs(spec) == [
+            (0, (7, 8), (17, 18), 4),
+            (1, (10, 11), (20, 21), 7),
+        ]  # fmt: skip
+        assert run_load(c, spec) == {(0, 0): ({"dec"}, set(), set())}
+
+
+def test_engines_whose_groups_differ_fail_the_load_naming_both():
+    with engines(
+        dict(engine_id="wp", tp=1, pp=1, role="kv_producer", seed=SEED, draft=False,
+             groups=hybrid(window=16)),
+        dict(engine_id="wc", tp=1, pp=1, role="kv_consumer", draft=False,
+             groups=hybrid(window=24)),
+    ) as (p, c):  # fmt: skip
+        spec = _consumer_load(c, _producer_params(p))
+        assert run_load(c, spec)[(0, 0)][1] == {"dec"}
+        reason = c.workers[(0, 0)].get_load_failure_reasons()["dec"]
+        assert (
+            "layer 'model.layers.0.self_attn' is sliding_window:16 on engine 'wp'" in reason
+            and "sliding_window:24 on this engine" in reason
+        ), reason
+        assert torch.all(c.caches[(0, 0)]["model.layers.1.self_attn"] == SENTINEL)
+
+
+def test_block_lists_that_do_not_match_the_groups_are_refused():
+    with engines(
+        dict(engine_id="bp", tp=1, pp=1, role="kv_producer", seed=SEED, draft=False,
+             groups=hybrid()),
+        dict(engine_id="bc", tp=1, pp=1, role="kv_consumer", draft=False, groups=hybrid()),
+    ) as (p, c):  # fmt: skip
+        with pytest.raises(ValueError, match=r"1 block list\(s\) for an engine with 2 KV cache"):
+            p.scheduler.request_finished_all_groups(
+                request("x", PROMPT_TOKENS, {"do_remote_decode": True}), (PRODUCER_BLOCKS[0],)
+            )
+        params = _producer_params(p)
+        flat = {**params, "remote_block_ids": params["remote_block_ids"][0]}
+        with pytest.raises(ValueError, match=r"holds 1 block list\(s\); this engine has 2"):
+            c.scheduler.get_num_new_matched_tokens(request("d", PROMPT_TOKENS, flat), 0)

@@ -1,0 +1,53 @@
+"""Build tiny hybrid-KV checkpoints offline, for the real-vLLM stage's hybrid checks.
+
+    python vllm_stage/make_tiny_hybrid.py gemma3 OUT_DIR
+
+``gemma3``: Gemma 3's pattern (text only): 6 layers, sliding-window attention (window 64
+tokens, two 32-token blocks) beside full attention every third layer; hidden 128, 4 heads, 2
+KV heads of 64, vocab 1024, float32, seeded (initializer range 0.2, as the tiny Llama, so
+greedy output varies). vLLM's hybrid KV cache manager makes it two KV cache groups.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from make_tiny_llama import VOCAB, save_tokenizer
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+WINDOW = 64
+
+
+def gemma3(out: Path) -> None:
+    save_tokenizer(out)
+    torch.manual_seed(0)
+    layers = 6
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=WINDOW,
+        layer_types=[
+            "full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)
+        ],
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        torch_dtype="float32",
+    )
+    Gemma3ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+
+
+BUILDERS = {"gemma3": gemma3}
+
+if __name__ == "__main__":
+    BUILDERS[sys.argv[1]](Path(sys.argv[2]))
