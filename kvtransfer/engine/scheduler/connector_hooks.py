@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.base import KVConnectorBase_V1, supports_hma
 from kvtransfer.engine.scheduler.request import Request
 
 T = TypeVar("T")
@@ -65,8 +65,13 @@ class ConnectorHooks:
         )
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, Any]:
-        """``(delay_free, kv_transfer_params)``."""
-        answer = self._guard(request, self.connector.request_finished, request, block_ids)
+        """``(delay_free, kv_transfer_params)``. A `SupportsHMA` connector is asked through
+        `request_finished_all_groups`, as vLLM does: this engine's KV cache is one group."""
+        if supports_hma(self.connector):
+            hook = self.connector.request_finished_all_groups
+            answer = self._guard(request, hook, request, (tuple(block_ids),))
+        else:
+            answer = self._guard(request, self.connector.request_finished, request, block_ids)
         if not (isinstance(answer, tuple) and len(answer) == 2):
             raise KVConnectorHookError(
                 f"KV connector {self._name}.request_finished returned {answer!r} for request "
