@@ -19,10 +19,13 @@ from ucx_helpers.synthetic import (
     engines,
     global_layer,
     run_load,
+    sentinel_cache,
+    state_pages,
 )
 
 from kvtransfer.connector.kv_groups import (
     FULL_ATTENTION,
+    RECURRENT_STATE,
     SLIDING_WINDOW,
     KVCacheGroup,
     as_block_ids,
@@ -184,3 +187,73 @@ def test_block_lists_that_do_not_match_the_groups_are_refused():
         flat = {**params, "remote_block_ids": params["remote_block_ids"][0]}
         with pytest.raises(ValueError, match=r"holds 1 block list\(s\); this engine has 2"):
             c.scheduler.get_num_new_matched_tokens(request("d", PROMPT_TOKENS, flat), 0)
+
+
+# Recurrent state: layers 0 and 2 Mamba-like (one state page per request), 1 and 3 attention.
+STATE = ("model.layers.0.self_attn", "model.layers.2.self_attn")
+
+
+def with_state() -> tuple[KVCacheGroup, ...]:
+    return (
+        KVCacheGroup(RECURRENT_STATE, STATE),
+        KVCacheGroup(FULL_ATTENTION, FULL),
+    )
+
+
+# The producer's state block is 9, the consumer's 19 (vLLM lists one per request).
+STATE_PRODUCER = ((9,), (3, 4, 5, 6, 7, 8))
+STATE_CONSUMER = ((19,), (13, 14, 15, 16, 17, 18))
+
+
+@pytest.mark.parametrize("plane", ["rma", "tagged"])
+def test_a_state_page_moves_whole_beside_the_kv_blocks(plane):
+    with engines(
+        dict(engine_id="sp", tp=1, pp=1, role="kv_producer", seed=SEED, draft=False,
+             groups=with_state(), data_plane=plane),
+        dict(engine_id="sc", tp=1, pp=1, role="kv_consumer", draft=False, groups=with_state(),
+             data_plane=plane),
+    ) as (p, c):  # fmt: skip
+        _, params = p.scheduler.request_finished_all_groups(
+            request("pre", PROMPT_TOKENS, {"do_remote_decode": True}), STATE_PRODUCER
+        )
+        p.step(grants=p.scheduler.build_connector_meta(SimpleNamespace()).grants)
+        assert params["remote_block_ids"] == [[9], [3, 4, 5, 6, 7, 8]]
+        half = c.scheduler
+        req = request("dec", PROMPT_TOKENS, params)
+        count, _ = half.get_num_new_matched_tokens(req, 0)
+        half.update_state_after_alloc(req, STATE_CONSUMER, count)
+        (spec,) = half.build_connector_meta(SimpleNamespace()).loads
+        assert runs(spec) == [(0, (9,), (19,), 0), (1, STATE_PRODUCER[1], STATE_CONSUMER[1], 1)]
+        assert run_load(c, spec) == {(0, 0): ({"dec"}, set(), set())}
+        caches = c.caches[(0, 0)]
+        for name in STATE:
+            expected = sentinel_cache(caches[name].shape, "fp8")
+            expected[19] = state_pages(SEED, name)[9]
+            assert torch.equal(caches[name], expected), name
+        for name in FULL:
+            source = global_layer(SEED, name)
+            expected = torch.full_like(source, SENTINEL)
+            for remote, local in zip(STATE_PRODUCER[1], STATE_CONSUMER[1], strict=True):
+                expected[local] = source[remote]
+            assert torch.equal(caches[name], expected), name
+
+
+def test_state_between_tp_sizes_is_refused_naming_both():
+    with engines(
+        dict(engine_id="s2", tp=2, pp=1, role="kv_producer", seed=SEED, draft=False,
+             groups=with_state()),
+        dict(engine_id="s1", tp=1, pp=1, role="kv_consumer", draft=False, groups=with_state()),
+    ) as (p, c):  # fmt: skip
+        _, params = p.scheduler.request_finished_all_groups(
+            request("pre", PROMPT_TOKENS, {"do_remote_decode": True}), STATE_PRODUCER
+        )
+        p.step(grants=p.scheduler.build_connector_meta(SimpleNamespace()).grants)
+        half = c.scheduler
+        req = request("dec", PROMPT_TOKENS, params)
+        count, _ = half.get_num_new_matched_tokens(req, 0)
+        half.update_state_after_alloc(req, STATE_CONSUMER, count)
+        (spec,) = half.build_connector_meta(SimpleNamespace()).loads
+        assert run_load(c, spec)[(0, 0)][1] == {"dec"}
+        reason = c.workers[(0, 0)].get_load_failure_reasons()["dec"]
+        assert "engine 's2' runs TP 2 and this engine TP 1: recurrent state" in reason, reason
+        assert torch.all(c.caches[(0, 0)]["model.layers.0.self_attn"] == 7)

@@ -23,7 +23,9 @@ from kvtransfer.integrations.vllm_translate import (
     connector_output,
     group_block_ids,
     kv_split_for,
+    leave_last_prompt_token,
     single_group_spec,
+    state_page_view,
     vllm_kv_cache_layout,
     vllm_kv_views,
 )
@@ -293,9 +295,9 @@ def _groups(*kinds: str):
     )
 
 
-def test_recurrent_state_and_sparse_or_padded_mla_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"group 1 of 2 is MambaSpec \(recurrent state"):
-        single_group_spec(_groups("FullAttentionSpec", "MambaSpec"))
+def test_sparse_or_padded_mla_and_unknown_kinds_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"group 1 of 2 is CrossAttentionSpec \(encoder-decoder"):
+        single_group_spec(_groups("FullAttentionSpec", "CrossAttentionSpec"))
     sparse = _groups("MLAAttentionSpec")
     sparse.kv_cache_groups[0].kv_cache_spec.topk_buffer_width = 2048
     with pytest.raises(ValueError, match=r"MLAAttentionSpec \(topk_buffer_width\).*not sparse"):
@@ -433,3 +435,71 @@ def test_connector_output_copies_what_vllm_reports():
     assert output.finished_recving is not source.finished_recving
     assert output.failed_recving is not source.failed_recving
     assert output.invalid_block_ids is not source.invalid_block_ids
+
+
+def _with_state(mode: str = "none", spec_blocks: int = 0):
+    state = type(
+        "MambaSpec",
+        (),
+        {"block_size": 2048, "mamba_cache_mode": mode, "num_speculative_blocks": spec_blocks},
+    )()
+    full = type("FullAttentionSpec", (), {"dtype": torch.float32, "block_size": BLOCK_SIZE})()
+    return SimpleNamespace(
+        num_blocks=BLOCKS,
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=state, layer_names=["model.layers.0.mixer"]),
+            SimpleNamespace(kv_cache_spec=full, layer_names=["model.layers.1.mixer.attn"]),
+        ],
+    )
+
+
+def test_a_mamba_group_is_a_recurrent_state_group_beside_attention():
+    layout = vllm_kv_cache_layout(vllm_config(), _with_state(spec_blocks=2), (0, 0))
+    assert [(g.kind, g.layer_names, g.speculative_blocks) for g in layout.groups] == [
+        ("recurrent_state", ("model.layers.0.mixer",), 2),
+        ("full_attention", ("model.layers.1.mixer.attn",), 0),
+    ]
+    # Its own block size (vLLM sizes state pages like attention pages) is not refused.
+    assert layout.dtype == "float32"
+    with pytest.raises(ValueError, match=r"mamba_cache_mode 'align'.*--no-enable-prefix-caching"):
+        vllm_kv_cache_layout(vllm_config(), _with_state("align"), (0, 0))
+    only_state = _with_state()
+    only_state.kv_cache_groups = only_state.kv_cache_groups[:1]
+    with pytest.raises(ValueError, match="no attention layer"):
+        single_group_spec(only_state)
+
+
+def test_a_state_page_is_viewed_as_two_byte_halves_of_the_same_memory():
+    page, stride = 10, 16  # 10 state bytes in 16-byte pages (vLLM pads them)
+    raw = torch.arange(BLOCKS * stride, dtype=torch.uint8).view(torch.int8)
+    cache = raw.as_strided((BLOCKS, 1, 1, page), (stride, page, page, 1))
+    view = state_page_view("model.layers.0.mixer", cache)
+    assert view.shape == (BLOCKS, 2, 1, 1, page // 2) and view.dtype == torch.uint8
+    assert view.data_ptr() == cache.data_ptr()
+    assert torch.equal(view[3].reshape(-1), cache[3].reshape(-1).view(torch.uint8))
+    with pytest.raises(ValueError, match="not an even number of dense bytes"):
+        state_page_view("x", raw.as_strided((BLOCKS, 1, 1, 9), (stride, 9, 9, 1)))
+    with pytest.raises(ValueError, match="not one \\[blocks, 1, 1, bytes\\] page tensor"):
+        state_page_view("x", [cache, cache])
+
+
+def _vllm_request(prompt: list[int], params: dict | None):
+    return SimpleNamespace(
+        prompt_token_ids=list(prompt),
+        _all_token_ids=list(prompt),
+        num_prompt_tokens=len(prompt),
+        max_tokens=16,
+        kv_transfer_params=params,
+        get_skip_reading_prefix_cache=lambda: False,
+    )
+
+
+def test_a_prefill_for_a_state_model_leaves_its_last_prompt_token_once():
+    request = _vllm_request([5, 6, 7], {"do_remote_decode": True})
+    leave_last_prompt_token(request)
+    leave_last_prompt_token(request)  # seen again after a preemption: not cut twice
+    assert (request.prompt_token_ids, request._all_token_ids) == ([5, 6], [5, 6])
+    assert (request.num_prompt_tokens, request.max_tokens) == (2, 1)
+    one = _vllm_request([5], {"do_remote_decode": True})
+    leave_last_prompt_token(one)
+    assert one.prompt_token_ids == [5]

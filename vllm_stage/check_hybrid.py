@@ -73,6 +73,93 @@ def model_shape(model: str) -> tuple[int, int, int]:
     return kinds.count("full_attention"), kinds.count("sliding_attention"), per_block
 
 
+def state_page_bytes(config: dict) -> int:
+    """One Mamba2 layer's state page as vLLM-CPU keeps it: conv state (kernel - 1 positions of
+    x, B and C) and the SSM state, float32."""
+    inner = config["mamba_num_heads"] * config["mamba_head_dim"]
+    conv_dim = inner + 2 * config["n_groups"] * config["ssm_state_size"]
+    conv = (config["conv_kernel"] - 1) * conv_dim
+    ssm = config["mamba_num_heads"] * config["mamba_head_dim"] * config["ssm_state_size"]
+    return 4 * (conv + ssm)
+
+
+def run_state(model: str, logs: Path) -> list[dict]:
+    """The recurrent-state family (Nemotron-H pattern: Mamba2 beside attention): each prompt's
+    KV and the running state after its second-to-last token move; the decode computes the
+    last prompt token from that state, so vLLM counts all prompt tokens but one as
+    transferred."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    kinds = config["layers_block_type"]
+    attention_layers = kinds.count("full_attention")
+    state_layers = kinds.count("linear_attention")
+    per_block = 2 * config["num_key_value_heads"] * BLOCK_SIZE * config["head_dim"] * 4
+    page = state_page_bytes(config)
+    # vLLM-CPU's Mamba2 prefill fails past one chunk with prefix caching on.
+    flags = ("--no-enable-prefix-caching",)
+    single = Server("single", model, logs, None, *flags, core=None, env=_PINNED)
+    p = Server("prefill", model, logs, kv_config("kv_producer"), *flags, core=0, env=_PASSIVE)
+    d = Server("decode", model, logs, kv_config("kv_consumer"), *flags, core=1, env=_PASSIVE)
+    servers = (single, p, d)
+    rows = []
+    try:
+        deadline = time.monotonic() + 300
+        for server in servers:
+            server.wait_healthy(deadline)
+        for server in (p, d):
+            text = server.log.read_text(errors="replace")
+            check(HMA_OFF not in text, f"{server.name}: vLLM kept its hybrid KV cache manager on")
+        for index, prompt in enumerate(PROMPTS):
+            status, expected = single.complete(prompt, MAX_TOKENS)
+            check(status == 200, f"single vLLM answered prompt {index} (HTTP {status})")
+            prompt_tokens = expected["usage"]["prompt_tokens"]
+            params = prefill(p, prompt)
+            check(
+                params["remote_num_tokens"] == prompt_tokens - 1,
+                f"prompt {index}: the prefill computed all but the last prompt token "
+                f"({params['remote_num_tokens']} of {prompt_tokens})",
+            )
+            state, full = params["remote_block_ids"]
+            blocks = -(-params["remote_num_tokens"] // BLOCK_SIZE)
+            check(
+                len(state) == 1 and len(full) == blocks,
+                f"prompt {index}: one state block and every KV block ({len(state)}, "
+                f"{len(full)} of {blocks})",
+            )
+            before = received_bytes(d)
+            answer = pd_decode(d, prompt, MAX_TOKENS, params, f"prompt {index}", backoff=1)
+            check(
+                tokens(answer) == tokens(expected),
+                f"prompt {index}: P/D tokens equal the single vLLM's "
+                f"({tokens(answer)} vs {tokens(expected)})",
+            )
+            moved = {
+                "full_attention": len(full) * attention_layers * per_block,
+                "recurrent_state": state_layers * page,
+            }
+            wait_for(
+                lambda b=before, m=moved: received_bytes(d) - b >= sum(m.values()),
+                f"prompt {index}: the decode to log the KV it received",
+            )
+            got = received_bytes(d) - before
+            check(
+                got == sum(moved.values()),
+                f"prompt {index}: the decode received exactly the KV blocks' and state pages' "
+                f"bytes ({got:.0f} vs {sum(moved.values())})",
+            )
+            rows.append(
+                {
+                    "prompt": index,
+                    "prompt_tokens": prompt_tokens,
+                    "blocks": blocks,
+                    **{f"{k}_bytes": v for k, v in moved.items()},
+                }
+            )
+    finally:
+        for server in servers:
+            server.stop()
+    return rows
+
+
 def run(model: str, logs: Path) -> list[dict]:
     single = Server("single", model, logs, None, core=None, env=_PINNED)
     p = Server("prefill", model, logs, kv_config("kv_producer"), core=0, env=_PASSIVE)
@@ -159,6 +246,16 @@ def main() -> int:
     try:
         for plane in planes(args.data_plane):
             logs = on_plane(plane, args.logs)
+            family = json.loads((Path(args.model) / "config.json").read_text())["model_type"]
+            if family == "nemotron_h":
+                for row in run_state(args.model, logs):
+                    print(
+                        f"[{plane}] prompt {row['prompt']}: {row['prompt_tokens']} tokens, "
+                        f"{row['blocks']} blocks; moved KV {row['full_attention_bytes']} B + "
+                        f"state {row['recurrent_state_bytes']} B",
+                        flush=True,
+                    )
+                continue
             for row in run(args.model, logs):
                 print(
                     f"[{plane}] prompt {row['prompt']}: {row['prompt_tokens']} tokens, "

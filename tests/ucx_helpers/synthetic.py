@@ -56,6 +56,17 @@ def global_layer(
     return torch.randn(*shape, generator=generator, dtype=torch.float32)
 
 
+STATE_WIDTH = 6  # bytes per half of a recurrent-state layer's page
+
+
+def state_pages(seed: int, name: str) -> torch.Tensor:
+    """A recurrent-state layer's pages (`[blocks, 2, 1, 1, width]` uint8, as the vLLM adapter
+    views them): the same on every TP rank of a producer seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    shape = (NUM_BLOCKS, 2, 1, 1, STATE_WIDTH)
+    return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+
+
 def sentinel_cache(shape: Sequence[int], cache_dtype: str = "auto") -> torch.Tensor:
     """A consumer's cache before any load: every element `SENTINEL` (its byte for fp8)."""
     if cache_dtype != "auto":
@@ -170,6 +181,7 @@ def rank_caches(
     draft: bool,
     block_size: int,
     cache_dtype: str = "auto",
+    state: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """What worker ``rank`` holds: its PP stage's layers (drafter on the last), its heads; the
     seeded producer values, or the sentinel on a consumer (``seed=None``)."""
@@ -181,6 +193,10 @@ def rank_caches(
     heads = kv_head_range(tp_rank, tp, NUM_KV_HEADS)
     caches = {}
     for name in names:
+        if name in state:
+            pages = state_pages(seed or 0, name)
+            caches[name] = pages if seed is not None else sentinel_cache(pages.shape, "fp8")
+            continue
         if seed is None:
             shape = (NUM_BLOCKS, 2, len(heads), block_size, HEAD_DIM)
             caches[name] = sentinel_cache(shape, cache_dtype)
@@ -218,7 +234,10 @@ def start_engine(
                 layout = _layout(tp, pp, (p, t), block_size, cache_dtype, groups)
                 worker = UcxConnector(config, KVConnectorRole.WORKER, layout)
                 workers[(p, t)] = worker
-                caches[(p, t)] = rank_caches(tp, pp, (p, t), seed, draft, block_size, cache_dtype)
+                state = frozenset(n for g in groups if g.is_state for n in g.layer_names)
+                caches[(p, t)] = rank_caches(
+                    tp, pp, (p, t), seed, draft, block_size, cache_dtype, state
+                )
                 worker.register_kv_caches(caches[(p, t)])
         merged = merge_handshake_metadata(
             [{rank: w.get_handshake_metadata()} for rank, w in workers.items()]

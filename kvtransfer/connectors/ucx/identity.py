@@ -168,8 +168,22 @@ class WorkerIdentity:
         engine: a single 1x1 worker holding every head of its layers)."""
         if not caches:
             raise ValueError("UcxConnector: register_kv_caches got no layers")
-        first = next(iter(caches.values()))
-        for name, cache in caches.items():
+        groups = layout.groups if layout is not None and layout.groups else ()
+        # Recurrent-state layers hold one opaque page per block (`[blocks, 2, 1, 1, bytes/2]`
+        # uint8): checked for their own shape, not the attention layers'.
+        state = {n for g in groups if g.is_state for n in g.layer_names if n in caches}
+        attention = {n: c for n, c in caches.items() if n not in state}
+        if not attention:
+            raise ValueError("UcxConnector: register_kv_caches got no attention layer")
+        first = next(iter(attention.values()))
+        for name in state:
+            page = caches[name]
+            if page.dim() != 5 or page.shape[1:4] != (2, 1, 1) or page.shape[0] != first.shape[0]:
+                raise ValueError(
+                    f"recurrent-state cache {name!r} has shape {tuple(page.shape)}, expected "
+                    f"[{first.shape[0]}, 2, 1, 1, page_bytes / 2]"
+                )
+        for name, cache in attention.items():
             if cache.dim() != 5 or cache.shape[1] != 2:
                 raise ValueError(
                     f"KV cache {name!r} has shape {tuple(cache.shape)}, expected "
@@ -186,7 +200,6 @@ class WorkerIdentity:
                     f"KV cache {name!r} differs from the others in num_blocks, block_size, "
                     "head_dim, dtype or device"
                 )
-        groups = layout.groups if layout is not None and layout.groups else ()
         if groups:
             check_groups(groups, list(caches))
         layer_groups = {name: g for g, group in enumerate(groups) for name in group.layer_names}
@@ -200,6 +213,7 @@ class WorkerIdentity:
                     is_draft=is_draft,
                     num_kv_heads=int(cache.shape[2]),
                     kv_group=groups[layer_groups[name]].label if groups else FULL_ATTENTION,
+                    state_width=int(cache.shape[4]) if name in state else None,
                 )
             )
         target = [la for la in layers if not la.is_draft]
@@ -235,8 +249,15 @@ class WorkerIdentity:
                 f"KV caches hold {num_blocks} blocks of {block_size} tokens: not whole engine "
                 f"blocks of {layout.block_size} ({kernel_blocks} kernel blocks each)"
             )
+        if state and kernel_blocks > 1:
+            raise ValueError(
+                "recurrent-state layers beside attention split into kernel blocks: kvtransfer "
+                "moves state pages of whole engine blocks only"
+            )
         heads = kv_head_range(tp_rank, layout.tp_size, layout.num_kv_heads)
-        wrong = [la.name for la in target if la.num_kv_heads != len(heads)]
+        wrong = [
+            la.name for la in target if la.state_width is None and la.num_kv_heads != len(heads)
+        ]
         if wrong:
             raise ValueError(
                 f"target layers {wrong} do not hold {len(heads)} KV heads, the share of TP rank "

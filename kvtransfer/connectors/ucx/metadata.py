@@ -41,6 +41,9 @@ class UcxLayer(BaseModel):
     # The layer's KV cache group, as `kv_groups.KVCacheGroup.label` (kind and window): a
     # consumer pulls a layer only from a producer layer of the same kind.
     kv_group: str = FULL_ATTENTION
+    # A recurrent-state layer: each block is one page of 2 x ``state_width`` bytes (uint8),
+    # not heads of tokens; None for attention layers.
+    state_width: int | None = Field(default=None, gt=0)
 
 
 class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -111,6 +114,8 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
                 self.head_dim,
                 self.dtype,
             )
+            if layer.state_width is None
+            else KVLayout(self.num_blocks, 1, 1, layer.state_width, "uint8")
             for layer in self.layers
         }
 

@@ -119,6 +119,13 @@ def check_request_blocks(
             f"({', '.join(g.describe() for g in groups)})"
         )
     for group, blocks in zip(groups, remote.block_ids, strict=True):
+        if group.is_state:
+            if len(blocks) != 1:
+                raise RemoteLayoutError(
+                    f"kv_transfer_params.remote_block_ids holds {len(blocks)} blocks for "
+                    f"{group.describe()}: a producer lends one state block per request"
+                )
+            continue
         kept = group.blocks_kept(block_size)
         if kept is None and len(blocks) != needed:
             raise RemoteLayoutError(
@@ -163,7 +170,17 @@ def plan_pulls(
         _register(topology, engine_id, metadata, is_draft)
         by_index = {layer.index: layer for layer in layers}
         for source in topology.layer_sources(engine_id):
-            held = [by_index[i] for i in source.layers]
+            states = [by_index[i] for i in source.layers if by_index[i].state_width is not None]
+            held = [by_index[i] for i in source.layers if by_index[i].state_width is None]
+            if states:
+                # A state page is not split by heads: the same TP rank's page, whole.
+                rank = _state_source(identity, engine_id, metadata, source.remote_pp_rank)
+                _check_serves(engine_id, metadata[rank], states)
+                for layer in states:
+                    key = (rank, range(0, 1), range(0, 1), identity.group_of(layer.name))
+                    merged.setdefault(key, []).append(layer.name)
+            if not held:
+                continue
             for head in topology.head_sources(engine_id, source.remote_pp_rank):
                 rank = (source.remote_pp_rank, head.remote_tp_rank)
                 _check_serves(engine_id, metadata[rank], held)
@@ -217,12 +234,13 @@ def _register(
                 f"layers {indices}"
             )
         element_size = getattr(torch, md.dtype).itemsize
+        heads = next((la.num_kv_heads for la in layers if la.state_width is None), 1)
         topology.register_remote_engine(
             engine_id,
             EngineTransferInfo(
                 remote_tp_size=md.tp_size,
                 remote_block_len=2
-                * layers[0].num_kv_heads
+                * heads
                 * (md.block_size // md.kernel_blocks)
                 * md.head_dim
                 * element_size,
@@ -238,6 +256,23 @@ def _register(
         raise RemoteLayoutError(f"engine {engine_id!r} holds no {kind} layers; this worker does")
 
 
+def _state_source(
+    identity: WorkerIdentity,
+    engine_id: str,
+    metadata: Mapping[PpTpRank, UcxHandshakeMetadata],
+    remote_pp_rank: int,
+) -> PpTpRank:
+    """The remote worker whose recurrent-state pages this worker reads: its own TP rank's."""
+    remote_tp = next(iter(metadata.values())).tp_size
+    if remote_tp != identity.tp_size:
+        raise RemoteLayoutError(
+            f"engine {engine_id!r} runs TP {remote_tp} and this engine TP "
+            f"{identity.tp_size}: recurrent state (Mamba / Gated DeltaNet) is moved between "
+            "equal TP sizes only (splitting it by sub-projection is not implemented)"
+        )
+    return remote_pp_rank, identity.tp_rank
+
+
 def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLayer]) -> None:
     held = {layer.name: layer for layer in md.layers}
     missing = [layer.name for layer in wanted if layer.name not in held]
@@ -248,6 +283,11 @@ def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLaye
         )
     for layer in wanted:
         theirs = held[layer.name].kv_group
+        if held[layer.name].state_width != layer.state_width:
+            raise RemoteLayoutError(
+                f"layer {layer.name!r} holds {held[layer.name].state_width} x 2 state bytes per "
+                f"block on engine {engine_id!r} and {layer.state_width} x 2 on this engine"
+            )
         if theirs != layer.kv_group:
             # Another kind (or window) of cache: its blocks mean other tokens, or other state.
             raise RemoteLayoutError(

@@ -38,6 +38,7 @@ from kvtransfer.connector.kv_groups import (
     BlockIds,
     KVCacheGroup,
     for_group,
+    state_block,
     transferable_blocks,
 )
 from kvtransfer.connector.metadata import (
@@ -291,7 +292,11 @@ class UcxScheduler:
                 f"list(s); this engine has {len(self._groups)} KV cache group(s)"
             )
         for group, blocks in zip(self._groups, remote.block_ids, strict=True):
-            if group.blocks_kept(block_size) is None and len(blocks) < needed:
+            if (
+                not group.is_state
+                and group.blocks_kept(block_size) is None
+                and len(blocks) < needed
+            ):
                 # The exact count is checked against the producer's block size once its
                 # handshake is known (`plan.check_request_blocks`).
                 raise ValueError(
@@ -361,7 +366,15 @@ class UcxScheduler:
         remote_blocks: int,
     ) -> BlockRun:
         """Which of group ``index``'s blocks [first, end) this engine needs, and from where in
-        the producer's list (which ends at its block ``remote_blocks - 1``)."""
+        the producer's list (which ends at its block ``remote_blocks - 1``). A recurrent-state
+        group: the producer's state block into this request's."""
+        if group.is_state:
+            if len(theirs) != 1:
+                raise ValueError(
+                    f"request {rid}: {group.describe()}: the producer lists {len(theirs)} state "
+                    "blocks, not one"
+                )
+            return BlockRun(index, tuple(theirs), state_block(group, ours, self._null_block), 0)
         if len(ours) < end:
             raise ValueError(
                 f"request {rid}: {group.describe()}: {end} blocks needed, {len(ours)} were "
@@ -509,7 +522,12 @@ class UcxScheduler:
                 f"{len(block_ids)} block list(s) for an engine with {len(self._groups)} KV "
                 "cache group(s)"
             )
-        if num_blocks == 0 or any(len(ids) < num_blocks for ids in block_ids):
+        short = any(
+            len(ids) < num_blocks
+            for g, ids in zip(self._groups, block_ids, strict=True)
+            if not g.is_state
+        )
+        if num_blocks == 0 or short:
             return tuple(() for _ in block_ids)
         return tuple(
             transferable_blocks(g, ids, num_blocks, self._split.block_size, self._null_block)
