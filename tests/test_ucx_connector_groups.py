@@ -16,6 +16,7 @@ import torch
 from ucx_helpers.synthetic import (
     BLOCK_SIZE,
     SENTINEL,
+    STATE_WIDTH,
     engines,
     global_layer,
     run_load,
@@ -129,6 +130,11 @@ def test_each_group_lands_in_its_own_blocks_and_nothing_else_is_written(plane):
             (1, (9, 10, 11), (19, 20, 21), 6),
         ]  # fmt: skip
         assert run_load(c, spec) == {(0, 0): ({"dec"}, set(), set())}
+        stats = c.workers[(0, 0)].get_kv_connector_stats().data
+        # Per block and layer: K and V of 2 heads x 8 tokens x 4 floats.
+        per_block = 2 * 2 * BLOCK_SIZE * 4 * 4
+        assert stats["bytes_received_sliding_window"] == 3 * len(WINDOWED) * per_block
+        assert stats["bytes_received"] == (6 * len(FULL) + 3 * len(WINDOWED)) * per_block
         caches = c.caches[(0, 0)]
         for names, pairs in (
             (FULL, list(zip(PRODUCER_BLOCKS[0], CONSUMER_BLOCKS[0], strict=True))),
@@ -225,6 +231,8 @@ def test_a_state_page_moves_whole_beside_the_kv_blocks(plane):
         (spec,) = half.build_connector_meta(SimpleNamespace()).loads
         assert runs(spec) == [(0, (9,), (19,), 0), (1, STATE_PRODUCER[1], STATE_CONSUMER[1], 1)]
         assert run_load(c, spec) == {(0, 0): ({"dec"}, set(), set())}
+        stats = c.workers[(0, 0)].get_kv_connector_stats().data
+        assert stats["bytes_received_recurrent_state"] == len(STATE) * 2 * STATE_WIDTH
         caches = c.caches[(0, 0)]
         for name in STATE:
             expected = sentinel_cache(caches[name].shape, "fp8")

@@ -632,6 +632,39 @@ def check_startup_answers() -> None:
         raise StageFailure("kv_buffer_device 'cpu' with CUDA caches was accepted")
 
 
+def check_hybrid_manager_answers() -> None:
+    """vLLM keeps its hybrid KV cache manager on for our UcxConnector and for a MultiConnector
+    of ours exactly when every child follows KV cache groups (vLLM resolves the children by
+    name: the adapter registers ours in its registry); a SharedStorageConnector child turns it
+    off, and vLLM's own check says so."""
+
+    def answer(name: str, extra: dict[str, Any] | None = None) -> bool:
+        kv = KVTransferConfig(
+            kv_connector=name,
+            kv_connector_module_path="kvtransfer.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra or {},
+        )
+        return KVConnectorFactory.supports_hma_config(kv)
+
+    check(answer("UcxConnector"), "vLLM keeps its hybrid KV cache manager on for UcxConnector")
+    ucx_child = {"kv_connector": "UcxConnector", "kv_role": "kv_both"}
+    storage_child = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": "/tmp/unused"},
+    }
+    check(
+        answer("MultiConnector", {"connectors": [ucx_child]}),
+        "and for a MultiConnector of UcxConnector children",
+    )
+    check(
+        not answer("MultiConnector", {"connectors": [ucx_child, storage_child]}),
+        "and turns it off for a MultiConnector with a SharedStorageConnector child",
+    )
+    check(not answer("SharedStorageConnector"), "and for SharedStorageConnector (one group only)")
+
+
 def check_watchdog() -> None:
     """A worker hook made to block, in a worker built by vLLM's factory: our adapter's
     watchdog logs it with the blocked thread's stack and serves it on the worker's own metrics
@@ -793,6 +826,7 @@ def main() -> int:
 
     def checks() -> None:
         check_startup_answers()
+        check_hybrid_manager_answers()
         check_watchdog()
         for plane in planes:
             for producer_split, consumer_split, num_layers, fmt in PAIRINGS:

@@ -1,9 +1,11 @@
 """Hybrid KV caches through our connector in real vLLM-CPU P/D (issue 35).
 
-    python vllm_stage/check_hybrid.py --model DIR [--data-plane rma|tagged|both]
+    python vllm_stage/check_hybrid.py --model DIR [--data-plane rma|tagged|both] [--tp]
 
-``DIR``: a tiny Gemma-3-pattern model (`make_tiny_hybrid.py gemma3`: sliding-window layers
-beside full ones, window 64 = two 32-token blocks). A single vLLM (no connector) answers each
+``DIR``: a tiny model of `make_tiny_hybrid.py`. Recurrent-state families (``nemotron_h``:
+Mamba2; ``qwen3_next``: Gated DeltaNet; beside attention) are checked by `run_state`. The
+sliding-window family (``gemma3``: sliding-window layers beside full ones, window 64 = two
+32-token blocks) as follows. A single vLLM (no connector) answers each
 prompt; then a vLLM prefill and a vLLM decode (UcxConnector, each pinned to a core) answer it
 disaggregated. Checked, per data plane:
 
@@ -26,14 +28,18 @@ import sys
 import time
 from pathlib import Path
 
+import check_pd
 from check_pd import (
     _PASSIVE,
     _PINNED,
     BLOCK_SIZE,
     DATA_PLANES,
+    NIXL,
+    NIXL_ENV,
     Server,
     StageFailure,
     check,
+    free_port,
     kv_config,
     on_plane,
     pd_decode,
@@ -74,13 +80,38 @@ def model_shape(model: str) -> tuple[int, int, int]:
 
 
 def state_page_bytes(config: dict) -> int:
-    """One Mamba2 layer's state page as vLLM-CPU keeps it: conv state (kernel - 1 positions of
-    x, B and C) and the SSM state, float32."""
-    inner = config["mamba_num_heads"] * config["mamba_head_dim"]
-    conv_dim = inner + 2 * config["n_groups"] * config["ssm_state_size"]
-    conv = (config["conv_kernel"] - 1) * conv_dim
-    ssm = config["mamba_num_heads"] * config["mamba_head_dim"] * config["ssm_state_size"]
-    return 4 * (conv + ssm)
+    """One state layer's page as vLLM-CPU keeps it: conv state (kernel - 1 positions of the
+    conv channels: Mamba2 x, B, C; Gated DeltaNet Q, K, V) then the SSM / delta-rule state."""
+    if config["model_type"] == "nemotron_h":
+        inner = config["mamba_num_heads"] * config["mamba_head_dim"]
+        conv = (config["conv_kernel"] - 1) * (
+            inner + 2 * config["n_groups"] * config["ssm_state_size"]
+        )
+        return 4 * (conv + inner * config["ssm_state_size"])
+    keys = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    values = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    conv = (config["linear_conv_kernel_dim"] - 1) * (2 * keys + values)
+    delta = (
+        config["linear_num_value_heads"]
+        * config["linear_key_head_dim"]
+        * config["linear_value_head_dim"]
+    )
+    return 2 * (conv + delta)
+
+
+# Per state family: the config key listing layer kinds, the element size, vLLM-CPU flags.
+STATE_FAMILIES = {
+    # vLLM-CPU's Mamba2 prefill fails past one chunk with prefix caching on.
+    "nemotron_h": ("layers_block_type", 4, ("--no-enable-prefix-caching",)),
+    # Its GDN kernel needs bfloat16.
+    "qwen3_next": ("layer_types", 2, ("--no-enable-prefix-caching", "--dtype", "bfloat16")),
+}
+
+
+def attention_block_size(per_token: int, page: int) -> int:
+    """vLLM enlarges a hybrid model's attention blocks (in steps of the CPU kernel's 32 tokens)
+    until one layer's block holds a state page: the block size the params' lists count in."""
+    return max(BLOCK_SIZE, -(-page // (per_token * BLOCK_SIZE)) * BLOCK_SIZE)
 
 
 def run_state(model: str, logs: Path) -> list[dict]:
@@ -89,18 +120,17 @@ def run_state(model: str, logs: Path) -> list[dict]:
     last prompt token from that state, so vLLM counts all prompt tokens but one as
     transferred."""
     config = json.loads((Path(model) / "config.json").read_text())
-    kinds = config["layers_block_type"]
+    kinds_key, element, flags = STATE_FAMILIES[config["model_type"]]
+    kinds = config[kinds_key]
     attention_layers = kinds.count("full_attention")
     state_layers = kinds.count("linear_attention")
-    per_block = 2 * config["num_key_value_heads"] * BLOCK_SIZE * config["head_dim"] * 4
     page = state_page_bytes(config)
-    # vLLM-CPU's Mamba2 prefill fails past one chunk with prefix caching on.
-    flags = ("--no-enable-prefix-caching",)
     single = Server("single", model, logs, None, *flags, core=None, env=_PINNED)
     p = Server("prefill", model, logs, kv_config("kv_producer"), *flags, core=0, env=_PASSIVE)
     d = Server("decode", model, logs, kv_config("kv_consumer"), *flags, core=1, env=_PASSIVE)
     servers = (single, p, d)
     rows = []
+    pd_tokens: dict[str, list[int]] = {}
     try:
         deadline = time.monotonic() + 300
         for server in servers:
@@ -108,6 +138,9 @@ def run_state(model: str, logs: Path) -> list[dict]:
         for server in (p, d):
             text = server.log.read_text(errors="replace")
             check(HMA_OFF not in text, f"{server.name}: vLLM kept its hybrid KV cache manager on")
+        per_token = 2 * config["num_key_value_heads"] * config["head_dim"] * element
+        block_size = attention_block_size(per_token, page)
+        per_block = per_token * block_size
         for index, prompt in enumerate(PROMPTS):
             status, expected = single.complete(prompt, MAX_TOKENS)
             check(status == 200, f"single vLLM answered prompt {index} (HTTP {status})")
@@ -119,7 +152,7 @@ def run_state(model: str, logs: Path) -> list[dict]:
                 f"({params['remote_num_tokens']} of {prompt_tokens})",
             )
             state, full = params["remote_block_ids"]
-            blocks = -(-params["remote_num_tokens"] // BLOCK_SIZE)
+            blocks = -(-params["remote_num_tokens"] // block_size)
             check(
                 len(state) == 1 and len(full) == blocks,
                 f"prompt {index}: one state block and every KV block ({len(state)}, "
@@ -127,11 +160,14 @@ def run_state(model: str, logs: Path) -> list[dict]:
             )
             before = received_bytes(d)
             answer = pd_decode(d, prompt, MAX_TOKENS, params, f"prompt {index}", backoff=1)
-            check(
-                tokens(answer) == tokens(expected),
-                f"prompt {index}: P/D tokens equal the single vLLM's "
-                f"({tokens(answer)} vs {tokens(expected)})",
-            )
+            if element == 4:
+                check(
+                    tokens(answer) == tokens(expected),
+                    f"prompt {index}: P/D tokens equal the single vLLM's "
+                    f"({tokens(answer)} vs {tokens(expected)})",
+                )
+            else:
+                pd_tokens[prompt] = tokens(answer)
             moved = {
                 "full_attention": len(full) * attention_layers * per_block,
                 "recurrent_state": state_layers * page,
@@ -157,7 +193,47 @@ def run_state(model: str, logs: Path) -> list[dict]:
     finally:
         for server in servers:
             server.stop()
+    if pd_tokens:
+        check_against_nixl(model, logs, flags, pd_tokens)
     return rows
+
+
+def check_against_nixl(
+    model: str, logs: Path, flags: tuple[str, ...], ours: dict[str, list[int]]
+) -> None:
+    """bfloat16 state models: the decode computes the last prompt token alone (GDN's one-token
+    recurrence, not its chunked prefill), which rounds differently from a single vLLM, so P/D
+    tokens drift from a single vLLM's after a few (vLLM's arithmetic, whichever connector
+    moved the state). The reference is then vLLM's own NixlConnector in the same P/D: its
+    tokens must equal ours exactly."""
+
+    def env() -> dict[str, str]:
+        return {
+            **_PASSIVE,
+            **NIXL_ENV,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        }
+
+    p = Server("nixl-prefill", model, logs, NIXL, *flags, core=0, env=env())
+    d = Server("nixl-decode", model, logs, NIXL, *flags, core=1, env=env())
+    try:
+        deadline = time.monotonic() + 300
+        p.wait_healthy(deadline)
+        d.wait_healthy(deadline)
+        for prompt, mine in ours.items():
+            status, answer = p.complete(prompt, 1, {"do_remote_decode": True})
+            check(status == 200, f"NIXL prefill answered (HTTP {status})")
+            status, answer = d.complete(prompt, MAX_TOKENS, answer["kv_transfer_params"])
+            check(status == 200, f"NIXL decode answered (HTTP {status})")
+            check(
+                tokens(answer) == mine,
+                f"P/D tokens equal NixlConnector's P/D tokens for {prompt[:30]!r}... "
+                f"({mine} vs {tokens(answer)})",
+            )
+    finally:
+        d.stop()
+        p.stop()
 
 
 def run(model: str, logs: Path) -> list[dict]:
@@ -241,13 +317,18 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--logs", type=Path, default=Path("vllm-stage-logs/hybrid"))
     parser.add_argument("--data-plane", choices=(*DATA_PLANES, "both"), default="both")
+    parser.add_argument(
+        "--tp",
+        action="store_true",
+        help="also TP 2 -> TP 1 and TP 1 -> TP 2 (sliding-window family; first data plane)",
+    )
     args = parser.parse_args()
     logs = args.logs
     try:
         for plane in planes(args.data_plane):
             logs = on_plane(plane, args.logs)
             family = json.loads((Path(args.model) / "config.json").read_text())["model_type"]
-            if family == "nemotron_h":
+            if family in STATE_FAMILIES:
                 for row in run_state(args.model, logs):
                     print(
                         f"[{plane}] prompt {row['prompt']}: {row['prompt_tokens']} tokens, "
@@ -264,6 +345,11 @@ def main() -> int:
                     f"{row['all_blocks_bytes']} B)",
                     flush=True,
                 )
+        if args.tp:
+            # The TP pairings of the dense stage, with prompts past the window.
+            logs = on_plane(planes(args.data_plane)[0], args.logs / "tp")
+            check_pd.TP_PROMPTS = PROMPTS[:1]
+            check_pd.run_tp(args.model, logs)
     except StageFailure as failure:
         report_failure(failure, logs)
         return 1

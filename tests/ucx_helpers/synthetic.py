@@ -56,7 +56,9 @@ def global_layer(
     return torch.randn(*shape, generator=generator, dtype=torch.float32)
 
 
-STATE_WIDTH = 6  # bytes per half of a recurrent-state layer's page
+# Bytes per half of a recurrent-state layer's page: pages of 16, as the wire aligns segments
+# to 16 (a tagged pull's payload_bytes counts that padding).
+STATE_WIDTH = 8
 
 
 def state_pages(seed: int, name: str) -> torch.Tensor:

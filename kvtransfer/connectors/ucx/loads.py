@@ -65,6 +65,8 @@ class LoadOutcome:
     elapsed_s: float
     # Of num_bytes, those read one-sided (RMA mode).
     one_sided_bytes: int = 0
+    # Of num_bytes, those of each KV cache group kind other than full attention.
+    bytes_by_kind: tuple[tuple[str, int], ...] = ()
 
 
 class LoadJob:
@@ -93,6 +95,9 @@ class LoadJob:
         self._handles: list[PullHandle] = []
         # Pulls not yet on the timeline: their start (wall ns) and layer count, by handle.
         self._read_started: dict[int, tuple[int, int]] = {}
+        # Each pull's KV cache group kind, by handle.
+        self._kinds: dict[int, str] = {}
+        self._bytes_by_kind: dict[str, int] = {}
 
     @property
     def req_id(self) -> str:
@@ -155,7 +160,11 @@ class LoadJob:
                 self._engines.invalidate(engine)
             raise
         return LoadOutcome(
-            len(spec.local_block_ids), total, time.perf_counter() - started, one_sided
+            len(spec.local_block_ids),
+            total,
+            time.perf_counter() - started,
+            one_sided,
+            tuple(sorted(self._bytes_by_kind.items())),
         )
 
     def _restart(self, reset: EndpointReset) -> None:
@@ -206,6 +215,7 @@ class LoadJob:
                         should_stop=lambda: self._cancelled,
                     )
                 self._read_started[id(handle)] = (pull_started, len(layer_names))
+                self._kinds[id(handle)] = self._groups[pull.group].kind
                 if handle.done():  # one-sided: read right there
                     self._record_read(handle)
                 with self._lock:
@@ -218,6 +228,7 @@ class LoadJob:
 
     def _wait_all(self, handles: list[PullHandle], watch: ProducerWatch) -> tuple[int, int]:
         """(bytes, of which one-sided) of every pull, once all finished."""
+        self._bytes_by_kind = {}  # this attempt's (a reset load is read again)
         deadline = time.monotonic() + self._timeout_s + _RESULT_GRACE_S
         total = one_sided = 0
         next_probe = time.monotonic() + PROBE_INTERVAL_S
@@ -228,6 +239,11 @@ class LoadJob:
                     self._record_read(handle)
                     total += result.payload_bytes
                     one_sided += result.payload_bytes if result.one_sided else 0
+                    kind = self._kinds.get(id(handle), FULL_ATTENTION)
+                    if kind != FULL_ATTENTION:
+                        self._bytes_by_kind[kind] = (
+                            self._bytes_by_kind.get(kind, 0) + result.payload_bytes
+                        )
                     break
                 except TimeoutError:
                     if handle.done() or time.monotonic() >= deadline:

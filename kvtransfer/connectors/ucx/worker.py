@@ -312,6 +312,8 @@ class UcxWorker:
                 self._add("blocks_received", finished.outcome.num_blocks)
                 self._add("bytes_received", finished.outcome.num_bytes)
                 self._add("bytes_received_one_sided", finished.outcome.one_sided_bytes)
+                for kind, num_bytes in finished.outcome.bytes_by_kind:
+                    self._add(f"bytes_received_{kind}", num_bytes)
                 self._append("transfer_s", finished.outcome.elapsed_s)
         for req_id in finished_req_ids:
             entry = self._loads.get(req_id)
