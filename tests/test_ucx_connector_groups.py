@@ -30,6 +30,7 @@ from kvtransfer.connector.kv_groups import (
     SLIDING_WINDOW,
     KVCacheGroup,
     as_block_ids,
+    num_listed_blocks,
     transferable_blocks,
 )
 from kvtransfer.connectors.ucx import UcxConnectorMetadata
@@ -79,6 +80,7 @@ def test_a_group_moves_what_its_kind_keeps():
         transferable_blocks(window, [5], 2, 8, 0)
     with pytest.raises(ValueError, match="sliding_window group needs sliding_window"):
         KVCacheGroup(SLIDING_WINDOW, WINDOWED)
+    assert (num_listed_blocks([4, 5]), num_listed_blocks([[4, 5], [6]])) == (2, 3)
     assert as_block_ids([1, 2], 1) == ((1, 2),)
     assert as_block_ids([[1], [2]], 2) == ((1,), (2,))
     with pytest.raises(ValueError, match=r"1 block list\(s\) for an engine with 2 KV cache"):

@@ -146,6 +146,17 @@ def for_group(group: KVCacheGroup, num_groups: int) -> str:
     return f" for {group.describe()}" if num_groups > 1 else ""
 
 
+def num_listed_blocks(listed: object) -> int:
+    """How many blocks ``kv_transfer_params.remote_block_ids`` lists: a flat list, or one list
+    per KV cache group (blocks of every group)."""
+    if not isinstance(listed, Sequence) or isinstance(listed, str | bytes):
+        return 0
+    return sum(
+        len(item) if isinstance(item, Sequence) and not isinstance(item, str | bytes) else 1
+        for item in listed
+    )
+
+
 def as_block_ids(block_ids: object, num_groups: int) -> BlockIds:
     """A request's block ids as one tuple per group: a flat list is the one-group case;
     `ValueError` when the lists do not match the engine's ``num_groups`` groups."""

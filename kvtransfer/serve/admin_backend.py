@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvtransfer.connector.kv_groups import num_listed_blocks
 from kvtransfer.connector.serving import KVTransferTotals
 from kvtransfer.control.admin import EngineStatus, PeerInfo, TransferDirection, TransferInfo
 from kvtransfer.control.placement import Placement
@@ -137,7 +138,7 @@ class EngineAdminBackend:
             for held in held
         ]
         for request_id, params, started in loading:
-            num_blocks = len(params.get("remote_block_ids") or ())
+            num_blocks = num_listed_blocks(params.get("remote_block_ids"))
             transfers.append(
                 TransferInfo(
                     request_id=request_id,

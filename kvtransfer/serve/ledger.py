@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvtransfer.connector.kv_groups import num_listed_blocks
 from kvtransfer.control.admin import HandshakeState, PeerInfo
 from kvtransfer.engine.scheduler.request import EngineCoreOutput
 
@@ -81,7 +82,7 @@ class ServingLedger:
 
     def hold(self, request_id: str, params: dict[str, Any], bytes_per_block: int) -> None:
         """A prefill request finished and keeps ``remote_block_ids`` for a consumer."""
-        num_blocks = len(params.get("remote_block_ids") or ())
+        num_blocks = num_listed_blocks(params.get("remote_block_ids"))
         if not num_blocks:
             return
         with self._lock:
