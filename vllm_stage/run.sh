@@ -72,6 +72,11 @@ run033() { VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv033/bin/python" "$@"; }
 run033 -c "import vllm, kvtransfer.integrations.vllm; assert vllm.__version__.startswith('0.33.')" \
   || fail "kvtransfer.integrations.vllm does not import in vLLM 0.33 ($venv033)"
 run033 vllm_stage/check_layouts.py || fail "vLLM 0.33: wrong KV bytes between cache layouts"
+# Hybrid (HMA) caches as vLLM's own grouping and view builder make them, in 0.32 and 0.33.
+"$venv/bin/python" vllm_stage/check_hybrid_layouts.py \
+  || fail "vLLM 0.32: wrong KV bytes between hybrid (HMA) cache layouts"
+run033 vllm_stage/check_hybrid_layouts.py \
+  || fail "vLLM 0.33: wrong KV bytes between hybrid (HMA) cache layouts"
 run033 vllm_stage/check_adapter_pp.py --data-plane both \
   || fail "vLLM 0.33: the adapter under PP failed"
 run033 vllm_stage/check_kv_events.py || fail "vLLM 0.33: our KV events are not its wire format"
