@@ -163,6 +163,8 @@ def test_every_worker_of_a_pp2_tp2_engine_gets_its_rank_and_the_whole_model():
                 pp_rank=p,
                 tp_rank=t,
                 kv_order="B2HND",
+                # vLLM's null block (one group: never in a request's list, but named).
+                null_block_id=0,
             )
     scheduler = vllm_kv_cache_layout(config, worker_kv_cache_config(layer_names(4, 0, 2)), None)
     assert (scheduler.rank, scheduler.pp_size, scheduler.tp_size) == (None, 2, 2)
