@@ -24,6 +24,8 @@ from ucx_helpers.synthetic import (
     state_pages,
 )
 
+from kvtransfer.connector.base import supports_hma
+from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.kv_groups import (
     FULL_ATTENTION,
     RECURRENT_STATE,
@@ -33,6 +35,8 @@ from kvtransfer.connector.kv_groups import (
     num_listed_blocks,
     transferable_blocks,
 )
+from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorRole
+from kvtransfer.connectors.multi import MultiConnector
 from kvtransfer.connectors.ucx import UcxConnectorMetadata
 
 pytestmark = pytest.mark.integration
@@ -91,11 +95,11 @@ def runs(spec) -> list[tuple]:
     return [(r.group, r.remote_block_ids, r.local_block_ids, r.lease_offset) for r in spec.runs]
 
 
-def _producer_params(p) -> dict:
+def _producer_params(p, blocks=PRODUCER_BLOCKS) -> dict:
     """Finish a prefill of `PROMPT_TOKENS` on ``p`` and grant its lease, as the engine would."""
     half = p.scheduler
     delay_free, params = half.request_finished_all_groups(
-        request("pre", PROMPT_TOKENS, {"do_remote_decode": True}), PRODUCER_BLOCKS
+        request("pre", PROMPT_TOKENS, {"do_remote_decode": True}), blocks
     )
     assert delay_free
     meta = half.build_connector_meta(SimpleNamespace())
@@ -103,13 +107,13 @@ def _producer_params(p) -> dict:
     return params
 
 
-def _consumer_load(c, params: dict, local_hit: int = 0):
+def _consumer_load(c, params: dict, local_hit: int = 0, blocks=CONSUMER_BLOCKS):
     half = c.scheduler
     req = request("dec", PROMPT_TOKENS, params)
     req.num_computed_tokens = local_hit
     count, is_async = half.get_num_new_matched_tokens(req, local_hit)
     assert (count, is_async) == (PROMPT_TOKENS - local_hit, True)
-    half.update_state_after_alloc(req, CONSUMER_BLOCKS, count)
+    half.update_state_after_alloc(req, blocks, count)
     meta: UcxConnectorMetadata = half.build_connector_meta(SimpleNamespace())
     (spec,) = meta.loads
     return spec
@@ -221,16 +225,9 @@ def test_a_state_page_moves_whole_beside_the_kv_blocks(plane):
         dict(engine_id="sc", tp=1, pp=1, role="kv_consumer", draft=False, groups=with_state(),
              data_plane=plane),
     ) as (p, c):  # fmt: skip
-        _, params = p.scheduler.request_finished_all_groups(
-            request("pre", PROMPT_TOKENS, {"do_remote_decode": True}), STATE_PRODUCER
-        )
-        p.step(grants=p.scheduler.build_connector_meta(SimpleNamespace()).grants)
+        params = _producer_params(p, STATE_PRODUCER)
         assert params["remote_block_ids"] == [[9], [3, 4, 5, 6, 7, 8]]
-        half = c.scheduler
-        req = request("dec", PROMPT_TOKENS, params)
-        count, _ = half.get_num_new_matched_tokens(req, 0)
-        half.update_state_after_alloc(req, STATE_CONSUMER, count)
-        (spec,) = half.build_connector_meta(SimpleNamespace()).loads
+        spec = _consumer_load(c, params, blocks=STATE_CONSUMER)
         assert runs(spec) == [(0, (9,), (19,), 0), (1, STATE_PRODUCER[1], STATE_CONSUMER[1], 1)]
         assert run_load(c, spec) == {(0, 0): ({"dec"}, set(), set())}
         stats = c.workers[(0, 0)].get_kv_connector_stats().data
@@ -254,16 +251,43 @@ def test_state_between_tp_sizes_is_refused_naming_both():
              groups=with_state()),
         dict(engine_id="s1", tp=1, pp=1, role="kv_consumer", draft=False, groups=with_state()),
     ) as (p, c):  # fmt: skip
-        _, params = p.scheduler.request_finished_all_groups(
-            request("pre", PROMPT_TOKENS, {"do_remote_decode": True}), STATE_PRODUCER
-        )
-        p.step(grants=p.scheduler.build_connector_meta(SimpleNamespace()).grants)
-        half = c.scheduler
-        req = request("dec", PROMPT_TOKENS, params)
-        count, _ = half.get_num_new_matched_tokens(req, 0)
-        half.update_state_after_alloc(req, STATE_CONSUMER, count)
-        (spec,) = half.build_connector_meta(SimpleNamespace()).loads
+        spec = _consumer_load(c, _producer_params(p, STATE_PRODUCER), blocks=STATE_CONSUMER)
         assert run_load(c, spec)[(0, 0)][1] == {"dec"}
         reason = c.workers[(0, 0)].get_load_failure_reasons()["dec"]
         assert "engine 's2' runs TP 2 and this engine TP 1: recurrent state" in reason, reason
         assert torch.all(c.caches[(0, 0)]["model.layers.0.self_attn"] == 7)
+
+
+def _multi(children: list[dict]) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_producer",
+        engine_id="multi",
+        kv_connector_extra_config={"connectors": children},
+    )
+
+
+def test_a_multi_connector_follows_groups_only_when_every_child_does(tmp_path):
+    ucx = {"kv_connector": "UcxConnector"}
+    storage = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+    hybrid_layout = KVCacheLayout(
+        model="m", dtype="float32", block_size=8, num_blocks=4, num_layers=4, num_kv_heads=2,
+        head_dim=4, groups=hybrid(), null_block_id=0,
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"MultiConnector child 1:SharedStorageConnector follows one"
+    ):
+        MultiConnector(_multi([ucx, storage]), KVConnectorRole.SCHEDULER, hybrid_layout)
+    both = MultiConnector(_multi([ucx]), KVConnectorRole.SCHEDULER, hybrid_layout)
+    try:
+        assert supports_hma(both)
+    finally:
+        both.shutdown()
+    dense = MultiConnector(_multi([ucx, storage]), KVConnectorRole.SCHEDULER, None)
+    try:
+        assert not supports_hma(dense)  # a one-group engine runs it, through request_finished
+    finally:
+        dense.shutdown()

@@ -22,10 +22,12 @@ disaggregated. Checked, per data plane:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import check_pd
@@ -69,6 +71,40 @@ def received_bytes(decode: Server) -> float:
         if "KV Transfer metrics" in line:
             total += float(dict(re.findall(r"(\w+)=([\d.]+)", line)).get("bytes_received", 0))
     return total
+
+
+@contextlib.contextmanager
+def hybrid_servers(model: str, logs: Path, flags: tuple[str, ...] = ()) -> Iterator[tuple]:
+    """A single vLLM (the reference), and a prefill and a decode with UcxConnector, each
+    pinned to a core: healthy, with vLLM's hybrid KV cache manager on; stopped afterwards."""
+    single = Server("single", model, logs, None, *flags, core=None, env=_PINNED)
+    p = Server("prefill", model, logs, kv_config("kv_producer"), *flags, core=0, env=_PASSIVE)
+    d = Server("decode", model, logs, kv_config("kv_consumer"), *flags, core=1, env=_PASSIVE)
+    try:
+        deadline = time.monotonic() + 300
+        for server in (single, p, d):
+            server.wait_healthy(deadline)
+        for server in (p, d):
+            text = server.log.read_text(errors="replace")
+            check(HMA_OFF not in text, f"{server.name}: vLLM kept its hybrid KV cache manager on")
+        yield single, p, d
+    finally:
+        for server in (single, p, d):
+            server.stop()
+
+
+def check_received(decode: Server, before: float, moved: dict[str, int], label: str) -> None:
+    """The decode logged exactly ``moved``'s bytes since it had logged ``before``."""
+    wait_for(
+        lambda: received_bytes(decode) - before >= sum(moved.values()),
+        f"{label}: the decode to log the KV it received",
+    )
+    got = received_bytes(decode) - before
+    check(
+        got == sum(moved.values()),
+        f"{label}: the decode received exactly the listed blocks' bytes "
+        f"({got:.0f} vs {sum(moved.values())}: {moved})",
+    )
 
 
 def model_shape(model: str) -> tuple[int, int, int]:
@@ -125,19 +161,9 @@ def run_state(model: str, logs: Path) -> list[dict]:
     attention_layers = kinds.count("full_attention")
     state_layers = kinds.count("linear_attention")
     page = state_page_bytes(config)
-    single = Server("single", model, logs, None, *flags, core=None, env=_PINNED)
-    p = Server("prefill", model, logs, kv_config("kv_producer"), *flags, core=0, env=_PASSIVE)
-    d = Server("decode", model, logs, kv_config("kv_consumer"), *flags, core=1, env=_PASSIVE)
-    servers = (single, p, d)
     rows = []
     pd_tokens: dict[str, list[int]] = {}
-    try:
-        deadline = time.monotonic() + 300
-        for server in servers:
-            server.wait_healthy(deadline)
-        for server in (p, d):
-            text = server.log.read_text(errors="replace")
-            check(HMA_OFF not in text, f"{server.name}: vLLM kept its hybrid KV cache manager on")
+    with hybrid_servers(model, logs, flags) as (single, p, d):
         per_token = 2 * config["num_key_value_heads"] * config["head_dim"] * element
         block_size = attention_block_size(per_token, page)
         per_block = per_token * block_size
@@ -172,16 +198,7 @@ def run_state(model: str, logs: Path) -> list[dict]:
                 "full_attention": len(full) * attention_layers * per_block,
                 "recurrent_state": state_layers * page,
             }
-            wait_for(
-                lambda b=before, m=moved: received_bytes(d) - b >= sum(m.values()),
-                f"prompt {index}: the decode to log the KV it received",
-            )
-            got = received_bytes(d) - before
-            check(
-                got == sum(moved.values()),
-                f"prompt {index}: the decode received exactly the KV blocks' and state pages' "
-                f"bytes ({got:.0f} vs {sum(moved.values())})",
-            )
+            check_received(d, before, moved, f"prompt {index}")
             rows.append(
                 {
                     "prompt": index,
@@ -190,9 +207,6 @@ def run_state(model: str, logs: Path) -> list[dict]:
                     **{f"{k}_bytes": v for k, v in moved.items()},
                 }
             )
-    finally:
-        for server in servers:
-            server.stop()
     if pd_tokens:
         check_against_nixl(model, logs, flags, pd_tokens)
     return rows
@@ -237,18 +251,8 @@ def check_against_nixl(
 
 
 def run(model: str, logs: Path) -> list[dict]:
-    single = Server("single", model, logs, None, core=None, env=_PINNED)
-    p = Server("prefill", model, logs, kv_config("kv_producer"), core=0, env=_PASSIVE)
-    d = Server("decode", model, logs, kv_config("kv_consumer"), core=1, env=_PASSIVE)
-    servers = (single, p, d)
     rows = []
-    try:
-        deadline = time.monotonic() + 300
-        for server in servers:
-            server.wait_healthy(deadline)
-        for server in (p, d):
-            text = server.log.read_text(errors="replace")
-            check(HMA_OFF not in text, f"{server.name}: vLLM kept its hybrid KV cache manager on")
+    with hybrid_servers(model, logs) as (single, p, d):
         full_layers, window_layers, per_block = model_shape(model)
         kept = -(-WINDOW // BLOCK_SIZE) + 1
         for index, prompt in enumerate(PROMPTS):
@@ -287,16 +291,7 @@ def run(model: str, logs: Path) -> list[dict]:
                 "full_attention": sum(len(g) for g in full) * per_group * per_block,
                 "sliding_window": sum(len(g) for g in window) * per_group * per_block,
             }
-            wait_for(
-                lambda b=before, m=moved: received_bytes(d) - b >= sum(m.values()),
-                f"prompt {index}: the decode to log the KV it received",
-            )
-            got = received_bytes(d) - before
-            check(
-                got == sum(moved.values()),
-                f"prompt {index}: the decode received exactly the listed blocks' bytes "
-                f"({got:.0f} vs {sum(moved.values())})",
-            )
+            check_received(d, before, moved, f"prompt {index}")
             rows.append(
                 {
                     "prompt": index,
@@ -306,9 +301,6 @@ def run(model: str, logs: Path) -> list[dict]:
                     "all_blocks_bytes": blocks * (full_layers + window_layers) * per_block,
                 }
             )
-    finally:
-        for server in servers:
-            server.stop()
     return rows
 
 

@@ -86,10 +86,12 @@ except ImportError:  # vLLM 0.32
         get_kv_cache_groups,
     )
 
+from check_layouts import linked_agents
+
 from kvtransfer.connector.kv_groups import KVCacheGroup, transferable_blocks
 from kvtransfer.connector.metadata import KVCacheLayout
 from kvtransfer.integrations.vllm_translate import vllm_kv_cache_layout, vllm_kv_views
-from kvtransfer.transport import KVTransferAgent, PullSpec, TransportConfig
+from kvtransfer.transport import PullSpec
 
 NUM_LAYERS = 6
 NUM_HEADS = 4  # KV heads of the whole model, before TP sharding
@@ -572,61 +574,32 @@ def run_case(
     groups = consumers[0].groups()
     plan = request_plan(family, groups)
     pulled = plan if corrupt is None else corrupt(plan)
-    config = TransportConfig(data_plane=case.plane, timeout_s=WAIT_S)
     pulls = payload = 0
-    agents: list[KVTransferAgent] = []
-    try:
-        served = []
-        for caches in producers:
-            agent = KVTransferAgent(config)
-            agents.append(agent)
-            agent.register_kv_caches(caches.views)
-            agent.start_server()
-            served.append(agent)
-        for c_rank, caches in enumerate(consumers):
-            agent = KVTransferAgent(config)
-            agents.append(agent)
-            agent.register_kv_caches(caches.views)
-            for p_rank, p_caches in enumerate(producers):
-                lo = max(caches.heads.start, p_caches.heads.start)
-                hi = min(caches.heads.stop, p_caches.heads.stop)
-                if lo >= hi:
-                    continue
-                producer = served[p_rank]
-                peer = agent.connect(
-                    producer.address,
-                    layouts=producer.kv_layouts(),
-                    one_sided=case.plane == "rma",
+    with linked_agents(case.plane, producers, consumers, closer, closing) as links:
+        for link in links:
+            for g, remote_ids, local_ids in pulled:
+                group = groups[g]
+                if group.is_state:
+                    if link.producer_rank != link.consumer_rank:
+                        continue  # a rank's state shard comes from the same rank
+                    heads = {}
+                else:
+                    heads = {"remote_heads": link.remote_heads, "local_heads": link.local_heads}
+                spec = PullSpec(f"check-{pulls}", group.layer_names, remote_ids, local_ids, **heads)
+                result = link.agent.pull(link.peer, spec).result(WAIT_S)
+                want_bytes = payload_bytes(
+                    consumers[link.consumer_rank],
+                    group.layer_names,
+                    len(local_ids),
+                    1 if group.is_state else len(link.local_heads),
                 )
-                for g, remote_ids, local_ids in pulled:
-                    group = groups[g]
-                    if group.is_state:
-                        if p_rank != c_rank:
-                            continue  # a rank's state shard comes from the same rank
-                        heads = {}
-                    else:
-                        heads = {
-                            "remote_heads": range(
-                                lo - p_caches.heads.start, hi - p_caches.heads.start
-                            ),
-                            "local_heads": range(lo - caches.heads.start, hi - caches.heads.start),
-                        }
-                    spec = PullSpec(
-                        f"check-{pulls}", group.layer_names, remote_ids, local_ids, **heads
+                if result.payload_bytes != want_bytes:
+                    raise Mismatch(
+                        f"pull of {group.describe()} from producer rank {link.producer_rank} "
+                        f"reports {result.payload_bytes} payload bytes, expected {want_bytes}"
                     )
-                    result = agent.pull(peer, spec).result(WAIT_S)
-                    want_bytes = payload_bytes(
-                        caches, group.layer_names, len(local_ids), 1 if group.is_state else hi - lo
-                    )
-                    if result.payload_bytes != want_bytes:
-                        raise Mismatch(
-                            f"pull of {group.describe()} from producer rank {p_rank} reports "
-                            f"{result.payload_bytes} payload bytes, expected {want_bytes}"
-                        )
-                    pulls += 1
-                    payload += result.payload_bytes
-    finally:
-        closing.extend(closer.submit(agent.close) for agent in agents)
+                pulls += 1
+                payload += result.payload_bytes
     for rank, caches in enumerate(consumers):
         expected = RankCaches(family, case.consumer, tp_c, rank)
         expected.fill_sentinel()

@@ -34,12 +34,15 @@ Prints one line per case and a summary; exits 1 on any mismatch or error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import traceback
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -240,6 +243,62 @@ class Case:
         )
 
 
+@dataclass(frozen=True)
+class Link:
+    """A consumer rank's agent connected to a producer rank holding some of its heads: those
+    heads as each rank's head axis indexes them."""
+
+    agent: KVTransferAgent
+    peer: Any
+    consumer_rank: int
+    producer_rank: int
+    remote_heads: range
+    local_heads: range
+
+
+@contextlib.contextmanager
+def linked_agents(
+    plane: str,
+    producers: Sequence[Any],
+    consumers: Sequence[Any],
+    closer: ThreadPoolExecutor,
+    closing: list[Future],
+) -> Iterator[list[Link]]:
+    """Transfer agents over every rank's ``views`` (producers serving), each consumer connected
+    to each producer whose ``heads`` overlap its own. Closed in the background afterwards
+    (each close drains its UCX endpoints for 0.2 s) while the caller reads the caches."""
+    config = TransportConfig(data_plane=plane, timeout_s=WAIT_S)
+    agents: list[KVTransferAgent] = []
+    try:
+        served = []
+        for caches in producers:
+            agent = KVTransferAgent(config)
+            agents.append(agent)
+            agent.register_kv_caches(caches.views)
+            agent.start_server()
+            served.append(agent)
+        links = []
+        for c_rank, caches in enumerate(consumers):
+            agent = KVTransferAgent(config)
+            agents.append(agent)
+            agent.register_kv_caches(caches.views)
+            for p_rank, p_caches in enumerate(producers):
+                lo = max(caches.heads.start, p_caches.heads.start)
+                hi = min(caches.heads.stop, p_caches.heads.stop)
+                if lo >= hi:
+                    continue
+                producer = served[p_rank]
+                peer = agent.connect(
+                    producer.address, layouts=producer.kv_layouts(), one_sided=plane == "rma"
+                )
+                remote = range(lo - p_caches.heads.start, hi - p_caches.heads.start)
+                local = range(lo - caches.heads.start, hi - caches.heads.start)
+                links.append(Link(agent, peer, c_rank, p_rank, remote, local))
+        yield links
+    finally:
+        closing.extend(closer.submit(agent.close) for agent in agents)
+
+
 def run_case(case: Case, closer: ThreadPoolExecutor, closing: list[Future]) -> str:
     """Runs one case; returns a short summary, raises `Mismatch` (or anything) on failure."""
     tp_p, tp_c = case.tp
@@ -251,61 +310,34 @@ def run_case(case: Case, closer: ThreadPoolExecutor, closing: list[Future]) -> s
         caches.fill(ref)
     for caches in consumers:
         caches.fill_sentinel(sentinel)
-    config = TransportConfig(data_plane=case.plane, timeout_s=WAIT_S)
     pulls = payload = 0
-    agents: list[KVTransferAgent] = []
-    try:
-        served = []
-        for caches in producers:
-            agent = KVTransferAgent(config)
-            agents.append(agent)
-            agent.register_kv_caches(caches.views)
-            agent.start_server()
-            served.append(agent)
-        for caches in consumers:
-            agent = KVTransferAgent(config)
-            agents.append(agent)
-            agent.register_kv_caches(caches.views)
-            for p_rank, p_caches in enumerate(producers):
-                lo = max(caches.heads.start, p_caches.heads.start)
-                hi = min(caches.heads.stop, p_caches.heads.stop)
-                if lo >= hi:
-                    continue
-                producer = served[p_rank]
-                peer = agent.connect(
-                    producer.address,
-                    layouts=producer.kv_layouts(),
-                    one_sided=case.plane == "rma",
+    with linked_agents(case.plane, producers, consumers, closer, closing) as links:
+        for link in links:
+            spec = PullSpec(
+                f"check-{pulls}",
+                LAYERS,
+                REMOTE_IDS,
+                LOCAL_IDS,
+                remote_heads=link.remote_heads,
+                local_heads=link.local_heads,
+            )
+            result = link.agent.pull(link.peer, spec).result(WAIT_S)
+            want_bytes = (
+                NUM_LAYERS
+                * len(LOCAL_IDS)
+                * 2
+                * len(link.local_heads)
+                * BLOCK_SIZE
+                * HEAD_SIZE
+                * ref.element_size()
+            )
+            if result.payload_bytes != want_bytes:
+                raise Mismatch(
+                    f"pull from producer rank {link.producer_rank} reports "
+                    f"{result.payload_bytes} payload bytes, expected {want_bytes}"
                 )
-                spec = PullSpec(
-                    f"check-{pulls}",
-                    LAYERS,
-                    REMOTE_IDS,
-                    LOCAL_IDS,
-                    remote_heads=range(lo - p_caches.heads.start, hi - p_caches.heads.start),
-                    local_heads=range(lo - caches.heads.start, hi - caches.heads.start),
-                )
-                result = agent.pull(peer, spec).result(WAIT_S)
-                want_bytes = (
-                    NUM_LAYERS
-                    * len(LOCAL_IDS)
-                    * 2
-                    * (hi - lo)
-                    * BLOCK_SIZE
-                    * HEAD_SIZE
-                    * ref.element_size()
-                )
-                if result.payload_bytes != want_bytes:
-                    raise Mismatch(
-                        f"pull from producer rank {p_rank} reports {result.payload_bytes} "
-                        f"payload bytes, expected {want_bytes}"
-                    )
-                pulls += 1
-                payload += result.payload_bytes
-    finally:
-        # Every pull has completed (or failed): the caches are read while the agents close in
-        # the background (each close drains its UCX endpoints for 0.2 s).
-        closing.extend(closer.submit(agent.close) for agent in agents)
+            pulls += 1
+            payload += result.payload_bytes
     for rank, caches in enumerate(consumers):
         want = expected_consumer(ref, caches.heads, sentinel)
         got = caches.read()
