@@ -8,6 +8,9 @@ from typing import Literal
 from kvtransfer.connector.config import KVTransferConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,11 @@ class ModelConfig:
 
     ``architecture`` is ``"llama"``, ``"mistral"`` or ``"qwen2"``; they differ only in defaults
     (Qwen2 has q/k/v biases). ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
+
+    ``layer_types`` (HF's names, one per layer; empty = every layer full attention) makes a
+    hybrid model: its ``"sliding_attention"`` layers see only the last ``sliding_window``
+    tokens (the token itself included, as transformers' sliding mask), and keep their KV in a
+    KV cache group of their own whose blocks behind the window go back to the pool.
     """
 
     architecture: str
@@ -34,6 +42,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     torch_dtype: str = "float32"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (
@@ -52,6 +62,48 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
                 f"multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.layer_types:
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(
+                    f"model config: layer_types {unknown} unsupported (known: {list(LAYER_TYPES)})"
+                )
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"model config: {len(self.layer_types)} layer_types for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            if FULL_ATTENTION not in self.layer_types:
+                raise ValueError(
+                    "model config: every layer is sliding_attention; such a model is one full "
+                    "attention group with max_position_embeddings capped at the window"
+                )
+            if SLIDING_ATTENTION in self.layer_types and (
+                self.sliding_window is None or self.sliding_window < 1
+            ):
+                raise ValueError(
+                    "model config: sliding_attention layers need sliding_window >= 1, got "
+                    f"{self.sliding_window!r}"
+                )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (``None``: full attention)."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    def kv_group_of_layer(self, layer: int) -> int:
+        """The KV cache group layer ``layer`` keeps its KV in: 0 full attention, 1 sliding."""
+        return 0 if self.layer_window(layer) is None else 1
+
+    @property
+    def num_kv_groups(self) -> int:
+        return 2 if self.is_hybrid else 1
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether its layers make more than one KV cache group."""
+        return len(set(self.layer_types)) > 1
 
 
 @dataclass(frozen=True)

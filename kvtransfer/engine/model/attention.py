@@ -8,7 +8,9 @@ the new ones being its last. Rather than loop over sequences, every sequence's c
 from its block table in one indexing op, padded to the longest, and a boolean mask keeps query
 row ``j`` (absolute position ``seq_len_i - query_len_i + j``) to context positions ``<= j``'s
 position. That one rule covers prefill, chunked prefill, prefix-cache hits, decode and
-speculative verification, mixed in any batch.
+speculative verification, mixed in any batch. A sliding-window layer's plan also hides context
+positions ``<= position - window``, as transformers' sliding mask does; those positions' blocks
+may already be back in the pool (or be the null block), which the mask makes harmless.
 
 The index tensors depend only on `AttentionMetadata`, not on the layer, so `PagedAttentionPlan`
 builds them once per forward and every layer reuses them.
@@ -46,7 +48,11 @@ class PagedAttentionPlan:
 
     @classmethod
     def build(
-        cls, attn_metadata: AttentionMetadata, num_tokens: int, device: torch.device
+        cls,
+        attn_metadata: AttentionMetadata,
+        num_tokens: int,
+        device: torch.device,
+        sliding_window: int | None = None,
     ) -> PagedAttentionPlan:
         """Validate ``attn_metadata`` against ``num_tokens`` rows and precompute the indices."""
         md = attn_metadata
@@ -106,12 +112,16 @@ class PagedAttentionPlan:
         token_row = torch.arange(num_tokens, device=device) - starts.to(device)[token_seq]
         first_pos = seq_lens - query_lens
         query_pos = first_pos[:, None] + torch.arange(max_query_len, device=device)[None, :]
+        # Grid rows past a sequence's query length act as its last token: with a sliding window
+        # they would otherwise see nothing, and a row of -inf scores is NaN.
+        query_pos = torch.minimum(query_pos, (seq_lens - 1).clamp(min=0)[:, None])
         context_pos = torch.arange(blocks_per_context * block_size, device=device)
-        # Grid rows past a sequence's query length see its whole context; their output is
-        # dropped, and never seeing zero slots keeps softmax free of NaNs.
+        # Grid rows past a sequence's query length are dropped after attention.
         mask = (context_pos[None, None, :] <= query_pos[:, :, None]) & (
             context_pos[None, None, :] < seq_lens[:, None, None]
         )
+        if sliding_window is not None:
+            mask &= context_pos[None, None, :] > query_pos[:, :, None] - sliding_window
         return cls(
             num_tokens=num_tokens,
             num_seqs=num_seqs,

@@ -9,6 +9,10 @@ spread of a few units, so greedy choices are far from ties. The ``lm_head`` rows
 ASCII are larger than the rest, so the tiny model babbles printable text and rarely picks
 ``<eos>`` (stop on a token of your choice with ``stop_token_ids``).
 
+``tiny-hybrid`` is a Qwen2 (q/k/v biases) whose layers alternate sliding-window attention
+(window 24 tokens) and full attention: a hybrid KV cache of two groups, small enough for every
+TP/PP pairing of ``tiny``.
+
 ``tiny-draft`` is ``tiny`` truncated to its first two layers (same embeddings, final norm and
 ``lm_head``); because ``tiny``'s later layers contribute little, its greedy proposals often match.
 """
@@ -23,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.engine.config import ModelConfig
+from kvtransfer.engine.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from kvtransfer.engine.model.tokenizer import (
     BOS_TOKEN_ID,
     BYTE_VOCAB_SIZE,
@@ -51,9 +55,9 @@ class _Preset:
     truncates: str | None = None
 
 
-def _byte_config(**fields: Any) -> ModelConfig:
+def _byte_config(architecture: str = "llama", **fields: Any) -> ModelConfig:
     return ModelConfig(
-        architecture="llama",
+        architecture=architecture,
         vocab_size=BYTE_VOCAB_SIZE,
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
@@ -97,6 +101,20 @@ _PRESETS: dict[str, _Preset] = {
         ),
         seed=4321,
         out_scale=0.2,
+    ),
+    # Sliding-window layers 0 and 2 beside full layers 1 and 3: each PP 2 stage holds one of each.
+    "tiny-hybrid": _Preset(
+        _byte_config(
+            architecture="qwen2",
+            num_hidden_layers=4,
+            attention_bias=True,
+            sliding_window=24,
+            layer_types=(SLIDING_ATTENTION, FULL_ATTENTION) * 2,
+            **_TINY_SHAPE,
+        ),
+        seed=2468,
+        out_scale=1.0,
+        layer_decay=0.8,
     ),
 }
 
@@ -169,6 +187,9 @@ def _generate(preset: _Preset) -> dict[str, torch.Tensor]:
         weights[f"{p}.self_attn.k_proj.weight"] = normal(kv_dim, hidden, std=in_std)
         weights[f"{p}.self_attn.v_proj.weight"] = normal(kv_dim, hidden, std=in_std)
         weights[f"{p}.self_attn.o_proj.weight"] = normal(hidden, q_dim, std=out * q_dim**-0.5)
+        if cfg.attention_bias:
+            for name, size in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+                weights[f"{p}.self_attn.{name}.bias"] = normal(size, std=0.1)
         weights[f"{p}.post_attention_layernorm.weight"] = torch.ones(hidden)
         weights[f"{p}.mlp.gate_proj.weight"] = normal(inter, hidden, std=in_std)
         weights[f"{p}.mlp.up_proj.weight"] = normal(inter, hidden, std=in_std)
@@ -204,6 +225,20 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
         "torch_dtype": config.torch_dtype,
+        **_sliding_window_fields(config),
+    }
+
+
+def _sliding_window_fields(config: ModelConfig) -> dict[str, Any]:
+    """Qwen2's keys for a hybrid model: explicit ``layer_types`` win over
+    ``max_window_layers``, which is set so that it alone would make every layer full."""
+    if not config.layer_types:
+        return {}
+    return {
+        "use_sliding_window": True,
+        "sliding_window": config.sliding_window,
+        "max_window_layers": config.num_hidden_layers,
+        "layer_types": list(config.layer_types),
     }
 
 

@@ -13,6 +13,10 @@ outputs summed by ``tp_all_reduce``. Embedding, final norm and ``lm_head`` are n
 rank computes full logits). Pipeline ranks own the layers of `pp_layer_range`; the first embeds,
 the others resume from the previous stage's ``hidden_states``/``residual``.
 
+Hybrid models (``config.layer_types``) mix sliding-window layers into the stack; each layer
+reads the block table of its KV cache group, so the forward takes one `AttentionMetadata` per
+group and builds one `PagedAttentionPlan` per group.
+
 The residual stream travels as ``(hidden, residual)`` with the true activation being their sum,
 so a stage boundary cuts between two adds; the sums are the same floating-point adds HF does.
 """
@@ -230,6 +234,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         name: str,
+        kv_group: int,
         attn: LlamaAttention,
         mlp: LlamaMLP,
         dtype: torch.dtype,
@@ -237,6 +242,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.name = name
+        self.kv_group = kv_group
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(
@@ -324,6 +330,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(
                 config,
                 f"{layer_name_prefix}.{i}.self_attn",
+                config.kv_group_of_layer(i),
                 LlamaAttention(config, q_heads, kv_heads, reduce, dtype, dev),
                 LlamaMLP(config, mlp_rows, reduce, dtype, dev),
                 dtype,
@@ -362,11 +369,13 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | Sequence[AttentionMetadata],
         hooks: LayerHooks = _NO_HOOKS,
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """Run the owned layers over ``num_tokens`` flattened rows.
+
+        ``attn_metadata`` is one per KV cache group (a single one for a one-group model).
 
         The last PP rank returns final-normed hidden states ``[num_tokens, hidden]``, the others
         `IntermediateTensors` with ``hidden_states`` and ``residual``.
@@ -395,15 +404,40 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"positions has shape {tuple(positions.shape)}, expected ({num_tokens},)"
             )
-        plan = PagedAttentionPlan.build(attn_metadata, num_tokens, self.device)
+        metadata = self._group_metadata(attn_metadata)
+        plans = [
+            PagedAttentionPlan.build(md, num_tokens, self.device, self._group_window(group))
+            for group, md in enumerate(metadata)
+        ]
         rope = self.rotary(positions.to(self.device))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, plan, hooks, attn_metadata)
+            group = layer.kv_group
+            hidden, residual = layer(
+                hidden, residual, rope, kv_cache, plans[group], hooks, metadata[group]
+            )
         if residual is None:  # pp_layer_range gives every stage >= 1 layer
             raise RuntimeError("no layer ran on this pipeline stage")
         if self.norm is None:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         return self.norm(hidden + residual)
+
+    def _group_metadata(
+        self, attn_metadata: AttentionMetadata | Sequence[AttentionMetadata]
+    ) -> tuple[AttentionMetadata, ...]:
+        metadata = (
+            (attn_metadata,)
+            if isinstance(attn_metadata, AttentionMetadata)
+            else tuple(attn_metadata)
+        )
+        if len(metadata) != self.config.num_kv_groups:
+            raise ValueError(
+                f"got attention metadata for {len(metadata)} KV cache groups, the model has "
+                f"{self.config.num_kv_groups}"
+            )
+        return metadata
+
+    def _group_window(self, group: int) -> int | None:
+        return self.config.sliding_window if group == 1 else None
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits over the full vocabulary ``[n, vocab_size]`` (last PP rank only)."""

@@ -2,8 +2,11 @@
 (``config.json``, ``*.safetensors``, ``tokenizer.json``).
 
 Only what the engine computes exactly is accepted: Llama, Mistral and Qwen2 with SiLU MLPs and
-unscaled RoPE. A sliding window is honoured by capping ``max_position_embeddings`` at the window,
-inside which full attention is the same function.
+unscaled RoPE. A sliding window on every layer is honoured by capping
+``max_position_embeddings`` at the window, inside which full attention is the same function; a
+model whose ``layer_types`` mix sliding and full attention layers (Qwen2's ``layer_types``, or
+``use_sliding_window`` with ``max_window_layers``) is a hybrid model with a sliding-window KV
+cache group.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.engine.config import ModelConfig
+from kvtransfer.engine.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from kvtransfer.engine.model.builtin import builtin_model_config, builtin_weights
 from kvtransfer.engine.model.llama import AllReduce, LlamaForCausalLM
 from kvtransfer.engine.model.tokenizer import Tokenizer
@@ -88,8 +91,14 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     max_positions = int(config.get("max_position_embeddings") or _MAX_POSITIONS[arch])
+    layer_types = _layer_types(config, arch)
     window = config.get("sliding_window")
-    if window is not None and (arch == "mistral" or config.get("use_sliding_window")):
+    if layer_types and SLIDING_ATTENTION not in layer_types:
+        layer_types = ()
+    elif layer_types and FULL_ATTENTION not in layer_types:
+        if window is None:
+            raise ValueError("config.json has sliding_attention layers but no sliding_window")
+        layer_types = ()
         max_positions = min(max_positions, int(window))
     if arch == "qwen2":
         attention_bias = True
@@ -114,6 +123,29 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
         bos_token_id=_first_id(config.get("bos_token_id")),
         eos_token_id=_first_id(config.get("eos_token_id")),
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+        sliding_window=int(window) if layer_types else None,
+        layer_types=layer_types,
+    )
+
+
+def _layer_types(config: dict[str, Any], arch: str) -> tuple[str, ...]:
+    """Each layer's attention as transformers builds it (empty: no sliding window anywhere)."""
+    num_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if arch == "mistral":
+        return (SLIDING_ATTENTION,) * num_layers if window is not None else ()
+    if arch == "qwen2" and not config.get("use_sliding_window"):
+        return ()
+    listed = config.get("layer_types")
+    if listed is not None:
+        if len(listed) != num_layers:
+            raise ValueError(f"config.json lists {len(listed)} layer_types for {num_layers} layers")
+        return tuple(str(kind) for kind in listed)
+    if arch != "qwen2" or window is None:
+        return ()
+    first_sliding = int(config.get("max_window_layers", num_layers))
+    return tuple(
+        SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)
     )
 
 
