@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvtransfer.connector.aggregator import KVOutputAggregator
-from kvtransfer.connector.base import KVConnectorBase_V1
+from kvtransfer.connector.base import KVConnectorBase_V1, supports_hma
 from kvtransfer.connector.factory import KVConnectorFactory
 from kvtransfer.connector.metadata import (
     KVCacheLayout,
@@ -45,6 +45,7 @@ from kvtransfer.engine.executor.executor import DEFAULT_WORKER, Executor
 from kvtransfer.engine.model.loader import load_model_config
 from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, step_output
 from kvtransfer.engine.runner.kv_cache import kv_cache_layout
+from kvtransfer.engine.runner.worker import DRAFT_LAYER_PREFIX
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler.request import EngineCoreOutput, Request
 from kvtransfer.engine.scheduler.scheduler import Scheduler
@@ -89,9 +90,13 @@ class EngineCore:
         self.early_output_sink: Callable[[list[EngineCoreOutput]], None] | None = None
         self.num_kv_blocks = worker_infos[0].num_kv_blocks
         self.is_sleeping = False
-        layout = kv_cache_layout(config, self.model_config, self.num_kv_blocks)
+        draft_layers = tuple(
+            name for name in worker_infos[0].layer_names if name.startswith(DRAFT_LAYER_PREFIX)
+        )
+        layout = kv_cache_layout(config, self.model_config, self.num_kv_blocks, None, draft_layers)
         try:
             self.connector = create_scheduler_connector(config, layout)
+            _check_follows_groups(self.connector, self.model_config)
         except BaseException:
             self.shutdown()
             raise
@@ -108,6 +113,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_id=self.model_config.eos_token_id,
             connector=self.connector,
+            sliding_windows=(self.model_config.sliding_window,) if layout.groups else (),
         )
         self.aggregator = (
             KVOutputAggregator.from_connector(self.connector, self.executor.world_size)
@@ -373,3 +379,16 @@ def _reports_transfers(output: ModelRunnerOutput | None) -> bool:
     if kv is None:
         return False
     return bool(kv.finished_recving or kv.finished_sending or kv.invalid_block_ids)
+
+
+def _check_follows_groups(connector: KVConnectorBase_V1 | None, model: ModelConfig) -> None:
+    """A hybrid model's KV is several block tables: a connector that knows only one would move
+    the wrong blocks, so it is refused before the engine serves anything."""
+    if connector is None or not model.is_hybrid or supports_hma(connector):
+        return
+    raise ValueError(
+        f"KV connector {type(connector).__name__} does not support hybrid KV caches "
+        "(SupportsHMA), and this model has a sliding-window group (window "
+        f"{model.sliding_window}) beside full attention; use one that does, such as "
+        "UcxConnector"
+    )

@@ -23,7 +23,8 @@ class NewRequestData:
     """A request the workers have not seen (or must rebuild after preemption).
 
     ``token_ids`` is every known token (prompt then outputs so far); ``block_ids`` the whole
-    block table.
+    block table (of KV cache group 0, the full-attention layers); ``window_block_ids`` one
+    table per further group (a hybrid model's sliding-window layers), null blocks included.
     """
 
     req_id: str
@@ -33,16 +34,20 @@ class NewRequestData:
     seed: int
     block_ids: tuple[int, ...]
     num_computed_tokens: int
+    window_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """A request the workers already hold: what changed since they last saw it."""
+    """A request the workers already hold: what changed since they last saw it.
+
+    Entries a window gave back are not repeated: a sliding-window layer never reads them."""
 
     req_id: str
     new_token_ids: tuple[int, ...]
     new_block_ids: tuple[int, ...]
     num_computed_tokens: int
+    new_window_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

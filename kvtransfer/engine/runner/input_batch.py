@@ -13,11 +13,15 @@ from kvtransfer.engine.model.forward_context import AttentionMetadata
 
 @dataclass(frozen=True)
 class SequenceChunk:
-    """Tokens of one sequence to run this forward: ``token_ids`` at positions ``start..``."""
+    """Tokens of one sequence to run this forward: ``token_ids`` at positions ``start..``.
+
+    ``block_ids`` is KV cache group 0's table; ``window_block_ids`` one table per further group
+    (a hybrid model's sliding-window layers)."""
 
     token_ids: Sequence[int]
     start_position: int
     block_ids: Sequence[int]
+    window_block_ids: tuple[Sequence[int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -27,10 +31,17 @@ class ForwardBatch:
     attn_metadata: AttentionMetadata
     # Row of each sequence's last token in input_ids.
     last_rows: torch.Tensor  # int64 [num_seqs]
+    # One per further KV cache group: the same rows, that group's slots and tables.
+    window_metadata: tuple[AttentionMetadata, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def group_metadata(self) -> tuple[AttentionMetadata, ...]:
+        """Every KV cache group's metadata, group 0 first (what the model takes)."""
+        return (self.attn_metadata, *self.window_metadata)
 
 
 def build_forward_batch(
@@ -39,37 +50,62 @@ def build_forward_batch(
     """Positions, slots and block tables for ``chunks``; raises if a slot has no block."""
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     query_start = [0]
     seq_lens: list[int] = []
-    max_blocks = max((len(c.block_ids) for c in chunks), default=0)
-    tables = torch.zeros((len(chunks), max(max_blocks, 1)), dtype=torch.int64)
-    for i, chunk in enumerate(chunks):
+    for chunk in chunks:
         end = chunk.start_position + len(chunk.token_ids)
-        if end > len(chunk.block_ids) * block_size:
-            raise RuntimeError(
-                f"sequence needs KV slots up to position {end - 1} but its block table covers "
-                f"only {len(chunk.block_ids) * block_size} tokens"
-            )
-        pos = np.arange(chunk.start_position, end, dtype=np.int64)
-        table = np.asarray(chunk.block_ids, dtype=np.int64)
-        slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
-        positions.extend(pos.tolist())
+        positions.extend(range(chunk.start_position, end))
         input_ids.extend(chunk.token_ids)
         query_start.append(len(input_ids))
         seq_lens.append(end)
-        tables[i, : len(chunk.block_ids)] = torch.as_tensor(list(chunk.block_ids))
     query_start_loc = torch.tensor(query_start, dtype=torch.int64)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=query_start_loc.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
-        block_size=block_size,
-    )
+    num_groups = 1 + max((len(c.window_block_ids) for c in chunks), default=0)
+    metadata = [
+        _group_metadata(
+            chunks,
+            [c.block_ids if g == 0 else c.window_block_ids[g - 1] for c in chunks],
+            query_start_loc,
+            seq_lens,
+            block_size,
+            device,
+        )
+        for g in range(num_groups)
+    ]
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        attn_metadata=metadata,
+        attn_metadata=metadata[0],
         last_rows=(query_start_loc[1:] - 1).to(device),
+        window_metadata=tuple(metadata[1:]),
+    )
+
+
+def _group_metadata(
+    chunks: Sequence[SequenceChunk],
+    tables: Sequence[Sequence[int]],
+    query_start_loc: torch.Tensor,
+    seq_lens: list[int],
+    block_size: int,
+    device: torch.device | str,
+) -> AttentionMetadata:
+    slots: list[int] = []
+    max_blocks = max((len(t) for t in tables), default=0)
+    block_tables = torch.zeros((len(chunks), max(max_blocks, 1)), dtype=torch.int64)
+    for i, (chunk, block_ids) in enumerate(zip(chunks, tables, strict=True)):
+        end = chunk.start_position + len(chunk.token_ids)
+        if end > len(block_ids) * block_size:
+            raise RuntimeError(
+                f"sequence needs KV slots up to position {end - 1} but its block table covers "
+                f"only {len(block_ids) * block_size} tokens"
+            )
+        pos = np.arange(chunk.start_position, end, dtype=np.int64)
+        table = np.asarray(block_ids, dtype=np.int64)
+        slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
+        block_tables[i, : len(block_ids)] = torch.as_tensor(list(block_ids))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        block_tables=block_tables.to(device),
+        block_size=block_size,
     )

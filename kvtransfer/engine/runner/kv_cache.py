@@ -2,15 +2,21 @@
 
 Every worker and the scheduler must agree on the block count, so it is computed from the
 configuration alone (whole model, all KV heads, drafter included), not from what one rank holds.
+
+A hybrid model's KV cache groups share the pool: a block id belongs to one group of one request,
+so the i-th layer of every group can keep its KV in one tensor (as vLLM's hybrid allocator
+does), and a block costs the bytes of the largest group's layers, not of every layer.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvtransfer.connector.kv_groups import FULL_ATTENTION, SLIDING_WINDOW, KVCacheGroup
 from kvtransfer.connector.metadata import KVCacheLayout
 from kvtransfer.engine.config import EngineConfig, ModelConfig
 from kvtransfer.engine.parallel import ParallelRank
+from kvtransfer.engine.scheduler.block_manager import NULL_BLOCK_ID
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,7 +31,45 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     per_layer = 2 * model.num_key_value_heads * block_size * model.head_dim * element_size
-    return per_layer * model.num_hidden_layers
+    return per_layer * max(_group_sizes(model))
+
+
+def _group_sizes(model: ModelConfig) -> list[int]:
+    sizes = [0] * model.num_kv_groups
+    for layer in range(model.num_hidden_layers):
+        sizes[model.kv_group_of_layer(layer)] += 1
+    return sizes
+
+
+def kv_cache_groups(
+    model: ModelConfig, draft_layer_names: tuple[str, ...] = ()
+) -> tuple[KVCacheGroup, ...]:
+    """A hybrid model's KV cache groups as connectors see them (none for a one-group model):
+    full attention (the drafter's layers with it), then the sliding-window layers."""
+    if not model.is_hybrid:
+        return ()
+    names: list[list[str]] = [[] for _ in range(model.num_kv_groups)]
+    for layer in range(model.num_hidden_layers):
+        names[model.kv_group_of_layer(layer)].append(f"model.layers.{layer}.self_attn")
+    return (
+        KVCacheGroup(FULL_ATTENTION, (*names[0], *draft_layer_names)),
+        KVCacheGroup(SLIDING_WINDOW, tuple(names[1]), sliding_window=model.sliding_window),
+    )
+
+
+def shared_group_caches(
+    layer_groups: dict[str, int], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """One cache per layer name, the i-th layer of every group sharing the i-th tensor."""
+    tensors: list[torch.Tensor] = []
+    seen = [0] * (1 + max(layer_groups.values(), default=0))
+    caches = {}
+    for name, group in layer_groups.items():
+        if seen[group] == len(tensors):
+            tensors.append(torch.zeros(shape, dtype=dtype, device=device))
+        caches[name] = tensors[seen[group]]
+        seen[group] += 1
+    return caches
 
 
 def num_kv_blocks(
@@ -41,10 +85,15 @@ def num_kv_blocks(
 
 
 def kv_cache_layout(
-    config: EngineConfig, model: ModelConfig, num_blocks: int, rank: ParallelRank | None = None
+    config: EngineConfig,
+    model: ModelConfig,
+    num_blocks: int,
+    rank: ParallelRank | None = None,
+    draft_layer_names: tuple[str, ...] = (),
 ) -> KVCacheLayout:
     """The layout handed to a connector as ``kv_cache_config`` (``rank`` ``None`` on the
     scheduler)."""
+    groups = kv_cache_groups(model, draft_layer_names)
     return KVCacheLayout(
         model=config.model,
         dtype=str(resolve_dtype(config)).removeprefix("torch."),
@@ -57,4 +106,6 @@ def kv_cache_layout(
         pp_size=config.pipeline_parallel_size,
         tp_rank=None if rank is None else rank.tp_rank,
         pp_rank=None if rank is None else rank.pp_rank,
+        groups=groups,
+        null_block_id=NULL_BLOCK_ID if groups else None,
     )

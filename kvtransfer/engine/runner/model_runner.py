@@ -135,7 +135,7 @@ class ModelRunner:
             batch.input_ids,
             batch.positions,
             self.kv_caches,
-            batch.attn_metadata,
+            batch.group_metadata,
             hooks=self.kv_connector,
             intermediate_tensors=intermediate,
         )
@@ -167,7 +167,9 @@ class ModelRunner:
             views.append(
                 ScheduledRequest(
                     req_id=req_id,
-                    chunk=SequenceChunk(tokens, start, state.block_ids),
+                    chunk=SequenceChunk(
+                        tokens, start, state.block_ids, tuple(state.window_block_ids)
+                    ),
                     num_drafts=int(num_drafts[i]),
                     samples=not bool(is_prefilling[i]),
                 )

@@ -24,6 +24,8 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # One table per KV cache group after group 0 (a hybrid model's sliding-window layers).
+    window_block_ids: list[list[int]] = field(default_factory=list)
 
 
 class RequestStates:
@@ -52,6 +54,7 @@ class RequestStates:
                 token_ids=list(new.token_ids),
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                window_block_ids=[list(table) for table in new.window_block_ids],
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self._states.get(cached.req_id)
@@ -62,6 +65,10 @@ class RequestStates:
                 )
             state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(
+                state.window_block_ids, cached.new_window_block_ids, strict=True
+            ):
+                table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def num_computed_tokens(self, req_ids: list[str]) -> np.ndarray:

@@ -20,7 +20,12 @@ from kvtransfer.engine.parallel import ParallelRank
 from kvtransfer.engine.runner.devices import cuda_device_for
 from kvtransfer.engine.runner.distributed import WorkerDistributed
 from kvtransfer.engine.runner.drafters import DraftModelProposer, NgramDraftProposer
-from kvtransfer.engine.runner.kv_cache import kv_cache_layout, num_kv_blocks, resolve_dtype
+from kvtransfer.engine.runner.kv_cache import (
+    kv_cache_layout,
+    num_kv_blocks,
+    resolve_dtype,
+    shared_group_caches,
+)
 from kvtransfer.engine.runner.kv_connector import KVConnector, make_kv_connector
 from kvtransfer.engine.runner.model_runner import ModelRunner, Proposer
 from kvtransfer.engine.scheduler_output import SchedulerOutput
@@ -111,7 +116,7 @@ class Worker:
         draft_caches = self._allocate(drafter, num_blocks, dtype, device) if drafter else {}
         all_caches = {**target_caches, **draft_caches}
         self._kv_caches = all_caches
-        layout = kv_cache_layout(config, target_config, num_blocks, rank)
+        layout = kv_cache_layout(config, target_config, num_blocks, rank, tuple(draft_caches))
         self.kv_connector = make_kv_connector(config.kv_transfer_config, layout)
         self.kv_connector.register_kv_caches(all_caches)
         signals = self.kv_event_signal is not None and self.kv_connector.set_completion_callback(
@@ -163,9 +168,8 @@ class Worker:
         self, model: LlamaForCausalLM, num_blocks: int, dtype: torch.dtype, device: torch.device
     ) -> dict[str, torch.Tensor]:
         shape = model.kv_cache_shape(num_blocks, self.config.block_size)
-        return {
-            name: torch.zeros(shape, dtype=dtype, device=device) for name in model.layer_names()
-        }
+        layer_groups = {layer.name: layer.kv_group for layer in model.layers}
+        return shared_group_caches(layer_groups, shape, dtype, device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         runner = self._runner()

@@ -5,6 +5,14 @@ list but keeps its content hash, so a later request with the same prefix can tak
 (a prefix-cache hit); allocation takes blocks from the front of the free list and only then
 drops their hash (LRU eviction).
 
+A hybrid model's KV cache is several groups (`kvtransfer.connector.kv_groups`): group 0 holds the
+full-attention layers, each further group the sliding-window layers of one window. Every group
+of a request has its own block table drawn from this one pool, and a block serves one group of
+one request (the workers give each group's layers their own slice of every block). A
+sliding-window table gives back the blocks its window has passed: their entries become the null
+block (block 0, reserved, never written) and the blocks return to the pool. Prefix caching is
+group 0's alone, so it is off for hybrid models.
+
 A block's hash covers its parent's hash and its own token ids (SHA-256, chained), so two
 blocks with equal hashes hold the KV of equal prefixes, never merely equal block contents.
 
@@ -77,19 +85,42 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+NULL_BLOCK_ID = 0
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_windows: Sequence[int] = (),
+    ):
+        """``sliding_windows``: the window of each KV cache group after group 0 (none: a
+        one-group pool)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if any(w < 1 for w in sliding_windows):
+            raise ValueError(f"sliding windows must be >= 1, got {list(sliding_windows)}")
+        if sliding_windows and num_blocks < 2:
+            raise ValueError("a hybrid pool needs >= 2 blocks (block 0 is the null block)")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_windows = tuple(sliding_windows)
+        self.null_block_id = NULL_BLOCK_ID if sliding_windows else None
+        self.enable_prefix_caching = enable_prefix_caching and not sliding_windows
         self._ref_cnt = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         # Insertion order is eviction order: front = least recently freed.
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict(
+            (b, None) for b in range(num_blocks) if b != self.null_block_id
+        )
+        # Per request, the tables of groups 1.. (null entries before each window).
+        self._window_tables: dict[str, list[list[int]]] = {}
+        # Per request and group, how many of its table's entries the workers were told of.
+        self._told: dict[str, list[int]] = {}
         self._cached: dict[BlockHash, int] = {}
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already published (or taken from) the prefix cache.
@@ -105,12 +136,21 @@ class BlockManager:
         return len(self._free)
 
     @property
+    def capacity(self) -> int:
+        """Blocks requests can hold (the null block of a hybrid pool is not one)."""
+        return self.num_blocks - (self.null_block_id is not None)
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.sliding_windows)
+
+    @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.capacity - len(self._free)
 
     @property
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        return self.num_used_blocks / self.capacity
 
     @property
     def num_cached_blocks(self) -> int:
@@ -120,16 +160,32 @@ class BlockManager:
         return self._ref_cnt[block_id]
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """Group 0's table (the full-attention layers)."""
         return list(self._tables.get(request_id, ()))
 
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Every group's table, group 0 first (null entries where a window passed)."""
+        others = self._window_tables.get(request_id) or [[] for _ in self.sliding_windows]
+        return (self.get_block_ids(request_id), *(list(t) for t in others))
+
+    def take_untold_blocks(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """Each group's entries appended since the last call (what the workers lack)."""
+        tables = self.get_group_block_ids(request_id)
+        told = self._told.setdefault(request_id, [0] * len(tables))
+        new = tuple(tuple(table[told[g] :]) for g, table in enumerate(tables))
+        self._told[request_id] = [len(t) for t in tables]
+        return new
+
     def holds_blocks(self, request_id: str) -> bool:
-        return bool(self._tables.get(request_id))
+        return any(self.get_group_block_ids(request_id))
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return _cdiv(num_tokens, self.block_size)
+        """Blocks ``num_tokens`` take at most, in every group together (a window gives its
+        blocks back only once they are computed)."""
+        return _cdiv(num_tokens, self.block_size) * self.num_groups
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -257,10 +313,16 @@ class BlockManager:
             + num_new_tokens
             + num_lookahead_tokens
         )
-        num_fresh = max(0, self.blocks_needed(num_slots) - len(table) - len(new_computed_blocks))
+        num_fresh = max(
+            0, _cdiv(num_slots, self.block_size) - len(table) - len(new_computed_blocks)
+        )
+        window_tables = self._window_tables.get(request.request_id) or [
+            [] for _ in self.sliding_windows
+        ]
+        window_fresh = [max(0, _cdiv(num_slots, self.block_size) - len(t)) for t in window_tables]
         # Hits on free blocks leave the free list too, so they compete with fresh blocks.
         num_revived = sum(1 for b in new_computed_blocks if self._ref_cnt[b] == 0)
-        if num_fresh + num_revived > len(self._free):
+        if num_fresh + num_revived + sum(window_fresh) > len(self._free):
             return None
         added: list[int] = []
         for block_id in new_computed_blocks:
@@ -278,17 +340,73 @@ class BlockManager:
                 self._tables[request.request_id] = table
                 self._num_published[request.request_id] = len(new_computed_blocks)
             table.extend(added)
+        if self.sliding_windows:
+            for window_table, count in zip(window_tables, window_fresh, strict=True):
+                window_table.extend(self._take_fresh() for _ in range(count))
+            self._window_tables[request.request_id] = window_tables
         return added
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        self._drop_hash(block_id)
+        self._ref_cnt[block_id] = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        self._ref_cnt[block_id] -= 1
+        if self._ref_cnt[block_id] == 0:
+            self._free[block_id] = None
+
+    def release_out_of_window(self, request_id: str, next_position: int) -> int:
+        """Give back each sliding-window group's blocks that no query from ``next_position``
+        on can see (their entries become the null block); returns how many went back.
+
+        Call only once every position before ``next_position`` is computed (or loaded), never
+        while a step that reads them is in flight."""
+        released = 0
+        for window, table in zip(
+            self.sliding_windows, self._window_tables.get(request_id, ()), strict=False
+        ):
+            # The query at next_position sees positions >= next_position - window + 1.
+            first_seen = max(0, next_position - window + 1)
+            for index in range(min(first_seen // self.block_size, len(table))):
+                if table[index] != NULL_BLOCK_ID:
+                    self._release(table[index])
+                    table[index] = NULL_BLOCK_ID
+                    released += 1
+        return released
+
+    def rewind(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Before positions from ``num_computed_tokens`` on are computed again: give every
+        window entry those queries see a real block again. ``False`` (nothing changed) when
+        the pool cannot; the workers must then get the request's tables anew."""
+        plan: list[tuple[list[int], int]] = []
+        for window, table in zip(
+            self.sliding_windows, self._window_tables.get(request_id, ()), strict=False
+        ):
+            first_seen = max(0, num_computed_tokens - window + 1) // self.block_size
+            plan.extend(
+                (table, i) for i in range(first_seen, len(table)) if table[i] == NULL_BLOCK_ID
+            )
+        if len(plan) > len(self._free):
+            return False
+        for table, index in plan:
+            table[index] = self._take_fresh()
+        self._told.pop(request_id, None)
+        return True
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its head."""
         table = self._tables.pop(request_id, [])
         self._num_published.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        self._told.pop(request_id, None)
+        for window_table in self._window_tables.pop(request_id, ()):
+            for block_id in reversed(window_table):
+                if block_id != NULL_BLOCK_ID:
+                    self._release(block_id)
         for block_id in reversed(table):
-            self._ref_cnt[block_id] -= 1
-            if self._ref_cnt[block_id] == 0:
-                self._free[block_id] = None
+            self._release(block_id)
 
     def check_no_leaks(self) -> None:
         """Raise `BlockLeakError` unless every block is free and no request holds one."""
@@ -297,12 +415,17 @@ class BlockManager:
             for req_id, table in self._tables.items()
             if table
         ]
+        problems += [
+            f"request {req_id!r} holds sliding-window blocks {tables}"
+            for req_id, tables in self._window_tables.items()
+            if any(tables)
+        ]
         referenced = [
             f"{b} (ref {self._ref_cnt[b]})" for b in range(self.num_blocks) if self._ref_cnt[b]
         ]
         if referenced:
             problems.append("blocks with ref count > 0: " + ", ".join(referenced))
-        if len(self._free) != self.num_blocks and not referenced:
-            problems.append(f"free list holds {len(self._free)} of {self.num_blocks} blocks")
+        if len(self._free) != self.capacity and not referenced:
+            problems.append(f"free list holds {len(self._free)} of {self.capacity} blocks")
         if problems:
             raise BlockLeakError("KV block leak: " + "; ".join(problems))

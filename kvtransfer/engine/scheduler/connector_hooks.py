@@ -58,26 +58,42 @@ class ConnectorHooks:
         return num_external, bool(load_async)
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: Sequence[int], num_external: int
+        self, request: Request, block_ids: Sequence[Sequence[int]], num_external: int
     ) -> None:
+        """``block_ids``: one table per KV cache group; a `SupportsHMA` connector gets them
+        all, any other only group 0's (the engine refuses such a connector for a hybrid
+        model)."""
         self._guard(
-            request, self.connector.update_state_after_alloc, request, block_ids, num_external
+            request,
+            self.connector.update_state_after_alloc,
+            request,
+            self._as_connector_sees(block_ids),
+            num_external,
         )
 
-    def request_finished(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, Any]:
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, Any]:
         """``(delay_free, kv_transfer_params)``. A `SupportsHMA` connector is asked through
-        `request_finished_all_groups`, as vLLM does: this engine's KV cache is one group."""
+        `request_finished_all_groups` with every group's table, as vLLM does."""
         if supports_hma(self.connector):
             hook = self.connector.request_finished_all_groups
-            answer = self._guard(request, hook, request, (tuple(block_ids),))
+            answer = self._guard(request, hook, request, self._as_connector_sees(block_ids))
         else:
-            answer = self._guard(request, self.connector.request_finished, request, block_ids)
+            answer = self._guard(
+                request, self.connector.request_finished, request, list(block_ids[0])
+            )
         if not (isinstance(answer, tuple) and len(answer) == 2):
             raise KVConnectorHookError(
                 f"KV connector {self._name}.request_finished returned {answer!r} for request "
                 f"{request.request_id}, expected (delay_free, kv_transfer_params)"
             )
         return bool(answer[0]), answer[1]
+
+    def _as_connector_sees(self, block_ids: Sequence[Sequence[int]]) -> Any:
+        if supports_hma(self.connector):
+            return tuple(tuple(group) for group in block_ids)
+        return list(block_ids[0])
 
     def _guard(self, request: Request, hook: Callable[..., T], *args: Any) -> T:
         """Call ``hook`` (a bound method of the connector) for ``request``."""

@@ -137,6 +137,13 @@ class KVTransferState:
                 results.outputs.append(self._fail_load(request, fail))
                 continue
             recomputed = min(request.num_cached_tokens, bad[0] * bm.block_size)
+            if not bm.rewind(request.request_id, recomputed):
+                results.outputs.append(
+                    fail(request, f"no KV blocks left to recompute request {request.request_id}")
+                )
+                continue
+            # Sliding-window entries may have changed: the workers get every table anew.
+            request.known_to_workers = False
             request.kv_stats.num_recomputed_tokens += request.num_computed_tokens - recomputed
             request.num_computed_tokens = recomputed
             request.spec_token_ids.clear()
@@ -186,6 +193,11 @@ class KVTransferState:
                 table = bm.get_block_ids(rid)
                 local_blocks = request.num_cached_tokens // bm.block_size
                 bm.evict_blocks(table[local_blocks:])
+                if not bm.rewind(rid, request.num_cached_tokens):
+                    results.outputs.append(
+                        fail(request, f"no KV blocks left to recompute request {rid}")
+                    )
+                    continue
                 request.num_computed_tokens = request.num_cached_tokens
                 request.skip_connector = True
                 stats.num_recomputed_tokens += load.num_external_tokens
@@ -196,6 +208,7 @@ class KVTransferState:
                 limit = request.num_tokens - (0 if request.awaits_generated else 1)
                 request.num_computed_tokens = min(loaded, limit)
                 bm.cache_full_blocks(request, request.num_computed_tokens)
+                bm.release_out_of_window(rid, request.num_computed_tokens)
                 stats.num_loaded_tokens += load.num_external_tokens
                 stats.num_loaded_blocks += -(-loaded // bm.block_size) - (
                     request.num_cached_tokens // bm.block_size

@@ -86,7 +86,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_id: int | None,
         connector: KVConnectorBase_V1 | None = None,
+        sliding_windows: Sequence[int] = (),
     ) -> None:
+        """``sliding_windows``: one per KV cache group after the full-attention one (a hybrid
+        model's sliding-window layers); see `BlockManager`."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         if max_model_len < 2:
@@ -106,7 +109,10 @@ class Scheduler:
             spec.num_speculative_tokens if spec and spec.method == "draft" else 0
         )
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            sliding_windows=sliding_windows,
         )
         self._kv = KVTransferState(self.block_manager, self.kv_load_failure_policy)
         self._requests: dict[str, Request] = {}
@@ -186,12 +192,12 @@ class Scheduler:
                 f"{self.max_model_len} (no room to generate)"
             )
         needed = self.block_manager.blocks_needed(request.num_tokens + self.num_lookahead_tokens)
-        if needed > self.block_manager.num_blocks:
+        if needed > self.block_manager.capacity:
             raise PromptTooLargeError(
                 f"request {rid}: needs {needed} KV blocks ({request.num_tokens} prompt tokens + "
                 f"{self.num_lookahead_tokens} lookahead, block_size "
                 f"{self.block_manager.block_size}) but the pool has only "
-                f"{self.block_manager.num_blocks}"
+                f"{self.block_manager.capacity}"
             )
         request.arrival_order = self._next_arrival
         request.arrived_at = time.monotonic()
@@ -327,15 +333,18 @@ class Scheduler:
         for request in step.scheduled:
             rid = request.request_id
             if request.known_to_workers:
+                untold = self.block_manager.take_untold_blocks(rid)
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=rid,
                         new_token_ids=tuple(request.all_token_ids[request.num_synced_tokens :]),
-                        new_block_ids=tuple(step.new_blocks[rid]),
+                        new_block_ids=untold[0],
                         num_computed_tokens=request.num_computed_tokens,
+                        new_window_block_ids=untold[1:],
                     )
                 )
             else:
+                tables = self.block_manager.take_untold_blocks(rid)
                 new_reqs.append(
                     NewRequestData(
                         req_id=rid,
@@ -343,8 +352,9 @@ class Scheduler:
                         token_ids=tuple(request.all_token_ids),
                         sampling_params=request.sampling_params,
                         seed=request.seed,
-                        block_ids=tuple(self.block_manager.get_block_ids(rid)),
+                        block_ids=tables[0],
                         num_computed_tokens=request.num_computed_tokens,
+                        window_block_ids=tables[1:],
                     )
                 )
                 request.known_to_workers = True
@@ -369,12 +379,12 @@ class Scheduler:
             victim = self._running[-1]
             if victim is request and len(self._running) == 1:
                 slots = request.num_computed_tokens + num_new + self.num_lookahead_tokens
-                if bm.blocks_needed(slots) > bm.num_blocks:
+                if bm.blocks_needed(slots) > bm.capacity:
                     # Only connector borrows could make room, and they cannot make enough.
                     self._fail_pending(
                         request,
                         f"request {request.request_id} needs {bm.blocks_needed(slots)} KV "
-                        f"blocks for {slots} slots but the pool has only {bm.num_blocks}",
+                        f"blocks for {slots} slots but the pool has only {bm.capacity}",
                     )
                     return None
             self._preempt(victim)
@@ -432,9 +442,9 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> tuple[_Admit, int]:
         bm = self.block_manager
         rid = request.request_id
-        if bm.blocks_needed(request.num_tokens + self.num_lookahead_tokens) > bm.num_blocks:
+        if bm.blocks_needed(request.num_tokens + self.num_lookahead_tokens) > bm.capacity:
             self._fail_pending(
-                request, f"request {rid} needs more KV blocks than the pool has ({bm.num_blocks})"
+                request, f"request {rid} needs more KV blocks than the pool has ({bm.capacity})"
             )
             return _Admit.PARKED, 0
         hits, num_local = bm.get_computed_blocks(request)
@@ -453,6 +463,8 @@ class Scheduler:
             added = bm.allocate_slots(request, num_external, hits)
             if added is None:
                 return _Admit.NO_SPACE, 0
+            # Only the windows' tails are loaded: the rest is not needed, nor held.
+            bm.release_out_of_window(rid, min(num_local + num_external, request.num_tokens - 1))
             if not self._after_alloc(hooks, request, num_external):
                 return _Admit.PARKED, 0
             self._count_prefix_hits(request, num_local)
@@ -482,7 +494,7 @@ class Scheduler:
 
     def _after_alloc(self, hooks: ConnectorHooks, request: Request, num_external: int) -> bool:
         """Tell the connector about the blocks; on a raising hook the request fails."""
-        blocks = self.block_manager.get_block_ids(request.request_id)
+        blocks = self.block_manager.get_group_block_ids(request.request_id)
         try:
             hooks.update_state_after_alloc(request, blocks, num_external)
         except KVConnectorHookError as exc:
@@ -589,6 +601,7 @@ class Scheduler:
             request.spec_token_ids = list(proposed[: self._max_drafts(request)])
         # Only KV of computed, verified positions is published.
         self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+        self.block_manager.release_out_of_window(rid, request.num_computed_tokens)
 
         logits = None
         if request.sampling_params.return_logits and new_tokens:
@@ -652,7 +665,7 @@ class Scheduler:
         request.spec_token_ids.clear()
         delay_free, params = False, None
         if self._hooks is not None:
-            blocks = self.block_manager.get_block_ids(rid)
+            blocks = self.block_manager.get_group_block_ids(rid)
             try:
                 delay_free, params = self._hooks.request_finished(request, blocks)
             except KVConnectorHookError as exc:
