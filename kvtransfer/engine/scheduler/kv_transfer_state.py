@@ -142,8 +142,9 @@ class KVTransferState:
                     fail(request, f"no KV blocks left to recompute request {request.request_id}")
                 )
                 continue
-            # Sliding-window entries may have changed: the workers get every table anew.
-            request.known_to_workers = False
+            if bm.sliding_windows:
+                # Window entries may be real blocks again: the workers get every table anew.
+                request.known_to_workers = False
             request.kv_stats.num_recomputed_tokens += request.num_computed_tokens - recomputed
             request.num_computed_tokens = recomputed
             request.spec_token_ids.clear()
