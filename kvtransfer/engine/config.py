@@ -11,6 +11,8 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# A hybrid model's pool reserves this block: the entry of a block a sliding window passed.
+NULL_BLOCK_ID = 0
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ import torch
 
 from kvtransfer.connector.kv_groups import FULL_ATTENTION, SLIDING_WINDOW, KVCacheGroup
 from kvtransfer.connector.metadata import KVCacheLayout
-from kvtransfer.engine.config import EngineConfig, ModelConfig
+from kvtransfer.engine.config import NULL_BLOCK_ID, EngineConfig, ModelConfig
 from kvtransfer.engine.parallel import ParallelRank
-from kvtransfer.engine.scheduler.block_manager import NULL_BLOCK_ID
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvtransfer.engine.config import NULL_BLOCK_ID
 from kvtransfer.engine.scheduler.request import Request
 
 BlockHash = bytes
@@ -83,9 +84,6 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> Block
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-NULL_BLOCK_ID = 0
 
 
 class BlockManager:
@@ -367,8 +365,10 @@ class BlockManager:
         for window, table in zip(
             self.sliding_windows, self._window_tables.get(request_id, ()), strict=False
         ):
-            # The query at next_position sees positions >= next_position - window + 1.
-            first_seen = max(0, next_position - window + 1)
+            # The query at next_position sees positions >= next_position - window + 1; one
+            # position more is kept, so that a consumer of these blocks that recomputes the
+            # last of them (a prompt's last token) still finds its window.
+            first_seen = max(0, next_position - window)
             for index in range(min(first_seen // self.block_size, len(table))):
                 if table[index] != NULL_BLOCK_ID:
                     self._release(table[index])
@@ -384,7 +384,7 @@ class BlockManager:
         for window, table in zip(
             self.sliding_windows, self._window_tables.get(request_id, ()), strict=False
         ):
-            first_seen = max(0, num_computed_tokens - window + 1) // self.block_size
+            first_seen = max(0, num_computed_tokens - window) // self.block_size
             plan.extend(
                 (table, i) for i in range(first_seen, len(table)) if table[i] == NULL_BLOCK_ID
             )

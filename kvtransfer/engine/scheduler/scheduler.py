@@ -464,7 +464,7 @@ class Scheduler:
             if added is None:
                 return _Admit.NO_SPACE, 0
             # Only the windows' tails are loaded: the rest is not needed, nor held.
-            bm.release_out_of_window(rid, min(num_local + num_external, request.num_tokens - 1))
+            bm.release_out_of_window(rid, num_local + num_external)
             if not self._after_alloc(hooks, request, num_external):
                 return _Admit.PARKED, 0
             self._count_prefix_hits(request, num_local)
