@@ -1,0 +1,113 @@
+"""Our engine's hybrid model in one process: sliding-window layers equal transformers' logits,
+HF configs name their layer kinds, the block pool gives back what a window passed, and a
+connector that cannot follow KV cache groups is refused at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers.dense_reference import SeqChunk, paged_step
+
+from kvtransfer.engine.config import NULL_BLOCK_ID, ModelConfig
+from kvtransfer.engine.model.builtin import write_builtin_model
+from kvtransfer.engine.model.loader import load_model, model_config_from_hf
+from kvtransfer.engine.sampling_params import SamplingParams
+from kvtransfer.engine.scheduler.block_manager import BlockManager
+from kvtransfer.engine.scheduler.request import Request
+
+pytestmark = pytest.mark.unit
+
+BLOCK = 4
+
+
+def _logits(model, tokens: list[int], full: list[int], window: list[int]) -> torch.Tensor:
+    caches = [torch.zeros(model.kv_cache_shape(64, BLOCK)) for _ in model.layer_names()]
+    out = []
+    for start, end in ((0, 33), (33, 50), (50, len(tokens))):
+        steps = [paged_step([SeqChunk(tokens[:end], start, t)], BLOCK) for t in (full, window)]
+        hidden = model(
+            steps[0].input_ids, steps[0].positions, caches, [s.attn_metadata for s in steps]
+        )
+        out.append(model.compute_logits(hidden))
+    return torch.cat(out)
+
+
+def test_tiny_hybrid_logits_equal_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    directory = write_builtin_model(tmp_path / "hybrid", "tiny-hybrid")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert hf.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    tokens = list(range(40, 110))
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]
+        model = load_model(str(directory))
+        # Each group its own blocks, chunked across the window's edge.
+        ours = _logits(model, tokens, list(range(1, 19)), list(range(40, 58)))
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    # The control: the same weights with full attention everywhere differ past the window.
+    dense = ModelConfig(**{**model.config.__dict__, "layer_types": (), "sliding_window": None})
+    assert not torch.allclose(
+        _dense_logits(dense, directory, tokens), expected[-1:], atol=1e-3, rtol=0
+    )
+
+
+def _dense_logits(config: ModelConfig, directory, tokens: list[int]) -> torch.Tensor:
+    from kvtransfer.engine.model.llama import LlamaForCausalLM
+    from kvtransfer.engine.model.loader import iter_weights
+
+    model = LlamaForCausalLM(config)
+    model.load_weights(iter_weights(str(directory)))
+    caches = [torch.zeros(model.kv_cache_shape(32, BLOCK)) for _ in model.layer_names()]
+    step = paged_step([SeqChunk(tokens, 0, list(range(1, 19)))], BLOCK)
+    with torch.no_grad():
+        hidden = model(step.input_ids, step.positions, caches, step.attn_metadata)
+        return model.compute_logits(hidden)[-1:]
+
+
+def test_hf_configs_name_their_layer_kinds():
+    base = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 300,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "sliding_window": 16,
+        "max_position_embeddings": 512,
+    }
+    assert model_config_from_hf(base).layer_types == ()  # use_sliding_window off
+    mixed = model_config_from_hf({**base, "use_sliding_window": True, "max_window_layers": 2})
+    assert mixed.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
+    assert (mixed.sliding_window, mixed.is_hybrid, mixed.num_kv_groups) == (16, True, 2)
+    every = model_config_from_hf({**base, "use_sliding_window": True, "max_window_layers": 0})
+    assert (every.layer_types, every.max_position_embeddings) == ((), 16)
+    with pytest.raises(ValueError, match="4 layers"):
+        model_config_from_hf({**base, "use_sliding_window": True, "layer_types": ["x"]})
+
+
+def _request(rid: str, num_tokens: int) -> Request:
+    return Request(rid, list(range(num_tokens)), SamplingParams(max_tokens=4), seed=0)
+
+
+def test_the_pool_gives_back_what_a_window_passed_and_rewinds():
+    bm = BlockManager(16, BLOCK, sliding_windows=(6,))
+    assert (bm.capacity, bm.num_free_blocks, bm.enable_prefix_caching) == (15, 15, False)
+    request = _request("a", 14)
+    bm.allocate_slots(request, 14)
+    full, window = bm.get_group_block_ids("a")
+    assert len(full) == len(window) == 4 and NULL_BLOCK_ID not in full + window
+    assert bm.num_free_blocks == 7
+    # The query at 14 sees 9..14; one position more (8) is kept: blocks 0 and 1 go back.
+    assert bm.release_out_of_window("a", 14) == 2
+    assert bm.get_group_block_ids("a")[1][:2] == [NULL_BLOCK_ID] * 2
+    assert bm.num_free_blocks == 9
+    assert bm.take_untold_blocks("a")[1][:2] == (NULL_BLOCK_ID,) * 2
+    # A recompute from 0 needs every window entry back.
+    assert bm.rewind("a", 0)
+    assert NULL_BLOCK_ID not in bm.get_group_block_ids("a")[1]
+    assert bm.num_free_blocks == 7
+    bm.free("a")
+    bm.check_no_leaks()
+    # Both groups count against the pool: 8 tokens take 2 blocks in each.
+    assert bm.blocks_needed(8) == 4
