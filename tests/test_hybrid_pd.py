@@ -1,36 +1,25 @@
 """A hybrid model (``builtin:tiny-hybrid``: sliding-window layers beside full attention) served
 disaggregated by real daemons: every pairing reproduces a colocated run's tokens on both data
 planes, the decode receives every full-attention block but only the window's tail of the
-sliding-window group, and no block stays in use on either side."""
+sliding-window group, and no block stays in use on either side. Across hosts, through the
+router: tests/test_hybrid_multihost.py."""
 
 from __future__ import annotations
 
 import pytest
 from serve_helpers.daemons import BLOCK_SIZE, PROMPTS, colocated
+from serve_helpers.hybrid import (
+    LAYER_BLOCK_BYTES,
+    LAYERS_PER_GROUP,
+    MODEL,
+    prompt_tokens,
+    window_tail_blocks,
+)
 from serve_helpers.pair import DaemonPair
-
-from kvtransfer.engine.model.builtin import builtin_model_config
 
 pytestmark = pytest.mark.integration
 
-MODEL = "builtin:tiny-hybrid"
 MAX_TOKENS = 6
-CONFIG = builtin_model_config(MODEL.removeprefix("builtin:"))
-# One block of one layer: K and V of every KV head, float32.
-LAYER_BLOCK_BYTES = 2 * CONFIG.num_key_value_heads * BLOCK_SIZE * CONFIG.head_dim * 4
-LAYERS_PER_GROUP = CONFIG.num_hidden_layers // 2
-
-
-def prompt_tokens(prompt: str) -> int:
-    return len(prompt.encode())  # the built-in tokenizer: one token per byte
-
-
-def window_tail_blocks(num_tokens: int) -> int:
-    """Blocks of the sliding-window group that move: those holding positions >= num_tokens -
-    window (the decode's next query, at num_tokens, sees one position fewer; the engine keeps
-    one more for a consumer that recomputes the last prompt token)."""
-    first_seen = max(0, num_tokens - CONFIG.sliding_window)
-    return -(-num_tokens // BLOCK_SIZE) - first_seen // BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")

@@ -174,6 +174,15 @@ class BlockManager:
         self._told[request_id] = [len(t) for t in tables]
         return new
 
+    def num_blocks_holding(self, request_id: str, start: int, end: int) -> int:
+        """How many of the request's blocks, in every group, hold positions ``start`` (a block
+        boundary) to ``end`` (null entries a window passed are none of them)."""
+        first, stop = start // self.block_size, _cdiv(end, self.block_size)
+        return sum(
+            sum(1 for b in table[first:stop] if b != self.null_block_id)
+            for table in self.get_group_block_ids(request_id)
+        )
+
     def holds_blocks(self, request_id: str) -> bool:
         return any(self.get_group_block_ids(request_id))
 

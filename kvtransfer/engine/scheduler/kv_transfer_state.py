@@ -211,8 +211,8 @@ class KVTransferState:
                 bm.cache_full_blocks(request, request.num_computed_tokens)
                 bm.release_out_of_window(rid, request.num_computed_tokens)
                 stats.num_loaded_tokens += load.num_external_tokens
-                stats.num_loaded_blocks += -(-loaded // bm.block_size) - (
-                    request.num_cached_tokens // bm.block_size
+                stats.num_loaded_blocks += bm.num_blocks_holding(
+                    rid, request.num_cached_tokens, loaded
                 )
             resumed.append(request)
         resumed.sort(key=lambda r: r.arrival_order)
