@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for newcomers and CI: `scripts/dev.sh demo` runs the main job,
 # `scripts/dev.sh test` runs the test suite. Each first makes sure .venv is installed (idempotent);
-# `test` also .aiperf-venv (`scripts/dev.sh aiperf` alone).
+# `test` also the system tools the suite drives (ip and ss, chromium, promtool: apt-get, as root
+# or through sudo -n) and .aiperf-venv (`scripts/dev.sh aiperf` alone).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -18,8 +19,55 @@ ensure_venv() {
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
   # The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
   "$venv/bin/python" -m pip install -q "torch==2.13.0" >&2
-  "$venv/bin/python" -m pip install -q -e ".[test]" >&2
+  # pip shows a build backend's warnings even with -q: setuptools' notice about editable
+  # installs is the one left (pyproject.toml's license is an SPDX string), silenced here.
+  PYTHONWARNINGS="ignore:Editable installation" "$venv/bin/python" -m pip install -q -e ".[test]" >&2
   touch "$stamp"
+}
+
+# The system tools the suite drives, from Debian/Ubuntu packages: ip and ss (iproute2; the
+# namespace tier, -m netns, builds test hosts with `ip netns` and veth pairs), chromium with a font
+# (tests/test_router_dashboard.py drives the router's fleet page in it, headless) and promtool
+# (prometheus; tests/test_deploy_dashboards.py checks and tests deploy/prometheus/'s rules).
+# Installed with apt-get when missing, as root or through `sudo -n`; never skipped: without them
+# those tests fail, so this stops first, naming what is missing.
+ensure_system_tools() {
+  local cmds=() pkgs=()
+  if ! command -v ip >/dev/null 2>&1 || ! command -v ss >/dev/null 2>&1; then
+    cmds+=(ip ss)
+    pkgs+=(iproute2)
+  fi
+  command -v chromium >/dev/null 2>&1 || { cmds+=(chromium); pkgs+=(chromium fonts-dejavu-core); }
+  command -v promtool >/dev/null 2>&1 || { cmds+=(promtool); pkgs+=(prometheus); }
+  [ "${#pkgs[@]}" -gt 0 ] || return 0
+  local sudo=() why=""
+  if ! command -v apt-get >/dev/null 2>&1; then
+    why="no apt-get here"
+  elif [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true >/dev/null 2>&1; then
+      sudo=(sudo -n)
+    else
+      why="not root, and sudo -n is not allowed"
+    fi
+  fi
+  if [ -z "$why" ]; then
+    echo "[dev] installing ${pkgs[*]} with apt-get (missing: ${cmds[*]})..." >&2
+    if ! { ${sudo[@]+"${sudo[@]}"} apt-get update -qq >&2 \
+      && ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null; }; then
+      why="apt-get failed (see above)"
+    fi
+  fi
+  local still=() cmd
+  for cmd in "${cmds[@]}"; do
+    command -v "$cmd" >/dev/null 2>&1 || still+=("$cmd")
+  done
+  if [ "${#still[@]}" -gt 0 ]; then
+    echo "[dev] FAILED: the test suite needs ${still[*]} (packages: ${pkgs[*]}), and they could" \
+      "not be installed: ${why:-apt-get installed the packages, but the commands are still missing}." \
+      "Install them (e.g. sudo apt-get install ${pkgs[*]}) and run again." >&2
+    exit 1
+  fi
 }
 
 # aiperf (a standard OpenAI load generator) in a virtual environment of its own: about 1.2 GB
@@ -48,6 +96,7 @@ case "$cmd" in
     exec "$venv/bin/kvtransfer" demo "$@"
     ;;
   test)
+    ensure_system_tools
     ensure_venv
     ensure_aiperf
     "$venv/bin/ruff" check .

