@@ -10,7 +10,9 @@ from kvtransfer.connector.config import KVTransferConfig
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+MAMBA = "mamba"
+# Also the order of the KV cache groups a hybrid model's layers make.
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, MAMBA)
 # A hybrid model's pool reserves this block: the entry of a block a sliding window passed.
 NULL_BLOCK_ID = 0
 
@@ -25,7 +27,10 @@ class ModelConfig:
     ``layer_types`` (HF's names, one per layer; empty = every layer full attention) makes a
     hybrid model: its ``"sliding_attention"`` layers see only the last ``sliding_window``
     tokens (the token itself included, as transformers' sliding mask), and keep their KV in a
-    KV cache group of their own whose blocks behind the window go back to the pool.
+    KV cache group of their own whose blocks behind the window go back to the pool. Its
+    ``"mamba"`` layers are Mamba2 mixers (``mamba_*`` fields; one B/C group per head, so TP
+    splits them by head) whose running state (conv window and SSM state) is one block per
+    request in a recurrent-state group.
     """
 
     architecture: str
@@ -46,6 +51,10 @@ class ModelConfig:
     torch_dtype: str = "float32"
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_conv_kernel: int = 4
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,8 +86,18 @@ class ModelConfig:
                 )
             if FULL_ATTENTION not in self.layer_types:
                 raise ValueError(
-                    "model config: every layer is sliding_attention; such a model is one full "
-                    "attention group with max_position_embeddings capped at the window"
+                    "model config: no full_attention layer (a model of sliding layers only is "
+                    "one full attention group with max_position_embeddings capped at the "
+                    "window; one of Mamba layers only is not supported)"
+                )
+            mamba = ("mamba_num_heads", "mamba_head_dim", "mamba_state_size")
+            if MAMBA in self.layer_types and (
+                any(getattr(self, name) < 1 for name in mamba) or self.mamba_conv_kernel < 2
+            ):
+                raise ValueError(
+                    "model config: mamba layers need mamba_num_heads, mamba_head_dim and "
+                    "mamba_state_size >= 1 and mamba_conv_kernel >= 2, got "
+                    f"{[getattr(self, n) for n in (*mamba, 'mamba_conv_kernel')]}"
                 )
             if SLIDING_ATTENTION in self.layer_types and (
                 self.sliding_window is None or self.sliding_window < 1
@@ -94,13 +113,32 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    @property
+    def kv_group_kinds(self) -> tuple[str, ...]:
+        """The layer types of its KV cache groups, in group order (full attention first)."""
+        return tuple(
+            kind for kind in LAYER_TYPES if kind in (self.layer_types or (FULL_ATTENTION,))
+        )
+
     def kv_group_of_layer(self, layer: int) -> int:
-        """The KV cache group layer ``layer`` keeps its KV in: 0 full attention, 1 sliding."""
-        return 0 if self.layer_window(layer) is None else 1
+        """The KV cache group layer ``layer`` keeps its KV (or state) in."""
+        return self.kv_group_kinds.index(self.layer_type(layer))
 
     @property
     def num_kv_groups(self) -> int:
-        return 2 if self.is_hybrid else 1
+        return len(self.kv_group_kinds)
+
+    @property
+    def mamba_inner_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_channels(self) -> int:
+        """x, B and C: what the causal convolution runs over (one B/C group per head)."""
+        return self.mamba_inner_size + 2 * self.mamba_num_heads * self.mamba_state_size
 
     @property
     def is_hybrid(self) -> bool:

@@ -40,11 +40,11 @@ from kvtransfer.connector.metadata import (
     merge_handshake_metadata,
 )
 from kvtransfer.connector.topology import kv_head_range
-from kvtransfer.engine.config import EngineConfig, ModelConfig
+from kvtransfer.engine.config import MAMBA, EngineConfig, ModelConfig
 from kvtransfer.engine.executor.executor import DEFAULT_WORKER, Executor
 from kvtransfer.engine.model.loader import load_model_config
 from kvtransfer.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, step_output
-from kvtransfer.engine.runner.kv_cache import kv_cache_layout
+from kvtransfer.engine.runner.kv_cache import extra_kv_groups, kv_cache_layout
 from kvtransfer.engine.runner.worker import DRAFT_LAYER_PREFIX
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler.request import EngineCoreOutput, Request
@@ -68,6 +68,7 @@ class EngineCore:
         self.config = config
         self.model_config = load_model_config(config.model)
         check_parallel_fit(config, self.model_config)
+        _check_recurrent_fit(config, self.model_config)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.connector: KVConnectorBase_V1 | None = None
         if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector:
@@ -113,7 +114,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_id=self.model_config.eos_token_id,
             connector=self.connector,
-            sliding_windows=(self.model_config.sliding_window,) if layout.groups else (),
+            extra_groups=extra_kv_groups(self.model_config),
         )
         self.aggregator = (
             KVOutputAggregator.from_connector(self.connector, self.executor.world_size)
@@ -392,3 +393,19 @@ def _check_follows_groups(connector: KVConnectorBase_V1 | None, model: ModelConf
         f"{model.sliding_window}) beside full attention; use one that does, such as "
         "UcxConnector"
     )
+
+
+def _check_recurrent_fit(config: EngineConfig, model: ModelConfig) -> None:
+    """What a model with Mamba layers cannot do here, refused before any worker starts."""
+    if MAMBA not in model.layer_types:
+        return
+    if config.speculative is not None:
+        raise ValueError(
+            "speculative decoding is not supported for a model with Mamba layers: a recurrent "
+            "state cannot be rewound past rejected draft tokens"
+        )
+    if model.mamba_num_heads % config.tensor_parallel_size:
+        raise ValueError(
+            f"mamba_num_heads ({model.mamba_num_heads}) must be divisible by "
+            f"tensor_parallel_size {config.tensor_parallel_size}"
+        )

@@ -3,6 +3,9 @@ Hugging Face math, plus the paged inputs that feed the same token sequences to t
 
 `dense_logits` shares no code with ``kvtransfer.engine.model``: its own RMSNorm, RoPE and causal
 attention, in float64 by default, so it can serve as ground truth for the paged implementation.
+Hybrid models too: sliding-window layers mask what lies ``sliding_window`` positions back or
+more, and Mamba2 layers run in their quadratic ("attention-like") form, the whole sequence at
+once, where the engine scans token by token from a state it keeps in the block pool.
 """
 
 from __future__ import annotations
@@ -53,11 +56,19 @@ def dense_logits(
     group = heads // kv_heads
     eps = config.rms_norm_eps
     causal = torch.ones(n, n, dtype=torch.bool).tril()
+    window = config.sliding_window or n
+    sliding = causal & ~torch.ones(n, n, dtype=torch.bool).tril(-window)
 
     x = w["model.embed_tokens.weight"][torch.tensor(list(token_ids), dtype=torch.long)]
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}"
         h = _rms_norm(x, w[f"{p}.input_layernorm.weight"], eps)
+        kind = config.layer_types[layer] if config.layer_types else "full_attention"
+        if kind == "mamba":
+            x = x + _mamba_quadratic(config, w, f"{p}.mamba", h)
+            x = _mlp(w, p, x, eps)
+            continue
+        mask = sliding if kind == "sliding_attention" else causal
         q = _linear(w, f"{p}.self_attn.q_proj", h).view(n, heads, d).transpose(0, 1)
         k = _linear(w, f"{p}.self_attn.k_proj", h).view(n, kv_heads, d).transpose(0, 1)
         v = _linear(w, f"{p}.self_attn.v_proj", h).view(n, kv_heads, d).transpose(0, 1)
@@ -66,17 +77,52 @@ def dense_logits(
         for head in range(heads):
             kv = head // group
             scores = (q[head] @ k[kv].T) / math.sqrt(d)
-            scores = scores.masked_fill(~causal, float("-inf"))
+            scores = scores.masked_fill(~mask, float("-inf"))
             head_outputs.append(torch.softmax(scores, dim=-1) @ v[kv])
         attn = torch.cat(head_outputs, dim=-1)  # [n, heads * d], head-major like HF
         x = x + _linear(w, f"{p}.self_attn.o_proj", attn)
-        h = _rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
-        gate = _linear(w, f"{p}.mlp.gate_proj", h)
-        up = _linear(w, f"{p}.mlp.up_proj", h)
-        x = x + _linear(w, f"{p}.mlp.down_proj", gate * torch.sigmoid(gate) * up)
+        x = _mlp(w, p, x, eps)
     x = _rms_norm(x, w["model.norm.weight"], eps)
     head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
     return (x @ head.T).float()
+
+
+def _mlp(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, eps: float) -> torch.Tensor:
+    h = _rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
+    gate = _linear(w, f"{p}.mlp.gate_proj", h)
+    up = _linear(w, f"{p}.mlp.up_proj", h)
+    return x + _linear(w, f"{p}.mlp.down_proj", gate * torch.sigmoid(gate) * up)
+
+
+def _mamba_quadratic(
+    config: ModelConfig, w: dict[str, torch.Tensor], p: str, h: torch.Tensor
+) -> torch.Tensor:
+    """A Mamba2 mixer over the whole sequence: y_t = sum over s <= t of
+    (C_t . B_s) exp(sum_{s<r<=t} dt_r A) dt_s x_s, plus D x_t."""
+    n = h.shape[0]
+    heads, dim, state = config.mamba_num_heads, config.mamba_head_dim, config.mamba_state_size
+    inner, channels = heads * dim, heads * (dim + 2 * state)
+    z, xbc, dt = (h @ w[f"{p}.in_proj.weight"].T).split((inner, channels, heads), dim=-1)
+    kernel = w[f"{p}.conv1d.weight"]  # [channels, K]
+    padded = torch.cat((torch.zeros(kernel.shape[1] - 1, channels, dtype=h.dtype), xbc))
+    conv = w[f"{p}.conv1d.bias"] + torch.stack(
+        [(padded[t : t + kernel.shape[1]] * kernel.T).sum(0) for t in range(n)]
+    )
+    xbc = conv * torch.sigmoid(conv)
+    x, b, c = xbc.split((inner, heads * state, heads * state), dim=-1)
+    x = x.view(n, heads, dim)
+    b, c = b.view(n, heads, state), c.view(n, heads, state)
+    dt = torch.nn.functional.softplus(dt + w[f"{p}.dt_bias"])  # [n, heads]
+    total = torch.cumsum(dt * -torch.exp(w[f"{p}.A_log"]), dim=0)  # [n, heads]
+    lower = torch.ones(n, n, dtype=torch.bool).tril()[:, :, None]
+    decay = torch.exp((total[:, None, :] - total[None, :, :]).masked_fill(~lower, -math.inf))
+    weights = torch.einsum("thn,shn->tsh", c, b) * decay * dt[None, :, :]
+    y = torch.einsum("tsh,shp->thp", weights, x) + w[f"{p}.D"][None, :, None] * x
+    gated = y.reshape(n, inner) * (z * torch.sigmoid(z))
+    gated = gated.view(n, heads, dim)
+    gated = gated / torch.sqrt((gated * gated).mean(-1, keepdim=True) + config.rms_norm_eps)
+    gated = gated.reshape(n, inner) * w[f"{p}.norm.weight"]
+    return gated @ w[f"{p}.out_proj.weight"].T
 
 
 @dataclass(frozen=True)

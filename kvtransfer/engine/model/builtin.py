@@ -13,6 +13,10 @@ ASCII are larger than the rest, so the tiny model babbles printable text and rar
 (window 24 tokens) and full attention: a hybrid KV cache of two groups, small enough for every
 TP/PP pairing of ``tiny``.
 
+``tiny-mamba`` is a Llama whose layers 0 and 2 are Mamba2 mixers (4 heads of 8, state 16,
+convolution kernel 4) beside full attention in layers 1 and 3: a recurrent-state group beside the
+full-attention one.
+
 ``tiny-draft`` is ``tiny`` truncated to its first two layers (same embeddings, final norm and
 ``lm_head``); because ``tiny``'s later layers contribute little, its greedy proposals often match.
 """
@@ -20,6 +24,8 @@ TP/PP pairing of ``tiny``.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -27,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.engine.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from kvtransfer.engine.config import FULL_ATTENTION, MAMBA, SLIDING_ATTENTION, ModelConfig
 from kvtransfer.engine.model.tokenizer import (
     BOS_TOKEN_ID,
     BYTE_VOCAB_SIZE,
@@ -116,6 +122,21 @@ _PRESETS: dict[str, _Preset] = {
         out_scale=1.0,
         layer_decay=0.8,
     ),
+    # Mamba2 layers 0 and 2 beside full attention 1 and 3: each PP 2 stage holds one of each.
+    "tiny-mamba": _Preset(
+        _byte_config(
+            num_hidden_layers=4,
+            layer_types=(MAMBA, FULL_ATTENTION) * 2,
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            mamba_state_size=16,
+            mamba_conv_kernel=4,
+            **_TINY_SHAPE,
+        ),
+        seed=1357,
+        out_scale=1.0,
+        layer_decay=0.8,
+    ),
 }
 
 
@@ -175,21 +196,16 @@ def _generate(preset: _Preset) -> dict[str, torch.Tensor]:
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    q_dim = cfg.num_attention_heads * cfg.head_dim
-    kv_dim = cfg.num_key_value_heads * cfg.head_dim
     in_std = hidden**-0.5
     weights = {"model.embed_tokens.weight": normal(cfg.vocab_size, hidden, std=1.0)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
         out = preset.out_scale * preset.layer_decay**i
         weights[f"{p}.input_layernorm.weight"] = torch.ones(hidden)
-        weights[f"{p}.self_attn.q_proj.weight"] = normal(q_dim, hidden, std=in_std)
-        weights[f"{p}.self_attn.k_proj.weight"] = normal(kv_dim, hidden, std=in_std)
-        weights[f"{p}.self_attn.v_proj.weight"] = normal(kv_dim, hidden, std=in_std)
-        weights[f"{p}.self_attn.o_proj.weight"] = normal(hidden, q_dim, std=out * q_dim**-0.5)
-        if cfg.attention_bias:
-            for name, size in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
-                weights[f"{p}.self_attn.{name}.bias"] = normal(size, std=0.1)
+        if cfg.layer_type(i) == MAMBA:
+            weights.update(_mamba_weights(cfg, f"{p}.mamba", out, gen))
+        else:
+            weights.update(_attention_weights(cfg, p, out, normal))
         weights[f"{p}.post_attention_layernorm.weight"] = torch.ones(hidden)
         weights[f"{p}.mlp.gate_proj.weight"] = normal(inter, hidden, std=in_std)
         weights[f"{p}.mlp.up_proj.weight"] = normal(inter, hidden, std=in_std)
@@ -200,6 +216,52 @@ def _generate(preset: _Preset) -> dict[str, torch.Tensor]:
     lm_head = normal(cfg.vocab_size, hidden, std=preset.logit_std * in_std)
     weights["lm_head.weight"] = lm_head * row_scale[:, None]
     return weights
+
+
+def _attention_weights(
+    cfg: ModelConfig, p: str, out: float, normal: Callable[..., torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    hidden = cfg.hidden_size
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+    in_std = hidden**-0.5
+    weights = {}
+    weights[f"{p}.self_attn.q_proj.weight"] = normal(q_dim, hidden, std=in_std)
+    weights[f"{p}.self_attn.k_proj.weight"] = normal(kv_dim, hidden, std=in_std)
+    weights[f"{p}.self_attn.v_proj.weight"] = normal(kv_dim, hidden, std=in_std)
+    weights[f"{p}.self_attn.o_proj.weight"] = normal(hidden, q_dim, std=out * q_dim**-0.5)
+    if cfg.attention_bias:
+        for name, size in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+            weights[f"{p}.self_attn.{name}.bias"] = normal(size, std=0.1)
+    return weights
+
+
+def _mamba_weights(
+    cfg: ModelConfig, prefix: str, out_scale: float, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """A Mamba2 mixer's tensors, initialised as Mamba2 does: dt in [0.01, 0.1], A in [1, 16]."""
+    heads, inner, conv = cfg.mamba_num_heads, cfg.mamba_inner_size, cfg.mamba_conv_channels
+
+    def uniform(low: float, high: float, size: int) -> torch.Tensor:
+        return low + (high - low) * torch.rand(size, generator=gen)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    dt = torch.exp(uniform(math.log(0.01), math.log(0.1), heads))
+    return {
+        f"{prefix}.in_proj.weight": normal(
+            inner + conv + heads, cfg.hidden_size, std=cfg.hidden_size**-0.5
+        ),
+        f"{prefix}.conv1d.weight": normal(conv, cfg.mamba_conv_kernel, std=0.5),
+        f"{prefix}.conv1d.bias": normal(conv, std=0.1),
+        # softplus(dt_bias) = dt
+        f"{prefix}.dt_bias": dt + torch.log(-torch.expm1(-dt)),
+        f"{prefix}.A_log": torch.log(uniform(1.0, 16.0, heads)),
+        f"{prefix}.D": torch.ones(heads),
+        f"{prefix}.norm.weight": torch.ones(inner),
+        f"{prefix}.out_proj.weight": normal(cfg.hidden_size, inner, std=out_scale * inner**-0.5),
+    }
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
@@ -234,6 +296,15 @@ def _sliding_window_fields(config: ModelConfig) -> dict[str, Any]:
     ``max_window_layers``, which is set so that it alone would make every layer full."""
     if not config.layer_types:
         return {}
+    if MAMBA in config.layer_types:
+        # Not a transformers architecture: kvtransfer's own keys, which its loader reads.
+        return {
+            "layer_types": list(config.layer_types),
+            "mamba_num_heads": config.mamba_num_heads,
+            "mamba_head_dim": config.mamba_head_dim,
+            "mamba_state_size": config.mamba_state_size,
+            "mamba_conv_kernel": config.mamba_conv_kernel,
+        }
     return {
         "use_sliding_window": True,
         "sliding_window": config.sliding_window,

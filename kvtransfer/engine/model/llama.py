@@ -13,9 +13,10 @@ outputs summed by ``tp_all_reduce``. Embedding, final norm and ``lm_head`` are n
 rank computes full logits). Pipeline ranks own the layers of `pp_layer_range`; the first embeds,
 the others resume from the previous stage's ``hidden_states``/``residual``.
 
-Hybrid models (``config.layer_types``) mix sliding-window layers into the stack; each layer
-reads the block table of its KV cache group, so the forward takes one `AttentionMetadata` per
-group and builds one `PagedAttentionPlan` per group.
+Hybrid models (``config.layer_types``) mix sliding-window attention and Mamba2 mixers
+(`kvtransfer.engine.model.mamba`, in place of attention) into the stack; each layer reads the
+block table of its KV cache group, so the forward takes one `AttentionMetadata` per group and
+builds one `PagedAttentionPlan` per attention group.
 
 The residual stream travels as ``(hidden, residual)`` with the true activation being their sum,
 so a stage boundary cuts between two adds; the sums are the same floating-point adds HF does.
@@ -31,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtransfer.connector.topology import kv_head_range
-from kvtransfer.engine.config import ModelConfig
+from kvtransfer.engine.config import MAMBA, SLIDING_ATTENTION, ModelConfig
 from kvtransfer.engine.model.attention import PagedAttentionPlan, paged_attention
 from kvtransfer.engine.model.forward_context import AttentionMetadata, LayerHooks, NoLayerHooks
+from kvtransfer.engine.model.mamba import Mamba2Mixer, mamba_cache_shape
 from kvtransfer.engine.outputs import IntermediateTensors
 from kvtransfer.engine.parallel import ParallelRank, pp_layer_range
 
@@ -43,6 +45,8 @@ _NO_HOOKS = NoLayerHooks()
 _SINGLE_RANK = ParallelRank()
 # Checkpoints of older transformers versions store this buffer; it is recomputed, never loaded.
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
+# What a decoder layer's checkpoint tensors are named after ``model.layers.<i>.``.
+_LAYER_PARTS = ("self_attn.", "mamba.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,10 +73,18 @@ def num_parameters(config: ModelConfig) -> int:
         attn += q_dim + 2 * kv_dim
     if has_o_proj_bias(config):
         attn += hidden
-    layer = attn + 3 * hidden * inter + 2 * hidden
+    mlp = 3 * hidden * inter + 2 * hidden
+    inner, heads = config.mamba_inner_size, config.mamba_num_heads
+    conv = config.mamba_conv_channels
+    mamba = (inner + conv + heads) * hidden + conv * (config.mamba_conv_kernel + 1)
+    mamba += 3 * heads + inner + hidden * inner
+    layers = sum(
+        mlp + (mamba if config.layer_type(i) == MAMBA else attn)
+        for i in range(config.num_hidden_layers)
+    )
     embed = config.vocab_size * hidden
     head = 0 if config.tie_word_embeddings else embed
-    return config.num_hidden_layers * layer + embed + hidden + head
+    return layers + embed + hidden + head
 
 
 class RMSNorm(nn.Module):
@@ -115,7 +127,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class _Target:
     """Where (a slice of) one checkpoint tensor goes: ``dim=None`` copies it whole."""
 
-    param: nn.Parameter
+    param: torch.Tensor  # a parameter, or a view of one
     dim: int | None = None
     start: int = 0
     stop: int = 0
@@ -235,7 +247,7 @@ class LlamaDecoderLayer(nn.Module):
         config: ModelConfig,
         name: str,
         kv_group: int,
-        attn: LlamaAttention,
+        attn: LlamaAttention | Mamba2Mixer,
         mlp: LlamaMLP,
         dtype: torch.dtype,
         device: torch.device,
@@ -256,14 +268,17 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
-        plan: PagedAttentionPlan,
+        plan: PagedAttentionPlan | None,
         hooks: LayerHooks,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = hidden if residual is None else hidden + residual
         hidden = self.input_layernorm(residual)
         hooks.before_attention(self.name)
-        hidden = self.self_attn(hidden, rope[0], rope[1], kv_cache, plan)
+        if isinstance(self.self_attn, Mamba2Mixer):
+            hidden = self.self_attn(hidden, kv_cache, attn_metadata)
+        else:
+            hidden = self.self_attn(hidden, rope[0], rope[1], kv_cache, plan)
         hooks.after_attention(self.name, kv_cache, attn_metadata)
         residual = hidden + residual
         hidden = self.mlp(self.post_attention_layernorm(residual))
@@ -318,6 +333,20 @@ class LlamaForCausalLM(nn.Module):
         mlp_rows = range(tp_rank * inter_per_rank, (tp_rank + 1) * inter_per_rank)
         reduce = tp_all_reduce if tp_all_reduce is not None and tp > 1 else _identity
 
+        if MAMBA in config.layer_types and config.mamba_num_heads % tp:
+            raise ValueError(
+                f"mamba_num_heads ({config.mamba_num_heads}) must be divisible by tensor "
+                f"parallel size {tp}"
+            )
+        mamba_per_rank = config.mamba_num_heads // tp
+        mamba_heads = range(tp_rank * mamba_per_rank, (tp_rank + 1) * mamba_per_rank)
+        self.num_local_mamba_heads = mamba_per_rank
+
+        def mixer(i: int) -> tuple[str, LlamaAttention | Mamba2Mixer]:
+            if config.layer_type(i) == MAMBA:
+                return "mamba", Mamba2Mixer(config, mamba_heads, reduce, dtype, dev)
+            return "self_attn", LlamaAttention(config, q_heads, kv_heads, reduce, dtype, dev)
+
         dev = self.device
         self.embed_tokens = (
             _empty((config.vocab_size, config.hidden_size), dtype, dev)
@@ -326,18 +355,21 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, dev)
         start, end = self.layer_range
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                config,
-                f"{layer_name_prefix}.{i}.self_attn",
-                config.kv_group_of_layer(i),
-                LlamaAttention(config, q_heads, kv_heads, reduce, dtype, dev),
-                LlamaMLP(config, mlp_rows, reduce, dtype, dev),
-                dtype,
-                dev,
+        layers = []
+        for i in range(start, end):
+            kind, module = mixer(i)
+            layers.append(
+                LlamaDecoderLayer(
+                    config,
+                    f"{layer_name_prefix}.{i}.{kind}",
+                    config.kv_group_of_layer(i),
+                    module,
+                    LlamaMLP(config, mlp_rows, reduce, dtype, dev),
+                    dtype,
+                    dev,
+                )
             )
-            for i in range(start, end)
-        )
+        self.layers = nn.ModuleList(layers)
         self.norm: RMSNorm | None = None
         self.lm_head: nn.Parameter | None = None
         if rank.is_last_pp_rank:
@@ -361,6 +393,20 @@ class LlamaForCausalLM(nn.Module):
                 f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
             )
         return (num_blocks, 2, self.num_local_kv_heads, block_size, self.config.head_dim)
+
+    def layer_caches(
+        self, num_blocks: int, block_size: int
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """Each owned layer's cache shape and dtype (``None``: the model's KV dtype); a Mamba
+        layer's is one state page per block, uint8."""
+        attention = self.kv_cache_shape(num_blocks, block_size)
+        state = mamba_cache_shape(self.config, self.num_local_mamba_heads, num_blocks)
+        return {
+            layer.name: (state, torch.uint8)
+            if isinstance(layer.self_attn, Mamba2Mixer)
+            else (attention, None)
+            for layer in self.layers
+        }
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -405,8 +451,11 @@ class LlamaForCausalLM(nn.Module):
                 f"positions has shape {tuple(positions.shape)}, expected ({num_tokens},)"
             )
         metadata = self._group_metadata(attn_metadata)
+        kinds = self.config.kv_group_kinds
         plans = [
-            PagedAttentionPlan.build(md, num_tokens, self.device, self._group_window(group))
+            None
+            if kinds[group] == MAMBA
+            else PagedAttentionPlan.build(md, num_tokens, self.device, self._group_window(group))
             for group, md in enumerate(metadata)
         ]
         rope = self.rotary(positions.to(self.device))
@@ -437,7 +486,9 @@ class LlamaForCausalLM(nn.Module):
         return metadata
 
     def _group_window(self, group: int) -> int | None:
-        return self.config.sliding_window if group == 1 else None
+        if self.config.kv_group_kinds[group] == SLIDING_ATTENTION:
+            return self.config.sliding_window
+        return None
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits over the full vocabulary ``[n, vocab_size]`` (last PP rank only)."""
@@ -476,7 +527,10 @@ class LlamaForCausalLM(nn.Module):
             slots[f"{prefix}.post_attention_layernorm.weight"] = _Slot(
                 norm_shape, (_Target(layer.post_attention_layernorm.weight),)
             )
-            slots.update(layer.self_attn.slots(f"{prefix}.self_attn", cfg))
+            if isinstance(layer.self_attn, Mamba2Mixer):
+                slots.update(_mamba_slots(layer.self_attn, f"{prefix}.mamba"))
+            else:
+                slots.update(layer.self_attn.slots(f"{prefix}.self_attn", cfg))
             slots.update(layer.mlp.slots(f"{prefix}.mlp", cfg))
         return slots
 
@@ -493,8 +547,7 @@ class LlamaForCausalLM(nn.Module):
             if index < self.config.num_hidden_layers and not (
                 self.layer_range[0] <= index < self.layer_range[1]
             ):
-                probe = f"model.layers.{self.layer_range[0]}.{parts[3]}"
-                return probe in self._slots
+                return parts[3].startswith(_LAYER_PARTS)
         return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -545,3 +598,13 @@ def _check_head_grouping(config: ModelConfig, q_heads: range, kv_heads: range) -
             f"query heads {list(q_heads)} do not line up with KV heads {list(kv_heads)} "
             f"(group size {group})"
         )
+
+
+def _mamba_slots(mixer: Mamba2Mixer, prefix: str) -> dict[str, _Slot]:
+    shapes = mixer.full_shapes()
+    return {
+        f"{prefix}.{name}": _Slot(
+            shapes[name], tuple(_Target(view, dim, start, stop) for view, dim, start, stop in parts)
+        )
+        for name, parts in mixer.checkpoint_slices().items()
+    }

@@ -93,7 +93,7 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
     max_positions = int(config.get("max_position_embeddings") or _MAX_POSITIONS[arch])
     layer_types = _layer_types(config, arch)
     window = config.get("sliding_window")
-    if layer_types and SLIDING_ATTENTION not in layer_types:
+    if layer_types and len(set(layer_types)) == 1 and FULL_ATTENTION in layer_types:
         layer_types = ()
     elif layer_types and FULL_ATTENTION not in layer_types:
         if window is None:
@@ -123,8 +123,18 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
         bos_token_id=_first_id(config.get("bos_token_id")),
         eos_token_id=_first_id(config.get("eos_token_id")),
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-        sliding_window=int(window) if layer_types else None,
+        sliding_window=int(window) if SLIDING_ATTENTION in layer_types else None,
         layer_types=layer_types,
+        **{
+            key: int(config[key])
+            for key in (
+                "mamba_num_heads",
+                "mamba_head_dim",
+                "mamba_state_size",
+                "mamba_conv_kernel",
+            )
+            if key in config
+        },
     )
 
 

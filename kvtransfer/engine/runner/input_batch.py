@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,9 +45,15 @@ class ForwardBatch:
 
 
 def build_forward_batch(
-    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str
+    chunks: Sequence[SequenceChunk],
+    block_size: int,
+    device: torch.device | str,
+    state_groups: Collection[int] = (),
 ) -> ForwardBatch:
-    """Positions, slots and block tables for ``chunks``; raises if a slot has no block."""
+    """Positions, slots and block tables for ``chunks``; raises if a slot has no block.
+
+    A group in ``state_groups`` (recurrent state) has one block per sequence, whatever its
+    length: its metadata's ``block_tables[:, 0]`` is that block and no slot is written."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start = [0]
@@ -68,6 +74,7 @@ def build_forward_batch(
             seq_lens,
             block_size,
             device,
+            is_state=g in state_groups,
         )
         for g in range(num_groups)
     ]
@@ -87,12 +94,18 @@ def _group_metadata(
     seq_lens: list[int],
     block_size: int,
     device: torch.device | str,
+    is_state: bool = False,
 ) -> AttentionMetadata:
     slots: list[int] = []
     max_blocks = max((len(t) for t in tables), default=0)
     block_tables = torch.zeros((len(chunks), max(max_blocks, 1)), dtype=torch.int64)
     for i, (chunk, block_ids) in enumerate(zip(chunks, tables, strict=True)):
         end = chunk.start_position + len(chunk.token_ids)
+        block_tables[i, : len(block_ids)] = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        if is_state:
+            if len(block_ids) != 1:
+                raise RuntimeError(f"a recurrent state needs one block, got {list(block_ids)}")
+            continue
         if end > len(block_ids) * block_size:
             raise RuntimeError(
                 f"sequence needs KV slots up to position {end - 1} but its block table covers "
@@ -101,7 +114,6 @@ def _group_metadata(
         pos = np.arange(chunk.start_position, end, dtype=np.int64)
         table = np.asarray(block_ids, dtype=np.int64)
         slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
-        block_tables[i, : len(block_ids)] = torch.as_tensor(list(block_ids))
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=query_start_loc.to(device),

@@ -12,9 +12,21 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.connector.kv_groups import FULL_ATTENTION, SLIDING_WINDOW, KVCacheGroup
+from kvtransfer.connector.kv_groups import (
+    FULL_ATTENTION,
+    RECURRENT_STATE,
+    SLIDING_WINDOW,
+    KVCacheGroup,
+)
 from kvtransfer.connector.metadata import KVCacheLayout
-from kvtransfer.engine.config import NULL_BLOCK_ID, EngineConfig, ModelConfig
+from kvtransfer.engine.config import (
+    MAMBA,
+    NULL_BLOCK_ID,
+    SLIDING_ATTENTION,
+    EngineConfig,
+    ModelConfig,
+)
+from kvtransfer.engine.model.mamba import mamba_state_bytes
 from kvtransfer.engine.parallel import ParallelRank
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,9 +40,14 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """What one block costs: the largest attention group's layers (the groups share tensors),
+    plus every recurrent-state layer's whole state (its own tensor, one page per block)."""
     element_size = torch.empty((), dtype=dtype).element_size()
     per_layer = 2 * model.num_key_value_heads * block_size * model.head_dim * element_size
-    return per_layer * max(_group_sizes(model))
+    sizes = _group_sizes(model)
+    attention = [n for kind, n in zip(model.kv_group_kinds, sizes, strict=True) if kind != MAMBA]
+    states = sum(n for kind, n in zip(model.kv_group_kinds, sizes, strict=True) if kind == MAMBA)
+    return per_layer * max(attention) + states * mamba_state_bytes(model, model.mamba_num_heads)
 
 
 def _group_sizes(model: ModelConfig) -> list[int]:
@@ -40,30 +57,50 @@ def _group_sizes(model: ModelConfig) -> list[int]:
     return sizes
 
 
+def extra_kv_groups(model: ModelConfig) -> tuple[int | None, ...]:
+    """The block manager's view of the groups after group 0: a window, or ``None`` (state)."""
+    return tuple(
+        model.sliding_window if kind == SLIDING_ATTENTION else None
+        for kind in model.kv_group_kinds[1:]
+    )
+
+
 def kv_cache_groups(
     model: ModelConfig, draft_layer_names: tuple[str, ...] = ()
 ) -> tuple[KVCacheGroup, ...]:
     """A hybrid model's KV cache groups as connectors see them (none for a one-group model):
-    full attention (the drafter's layers with it), then the sliding-window layers."""
+    full attention (the drafter's layers with it), then sliding-window, then recurrent-state."""
     if not model.is_hybrid:
         return ()
     names: list[list[str]] = [[] for _ in range(model.num_kv_groups)]
     for layer in range(model.num_hidden_layers):
-        names[model.kv_group_of_layer(layer)].append(f"model.layers.{layer}.self_attn")
-    return (
-        KVCacheGroup(FULL_ATTENTION, (*names[0], *draft_layer_names)),
-        KVCacheGroup(SLIDING_WINDOW, tuple(names[1]), sliding_window=model.sliding_window),
-    )
+        mixer = "mamba" if model.layer_type(layer) == MAMBA else "self_attn"
+        names[model.kv_group_of_layer(layer)].append(f"model.layers.{layer}.{mixer}")
+    groups = [KVCacheGroup(FULL_ATTENTION, (*names[0], *draft_layer_names))]
+    for kind, layers in zip(model.kv_group_kinds[1:], names[1:], strict=True):
+        if kind == SLIDING_ATTENTION:
+            groups.append(KVCacheGroup(SLIDING_WINDOW, tuple(layers), model.sliding_window))
+        else:
+            groups.append(KVCacheGroup(RECURRENT_STATE, tuple(layers)))
+    return tuple(groups)
 
 
-def shared_group_caches(
-    layer_groups: dict[str, int], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+def group_caches(
+    layer_groups: dict[str, int],
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype | None]],
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """One cache per layer name, the i-th layer of every group sharing the i-th tensor."""
+    """One cache per layer name: the i-th attention layer of every group shares the i-th
+    tensor; a layer with a dtype of its own (a recurrent state's pages) has its own."""
     tensors: list[torch.Tensor] = []
     seen = [0] * (1 + max(layer_groups.values(), default=0))
     caches = {}
     for name, group in layer_groups.items():
+        shape, own_dtype = specs[name]
+        if own_dtype is not None:
+            caches[name] = torch.zeros(shape, dtype=own_dtype, device=device)
+            continue
         if seen[group] == len(tensors):
             tensors.append(torch.zeros(shape, dtype=dtype, device=device))
         caches[name] = tensors[seen[group]]

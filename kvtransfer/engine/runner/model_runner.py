@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvtransfer.engine.config import MAMBA
 from kvtransfer.engine.model.llama import LlamaForCausalLM
 from kvtransfer.engine.outputs import IntermediateTensors, ModelRunnerOutput, TokenLogprobs
 from kvtransfer.engine.runner.input_batch import ForwardBatch, SequenceChunk, build_forward_batch
@@ -112,6 +113,8 @@ class ModelRunner:
         self.defer_kv_finalize = defer_kv_finalize
         self.device = device
         self.requests = RequestStates()
+        kinds = model.config.kv_group_kinds
+        self._state_groups = frozenset(g for g, kind in enumerate(kinds) if kind == MAMBA)
         self.execute_model_state: ExecuteModelState | None = None
 
     # ------------------------------------------------------------------ step, part 1
@@ -126,7 +129,9 @@ class ModelRunner:
             return self.kv_connector.no_forward(scheduler_output)
 
         requests = self._schedule_view(scheduler_output)
-        batch = build_forward_batch([r.chunk for r in requests], self.block_size, self.device)
+        batch = build_forward_batch(
+            [r.chunk for r in requests], self.block_size, self.device, self._state_groups
+        )
         self.kv_connector.pre_forward(scheduler_output)
         intermediate = None
         if not self.is_first_pp_rank:

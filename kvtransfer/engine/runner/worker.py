@@ -21,10 +21,10 @@ from kvtransfer.engine.runner.devices import cuda_device_for
 from kvtransfer.engine.runner.distributed import WorkerDistributed
 from kvtransfer.engine.runner.drafters import DraftModelProposer, NgramDraftProposer
 from kvtransfer.engine.runner.kv_cache import (
+    group_caches,
     kv_cache_layout,
     num_kv_blocks,
     resolve_dtype,
-    shared_group_caches,
 )
 from kvtransfer.engine.runner.kv_connector import KVConnector, make_kv_connector
 from kvtransfer.engine.runner.model_runner import ModelRunner, Proposer
@@ -167,9 +167,9 @@ class Worker:
     def _allocate(
         self, model: LlamaForCausalLM, num_blocks: int, dtype: torch.dtype, device: torch.device
     ) -> dict[str, torch.Tensor]:
-        shape = model.kv_cache_shape(num_blocks, self.config.block_size)
+        specs = model.layer_caches(num_blocks, self.config.block_size)
         layer_groups = {layer.name: layer.kv_group for layer in model.layers}
-        return shared_group_caches(layer_groups, shape, dtype, device)
+        return group_caches(layer_groups, specs, dtype, device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         runner = self._runner()

@@ -6,12 +6,13 @@ list but keeps its content hash, so a later request with the same prefix can tak
 drops their hash (LRU eviction).
 
 A hybrid model's KV cache is several groups (`kvtransfer.connector.kv_groups`): group 0 holds the
-full-attention layers, each further group the sliding-window layers of one window. Every group
-of a request has its own block table drawn from this one pool, and a block serves one group of
-one request (the workers give each group's layers their own slice of every block). A
-sliding-window table gives back the blocks its window has passed: their entries become the null
-block (block 0, reserved, never written) and the blocks return to the pool. Prefix caching is
-group 0's alone, so it is off for hybrid models.
+full-attention layers, each further group the sliding-window layers of one window or the
+recurrent-state (Mamba) layers. Every group of a request has its own block table drawn from this
+one pool, and a block serves one group of one request (the workers give each group's layers their
+own slice of every block). A sliding-window table gives back the blocks its window has passed:
+their entries become the null block (block 0, reserved, never written) and the blocks return to
+the pool. A recurrent-state table is one block, the request's running state, whatever its
+length. Prefix caching is group 0's alone, so it is off for hybrid models.
 
 A block's hash covers its parent's hash and its own token ids (SHA-256, chained), so two
 blocks with equal hashes hold the KV of equal prefixes, never merely equal block contents.
@@ -92,30 +93,31 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        sliding_windows: Sequence[int] = (),
+        extra_groups: Sequence[int | None] = (),
     ):
-        """``sliding_windows``: the window of each KV cache group after group 0 (none: a
-        one-group pool)."""
+        """``extra_groups``: each KV cache group after group 0, a sliding window in tokens or
+        ``None`` for a recurrent-state group (none: a one-group pool)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if any(w < 1 for w in sliding_windows):
-            raise ValueError(f"sliding windows must be >= 1, got {list(sliding_windows)}")
-        if sliding_windows and num_blocks < 2:
+        if any(w is not None and w < 1 for w in extra_groups):
+            raise ValueError(f"sliding windows must be >= 1, got {list(extra_groups)}")
+        if extra_groups and num_blocks < 2:
             raise ValueError("a hybrid pool needs >= 2 blocks (block 0 is the null block)")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.sliding_windows = tuple(sliding_windows)
-        self.null_block_id = NULL_BLOCK_ID if sliding_windows else None
-        self.enable_prefix_caching = enable_prefix_caching and not sliding_windows
+        self.extra_groups = tuple(extra_groups)
+        self.null_block_id = NULL_BLOCK_ID if extra_groups else None
+        self.enable_prefix_caching = enable_prefix_caching and not extra_groups
         self._ref_cnt = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         # Insertion order is eviction order: front = least recently freed.
         self._free: OrderedDict[int, None] = OrderedDict(
             (b, None) for b in range(num_blocks) if b != self.null_block_id
         )
-        # Per request, the tables of groups 1.. (null entries before each window).
+        # Per request, the tables of groups 1.. (null entries before each window; a state
+        # group's is one block).
         self._window_tables: dict[str, list[list[int]]] = {}
         # Per request and group, how many of its table's entries the workers were told of.
         self._told: dict[str, list[int]] = {}
@@ -140,7 +142,7 @@ class BlockManager:
 
     @property
     def num_groups(self) -> int:
-        return 1 + len(self.sliding_windows)
+        return 1 + len(self.extra_groups)
 
     @property
     def num_used_blocks(self) -> int:
@@ -163,7 +165,7 @@ class BlockManager:
 
     def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Every group's table, group 0 first (null entries where a window passed)."""
-        others = self._window_tables.get(request_id) or [[] for _ in self.sliding_windows]
+        others = self._window_tables.get(request_id) or [[] for _ in self.extra_groups]
         return (self.get_block_ids(request_id), *(list(t) for t in others))
 
     def take_untold_blocks(self, request_id: str) -> tuple[tuple[int, ...], ...]:
@@ -178,9 +180,10 @@ class BlockManager:
         """How many of the request's blocks, in every group, hold positions ``start`` (a block
         boundary) to ``end`` (null entries a window passed are none of them)."""
         first, stop = start // self.block_size, _cdiv(end, self.block_size)
+        tables = self.get_group_block_ids(request_id)
         return sum(
-            sum(1 for b in table[first:stop] if b != self.null_block_id)
-            for table in self.get_group_block_ids(request_id)
+            sum(1 for b in (table if window is None else table[first:stop]) if b != NULL_BLOCK_ID)
+            for window, table in zip((0, *self.extra_groups), tables, strict=True)
         )
 
     def holds_blocks(self, request_id: str) -> bool:
@@ -191,8 +194,9 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks ``num_tokens`` take at most, in every group together (a window gives its
-        blocks back only once they are computed)."""
-        return _cdiv(num_tokens, self.block_size) * self.num_groups
+        blocks back only once they are computed; a state is one block)."""
+        per_group = _cdiv(num_tokens, self.block_size)
+        return sum(per_group if w is not None else 1 for w in (0, *self.extra_groups))
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -324,9 +328,12 @@ class BlockManager:
             0, _cdiv(num_slots, self.block_size) - len(table) - len(new_computed_blocks)
         )
         window_tables = self._window_tables.get(request.request_id) or [
-            [] for _ in self.sliding_windows
+            [] for _ in self.extra_groups
         ]
-        window_fresh = [max(0, _cdiv(num_slots, self.block_size) - len(t)) for t in window_tables]
+        window_fresh = [
+            max(0, (1 if window is None else _cdiv(num_slots, self.block_size)) - len(t))
+            for window, t in zip(self.extra_groups, window_tables, strict=True)
+        ]
         # Hits on free blocks leave the free list too, so they compete with fresh blocks.
         num_revived = sum(1 for b in new_computed_blocks if self._ref_cnt[b] == 0)
         if num_fresh + num_revived + sum(window_fresh) > len(self._free):
@@ -347,7 +354,7 @@ class BlockManager:
                 self._tables[request.request_id] = table
                 self._num_published[request.request_id] = len(new_computed_blocks)
             table.extend(added)
-        if self.sliding_windows:
+        if self.extra_groups:
             for window_table, count in zip(window_tables, window_fresh, strict=True):
                 window_table.extend(self._take_fresh() for _ in range(count))
             self._window_tables[request.request_id] = window_tables
@@ -372,8 +379,10 @@ class BlockManager:
         while a step that reads them is in flight."""
         released = 0
         for window, table in zip(
-            self.sliding_windows, self._window_tables.get(request_id, ()), strict=False
+            self.extra_groups, self._window_tables.get(request_id, ()), strict=False
         ):
+            if window is None:
+                continue
             # The query at next_position sees positions >= next_position - window + 1; one
             # position more is kept, so that a consumer of these blocks that recomputes the
             # last of them (a prompt's last token) still finds its window.
@@ -388,11 +397,17 @@ class BlockManager:
     def rewind(self, request_id: str, num_computed_tokens: int) -> bool:
         """Before positions from ``num_computed_tokens`` on are computed again: give every
         window entry those queries see a real block again. ``False`` (nothing changed) when
-        the pool cannot; the workers must then get the request's tables anew."""
+        the pool cannot, or when a recurrent state would have to go back to a position other
+        than 0 (a state cannot be rewound); the workers must then get the request's tables
+        anew."""
         plan: list[tuple[list[int], int]] = []
         for window, table in zip(
-            self.sliding_windows, self._window_tables.get(request_id, ()), strict=False
+            self.extra_groups, self._window_tables.get(request_id, ()), strict=False
         ):
+            if window is None:
+                if num_computed_tokens:
+                    return False
+                continue
             first_seen = max(0, num_computed_tokens - window) // self.block_size
             plan.extend(
                 (table, i) for i in range(first_seen, len(table)) if table[i] == NULL_BLOCK_ID

@@ -142,7 +142,7 @@ class KVTransferState:
                     fail(request, f"no KV blocks left to recompute request {request.request_id}")
                 )
                 continue
-            if bm.sliding_windows:
+            if bm.extra_groups:
                 # Window entries may be real blocks again: the workers get every table anew.
                 request.known_to_workers = False
             request.kv_stats.num_recomputed_tokens += request.num_computed_tokens - recomputed
@@ -187,9 +187,19 @@ class KVTransferState:
                 # Loading while the prefill computed: until its first token came.
                 end = min(now, request.continued_at or now)
                 stats.overlapped_s += max(0.0, end - load.started_at)
+            reason = reasons.get(rid)
+            limit = request.num_tokens - (0 if request.awaits_generated else 1)
+            loaded_past_limit = request.num_cached_tokens + load.num_external_tokens > limit
+            if None in bm.extra_groups and loaded_past_limit and rid not in failed:
+                # A state already holds the last token, whose logits this engine needs.
+                load.failed = True
+                reason = reason or (
+                    "a recurrent state cannot be rewound: a loaded state continues only after "
+                    "the prompt's last token (a decode given the prefill's first token)"
+                )
             if rid in failed or load.failed:
                 if self.load_failure_policy == "fail":
-                    results.outputs.append(self._fail_load(request, fail, reasons.get(rid)))
+                    results.outputs.append(self._fail_load(request, fail, reason))
                     continue
                 table = bm.get_block_ids(rid)
                 local_blocks = request.num_cached_tokens // bm.block_size
@@ -206,7 +216,6 @@ class KVTransferState:
                 loaded = request.num_cached_tokens + load.num_external_tokens
                 # The last token is computed here for its logits, unless the next token comes
                 # from elsewhere (a prefill's first token, `Scheduler.continue_request`).
-                limit = request.num_tokens - (0 if request.awaits_generated else 1)
                 request.num_computed_tokens = min(loaded, limit)
                 bm.cache_full_blocks(request, request.num_computed_tokens)
                 bm.release_out_of_window(rid, request.num_computed_tokens)

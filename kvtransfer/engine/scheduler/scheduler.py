@@ -86,10 +86,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_id: int | None,
         connector: KVConnectorBase_V1 | None = None,
-        sliding_windows: Sequence[int] = (),
+        extra_groups: Sequence[int | None] = (),
     ) -> None:
-        """``sliding_windows``: one per KV cache group after the full-attention one (a hybrid
-        model's sliding-window layers); see `BlockManager`."""
+        """``extra_groups``: one per KV cache group after the full-attention one (a hybrid
+        model's sliding window, or ``None`` for its recurrent state); see `BlockManager`."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         if max_model_len < 2:
@@ -112,7 +112,7 @@ class Scheduler:
             num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            sliding_windows=sliding_windows,
+            extra_groups=extra_groups,
         )
         self._kv = KVTransferState(self.block_manager, self.kv_load_failure_policy)
         self._requests: dict[str, Request] = {}
