@@ -91,7 +91,7 @@ def _request(rid: str, num_tokens: int) -> Request:
 
 
 def test_the_pool_gives_back_what_a_window_passed_and_rewinds():
-    bm = BlockManager(16, BLOCK, sliding_windows=(6,))
+    bm = BlockManager(16, BLOCK, extra_groups=(6,))
     assert (bm.capacity, bm.num_free_blocks, bm.enable_prefix_caching) == (15, 15, False)
     request = _request("a", 14)
     bm.allocate_slots(request, 14)
