@@ -11,6 +11,8 @@ from serve_helpers.daemons import BLOCK_SIZE, PROMPTS, colocated
 from serve_helpers.hybrid import (
     LAYER_BLOCK_BYTES,
     LAYERS_PER_GROUP,
+    MAMBA_MODEL,
+    MAMBA_STATE_BYTES,
     MODEL,
     prompt_tokens,
     window_tail_blocks,
@@ -68,3 +70,71 @@ def test_hybrid_pairings_equal_colocated(tmp_path, expected, prefill, decode, da
         # Counted as served; one-sided reads are counted from the consumer's block count
         # times every layer's bytes (docs/limits.md), which overcounts a hybrid model's.
         assert sent.counters["kv_bytes_sent"] == expected_bytes
+
+
+@pytest.fixture(scope="module")
+def expected_mamba() -> list[list[int]]:
+    return colocated(PROMPTS, MAX_TOKENS, model=MAMBA_MODEL)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "data_plane"),
+    [
+        ((1, 1), (1, 1), "rma"),
+        ((1, 1), (1, 1), "tagged"),
+        ((2, 1), (2, 1), "rma"),
+        pytest.param((1, 2), (1, 1), "tagged", marks=pytest.mark.slow),
+    ],
+    ids=["rma", "tagged", "tp2-rma", "pp2-to-1-tagged"],
+)
+def test_mamba_hybrid_pairings_equal_colocated(
+    tmp_path, expected_mamba, prefill, decode, data_plane
+):
+    """``builtin:tiny-mamba``: the decode continues from the prefill's recurrent state (one
+    block per layer, the state after the prompt) beside every full-attention block."""
+
+    def flags(tp: int, pp: int) -> list[str]:
+        return ["--tp", str(tp), "--pp", str(pp)]
+
+    started = DaemonPair.start(
+        tmp_path,
+        common_flags=["--model", MAMBA_MODEL],
+        prefill_flags=flags(*prefill),
+        decode_flags=flags(*decode),
+        extra_config={"data_plane": data_plane},
+    )
+    with started as pair:
+        results = pair.generate(PROMPTS, MAX_TOKENS, hand_first_token=True)
+        # The decode continues after the prefill's first token, which it was handed.
+        assert [r.token_ids for r in results] == [tokens[1:] for tokens in expected_mamba]
+        assert [r.metrics.num_recomputed_tokens for r in results] == [0] * len(PROMPTS)
+        pair.wait_no_blocks_in_use()
+        sent, received = pair.status("prefill"), pair.status("decode")
+        pair.stop()
+    full = sum(-(-prompt_tokens(p) // BLOCK_SIZE) for p in PROMPTS)
+    # Per request: its full-attention blocks and one state block.
+    assert received.counters["kv_blocks_received"] == full + len(PROMPTS)
+    expected_bytes = LAYERS_PER_GROUP * (
+        full * LAYER_BLOCK_BYTES + len(PROMPTS) * MAMBA_STATE_BYTES
+    )
+    assert received.counters["kv_bytes_received"] == expected_bytes
+    if data_plane == "tagged":
+        assert sent.counters["kv_bytes_sent"] == expected_bytes
+
+
+def test_a_decode_that_would_recompute_the_last_token_from_a_state_fails_typed(tmp_path):
+    """Without the prefill's first token the decode would compute the prompt's last token
+    again, from a state that already holds it: refused, typed, blocks freed, serving on."""
+    started = DaemonPair.start(tmp_path, common_flags=["--model", MAMBA_MODEL])
+    with started as pair:
+        (result,) = pair.generate(PROMPTS[1:2], MAX_TOKENS)
+        assert result.finish_reason == "error"
+        assert result.error == (
+            f"KV load failed for request {result.request_id} (kv_load_failure_policy=fail): a "
+            "recurrent state cannot be rewound: a loaded state continues only after the "
+            "prompt's last token (a decode given the prefill's first token)"
+        )
+        (served,) = pair.generate(PROMPTS[1:2], MAX_TOKENS, hand_first_token=True)
+        assert served.finish_reason == "length"
+        pair.wait_no_blocks_in_use()
+        pair.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvtransfer.engine.model.builtin import builtin_model_config
+from kvtransfer.engine.model.mamba import mamba_state_bytes
 from serve_helpers.daemons import BLOCK_SIZE
 
 MODEL = "builtin:tiny-hybrid"
@@ -22,3 +23,9 @@ def window_tail_blocks(num_tokens: int) -> int:
     one more for a consumer that recomputes the last prompt token)."""
     first_seen = max(0, num_tokens - CONFIG.sliding_window)
     return -(-num_tokens // BLOCK_SIZE) - first_seen // BLOCK_SIZE
+
+
+MAMBA_MODEL = "builtin:tiny-mamba"
+_MAMBA = builtin_model_config(MAMBA_MODEL.removeprefix("builtin:"))
+# One layer's state (conv window and SSM state, every head), float32.
+MAMBA_STATE_BYTES = mamba_state_bytes(_MAMBA, _MAMBA.mamba_num_heads)

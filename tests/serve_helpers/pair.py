@@ -150,33 +150,43 @@ class DaemonPair:
         kv_transfer_params: Sequence[Mapping[str, Any] | None],
         request_ids: Sequence[str],
         max_tokens: int,
+        first_tokens: Sequence[Sequence[int]] | None = None,
     ) -> list[GenerateResult]:
         """Decode with the params a prefill returned; a failed load comes back as a result
-        with ``finish_reason == "error"`` (the daemon's answer), not as an exception."""
-        with GenerationClient(self.decode.address) as client:
-            return [
-                client.generate(
-                    generate_request(
-                        rid,
-                        prompt,
-                        max_tokens,
-                        kv_transfer_params=dict(params) if params is not None else None,
-                    ),
-                    CALL_TIMEOUT_S,
-                )
-                for rid, prompt, params in zip(
-                    request_ids, prompts, kv_transfer_params, strict=True
-                )
-            ]
+        with ``finish_reason == "error"`` (the daemon's answer), not as an exception.
 
-    def generate(self, prompts: Sequence[Prompt], max_tokens: int) -> list[GenerateResult]:
-        """Prefill on one daemon, decode on the other; results in prompt order."""
+        ``first_tokens``: each request's tokens the prefill generated, handed to the decode
+        as the router does (the decode then computes none of the prompt)."""
+        firsts = first_tokens or [()] * len(prompts)
+        with GenerationClient(self.decode.address) as client:
+            results = []
+            for rid, prompt, params, first in zip(
+                request_ids, prompts, kv_transfer_params, firsts, strict=True
+            ):
+                message = generate_request(
+                    rid,
+                    prompt,
+                    max_tokens,
+                    kv_transfer_params=dict(params) if params is not None else None,
+                )
+                message.generated_token_ids.extend(first)
+                results.append(client.generate(message, CALL_TIMEOUT_S))
+            return results
+
+    def generate(
+        self, prompts: Sequence[Prompt], max_tokens: int, *, hand_first_token: bool = False
+    ) -> list[GenerateResult]:
+        """Prefill on one daemon, decode on the other; results in prompt order.
+
+        ``hand_first_token``: the decode gets the prefill's first token, as from the router
+        (needed by a recurrent state, which holds the whole prompt); else it computes it."""
         ids = self.new_request_ids(len(prompts))
         prefilled = self.run_prefill(prompts, ids)
         for result in prefilled:
             assert result.finish_reason == "length", f"{result.request_id}: {result.error}"
         params = [result.kv_transfer_params for result in prefilled]
-        return self.run_decode(prompts, params, ids, max_tokens)
+        firsts = [result.token_ids for result in prefilled] if hand_first_token else None
+        return self.run_decode(prompts, params, ids, max_tokens, firsts)
 
     def decode_in_background(
         self,
