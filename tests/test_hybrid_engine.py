@@ -1,15 +1,22 @@
-"""Our engine's hybrid model in one process: sliding-window layers equal transformers' logits,
-HF configs name their layer kinds, the block pool gives back what a window passed, and a
-connector that cannot follow KV cache groups is refused at start-up."""
+"""Our engine's hybrid models in one process: sliding-window layers equal transformers' logits,
+Mamba2 layers carrying their state in the block pool equal the dense reference's quadratic form,
+HF configs name their layer kinds, and the block pool gives back what a window passed and holds
+one block of state per request."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from engine_helpers.dense_reference import SeqChunk, paged_step
+from engine_helpers.dense_reference import SeqChunk, dense_logits, paged_step
 
 from kvtransfer.engine.config import NULL_BLOCK_ID, ModelConfig
-from kvtransfer.engine.model.builtin import write_builtin_model
+from kvtransfer.engine.model.builtin import (
+    builtin_model_config,
+    builtin_weights,
+    write_builtin_model,
+)
 from kvtransfer.engine.model.loader import load_model, model_config_from_hf
 from kvtransfer.engine.sampling_params import SamplingParams
 from kvtransfer.engine.scheduler.block_manager import BlockManager
@@ -111,3 +118,69 @@ def test_the_pool_gives_back_what_a_window_passed_and_rewinds():
     bm.check_no_leaks()
     # Both groups count against the pool: 8 tokens take 2 blocks in each.
     assert bm.blocks_needed(8) == 4
+
+
+def _paged_hybrid_logits(name: str, tokens: list[int], drop_state: bool = False) -> torch.Tensor:
+    """``tokens`` in three chunks through the paged model, each group its own blocks (a Mamba
+    group: one state block); ``drop_state`` zeroes the state pages between chunks."""
+    model = load_model(f"builtin:{name}")
+    specs = model.layer_caches(64, BLOCK).values()
+    caches = [torch.zeros(shape, dtype=dtype or torch.float32) for shape, dtype in specs]
+    tables = (list(range(1, 19)), [60] if name == "tiny-mamba" else list(range(40, 58)))
+    out = []
+    with torch.no_grad():
+        for start, end in ((0, 33), (33, 50), (50, len(tokens))):
+            if drop_state:
+                for cache in caches:
+                    if cache.dtype == torch.uint8:
+                        cache.zero_()
+            full = paged_step([SeqChunk(tokens[:end], start, tables[0])], BLOCK)
+            other = full.attn_metadata
+            if name == "tiny-mamba":
+                other = replace(other, block_tables=torch.tensor([tables[1]]))
+            else:
+                other = paged_step([SeqChunk(tokens[:end], start, tables[1])], BLOCK).attn_metadata
+            hidden = model(full.input_ids, full.positions, caches, [full.attn_metadata, other])
+            out.append(model.compute_logits(hidden))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba", "tiny-hybrid"])
+def test_hybrid_presets_equal_the_dense_reference_across_chunks(name):
+    """The Mamba2 state carried in its block from chunk to chunk (and the sliding window's
+    mask) give the dense reference's logits, which compute Mamba2 in its quadratic form."""
+    tokens = list(range(40, 110))
+    expected = dense_logits(builtin_model_config(name), builtin_weights(name), tokens)
+    torch.testing.assert_close(_paged_hybrid_logits(name, tokens), expected, atol=1e-4, rtol=0)
+    if name == "tiny-mamba":
+        # The control: a state lost between chunks changes what follows.
+        lost = _paged_hybrid_logits(name, tokens, drop_state=True)
+        assert not torch.allclose(lost[33:], expected[33:], atol=1e-2, rtol=0)
+
+
+def test_a_state_group_holds_one_block_and_cannot_rewind_past_zero():
+    bm = BlockManager(16, BLOCK, extra_groups=(None,))
+    request = _request("m", 30)
+    bm.allocate_slots(request, 30)
+    full, state = bm.get_group_block_ids("m")
+    assert (len(full), len(state)) == (8, 1)
+    request.num_computed_tokens = 30
+    bm.allocate_slots(request, 8)
+    assert [len(t) for t in bm.get_group_block_ids("m")] == [10, 1]
+    assert bm.release_out_of_window("m", 38) == 0
+    assert bm.num_blocks_holding("m", 0, 38) == 11
+    assert not bm.rewind("m", 16)  # a state cannot go back to position 16
+    assert bm.rewind("m", 0)  # but starts again from nothing
+    bm.free("m")
+    bm.check_no_leaks()
+    assert bm.blocks_needed(8) == 3
+
+
+def test_mamba_configs_are_checked():
+    base = builtin_model_config("tiny-mamba")
+    with pytest.raises(ValueError, match="mamba layers need mamba_num_heads"):
+        ModelConfig(**{**base.__dict__, "mamba_state_size": 0})
+    with pytest.raises(ValueError, match="no full_attention layer"):
+        ModelConfig(**{**base.__dict__, "layer_types": ("mamba",) * 4})
+    assert base.kv_group_kinds == ("full_attention", "mamba")
+    assert [base.kv_group_of_layer(i) for i in range(4)] == [1, 0, 1, 0]
