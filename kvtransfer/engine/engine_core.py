@@ -385,7 +385,10 @@ def _reports_transfers(output: ModelRunnerOutput | None) -> bool:
 def _check_follows_groups(connector: KVConnectorBase_V1 | None, model: ModelConfig) -> None:
     """A hybrid model's KV is several block tables: a connector that knows only one would move
     the wrong blocks, so it is refused before the engine serves anything."""
-    if connector is None or not model.is_hybrid or supports_hma(connector):
+    # The base class itself is the no-op connector: it moves nothing, so it follows anything.
+    if connector is None or not model.is_hybrid or type(connector) is KVConnectorBase_V1:
+        return
+    if supports_hma(connector):
         return
     raise ValueError(
         f"KV connector {type(connector).__name__} does not support hybrid KV caches "
