@@ -82,16 +82,19 @@ def expected_mamba() -> list[list[int]]:
     [
         ((1, 1), (1, 1), "rma"),
         ((1, 1), (1, 1), "tagged"),
-        ((2, 1), (2, 1), "rma"),
+        ((2, 1), (1, 1), "rma"),
+        ((1, 1), (2, 1), "tagged"),
+        pytest.param((2, 1), (2, 1), "rma", marks=pytest.mark.slow),
         pytest.param((1, 2), (1, 1), "tagged", marks=pytest.mark.slow),
     ],
-    ids=["rma", "tagged", "tp2-rma", "pp2-to-1-tagged"],
+    ids=["rma", "tagged", "tp2-to-1-rma", "1-to-tp2-tagged", "tp2-rma", "pp2-to-1-tagged"],
 )
 def test_mamba_hybrid_pairings_equal_colocated(
     tmp_path, expected_mamba, prefill, decode, data_plane
 ):
     """``builtin:tiny-mamba``: the decode continues from the prefill's recurrent state (one
-    block per layer, the state after the prompt) beside every full-attention block."""
+    block per layer, the state after the prompt) beside every full-attention block; between TP
+    sizes each decode rank reads the state heads it holds from the prefill ranks holding them."""
 
     def flags(tp: int, pp: int) -> list[str]:
         return ["--tp", str(tp), "--pp", str(pp)]

@@ -40,6 +40,10 @@ class KVCacheGroup:
     sliding_window: int | None = None
     # A recurrent-state group's scratch blocks after its state block (speculative decoding).
     speculative_blocks: int = 0
+    # A recurrent-state group whose pages are laid out per head (``[blocks, 2, heads, 1,
+    # unit]``): its heads across TP ranks, so that engines of other TP sizes read the heads
+    # they hold. None: a page is opaque and moves whole, between equal TP sizes only.
+    state_heads: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -54,6 +58,11 @@ class KVCacheGroup:
             )
         if window is not None and (isinstance(window, bool) or window <= 0):
             raise ValueError(f"sliding_window must be a positive int, got {window!r}")
+        if self.state_heads is not None and (self.kind != RECURRENT_STATE or self.state_heads < 1):
+            raise ValueError(
+                f"state_heads is for a recurrent_state group (>= 1), got {self.state_heads!r} "
+                f"for a {self.kind} group"
+            )
 
     @property
     def label(self) -> str:

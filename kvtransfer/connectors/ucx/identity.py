@@ -169,19 +169,29 @@ class WorkerIdentity:
         if not caches:
             raise ValueError("UcxConnector: register_kv_caches got no layers")
         groups = layout.groups if layout is not None and layout.groups else ()
-        # Recurrent-state layers hold one opaque page per block (`[blocks, 2, 1, 1, bytes/2]`
-        # uint8): checked for their own shape, not the attention layers'.
-        state = {n for g in groups if g.is_state for n in g.layer_names if n in caches}
+        # Recurrent-state layers hold one page per block: opaque (`[blocks, 2, 1, 1, bytes/2]`
+        # uint8) or per head (`[blocks, 2, heads, 1, unit]`, a group with `state_heads`),
+        # checked for their own shape, not the attention layers'.
+        state_groups = {n: g for g in groups if g.is_state for n in g.layer_names if n in caches}
+        state = set(state_groups)
         attention = {n: c for n, c in caches.items() if n not in state}
         if not attention:
             raise ValueError("UcxConnector: register_kv_caches got no attention layer")
         first = next(iter(attention.values()))
-        for name in state:
+        for name, group in state_groups.items():
             page = caches[name]
-            if page.dim() != 5 or page.shape[1:4] != (2, 1, 1) or page.shape[0] != first.shape[0]:
+            heads = "heads" if group.state_heads is not None else "1"
+            if (
+                page.dim() != 5
+                or (page.shape[1], page.shape[3]) != (2, 1)
+                or (group.state_heads is None and page.shape[2] != 1)
+                or page.shape[0] != first.shape[0]
+                or page.dtype != torch.uint8
+            ):
                 raise ValueError(
-                    f"recurrent-state cache {name!r} has shape {tuple(page.shape)}, expected "
-                    f"[{first.shape[0]}, 2, 1, 1, page_bytes / 2]"
+                    f"recurrent-state cache {name!r} has shape {tuple(page.shape)} "
+                    f"({page.dtype}), expected [{first.shape[0]}, 2, {heads}, 1, page_bytes] "
+                    "uint8"
                 )
         for name, cache in attention.items():
             if cache.dim() != 5 or cache.shape[1] != 2:
@@ -214,6 +224,7 @@ class WorkerIdentity:
                     num_kv_heads=int(cache.shape[2]),
                     kv_group=groups[layer_groups[name]].label if groups else FULL_ATTENTION,
                     state_width=int(cache.shape[4]) if name in state else None,
+                    state_split=name in state and state_groups[name].state_heads is not None,
                 )
             )
         target = [la for la in layers if not la.is_draft]

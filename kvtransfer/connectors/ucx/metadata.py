@@ -41,9 +41,12 @@ class UcxLayer(BaseModel):
     # The layer's KV cache group, as `kv_groups.KVCacheGroup.label` (kind and window): a
     # consumer pulls a layer only from a producer layer of the same kind.
     kv_group: str = FULL_ATTENTION
-    # A recurrent-state layer: each block is one page of 2 x ``state_width`` bytes (uint8),
-    # not heads of tokens; None for attention layers.
+    # A recurrent-state layer: each block is one page of 2 x ``state_width`` bytes (uint8) per
+    # head it holds (``num_kv_heads``), not heads of tokens; None for attention layers.
     state_width: int | None = Field(default=None, gt=0)
+    # Its page is laid out per head: a consumer of another TP size reads the heads it holds.
+    # False: one opaque page (``num_kv_heads`` 1), moved whole between equal TP sizes.
+    state_split: bool = False
 
 
 class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -115,7 +118,7 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
                 self.dtype,
             )
             if layer.state_width is None
-            else KVLayout(self.num_blocks, 1, 1, layer.state_width, "uint8")
+            else KVLayout(self.num_blocks, layer.num_kv_heads, 1, layer.state_width, "uint8")
             for layer in self.layers
         }
 

@@ -172,12 +172,12 @@ def plan_pulls(
         for source in topology.layer_sources(engine_id):
             states = [by_index[i] for i in source.layers if by_index[i].state_width is not None]
             held = [by_index[i] for i in source.layers if by_index[i].state_width is None]
-            if states:
-                # A state page is not split by heads: the same TP rank's page, whole.
-                rank = _state_source(identity, engine_id, metadata, source.remote_pp_rank)
-                _check_serves(engine_id, metadata[rank], states)
-                for layer in states:
-                    key = (rank, range(0, 1), range(0, 1), identity.group_of(layer.name))
+            for layer in states:
+                group = identity.group_of(layer.name)
+                for rank, remote_heads, local_heads in _state_pulls(
+                    identity, engine_id, metadata, source.remote_pp_rank, layer
+                ):
+                    key = (rank, remote_heads, local_heads, group)
                     merged.setdefault(key, []).append(layer.name)
             if not held:
                 continue
@@ -256,21 +256,53 @@ def _register(
         raise RemoteLayoutError(f"engine {engine_id!r} holds no {kind} layers; this worker does")
 
 
-def _state_source(
+def _state_pulls(
     identity: WorkerIdentity,
     engine_id: str,
     metadata: Mapping[PpTpRank, UcxHandshakeMetadata],
     remote_pp_rank: int,
-) -> PpTpRank:
-    """The remote worker whose recurrent-state pages this worker reads: its own TP rank's."""
+    layer: UcxLayer,
+) -> list[tuple[PpTpRank, range, range]]:
+    """Where this worker's recurrent-state page of ``layer`` comes from: ``(remote worker,
+    its heads, our heads)``. An opaque page is the same TP rank's, whole; a page laid out per
+    head is read head range by head range from every remote TP rank holding some of ours."""
     remote_tp = next(iter(metadata.values())).tp_size
-    if remote_tp != identity.tp_size:
-        raise RemoteLayoutError(
-            f"engine {engine_id!r} runs TP {remote_tp} and this engine TP "
-            f"{identity.tp_size}: recurrent state (Mamba / Gated DeltaNet) is moved between "
-            "equal TP sizes only (splitting it by sub-projection is not implemented)"
+    if not layer.state_split:
+        if remote_tp != identity.tp_size:
+            raise RemoteLayoutError(
+                f"engine {engine_id!r} runs TP {remote_tp} and this engine TP "
+                f"{identity.tp_size}: recurrent state (Mamba / Gated DeltaNet) in opaque pages "
+                "(vLLM's) is moved between equal TP sizes only (splitting it by sub-projection "
+                "is not implemented)"
+            )
+        rank = (remote_pp_rank, identity.tp_rank)
+        _check_serves(engine_id, metadata[rank], [layer])
+        return [(rank, range(0, 1), range(0, 1))]
+    local = layer.num_kv_heads
+    mine = range(identity.tp_rank * local, (identity.tp_rank + 1) * local)
+    pulls = []
+    for remote_tp_rank in range(remote_tp):
+        rank = (remote_pp_rank, remote_tp_rank)
+        _check_serves(engine_id, metadata[rank], [layer])
+        theirs = next(la for la in metadata[rank].layers if la.name == layer.name)
+        if theirs.num_kv_heads * remote_tp != local * identity.tp_size:
+            raise RemoteLayoutError(
+                f"layer {layer.name!r} has {theirs.num_kv_heads * remote_tp} state heads on "
+                f"engine {engine_id!r} and {local * identity.tp_size} on this engine"
+            )
+        held = range(
+            remote_tp_rank * theirs.num_kv_heads, (remote_tp_rank + 1) * theirs.num_kv_heads
         )
-    return remote_pp_rank, identity.tp_rank
+        lo, hi = max(mine.start, held.start), min(mine.stop, held.stop)
+        if lo < hi:
+            pulls.append(
+                (
+                    rank,
+                    range(lo - held.start, hi - held.start),
+                    range(lo - mine.start, hi - mine.start),
+                )
+            )
+    return pulls
 
 
 def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLayer]) -> None:
@@ -283,6 +315,12 @@ def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLaye
         )
     for layer in wanted:
         theirs = held[layer.name].kv_group
+        if held[layer.name].state_split != layer.state_split:
+            raise RemoteLayoutError(
+                f"layer {layer.name!r} keeps its state in "
+                f"{_page_kind(held[layer.name].state_split)} on engine {engine_id!r} and in "
+                f"{_page_kind(layer.state_split)} on this engine"
+            )
         if held[layer.name].state_width != layer.state_width:
             raise RemoteLayoutError(
                 f"layer {layer.name!r} holds {held[layer.name].state_width} x 2 state bytes per "
@@ -295,3 +333,7 @@ def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLaye
                 f"({md.pp_rank}, {md.tp_rank})) and {layer.kv_group} on this engine: the two "
                 "engines' KV cache groups differ"
             )
+
+
+def _page_kind(split: bool) -> str:
+    return "per-head pages" if split else "opaque pages"

@@ -9,9 +9,12 @@ Per token ``t`` of a sequence, with ``x``, ``B``, ``C`` from a causal depthwise 
 
 then ``y * silu(z)`` is RMS-normed per head and projected out. The state a request carries from
 one step to the next is the convolution's last ``K - 1`` inputs and ``h``: both live in the
-request's block of the layer's cache, ``[num_blocks, 2, 1, 1, page_bytes / 2]`` uint8 (the page
-shape kvtransfer's connectors move for vLLM's Mamba layers), as float32. A sequence whose chunk
-starts at position 0 starts from a zero state, whatever its block held.
+request's block of the layer's cache, as float32, laid out per head so that a tensor-parallel
+split of the state is a split of the page's head axis, as for attention KV: the cache is
+``[num_blocks, 2, heads, 1, unit_bytes]`` uint8, where ``[b, 0, h]`` holds head ``h``'s
+convolution window (its x, B and C channels, ``K - 1`` rows) and ``[b, 1, h]`` its SSM state
+(``head_dim x state_size``), each padded to ``unit_bytes``. A sequence whose chunk starts at
+position 0 starts from a zero state, whatever its block held.
 
 Tensor parallel ranks split the heads (x, z, dt, B and C follow their head); ``out_proj`` is
 row-parallel. The scan is a loop over tokens: exact, not fast.
@@ -32,16 +35,20 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 _STATE_DTYPE = torch.float32
 
 
-def mamba_state_bytes(config: ModelConfig, num_heads: int) -> int:
-    """Bytes of one request's state in one layer holding ``num_heads`` heads."""
+def mamba_unit_bytes(config: ModelConfig) -> int:
+    """Bytes of one head's half page: its convolution window or its SSM state, the larger."""
     k, p, n = config.mamba_conv_kernel, config.mamba_head_dim, config.mamba_state_size
-    conv_channels = num_heads * (p + 2 * n)
     element = torch.empty((), dtype=_STATE_DTYPE).element_size()
-    return ((k - 1) * conv_channels + num_heads * p * n) * element
+    return max((k - 1) * (p + 2 * n), p * n) * element
+
+
+def mamba_state_bytes(config: ModelConfig, num_heads: int) -> int:
+    """Bytes of one request's state page in one layer holding ``num_heads`` heads."""
+    return 2 * num_heads * mamba_unit_bytes(config)
 
 
 def mamba_cache_shape(config: ModelConfig, num_heads: int, num_blocks: int) -> tuple[int, ...]:
-    return (num_blocks, 2, 1, 1, mamba_state_bytes(config, num_heads) // 2)
+    return (num_blocks, 2, num_heads, 1, mamba_unit_bytes(config))
 
 
 class Mamba2Mixer(nn.Module):
@@ -143,13 +150,28 @@ class Mamba2Mixer(nn.Module):
     # -- state --------------------------------------------------------------------------------
 
     def _state_views(self, cache: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The conv window ``[K - 1, channels]`` and SSM state ``[heads, head_dim, state]``
-        stored in ``block`` (views: writing them writes the cache)."""
-        values = cache[block].view(-1).view(_STATE_DTYPE)
-        split = (self.kernel - 1) * self.conv_channels
-        conv = values[:split].view(self.kernel - 1, self.conv_channels)
-        ssm = values[split:].view(self.num_heads, self.head_dim, self.state_size)
+        """Per head, the conv window ``[heads, K - 1, head_dim + 2 * state]`` (x, B, C) and SSM
+        state ``[heads, head_dim, state]`` stored in ``block`` (views into the cache)."""
+        h, p, n, k = self.num_heads, self.head_dim, self.state_size, self.kernel
+        page = cache[block, :, :, 0].view(_STATE_DTYPE)  # [2, heads, unit floats]
+        conv = page[0, :, : (k - 1) * (p + 2 * n)].view(h, k - 1, p + 2 * n)
+        ssm = page[1, :, : p * n].view(h, p, n)
         return conv, ssm
+
+    def _window(self, per_head: torch.Tensor) -> torch.Tensor:
+        """``[heads, K - 1, x|B|C]`` as the convolution's ``[K - 1, channels]``: every head's
+        x channels, then every head's B, then every head's C."""
+        p, n = self.head_dim, self.state_size
+        x, b, c = per_head.split((p, n, n), dim=-1)
+        return torch.cat([part.transpose(0, 1).flatten(1) for part in (x, b, c)], dim=1)
+
+    def _per_head(self, window: torch.Tensor) -> torch.Tensor:
+        """The inverse of `_window`."""
+        h, p, n = self.num_heads, self.head_dim, self.state_size
+        rows = window.shape[0]
+        x, b, c = window.split((h * p, h * n, h * n), dim=1)
+        parts = [x.view(rows, h, p), b.view(rows, h, n), c.view(rows, h, n)]
+        return torch.cat(parts, dim=-1).transpose(0, 1)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -178,10 +200,10 @@ class Mamba2Mixer(nn.Module):
             if seq_lens[i] == b - a:  # a chunk from position 0: a fresh state
                 conv_state.zero_()
                 ssm_state.zero_()
-            window = torch.cat((conv_state, xbc[a:b]))  # [K - 1 + L, channels]
+            window = torch.cat((self._window(conv_state), xbc[a:b]))  # [K - 1 + L, channels]
             length = b - a
             conv = bias + sum(window[j : j + length] * weight[:, j] for j in range(self.kernel))
-            conv_state.copy_(window[-(self.kernel - 1) :])
+            conv_state.copy_(self._per_head(window[-(self.kernel - 1) :]))
             x, bmat, cmat = F.silu(conv).split(
                 (self.inner, self.num_heads * self.state_size, self.num_heads * self.state_size),
                 dim=-1,

@@ -81,7 +81,10 @@ def kv_cache_groups(
         if kind == SLIDING_ATTENTION:
             groups.append(KVCacheGroup(SLIDING_WINDOW, tuple(layers), model.sliding_window))
         else:
-            groups.append(KVCacheGroup(RECURRENT_STATE, tuple(layers)))
+            # Pages laid out per head: engines of other TP sizes read the heads they hold.
+            groups.append(
+                KVCacheGroup(RECURRENT_STATE, tuple(layers), state_heads=model.mamba_num_heads)
+            )
     return tuple(groups)
 
 
