@@ -99,7 +99,7 @@ def _request(rid: str, num_tokens: int) -> Request:
 
 def test_the_pool_gives_back_what_a_window_passed_and_rewinds():
     bm = BlockManager(16, BLOCK, extra_groups=(6,))
-    assert (bm.capacity, bm.num_free_blocks, bm.enable_prefix_caching) == (15, 15, False)
+    assert (bm.capacity, bm.num_free_blocks) == (15, 15)
     request = _request("a", 14)
     bm.allocate_slots(request, 14)
     full, window = bm.get_group_block_ids("a")
@@ -184,3 +184,34 @@ def test_mamba_configs_are_checked():
         ModelConfig(**{**base.__dict__, "layer_types": ("mamba",) * 4})
     assert base.kv_group_kinds == ("full_attention", "mamba")
     assert [base.kv_group_of_layer(i) for i in range(4)] == [1, 0, 1, 0]
+
+
+def test_a_prefix_hit_needs_every_window_tail_cached():
+    """A hit ends where group 0 and every window group can serve it: the window's blocks from
+    there must be cached (published while held, so a window's release keeps them cached)."""
+    bm = BlockManager(32, BLOCK, extra_groups=(6,))
+    assert bm.enable_prefix_caching
+    first = _request("a", 30)
+    bm.allocate_slots(first, 30)
+    first.num_computed_tokens = 30
+    bm.cache_full_blocks(first, 30)
+    window = bm.get_group_block_ids("a")[1]
+    assert bm.release_out_of_window("a", 30) == 6  # blocks 0-5 lie before position 24
+    bm.free("a")
+    second = Request("b", list(range(30)) + [99] * 10, SamplingParams(max_tokens=4), seed=0)
+    hits, num_local = bm.get_computed_blocks(second)
+    # 7 full blocks (28 tokens); the query at 28 sees 23.., so blocks 5 and 6 of the window.
+    assert num_local == 28
+    assert hits[1] == [NULL_BLOCK_ID] * 5 + window[5:7]
+    bm.allocate_slots(second, 12, hits)
+    tables = bm.get_group_block_ids("b")
+    assert tables[0][:7] == hits[0] and tables[1][:7] == hits[1]
+    assert [len(t) for t in tables] == [10, 10]
+    bm.free("b")
+    bm.check_no_leaks()
+    # Without block 6 of the window, the hit stops a block earlier (at 24 it sees 19..).
+    bm.evict_blocks([window[6]])
+    hits, num_local = bm.get_computed_blocks(second)
+    assert num_local == 24 and hits[1] == [NULL_BLOCK_ID] * 4 + window[4:6]
+    # A recurrent state is kept for the latest position only: no prefix caching with one.
+    assert not BlockManager(32, BLOCK, extra_groups=(6, None)).enable_prefix_caching

@@ -69,3 +69,29 @@ def test_speculative_decoding_is_refused_for_a_recurrent_state():
         "speculative decoding is not supported for a model with Mamba layers: a recurrent "
         "state cannot be rewound past rejected draft tokens"
     )
+
+
+def test_a_sliding_window_prefix_hit_gives_the_tokens_of_no_cache():
+    """Prompts sharing a 60-token prefix, one after another: the later ones hit the prefix
+    cache in both groups and still give the tokens of an engine without prefix caching."""
+    prefix = list(range(40, 100))
+    prompts = [[*prefix, 7, 8, 9], [*prefix, 100, 101], [*prefix[:50], 3]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    runs = {}
+    for caching in (False, True):
+        config = EngineConfig(
+            model="builtin:tiny-hybrid",
+            block_size=4,
+            num_kv_blocks=96,
+            enable_prefix_caching=caching,
+        )
+        with LLM(config) as llm:
+            outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+            runs[caching] = [o.token_ids for o in outputs]
+            cached = llm.engine.scheduler.stats.num_prefix_cache_hit_tokens
+            llm.engine.scheduler.block_manager.check_no_leaks()
+        if caching:
+            # The second prompt hits the 15 full blocks of the shared prefix in both groups
+            # (60 tokens), the third 12 (48 of its 51: its last token is computed).
+            assert cached == 60 + 48, cached
+    assert runs[True] == runs[False]

@@ -12,7 +12,13 @@ one pool, and a block serves one group of one request (the workers give each gro
 own slice of every block). A sliding-window table gives back the blocks its window has passed:
 their entries become the null block (block 0, reserved, never written) and the blocks return to
 the pool. A recurrent-state table is one block, the request's running state, whatever its
-length. Prefix caching is group 0's alone, so it is off for hybrid models.
+length.
+
+Prefix caching with sliding-window groups: each window group publishes its blocks under its own
+key of the same chained hashes (KV events tell only group 0's). A hit is the longest run of
+group 0's blocks whose end every window group can serve: the blocks its window reaches from
+there must all be cached (those before are the null block). A recurrent state is kept for the
+latest position only, so prefix caching is off for a model with one.
 
 A block's hash covers its parent's hash and its own token ids (SHA-256, chained), so two
 blocks with equal hashes hold the KV of equal prefixes, never merely equal block contents.
@@ -30,7 +36,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtransfer.engine.config import NULL_BLOCK_ID
 from kvtransfer.engine.scheduler.request import Request
@@ -83,6 +89,15 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> Block
     return digest.digest()
 
 
+_HASH_BYTES = 32  # sha256
+
+
+def _window_key(group: int, block_hash: BlockHash) -> BlockHash:
+    """Where window group ``group`` caches the block of ``block_hash`` (never a group 0 key:
+    those are exactly `_HASH_BYTES` long)."""
+    return b"w" + bytes([group]) + block_hash
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -109,7 +124,7 @@ class BlockManager:
         self.block_size = block_size
         self.extra_groups = tuple(extra_groups)
         self.null_block_id = NULL_BLOCK_ID if extra_groups else None
-        self.enable_prefix_caching = enable_prefix_caching and not extra_groups
+        self.enable_prefix_caching = enable_prefix_caching and None not in extra_groups
         self._ref_cnt = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         # Insertion order is eviction order: front = least recently freed.
@@ -121,6 +136,8 @@ class BlockManager:
         self._window_tables: dict[str, list[list[int]]] = {}
         # Per request and group, how many of its table's entries the workers were told of.
         self._told: dict[str, list[int]] = {}
+        # Per request, how many leading blocks of each window table were published.
+        self._window_published: dict[str, list[int]] = {}
         self._cached: dict[BlockHash, int] = {}
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already published (or taken from) the prefix cache.
@@ -210,22 +227,45 @@ class BlockManager:
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[Any, int]:
         """Longest run of leading full blocks already in the prefix cache, and their tokens.
 
         Never covers the whole request: the last token must be computed to get logits.
-        Reference counts are untouched until `allocate_slots` takes the blocks.
+        Reference counts are untouched until `allocate_slots` takes the blocks. The hits are
+        group 0's block ids, or with window groups one list per group (null blocks before each
+        window), as `allocate_slots` takes them.
         """
         if not self.enable_prefix_caching:
-            return [], 0
+            return ([] if not self.extra_groups else tuple([] for _ in range(self.num_groups))), 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
         hits: list[int] = []
-        for block_hash in self._block_hashes(request, max_blocks):
+        for block_hash in hashes:
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
-        return hits, len(hits) * self.block_size
+        if not self.extra_groups:
+            return hits, len(hits) * self.block_size
+        for n in range(len(hits), 0, -1):
+            tails = [self._window_hit(g, window, hashes, n) for g, window in self._windows()]
+            if all(tail is not None for tail in tails):
+                return (hits[:n], *tails), n * self.block_size  # type: ignore[misc]
+        return tuple([] for _ in range(self.num_groups)), 0
+
+    def _windows(self) -> list[tuple[int, int]]:
+        return [(g, w) for g, w in enumerate(self.extra_groups, start=1) if w is not None]
+
+    def _window_hit(
+        self, group: int, window: int, hashes: Sequence[BlockHash], num_blocks: int
+    ) -> list[int] | None:
+        """Window group ``group``'s table for a hit of ``num_blocks`` blocks: null blocks, then
+        the cached blocks its window reaches from there (``None`` if one is missing)."""
+        first = max(0, num_blocks * self.block_size - window) // self.block_size
+        tail = [self._cached.get(_window_key(group, hashes[i])) for i in range(first, num_blocks)]
+        if any(block is None for block in tail):
+            return None
+        return [NULL_BLOCK_ID] * first + tail  # type: ignore[list-item]
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's blocks that are full and hold computed (valid) KV."""
@@ -254,6 +294,26 @@ class BlockManager:
                 run_start = i + 1
         self._tell_stored(request, hashes, run_start, num_full)
         self._num_published[request.request_id] = num_full
+        self._cache_window_blocks(request, hashes, num_full)
+
+    def _cache_window_blocks(
+        self, request: Request, hashes: Sequence[BlockHash], num_full: int
+    ) -> None:
+        """Publish each window group's full blocks (those still held) under its own keys."""
+        rid = request.request_id
+        tables = self._window_tables.get(rid)
+        if not tables:
+            return
+        published = self._window_published.setdefault(rid, [0] * len(tables))
+        for g, _ in self._windows():
+            table = tables[g - 1]
+            for i in range(published[g - 1], min(num_full, len(table))):
+                block_id, key = table[i], _window_key(g, hashes[i])
+                fresh = self._block_hash[block_id] is None and key not in self._cached
+                if block_id != NULL_BLOCK_ID and fresh:
+                    self._block_hash[block_id] = key
+                    self._cached[key] = block_id
+            published[g - 1] = max(published[g - 1], min(num_full, len(table)))
 
     def _tell_stored(self, request: Request, hashes: list[BlockHash], start: int, end: int) -> None:
         if start < end:
@@ -277,6 +337,7 @@ class BlockManager:
         self.event_sink.all_blocks_cleared()
         self._block_hash = [None] * self.num_blocks
         self._num_published = dict.fromkeys(self._num_published, 0)
+        self._window_published.clear()
 
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self._block_hash[block_id]
@@ -285,7 +346,8 @@ class BlockManager:
         self._block_hash[block_id] = None
         if self._cached.get(block_hash) == block_id:
             del self._cached[block_hash]
-            self.event_sink.blocks_removed((block_hash,))
+            if len(block_hash) == _HASH_BYTES:  # group 0's: the only ones events tell
+                self.event_sink.blocks_removed((block_hash,))
 
     def _check_block_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
@@ -297,16 +359,18 @@ class BlockManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[int] = (),
+        new_computed_blocks: Any = (),
         num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Grow the request's table to cover ``num_computed_tokens`` + prefix hits +
+        """Grow the request's tables to cover ``num_computed_tokens`` + prefix hits +
         ``num_new_tokens`` + ``num_lookahead_tokens`` slots.
 
-        ``new_computed_blocks`` (prefix hits from `get_computed_blocks`) may only be given while
-        the request holds no blocks. Returns every block id appended to the table (hits first),
-        or ``None`` with nothing changed when the free pool cannot supply them.
+        ``new_computed_blocks`` (prefix hits from `get_computed_blocks`: group 0's ids, or one
+        list per group) may only be given while the request holds no blocks. Returns every
+        block id appended to group 0's table (hits first), or ``None`` with nothing changed
+        when the free pool cannot supply them.
         """
+        new_computed_blocks, window_hits = self._split_hits(new_computed_blocks)
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
                 f"request {request.request_id}: num_new_tokens ({num_new_tokens}) and "
@@ -328,7 +392,10 @@ class BlockManager:
             0, _cdiv(num_slots, self.block_size) - len(table) - len(new_computed_blocks)
         )
         window_tables = self._window_tables.get(request.request_id) or [
-            [] for _ in self.extra_groups
+            list(hits) for hits in window_hits
+        ]
+        revived_windows = [
+            b for hits in window_hits for b in hits if b != NULL_BLOCK_ID and not self._ref_cnt[b]
         ]
         window_fresh = [
             max(0, (1 if window is None else _cdiv(num_slots, self.block_size)) - len(t))
@@ -336,8 +403,18 @@ class BlockManager:
         ]
         # Hits on free blocks leave the free list too, so they compete with fresh blocks.
         num_revived = sum(1 for b in new_computed_blocks if self._ref_cnt[b] == 0)
+        num_revived += len(revived_windows)
         if num_fresh + num_revived + sum(window_fresh) > len(self._free):
             return None
+        if request.request_id not in self._window_tables:
+            for hits in window_hits:
+                for block_id in hits:
+                    if block_id != NULL_BLOCK_ID:
+                        if self._ref_cnt[block_id] == 0:
+                            del self._free[block_id]
+                        self._ref_cnt[block_id] += 1
+            if any(window_hits):
+                self._window_published[request.request_id] = [len(h) for h in window_hits]
         added: list[int] = []
         for block_id in new_computed_blocks:
             if self._ref_cnt[block_id] == 0:
@@ -359,6 +436,14 @@ class BlockManager:
                 window_table.extend(self._take_fresh() for _ in range(count))
             self._window_tables[request.request_id] = window_tables
         return added
+
+    def _split_hits(self, hits: Any) -> tuple[list[int], list[list[int]]]:
+        """Group 0's hits and each further group's (empty when only group 0's are given)."""
+        if hits and isinstance(hits[0], (list, tuple)):
+            if len(hits) != self.num_groups:
+                raise ValueError(f"{len(hits)} lists of prefix hits for {self.num_groups} groups")
+            return list(hits[0]), [list(h) for h in hits[1:]]
+        return list(hits), [[] for _ in self.extra_groups]
 
     def _take_fresh(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -425,6 +510,7 @@ class BlockManager:
         self._num_published.pop(request_id, None)
         self._hashes.pop(request_id, None)
         self._told.pop(request_id, None)
+        self._window_published.pop(request_id, None)
         for window_table in self._window_tables.pop(request_id, ()):
             for block_id in reversed(window_table):
                 if block_id != NULL_BLOCK_ID:
