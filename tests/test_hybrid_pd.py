@@ -141,3 +141,21 @@ def test_a_decode_that_would_recompute_the_last_token_from_a_state_fails_typed(t
         assert served.finish_reason == "length"
         pair.wait_no_blocks_in_use()
         pair.stop()
+
+
+def test_a_decode_prefix_hit_moves_only_what_each_group_misses(tmp_path):
+    """A second turn (the first prompt, its answer, a new question): the decode has every full
+    block of the first turn cached in both groups (the window's tail it loaded or computed), so
+    only the blocks after that move, in both groups, and the tokens equal colocated."""
+    first = list(PROMPTS[2].encode())[:173]
+    with DaemonPair.start(tmp_path, common_flags=["--model", MODEL]) as pair:
+        (turn,) = pair.generate([first], MAX_TOKENS)
+        second = [*first, *turn.token_ids, *b" And then?"]
+        (answer,) = pair.generate([second], MAX_TOKENS)
+        pair.wait_no_blocks_in_use()
+        pair.stop()
+    assert [turn.token_ids, answer.token_ids] == colocated([first, second], MAX_TOKENS, model=MODEL)
+    assert turn.metrics.kv_blocks_received == 11 + window_tail_blocks(173)
+    # The first turn left 176 tokens (11 blocks) of KV computed on the decode: the window's
+    # tail at 176 (blocks 9 and 10) is among them. Block 11 moves, in both groups.
+    assert answer.metrics.kv_blocks_received == 2
