@@ -74,6 +74,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
     MLAAttentionSpec,
+    SlidingWindowSpec,
     compute_layout_strides,
     create_kv_cache_views,
 )
@@ -665,6 +666,53 @@ def check_hybrid_manager_answers() -> None:
     check(not answer("SharedStorageConnector"), "and for SharedStorageConnector (one group only)")
 
 
+def check_one_group_host_refused() -> None:
+    """A hybrid KV cache config (vLLM's own specs: full attention beside a sliding window) in
+    our generic host around a connector that follows one group: refused when vLLM builds it,
+    naming the groups and the connector, instead of moving the wrong blocks."""
+    config = vllm_config("hosted", "kv_both", 4, 1, 1, "rma")
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="KVTransferConnector",
+        kv_connector_module_path="kvtransfer.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "kvtransfer_connector": "SharedStorageConnector",
+            "shared_storage_path": "/tmp/kvtransfer-stage-unused",
+        },
+    )
+    full = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    window = SlidingWindowSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype=torch.float32,
+        sliding_window=64,
+    )
+    names = stage_layers(4, 0, 1)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(names[1::2], full),
+            KVCacheGroupSpec(names[0::2], window),
+        ],
+    )
+    try:
+        KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    except ValueError as exc:
+        message = str(exc)
+        check(
+            "the model has 2 KV cache groups" in message
+            and "the sliding-window group (window 64)" in message
+            and "connector 'SharedStorageConnector' follows one (it is not SupportsHMA)" in message,
+            f"a one-group connector hosted on a hybrid model is refused: {message}",
+        )
+    else:
+        raise StageFailure("a one-group connector was accepted for a hybrid KV cache config")
+
+
 def check_watchdog() -> None:
     """A worker hook made to block, in a worker built by vLLM's factory: our adapter's
     watchdog logs it with the blocked thread's stack and serves it on the worker's own metrics
@@ -827,6 +875,7 @@ def main() -> int:
     def checks() -> None:
         check_startup_answers()
         check_hybrid_manager_answers()
+        check_one_group_host_refused()
         check_watchdog()
         for plane in planes:
             for producer_split, consumer_split, num_layers, fmt in PAIRINGS:
