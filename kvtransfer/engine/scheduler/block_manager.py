@@ -199,7 +199,11 @@ class BlockManager:
         first, stop = start // self.block_size, _cdiv(end, self.block_size)
         tables = self.get_group_block_ids(request_id)
         return sum(
-            sum(1 for b in (table if window is None else table[first:stop]) if b != NULL_BLOCK_ID)
+            sum(
+                1
+                for b in (table if window is None else table[first:stop])
+                if b != self.null_block_id
+            )
             for window, table in zip((0, *self.extra_groups), tables, strict=True)
         )
 
