@@ -34,7 +34,7 @@ TEXTS = ["Hello, world!", "naïve café — 日本語 🙂", "<bos>tagged<eos> <
 
 
 def test_presets_and_their_configs():
-    assert builtin_preset_names() == ("tiny", "tiny-draft", "small", "tiny-hybrid")
+    assert builtin_preset_names() == ("tiny", "tiny-draft", "small", "tiny-hybrid", "tiny-mamba")
     tiny = builtin_model_config("tiny")
     assert (tiny.vocab_size, tiny.bos_token_id, tiny.eos_token_id) == (259, 256, 257)
     assert (tiny.num_hidden_layers, tiny.num_attention_heads, tiny.num_key_value_heads) == (4, 4, 2)
@@ -44,7 +44,8 @@ def test_presets_and_their_configs():
     with pytest.raises(ValueError) as info:
         builtin_model_config("huge")
     assert str(info.value) == (
-        "unknown built-in model preset 'huge'; known presets: tiny, tiny-draft, small, tiny-hybrid"
+        "unknown built-in model preset 'huge'; known presets: tiny, tiny-draft, small, "
+        "tiny-hybrid, tiny-mamba"
     )
 
 

@@ -35,7 +35,7 @@ from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.engine.config import MAMBA, SLIDING_ATTENTION, ModelConfig
 from kvtransfer.engine.model.attention import PagedAttentionPlan, paged_attention
 from kvtransfer.engine.model.forward_context import AttentionMetadata, LayerHooks, NoLayerHooks
-from kvtransfer.engine.model.mamba import Mamba2Mixer, mamba_cache_shape
+from kvtransfer.engine.model.mamba import MAMBA_TENSORS, Mamba2Mixer, mamba_cache_shape
 from kvtransfer.engine.outputs import IntermediateTensors
 from kvtransfer.engine.parallel import ParallelRank, pp_layer_range
 
@@ -45,8 +45,6 @@ _NO_HOOKS = NoLayerHooks()
 _SINGLE_RANK = ParallelRank()
 # Checkpoints of older transformers versions store this buffer; it is recomputed, never loaded.
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
-# What a decoder layer's checkpoint tensors are named after ``model.layers.<i>.``.
-_LAYER_PARTS = ("self_attn.", "mamba.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
@@ -547,7 +545,7 @@ class LlamaForCausalLM(nn.Module):
             if index < self.config.num_hidden_layers and not (
                 self.layer_range[0] <= index < self.layer_range[1]
             ):
-                return parts[3].startswith(_LAYER_PARTS)
+                return parts[3] in _layer_tensor_names(self.config, index)
         return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -608,3 +606,23 @@ def _mamba_slots(mixer: Mamba2Mixer, prefix: str) -> dict[str, _Slot]:
         )
         for name, parts in mixer.checkpoint_slices().items()
     }
+
+
+def _layer_tensor_names(config: ModelConfig, layer: int) -> frozenset[str]:
+    """Layer ``layer``'s checkpoint tensors, named after ``model.layers.<layer>.``."""
+    names = {
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    }
+    if config.layer_type(layer) == MAMBA:
+        names |= {f"mamba.{name}" for name in MAMBA_TENSORS}
+        return frozenset(names)
+    names |= {f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    if config.attention_bias:
+        names |= {f"self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")}
+    if has_o_proj_bias(config):
+        names.add("self_attn.o_proj.bias")
+    return frozenset(names)

@@ -33,6 +33,17 @@ from kvtransfer.engine.model.forward_context import AttentionMetadata
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 _STATE_DTYPE = torch.float32
+# A mixer's checkpoint tensors, named after ``model.layers.<i>.mamba.``.
+MAMBA_TENSORS = (
+    "in_proj.weight",
+    "conv1d.weight",
+    "conv1d.bias",
+    "dt_bias",
+    "A_log",
+    "D",
+    "norm.weight",
+    "out_proj.weight",
+)
 
 
 def mamba_unit_bytes(config: ModelConfig) -> int:
