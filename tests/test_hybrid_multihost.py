@@ -34,8 +34,8 @@ def blocks_moved(model: str, num_tokens: int) -> int:
 
 @pytest.mark.parametrize(
     ("model", "data_plane"),
-    [(MODEL, "rma"), (MODEL, "tagged"), (MAMBA_MODEL, "tagged")],
-    ids=["sliding-rma", "sliding-tagged", "mamba-tagged"],
+    [(MODEL, "rma"), (MODEL, "tagged"), (MAMBA_MODEL, "rma"), (MAMBA_MODEL, "tagged")],
+    ids=["sliding-rma", "sliding-tagged", "mamba-rma", "mamba-tagged"],
 )
 def test_hybrid_through_the_router_across_hosts_equals_colocated(
     tmp_path, expected, model, data_plane
