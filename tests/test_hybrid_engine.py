@@ -111,7 +111,7 @@ def test_the_pool_gives_back_what_a_window_passed_and_rewinds():
     assert bm.num_free_blocks == 9
     assert bm.take_untold_blocks("a")[1][:2] == (NULL_BLOCK_ID,) * 2
     # A recompute from 0 needs every window entry back.
-    assert bm.rewind("a", 0)
+    assert bm.rewind("a", 0) == 0
     assert NULL_BLOCK_ID not in bm.get_group_block_ids("a")[1]
     assert bm.num_free_blocks == 7
     bm.free("a")
@@ -158,7 +158,7 @@ def test_hybrid_presets_equal_the_dense_reference_across_chunks(name):
         assert not torch.allclose(lost[33:], expected[33:], atol=1e-2, rtol=0)
 
 
-def test_a_state_group_holds_one_block_and_cannot_rewind_past_zero():
+def test_a_state_group_holds_one_block_and_rewinds_only_to_zero():
     bm = BlockManager(16, BLOCK, extra_groups=(None,))
     request = _request("m", 30)
     bm.allocate_slots(request, 30)
@@ -169,8 +169,7 @@ def test_a_state_group_holds_one_block_and_cannot_rewind_past_zero():
     assert [len(t) for t in bm.get_group_block_ids("m")] == [10, 1]
     assert bm.release_out_of_window("m", 38) == 0
     assert bm.num_blocks_holding("m", 0, 38) == 11
-    assert not bm.rewind("m", 16)  # a state cannot go back to position 16
-    assert bm.rewind("m", 0)  # but starts again from nothing
+    assert bm.rewind("m", 16) == 0  # a state cannot go back to position 16: from nothing
     bm.free("m")
     bm.check_no_leaks()
     assert bm.blocks_needed(8) == 3
@@ -215,3 +214,21 @@ def test_a_prefix_hit_needs_every_window_tail_cached():
     assert num_local == 24 and hits[1] == [NULL_BLOCK_ID] * 4 + window[4:6]
     # A recurrent state is kept for the latest position only: no prefix caching with one.
     assert not BlockManager(32, BLOCK, extra_groups=(6, None)).enable_prefix_caching
+
+
+def test_a_rewind_past_a_released_window_block_restarts_from_zero():
+    """A recompute from position 36 would read window positions 30..35 without rewriting those
+    before 36; block 7 (28..31) went back to the pool, so nothing before 36 is usable: the
+    request restarts at 0 with every window entry a real block again."""
+    bm = BlockManager(32, BLOCK, extra_groups=(6,))
+    request = _request("r", 40)
+    bm.allocate_slots(request, 40)
+    assert bm.release_out_of_window("r", 40) == 8  # blocks 0-7 lie before 34
+    free = bm.num_free_blocks
+    assert bm.rewind("r", 40) == 40  # its window (34..39) is all there
+    assert bm.num_free_blocks == free
+    assert bm.rewind("r", 36) == 0
+    assert NULL_BLOCK_ID not in bm.get_group_block_ids("r")[1]
+    assert bm.num_free_blocks == free - 8
+    bm.free("r")
+    bm.check_no_leaks()

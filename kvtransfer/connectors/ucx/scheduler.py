@@ -286,12 +286,13 @@ class UcxScheduler:
             )
         block_size = self._block_size()
         needed = -(-remote.num_tokens // block_size)
-        if len(remote.block_ids) != len(self._groups):
+        # A producer that holds nothing (remote_num_tokens 0) lists no blocks, in any shape.
+        if remote.num_tokens and len(remote.block_ids) != len(self._groups):
             raise ValueError(
                 f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} block "
                 f"list(s); this engine has {len(self._groups)} KV cache group(s)"
             )
-        for group, blocks in zip(self._groups, remote.block_ids, strict=True):
+        for group, blocks in zip(self._groups, remote.block_ids, strict=False):
             if (
                 not group.is_state
                 and group.blocks_kept(block_size) is None
@@ -500,7 +501,10 @@ class UcxScheduler:
             # Nothing is held: the consumer computes the prompt itself.
             num_tokens = 0
             held = ()
-            params.update(remote_num_tokens=0, remote_block_ids=[])
+            params.update(
+                remote_num_tokens=0,
+                remote_block_ids=[] if len(self._groups) == 1 else [[] for _ in self._groups],
+            )
         params["remote_kv_secret"] = secret = new_secret()
         params["remote_prompt_digest"] = digest = prompt_digest(
             request.prompt_token_ids[:num_tokens]

@@ -460,12 +460,16 @@ class BlockManager:
         if self._ref_cnt[block_id] == 0:
             self._free[block_id] = None
 
-    def release_out_of_window(self, request_id: str, next_position: int) -> int:
+    def release_out_of_window(
+        self, request_id: str, next_position: int, spare_from: int | None = None
+    ) -> int:
         """Give back each sliding-window group's blocks that no query from ``next_position``
         on can see (their entries become the null block); returns how many went back.
 
-        Call only once every position before ``next_position`` is computed (or loaded), never
-        while a step that reads them is in flight."""
+        ``spare_from``: keep the blocks a recompute from that position would read, when what
+        lies between it and ``next_position`` is still to be loaded (a load that fails is
+        recomputed from there). Call only once every position before ``next_position`` is
+        computed or being loaded, never while a step that reads them is in flight."""
         released = 0
         for window, table in zip(
             self.extra_groups, self._window_tables.get(request_id, ()), strict=False
@@ -476,37 +480,51 @@ class BlockManager:
             # position more is kept, so that a consumer of these blocks that recomputes the
             # last of them (a prompt's last token) still finds its window.
             first_seen = max(0, next_position - window)
+            spared = range(0)
+            if spare_from is not None:
+                spared = range(
+                    max(0, spare_from - window) // self.block_size, spare_from // self.block_size
+                )
             for index in range(min(first_seen // self.block_size, len(table))):
-                if table[index] != NULL_BLOCK_ID:
+                if table[index] != NULL_BLOCK_ID and index not in spared:
                     self._release(table[index])
                     table[index] = NULL_BLOCK_ID
                     released += 1
         return released
 
-    def rewind(self, request_id: str, num_computed_tokens: int) -> bool:
-        """Before positions from ``num_computed_tokens`` on are computed again: give every
-        window entry those queries see a real block again. ``False`` (nothing changed) when
-        the pool cannot, or when a recurrent state would have to go back to a position other
-        than 0 (a state cannot be rewound); the workers must then get the request's tables
-        anew."""
-        plan: list[tuple[list[int], int]] = []
-        for window, table in zip(
-            self.extra_groups, self._window_tables.get(request_id, ()), strict=False
-        ):
+    def rewind(self, request_id: str, num_computed_tokens: int) -> int | None:
+        """Before positions from ``num_computed_tokens`` on are computed again: the position the
+        request must recompute from, with every window entry those queries see a real block.
+
+        That is ``num_computed_tokens`` unless a window gave back a block those queries would
+        read but not rewrite (a position before it): then nothing before is usable, and it is
+        0; a recurrent state also restarts only from 0 (it cannot be rewound). ``None``
+        (nothing changed) when the pool cannot supply the blocks. The workers must then get
+        the request's tables anew."""
+        tables = self._window_tables.get(request_id, [])
+        start = num_computed_tokens
+        for window, table in zip(self.extra_groups, tables, strict=False):
             if window is None:
-                if num_computed_tokens:
-                    return False
+                start = 0
                 continue
-            first_seen = max(0, num_computed_tokens - window) // self.block_size
+            first_seen = max(0, start - window) // self.block_size
+            last_kept = start // self.block_size  # entries before it are not rewritten
+            if NULL_BLOCK_ID in table[first_seen:last_kept]:
+                start = 0
+        plan: list[tuple[list[int], int]] = []
+        for window, table in zip(self.extra_groups, tables, strict=False):
+            if window is None:
+                continue
+            first_seen = max(0, start - window) // self.block_size
             plan.extend(
                 (table, i) for i in range(first_seen, len(table)) if table[i] == NULL_BLOCK_ID
             )
         if len(plan) > len(self._free):
-            return False
+            return None
         for table, index in plan:
             table[index] = self._take_fresh()
         self._told.pop(request_id, None)
-        return True
+        return start
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its head."""

@@ -136,8 +136,10 @@ class KVTransferState:
             if self.load_failure_policy == "fail":
                 results.outputs.append(self._fail_load(request, fail))
                 continue
-            recomputed = min(request.num_cached_tokens, bad[0] * bm.block_size)
-            if not bm.rewind(request.request_id, recomputed):
+            recomputed = bm.rewind(
+                request.request_id, min(request.num_cached_tokens, bad[0] * bm.block_size)
+            )
+            if recomputed is None:
                 results.outputs.append(
                     fail(request, f"no KV blocks left to recompute request {request.request_id}")
                 )
@@ -204,12 +206,17 @@ class KVTransferState:
                 table = bm.get_block_ids(rid)
                 local_blocks = request.num_cached_tokens // bm.block_size
                 bm.evict_blocks(table[local_blocks:])
-                if not bm.rewind(rid, request.num_cached_tokens):
+                restart = bm.rewind(rid, request.num_cached_tokens)
+                if restart is None:
                     results.outputs.append(
                         fail(request, f"no KV blocks left to recompute request {rid}")
                     )
                     continue
-                request.num_computed_tokens = request.num_cached_tokens
+                # A window's prefix hit may be unusable without what the load would have
+                # brought: then the prompt is recomputed from its start.
+                stats.num_recomputed_tokens += request.num_cached_tokens - restart
+                request.num_cached_tokens = restart
+                request.num_computed_tokens = restart
                 request.skip_connector = True
                 stats.num_recomputed_tokens += load.num_external_tokens
             else:

@@ -463,8 +463,9 @@ class Scheduler:
             added = bm.allocate_slots(request, num_external, hits)
             if added is None:
                 return _Admit.NO_SPACE, 0
-            # Only the windows' tails are loaded: the rest is not needed, nor held.
-            bm.release_out_of_window(rid, num_local + num_external)
+            # Only the windows' tails are loaded: the rest is not needed, nor held, but for
+            # the prefix hit's window tail, which a failed load is recomputed after.
+            bm.release_out_of_window(rid, num_local + num_external, spare_from=num_local)
             if not self._after_alloc(hooks, request, num_external):
                 return _Admit.PARKED, 0
             self._count_prefix_hits(request, num_local)
