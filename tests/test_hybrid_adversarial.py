@@ -586,14 +586,6 @@ def test_a_producer_of_another_model_is_refused_naming_both_sides(
 # ---------------------------------------------------------------------- request ids and aborts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "bug: a request id whose load failed stays in the scheduler's finished ids until the "
-        "next step; when that step is the one starting the next load of the same id, the worker "
-        "takes it for the finished request and cancels the new load (reported failed, no reason)"
-    ),
-)
 def test_a_request_id_retried_after_a_failed_load_is_served(hybrid):
     """A client retries its decode under the same request id after a refused pull (a new
     prefill, good params): the retry is served and equals colocated."""

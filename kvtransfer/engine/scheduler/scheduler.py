@@ -416,6 +416,11 @@ class Scheduler:
                 # FCFS: nothing admitted ahead of a request the pool could not take. Requests
                 # already holding blocks still go, or they could starve the pool forever.
                 result, num_new = _Admit.SKIP, 0
+            elif request.request_id in self._finished_since_schedule:
+                # Its id is reused by a request that finished since the last step: the workers
+                # learn of that end in this step and would take this one's load for the old
+                # one's. It is admitted next step.
+                result, num_new = _Admit.SKIP, 0
             else:
                 result, num_new = self._admit(request, step.budget)
             if result is _Admit.NO_SPACE:
