@@ -24,6 +24,10 @@ pytestmark = pytest.mark.integration
 MAX_TOKENS = 6
 
 
+def flags(tp: int, pp: int) -> list[str]:
+    return ["--tp", str(tp), "--pp", str(pp)]
+
+
 @pytest.fixture(scope="module")
 def expected() -> list[list[int]]:
     return colocated(PROMPTS, MAX_TOKENS, model=MODEL)
@@ -36,9 +40,6 @@ def expected() -> list[list[int]]:
     ids=["tp2-to-pp2-rma", "pp2-to-tp2-tagged"],
 )
 def test_hybrid_pairings_equal_colocated(tmp_path, expected, prefill, decode, data_plane):
-    def flags(tp: int, pp: int) -> list[str]:
-        return ["--tp", str(tp), "--pp", str(pp)]
-
     started = DaemonPair.start(
         tmp_path,
         common_flags=["--model", MODEL],
@@ -85,9 +86,6 @@ def test_mamba_hybrid_pairings_equal_colocated(
     """``builtin:tiny-mamba``: the decode continues from the prefill's recurrent state (one
     block per layer, the state after the prompt) beside every full-attention block; between TP
     sizes each decode rank reads the state heads it holds from the prefill ranks holding them."""
-
-    def flags(tp: int, pp: int) -> list[str]:
-        return ["--tp", str(tp), "--pp", str(pp)]
 
     started = DaemonPair.start(
         tmp_path,
