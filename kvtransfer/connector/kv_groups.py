@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtransfer.connector.state_parts import StatePart
+
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
 RECURRENT_STATE = "recurrent_state"
@@ -44,6 +46,10 @@ class KVCacheGroup:
     # unit]``): its heads across TP ranks, so that engines of other TP sizes read the heads
     # they hold. None: a page is opaque and moves whole, between equal TP sizes only.
     state_heads: int | None = None
+    # A recurrent-state group whose opaque pages (vLLM's) hold sub-projections split by heads
+    # across TP ranks (`state_parts`): each moves as its own heads, so engines of other TP
+    # sizes exchange state too. Empty: pages move whole, between equal TP sizes only.
+    state_parts: tuple[StatePart, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -62,6 +68,11 @@ class KVCacheGroup:
             raise ValueError(
                 f"state_heads is for a recurrent_state group (>= 1), got {self.state_heads!r} "
                 f"for a {self.kind} group"
+            )
+        if self.state_parts and (self.kind != RECURRENT_STATE or self.state_heads is not None):
+            raise ValueError(
+                "state_parts describe a recurrent_state group's opaque pages (not pages laid "
+                f"out per head), got them for a {self.kind} group"
             )
 
     @property

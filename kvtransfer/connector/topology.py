@@ -301,17 +301,6 @@ class TransferTopology:
         # MLA's latent cache cannot be split by heads, so every rank holds all of it.
         return self.is_mla or self.is_kv_replicated(remote_engine_id, remote_pp_rank)
 
-    def _remote_rank_for_head(self, head: int, remote_tp_size: int) -> int:
-        if remote_tp_size <= self.total_num_kv_heads:
-            return head // (self.total_num_kv_heads // remote_tp_size)
-        replicas = remote_tp_size // self.total_num_kv_heads
-        # Local ranks that share this head (local tp > heads) spread evenly over its remote
-        # replicas, so no remote rank serves the same head twice while another idles. This
-        # reproduces vLLM's tp_rank // tp_ratio whenever local tp >= remote tp.
-        sharers = max(self.tp_size // self.total_num_kv_heads, 1)
-        position = self.tp_rank % sharers
-        return head * replicas + position * replicas // sharers
-
     def head_sources(self, remote_engine_id: EngineId, remote_pp_rank: int = 0) -> list[HeadSource]:
         """The head slices to read, one per target remote rank, ordered by local head.
 
@@ -323,26 +312,7 @@ class TransferTopology:
         if self.is_mla:
             heads = self.local_kv_heads
             return [HeadSource(self.tp_rank % remote_tp, heads, 0, 0, len(heads))]
-
-        local_heads = self.local_kv_heads
-        sources: list[HeadSource] = []
-        # Consecutive local heads served by the same remote rank form one contiguous read.
-        for rank, run in groupby(
-            local_heads, key=lambda head: self._remote_rank_for_head(head, remote_tp)
-        ):
-            heads = list(run)
-            remote_heads = range(heads[0], heads[-1] + 1)
-            remote_first = kv_head_range(rank, remote_tp, self.total_num_kv_heads).start
-            sources.append(
-                HeadSource(
-                    remote_tp_rank=rank,
-                    remote_heads=remote_heads,
-                    remote_offset=remote_heads.start - remote_first,
-                    local_offset=remote_heads.start - local_heads.start,
-                    num_heads=len(remote_heads),
-                )
-            )
-        return sources
+        return head_sources_between(self.tp_rank, self.tp_size, remote_tp, self.total_num_kv_heads)
 
     def target_remote_ranks(self, remote_engine_id: EngineId, remote_pp_rank: int = 0) -> list[int]:
         """Remote TP ranks this rank reads from, one per `head_sources` entry.
@@ -436,3 +406,42 @@ class TransferTopology:
                 f"targets={self.target_remote_ranks(engine, pp)}"
             )
         return "\n".join(lines)
+
+
+def head_sources_between(
+    tp_rank: int, tp_size: int, remote_tp_size: int, total_heads: int
+) -> list[HeadSource]:
+    """The head slices TP rank ``tp_rank`` of ``tp_size`` reads from an engine of
+    ``remote_tp_size`` ranks, both splitting ``total_heads`` heads as `kv_head_range` says;
+    ordered by local head, covering the local heads exactly once (a replicated remote head is
+    read from one replica)."""
+    _check_tp_heads("remote_tp_size", remote_tp_size, total_heads)
+    local_heads = kv_head_range(tp_rank, tp_size, total_heads)
+
+    def remote_rank(head: int) -> int:
+        if remote_tp_size <= total_heads:
+            return head // (total_heads // remote_tp_size)
+        replicas = remote_tp_size // total_heads
+        # Local ranks that share this head (local tp > heads) spread evenly over its remote
+        # replicas, so no remote rank serves the same head twice while another idles. This
+        # reproduces vLLM's tp_rank // tp_ratio whenever local tp >= remote tp.
+        sharers = max(tp_size // total_heads, 1)
+        position = tp_rank % sharers
+        return head * replicas + position * replicas // sharers
+
+    sources: list[HeadSource] = []
+    # Consecutive local heads served by the same remote rank form one contiguous read.
+    for rank, run in groupby(local_heads, key=remote_rank):
+        heads = list(run)
+        remote_heads = range(heads[0], heads[-1] + 1)
+        remote_first = kv_head_range(rank, remote_tp_size, total_heads).start
+        sources.append(
+            HeadSource(
+                remote_tp_rank=rank,
+                remote_heads=remote_heads,
+                remote_offset=remote_heads.start - remote_first,
+                local_offset=remote_heads.start - local_heads.start,
+                num_heads=len(remote_heads),
+            )
+        )
+    return sources

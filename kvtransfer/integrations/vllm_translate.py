@@ -21,6 +21,7 @@ from kvtransfer.connector.kv_groups import (
 )
 from kvtransfer.connector.metadata import KVCacheLayout, PpTpRank
 from kvtransfer.connector.outputs import KVConnectorOutput
+from kvtransfer.integrations.vllm_state import vllm_state_parts
 from kvtransfer.transport.spec import dtype_name
 
 # How a vLLM backend reads K and V out of a layer's 4-D [blocks, heads, block_size, C] view:
@@ -130,7 +131,9 @@ def vllm_kv_cache_layout(
         pp_rank=None if rank is None else rank[0],
         tp_rank=None if rank is None else rank[1],
         kv_order=VLLM_KV_ORDER,
-        groups=vllm_kv_groups(kv_cache_config, int(vllm_config.cache_config.block_size)),
+        groups=vllm_kv_groups(
+            kv_cache_config, int(vllm_config.cache_config.block_size), vllm_config
+        ),
         # vLLM's block pool hands out its first block as the null block every request's
         # skipped (out-of-window) positions point at.
         null_block_id=VLLM_NULL_BLOCK_ID,
@@ -183,7 +186,7 @@ def single_group_spec(kv_cache_config: Any | None) -> Any | None:
 
 
 def vllm_kv_groups(
-    kv_cache_config: Any | None, block_size: int | None = None
+    kv_cache_config: Any | None, block_size: int | None = None, vllm_config: Any | None = None
 ) -> tuple[KVCacheGroup, ...]:
     """vLLM's KV cache groups as ours, in vLLM's order (the order of a request's block lists);
     ``()`` for one full-attention group (the layout's default). `ValueError` at start-up naming
@@ -214,7 +217,7 @@ def vllm_kv_groups(
                 "this model's cannot be transferred"
             )
         if kind == "MambaSpec":
-            ours.append(_state_group(index, group, spec))
+            ours.append(_state_group(index, group, spec, vllm_config))
             continue
         spec_block = getattr(spec, "block_size", None)
         if block_size is not None and spec_block is not None and int(spec_block) != block_size:
@@ -235,9 +238,9 @@ def vllm_kv_groups(
     return tuple(ours)
 
 
-def _state_group(index: int, group: Any, spec: Any) -> KVCacheGroup:
-    """A ``MambaSpec`` group: one running-state block per request, moved whole (its conv and
-    SSM state together, as the one page vLLM keeps them in)."""
+def _state_group(index: int, group: Any, spec: Any, vllm_config: Any | None) -> KVCacheGroup:
+    """A ``MambaSpec`` group: one running-state block per request, its page moved in parts
+    split by heads (Mamba2, Gated DeltaNet: `vllm_state_parts`) or whole."""
     mode = str(getattr(spec, "mamba_cache_mode", "none"))
     if mode != "none":
         raise ValueError(
@@ -249,6 +252,7 @@ def _state_group(index: int, group: Any, spec: Any) -> KVCacheGroup:
         RECURRENT_STATE,
         tuple(getattr(group, "layer_names", ()) or ()),
         speculative_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+        state_parts=vllm_state_parts(spec, vllm_config),
     )
 
 

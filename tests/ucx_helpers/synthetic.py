@@ -10,7 +10,7 @@ global tensors then covers every layer and head slice of any TP x PP pairing in 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -67,6 +67,11 @@ def state_pages(seed: int, name: str) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     shape = (NUM_BLOCKS, 2, 1, 1, STATE_WIDTH)
     return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+
+
+StateMaker = Callable[[str, int, int, "int | None"], torch.Tensor]
+"""``(layer, tp_size, tp_rank, seed)`` -> that rank's state pages of the layer (a consumer's
+when ``seed`` is None)."""
 
 
 def sentinel_cache(shape: Sequence[int], cache_dtype: str = "auto") -> torch.Tensor:
@@ -184,9 +189,11 @@ def rank_caches(
     block_size: int,
     cache_dtype: str = "auto",
     state: frozenset[str] = frozenset(),
+    state_maker: StateMaker | None = None,
 ) -> dict[str, torch.Tensor]:
     """What worker ``rank`` holds: its PP stage's layers (drafter on the last), its heads; the
-    seeded producer values, or the sentinel on a consumer (``seed=None``)."""
+    seeded producer values, or the sentinel on a consumer (``seed=None``). State pages are
+    ``state_maker``'s for the rank when given, else the same opaque pages on every rank."""
     pp_rank, tp_rank = rank
     start, end = pp_layer_range(NUM_LAYERS, pp, pp_rank)
     names = [f"model.layers.{i}.self_attn" for i in range(start, end)]
@@ -195,6 +202,9 @@ def rank_caches(
     heads = kv_head_range(tp_rank, tp, NUM_KV_HEADS)
     caches = {}
     for name in names:
+        if name in state and state_maker is not None:
+            caches[name] = state_maker(name, tp, tp_rank, seed)
+            continue
         if name in state:
             pages = state_pages(seed or 0, name)
             caches[name] = pages if seed is not None else sentinel_cache(pages.shape, "fp8")
@@ -219,6 +229,7 @@ def start_engine(
     block_size: int = BLOCK_SIZE,
     cache_dtype: str = "auto",
     groups: tuple[KVCacheGroup, ...] = (),
+    state_maker: StateMaker | None = None,
     **extra,
 ) -> SyntheticEngine:
     """``cache_dtype``: "auto" (float32 caches) or a quantised format (uint8 caches, the
@@ -238,7 +249,7 @@ def start_engine(
                 workers[(p, t)] = worker
                 state = frozenset(n for g in groups if g.is_state for n in g.layer_names)
                 caches[(p, t)] = rank_caches(
-                    tp, pp, (p, t), seed, draft, block_size, cache_dtype, state
+                    tp, pp, (p, t), seed, draft, block_size, cache_dtype, state, state_maker
                 )
                 worker.register_kv_caches(caches[(p, t)])
         merged = merge_handshake_metadata(

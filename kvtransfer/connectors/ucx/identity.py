@@ -9,13 +9,19 @@ model position: ``model.layers.<i>.self_attn`` (target layer ``i``) and
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvtransfer.connector.kv_groups import FULL_ATTENTION, KVCacheGroup, check_groups
 from kvtransfer.connector.metadata import KVCacheLayout
+from kvtransfer.connector.state_parts import (
+    PART_SEPARATOR,
+    StatePart,
+    check_parts,
+    expand_state_parts,
+)
 from kvtransfer.connector.topology import kv_head_range
 from kvtransfer.connectors.ucx.metadata import UcxHandshakeMetadata, UcxLayer
 from kvtransfer.control import CompatibilityInfo
@@ -181,6 +187,8 @@ class WorkerIdentity:
         for name, group in state_groups.items():
             page = caches[name]
             heads = "heads" if group.state_heads is not None else "1"
+            if group.state_parts and page.dim() == 5:
+                check_parts(group.state_parts, 2 * int(page.shape[4]))
             if (
                 page.dim() != 5
                 or (page.shape[1], page.shape[3]) != (2, 1)
@@ -225,6 +233,7 @@ class WorkerIdentity:
                     kv_group=groups[layer_groups[name]].label if groups else FULL_ATTENTION,
                     state_width=int(cache.shape[4]) if name in state else None,
                     state_split=name in state and state_groups[name].state_heads is not None,
+                    state_parts=state_groups[name].state_parts if name in state else (),
                 )
             )
         target = [la for la in layers if not la.is_draft]
@@ -274,6 +283,15 @@ class WorkerIdentity:
                 f"target layers {wrong} do not hold {len(heads)} KV heads, the share of TP rank "
                 f"{tp_rank} of {layout.tp_size} over {layout.num_kv_heads} heads"
             )
+        for la in layers:
+            for part in la.state_parts:
+                share = kv_head_range(tp_rank, layout.tp_size, part.total_heads)
+                if part.heads != len(share):
+                    raise ValueError(
+                        f"state part {part.name!r} of layer {la.name!r} holds {part.heads} of "
+                        f"{part.total_heads} heads; TP rank {tp_rank} of {layout.tp_size} holds "
+                        f"{len(share)}"
+                    )
         indices = sorted(la.index for la in target)
         if indices and indices != list(range(indices[0], indices[0] + len(indices))):
             raise ValueError(f"target layers {indices} are not a contiguous range")
@@ -297,8 +315,20 @@ class WorkerIdentity:
             cache_dtype=layout.cache_dtype,
             kernel_blocks=kernel_blocks,
             groups=groups or (KVCacheGroup(FULL_ATTENTION, tuple(caches)),),
-            layer_groups={name: layer_groups.get(name, 0) for name in caches},
+            layer_groups={
+                name: layer_groups.get(name.split(PART_SEPARATOR)[0], 0)
+                for name in expand_state_parts(caches, _parts_of(layers))
+            },
         )
+
+    def transport_caches(self, caches: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the transport registers: ``caches`` with each state layer kept in parts
+        replaced by its parts' views (`state_parts`)."""
+        return expand_state_parts(caches, _parts_of(self.layers))
+
+
+def _parts_of(layers: Sequence[UcxLayer]) -> dict[str, tuple[StatePart, ...]]:
+    return {layer.name: layer.state_parts for layer in layers if layer.state_parts}
 
 
 def _draft_total_heads(

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtransfer.connector.kv_groups import FULL_ATTENTION, BlockIds
 from kvtransfer.connector.metadata import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from kvtransfer.connector.state_parts import StatePart, part_layer_name
 from kvtransfer.transport import KVLayout, LeaseAccess
 
 _NonNegative = Field(ge=0)
@@ -47,6 +48,10 @@ class UcxLayer(BaseModel):
     # Its page is laid out per head: a consumer of another TP size reads the heads it holds.
     # False: one opaque page (``num_kv_heads`` 1), moved whole between equal TP sizes.
     state_split: bool = False
+    # Its opaque pages hold sub-projections split by heads across TP ranks (vLLM's Mamba2 and
+    # Gated DeltaNet pages): each is registered as its own transport layer and a consumer of
+    # another TP size reads each part's heads it holds. Empty: the page moves whole.
+    state_parts: tuple[StatePart, ...] = ()
 
 
 class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -109,18 +114,25 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
         """Per-layer layouts of the registered (kernel) blocks, so pulls are checked locally
         before any traffic."""
         k = self.kernel_blocks
-        return {
-            layer.name: KVLayout(
-                self.num_blocks * k,
-                layer.num_kv_heads,
-                self.block_size // k,
-                self.head_dim,
-                self.dtype,
-            )
-            if layer.state_width is None
-            else KVLayout(self.num_blocks, layer.num_kv_heads, 1, layer.state_width, "uint8")
-            for layer in self.layers
-        }
+        layouts = {}
+        for layer in self.layers:
+            if layer.state_width is None:
+                layouts[layer.name] = KVLayout(
+                    self.num_blocks * k,
+                    layer.num_kv_heads,
+                    self.block_size // k,
+                    self.head_dim,
+                    self.dtype,
+                )
+            elif not layer.state_parts:
+                layouts[layer.name] = KVLayout(
+                    self.num_blocks, layer.num_kv_heads, 1, layer.state_width, "uint8"
+                )
+            for part in layer.state_parts:
+                layouts[part_layer_name(layer.name, part.name)] = KVLayout(
+                    self.num_blocks, part.heads, part.rows, part.head_bytes // 2, "uint8"
+                )
+        return layouts
 
     def target_layers(self) -> list[UcxLayer]:
         return sorted((layer for layer in self.layers if not layer.is_draft), key=_index)

@@ -18,7 +18,13 @@ import torch
 
 from kvtransfer.connector.kv_groups import KVCacheGroup, for_group
 from kvtransfer.connector.metadata import PpTpRank
-from kvtransfer.connector.topology import EngineTransferInfo, TransferTopology, kv_head_range
+from kvtransfer.connector.state_parts import part_layer_name
+from kvtransfer.connector.topology import (
+    EngineTransferInfo,
+    TransferTopology,
+    head_sources_between,
+    kv_head_range,
+)
 from kvtransfer.connectors.ucx.identity import WorkerIdentity
 from kvtransfer.connectors.ucx.metadata import RemotePrefill, UcxHandshakeMetadata, UcxLayer
 
@@ -174,11 +180,11 @@ def plan_pulls(
             held = [by_index[i] for i in source.layers if by_index[i].state_width is None]
             for layer in states:
                 group = identity.group_of(layer.name)
-                for rank, remote_heads, local_heads in _state_pulls(
+                for rank, remote_heads, local_heads, name in _state_pulls(
                     identity, engine_id, metadata, source.remote_pp_rank, layer
                 ):
                     key = (rank, remote_heads, local_heads, group)
-                    merged.setdefault(key, []).append(layer.name)
+                    merged.setdefault(key, []).append(name)
             if not held:
                 continue
             for head in topology.head_sources(engine_id, source.remote_pp_rank):
@@ -262,11 +268,14 @@ def _state_pulls(
     metadata: Mapping[PpTpRank, UcxHandshakeMetadata],
     remote_pp_rank: int,
     layer: UcxLayer,
-) -> list[tuple[PpTpRank, range, range]]:
+) -> list[tuple[PpTpRank, range, range, str]]:
     """Where this worker's recurrent-state page of ``layer`` comes from: ``(remote worker,
-    its heads, our heads)``. An opaque page is the same TP rank's, whole; a page laid out per
-    head is read head range by head range from every remote TP rank holding some of ours."""
+    its heads, our heads, transport layer)``. An opaque page is the same TP rank's, whole; a
+    page laid out per head is read head range by head range from every remote TP rank holding
+    some of ours; a page in parts, each part's heads from the ranks holding them."""
     remote_tp = next(iter(metadata.values())).tp_size
+    if layer.state_parts:
+        return _part_pulls(identity, engine_id, metadata, remote_pp_rank, layer)
     if not layer.state_split:
         if remote_tp != identity.tp_size:
             raise RemoteLayoutError(
@@ -277,7 +286,7 @@ def _state_pulls(
             )
         rank = (remote_pp_rank, identity.tp_rank)
         _check_serves(engine_id, metadata[rank], [layer])
-        return [(rank, range(0, 1), range(0, 1))]
+        return [(rank, range(0, 1), range(0, 1), layer.name)]
     local = layer.num_kv_heads
     mine = range(identity.tp_rank * local, (identity.tp_rank + 1) * local)
     pulls = []
@@ -300,6 +309,41 @@ def _state_pulls(
                     rank,
                     range(lo - held.start, hi - held.start),
                     range(lo - mine.start, hi - mine.start),
+                    layer.name,
+                )
+            )
+    return pulls
+
+
+def _part_pulls(
+    identity: WorkerIdentity,
+    engine_id: str,
+    metadata: Mapping[PpTpRank, UcxHandshakeMetadata],
+    remote_pp_rank: int,
+    layer: UcxLayer,
+) -> list[tuple[PpTpRank, range, range, str]]:
+    remote_tp = next(iter(metadata.values())).tp_size
+    pulls = []
+    for part in layer.state_parts:
+        try:
+            sources = head_sources_between(
+                identity.tp_rank, identity.tp_size, remote_tp, part.total_heads
+            )
+        except ValueError as exc:
+            raise RemoteLayoutError(
+                f"state part {part.name!r} of layer {layer.name!r} has {part.total_heads} heads, "
+                f"which engine {engine_id!r} (TP {remote_tp}) and this engine (TP "
+                f"{identity.tp_size}) cannot both split: {exc}"
+            ) from exc
+        for source in sources:
+            rank = (remote_pp_rank, source.remote_tp_rank)
+            _check_serves(engine_id, metadata[rank], [layer])
+            pulls.append(
+                (
+                    rank,
+                    range(source.remote_offset, source.remote_offset + source.num_heads),
+                    range(source.local_offset, source.local_offset + source.num_heads),
+                    part_layer_name(layer.name, part.name),
                 )
             )
     return pulls
@@ -321,6 +365,16 @@ def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLaye
                 f"{_page_kind(held[layer.name].state_split)} on engine {engine_id!r} and in "
                 f"{_page_kind(layer.state_split)} on this engine"
             )
+        theirs_parts = [p.signature() for p in held[layer.name].state_parts]
+        if theirs_parts != [p.signature() for p in layer.state_parts]:
+            raise RemoteLayoutError(
+                f"layer {layer.name!r} keeps its state in parts {_parts(theirs_parts)} on "
+                f"engine {engine_id!r} and {_parts([p.signature() for p in layer.state_parts])} "
+                "on this engine (name, heads, bytes per head, rows): their state layouts "
+                "differ (model, dtype or vLLM's conv state layout)"
+            )
+        if layer.state_parts:
+            continue  # parts are compared; page sizes differ with the TP size
         if held[layer.name].state_width != layer.state_width:
             raise RemoteLayoutError(
                 f"layer {layer.name!r} holds {held[layer.name].state_width} x 2 state bytes per "
@@ -333,6 +387,14 @@ def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLaye
                 f"({md.pp_rank}, {md.tp_rank})) and {layer.kv_group} on this engine: the two "
                 "engines' KV cache groups differ"
             )
+
+
+def _parts(signatures: Sequence[tuple[str, int, int, int]]) -> str:
+    return (
+        "[" + ", ".join(f"{n}: {h} x {b} B x {r}" for n, h, b, r in signatures) + "]"
+        if signatures
+        else "none (an opaque page)"
+    )
 
 
 def _page_kind(split: bool) -> str:

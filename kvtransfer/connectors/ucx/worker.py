@@ -120,6 +120,7 @@ class UcxWorker:
             raise RuntimeError("UcxConnector: register_kv_caches was already called")
         kv_caches = canonical_kv_caches(kv_caches, self._layout)
         identity = WorkerIdentity.from_caches(self._config.engine_id, self._layout, kv_caches)
+        kv_caches = identity.transport_caches(kv_caches)
         self._attach(kv_caches, identity)
         self._caches, self._identity = kv_caches, identity
         self._bytes_per_block = identity.bytes_per_block
