@@ -312,7 +312,8 @@ def main() -> int:
     parser.add_argument(
         "--tp",
         action="store_true",
-        help="also TP 2 -> TP 1 and TP 1 -> TP 2 (sliding-window family; first data plane)",
+        help="also TP 2 -> TP 1 and TP 1 -> TP 2 (first data plane; a recurrent-state "
+        "family's state split by sub-projection across the TP sizes)",
     )
     args = parser.parse_args()
     logs = args.logs
@@ -341,6 +342,9 @@ def main() -> int:
             # The TP pairings of the dense stage, with prompts past the window.
             logs = on_plane(planes(args.data_plane)[0], args.logs / "tp")
             check_pd.TP_PROMPTS = PROMPTS[:1]
+            family = json.loads((Path(args.model) / "config.json").read_text())["model_type"]
+            if family in STATE_FAMILIES:
+                check_pd.TP_FLAGS, check_pd.TP_BACKOFF = STATE_FAMILIES[family][2], 1
             check_pd.run_tp(args.model, logs)
     except StageFailure as failure:
         report_failure(failure, logs)

@@ -8,8 +8,10 @@ Runs in the virtual environment holding vLLM and kvtransfer (see ``vllm_stage/ru
 
 * "gemma3": sliding-window layers (``SlidingWindowSpec``, window 80) beside full-attention
   ones (``FullAttentionSpec``), 6 layers, 16 blocks of 32 tokens, 4 KV heads of 8;
-* "nemotron_h": Mamba2 layers (``MambaSpec``: conv state (3, 288) and SSM state (4, 64, 16),
-  float32, 19840 bytes at TP 1, both halved per rank at TP 2) beside full attention, 6 layers,
+* "nemotron_h": Mamba2 layers (``MambaSpec``: shapes from vLLM's own
+  ``MambaStateShapeCalculator``, conv state (3, 288) and SSM state (4, 64, 16), float32,
+  19840 bytes at TP 1; (3, 160) and (2, 64, 16) per rank at TP 2, its one B/C group on both
+  ranks) beside full attention, 6 layers,
   10 blocks of 96 tokens: the attention block vLLM's platform picks so an attention page covers
   a state page (CPU kernels' 32-token alignment), the state page padded to it.
 
@@ -64,6 +66,7 @@ from types import SimpleNamespace
 import torch
 from vllm.config import CacheConfig, VllmConfig
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -131,7 +134,8 @@ class Family:
     request_blocks: int  # blocks' worth of tokens in the request
     tp_pairs: tuple[tuple[int, int], ...]
     sliding_window: int | None = None
-    state_shapes: tuple[tuple[int, ...], ...] = ()  # per-rank shapes at TP 1
+    # Mamba2's (heads, head dim, groups, state size, conv kernel); () without state layers.
+    mamba2: tuple[int, ...] = ()
 
     def layer_name(self, index: int) -> str:
         if self.state_shapes and not self.is_attention(index):
@@ -147,10 +151,18 @@ class Family:
     def layers(self) -> tuple[str, ...]:
         return tuple(self.layer_name(i) for i in range(NUM_LAYERS))
 
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The state shapes at TP 1 (empty without state layers)."""
+        return self.rank_state_shapes(1) if self.mamba2 else ()
+
     def rank_state_shapes(self, tp: int) -> tuple[tuple[int, ...], ...]:
-        """Conv state (kernel - 1, channels / tp), SSM state (heads / tp, head dim, state)."""
-        conv, ssm = self.state_shapes
-        return (conv[0], conv[1] // tp), (ssm[0] // tp, *ssm[1:])
+        """Conv state and SSM state of one TP rank, as vLLM's Mamba2 layer computes them (a
+        group count below the TP size replicated on every rank)."""
+        heads, head_dim, groups, state, kernel = self.mamba2
+        return MambaStateShapeCalculator.mamba2_state_shape(
+            tp, heads * head_dim, groups, heads, head_dim, state, kernel
+        )
 
     def specs(self, tp: int) -> dict[str, KVCacheSpec]:
         """Every layer's spec on one rank, as the model's layers report them to vLLM."""
@@ -197,7 +209,9 @@ NEMOTRON_H = Family(
     name="nemotron_h",
     block_size=96,
     num_blocks=10,
-    state_shapes=((3, 288), (4, 64, 16)),
+    # Conv state (3, 288) and SSM state (4, 64, 16) at TP 1; at TP 2 (3, 160) and (2, 64, 16):
+    # its one B/C group on both ranks.
+    mamba2=(4, 64, 1, 16, 4),
     labels=("recurrent_state", "recurrent_state", "full_attention"),
     remote=((5,), (3,), (7, 2, 9)),
     local=((6,), (9,), (3, 8, 1)),
@@ -254,6 +268,7 @@ def recipe(family: Family, layout: VllmLayout, tp: int, rank: int) -> Recipe:
         get_total_num_kv_heads=lambda: NUM_HEADS,
         get_head_size=lambda: HEAD_SIZE,
         get_total_num_hidden_layers=lambda: NUM_LAYERS,
+        hf_text_config=SimpleNamespace(n_groups=family.mamba2[2] if family.mamba2 else None),
     )
     engine = SimpleNamespace(
         model_config=model,

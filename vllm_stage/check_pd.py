@@ -583,6 +583,10 @@ def run(model: str, logs: Path) -> None:
 
 TP_PROMPTS = PROMPTS[:3]
 TP_TOKENS = 8
+# Set by `check_hybrid` for a recurrent-state model: its vLLM flags, and the prompt tokens the
+# decode recomputes (the last one) rather than loads.
+TP_FLAGS: tuple[str, ...] = ()
+TP_BACKOFF = 0
 # OpenMP teams busy-wait after each step by default: a TP 2 engine's two teams on both cores
 # starved the other server's UCX and loader threads (a UCX endpoint took over 5 s to be
 # created). Waiting passively costs a few microseconds per parallel region.
@@ -643,12 +647,12 @@ def tp_servers(
     (p_kv, p_env), (d_kv, d_env) = kv("kv_producer"), kv("kv_consumer")
     p = Server(
         f"tp{producer_tp}-prefill{suffix}", model, logs, p_kv,
-        *(_TP2 if producer_tp == 2 else ()), core=None,
+        *(_TP2 if producer_tp == 2 else ()), *TP_FLAGS, core=None,
         env={**(_BOTH_CORES if producer_tp == 2 else _PINNED), **p_env},
     )  # fmt: skip
     d = Server(
         f"tp{consumer_tp}-decode{suffix}", model, logs, d_kv,
-        *(_TP2 if consumer_tp == 2 else ()), core=None,
+        *(_TP2 if consumer_tp == 2 else ()), *TP_FLAGS, core=None,
         env={**(_BOTH_CORES if consumer_tp == 2 else _PASSIVE), **d_env},
     )  # fmt: skip
     return p, d
@@ -685,7 +689,7 @@ def check_tp_pairing(
     label = f"TP {producer_tp} -> TP {consumer_tp}"
     for n, prompt in enumerate(TP_PROMPTS):
         # The P/D request first: the decode has never seen this prompt.
-        answer = pd_decode(d, prompt, TP_TOKENS, prefill(p, prompt), label)
+        answer = pd_decode(d, prompt, TP_TOKENS, prefill(p, prompt), label, TP_BACKOFF)
         if references is not None:
             expected = references[prompt]
         else:

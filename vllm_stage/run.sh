@@ -54,9 +54,11 @@ run033 vllm_stage/check_vllm033.py --model "$work/tiny-llama" \
 # Hybrid KV caches (issue 35): tiny models of three families P/D in vLLM-CPU with its hybrid KV
 # cache manager on, about 2 minutes each, the data planes taken in turn (both run every family
 # byte for byte in tests/test_ucx_connector_groups.py): Gemma 3 (sliding-window layers beside
-# full ones; then TP 2 -> 1 and 1 -> 2, about 3.5 minutes), Nemotron-H (Mamba2 beside
-# attention), Qwen3-Next (Gated DeltaNet beside attention, bfloat16: against NixlConnector).
-for spec in "gemma3 rma --tp" "nemotron_h tagged" "qwen3_next rma"; do
+# full ones), Nemotron-H (Mamba2 beside attention; then TP 2 -> 1 and 1 -> 2, about 3.5
+# minutes, its state split by sub-projection across the TP sizes), Qwen3-Next (Gated DeltaNet
+# beside attention, bfloat16: against NixlConnector). Attention heads across TP sizes run in
+# check_pd.py --tp below.
+for spec in "gemma3 rma" "nemotron_h tagged --tp" "qwen3_next rma"; do
   set -- $spec
   (cd vllm_stage && HF_HUB_OFFLINE=1 "$venv/bin/python" make_tiny_hybrid.py "$1" \
     "$work/tiny-$1" >/dev/null 2>&1) || fail "cannot build the tiny $1 checkpoint"
