@@ -560,8 +560,6 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if args.tp and args.model_family in STATE_FAMILIES:
-        parser.error("--tp: recurrent state moves between equal TP sizes only")
     workdir = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
     hybrid = args.model_family != "llama"
     if args.model is None and hybrid:

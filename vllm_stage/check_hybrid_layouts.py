@@ -30,6 +30,13 @@ translation: ``vllm_kv_cache_layout`` (our `KVCacheLayout`, its groups from vLLM
 First, without kvtransfer, the premise: in vLLM's buffer two different block ids never share a
 byte across groups, and each block id's bytes in one group overlap the same id's in every other.
 
+Mamba2 state crosses TP sizes (TP 2 -> 1, 1 -> 2) as the connector moves it: split by
+sub-projection into `StatePart`s (conv x by head, B and C by group, vLLM's one group on both
+TP 2 ranks, SSM state by head), each registered as its own transport layer and pulled for the
+heads a consumer rank holds (`head_sources_between`). The reference is the layer's whole state,
+sharded per rank as vLLM's Mamba2 layer shards it (``rank_states``), in the conv orientation
+vLLM is set to (``VLLM_SSM_CONV_STATE_LAYOUT``; ``vllm_stage/run.sh`` runs "DS" too).
+
 Then each case fills every producer block through the layers of the group that owns it (one
 request's blocks and other requests', disjoint across groups, the null block 0 left as random
 bytes), as the model would: attention through the backend's K/V reading ("rows": vLLM's CPU
@@ -66,7 +73,10 @@ from types import SimpleNamespace
 import torch
 from vllm.config import CacheConfig, VllmConfig
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateShapeCalculator,
+    is_conv_state_dim_first,
+)
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -89,10 +99,12 @@ except ImportError:  # vLLM 0.32
         get_kv_cache_groups,
     )
 
-from check_layouts import linked_agents
+from check_layouts import Link, linked_agents
 
 from kvtransfer.connector.kv_groups import KVCacheGroup, transferable_blocks
 from kvtransfer.connector.metadata import KVCacheLayout
+from kvtransfer.connector.state_parts import expand_state_parts, part_layer_name
+from kvtransfer.connector.topology import head_sources_between, kv_head_range
 from kvtransfer.integrations.vllm_translate import vllm_kv_cache_layout, vllm_kv_views
 from kvtransfer.transport import PullSpec
 
@@ -216,8 +228,8 @@ NEMOTRON_H = Family(
     remote=((5,), (3,), (7, 2, 9)),
     local=((6,), (9,), (3, 8, 1)),
     request_blocks=3,
-    # A state is sharded over TP ranks: moved between equal TP sizes only.
-    tp_pairs=((1, 1), (2, 2)),
+    # The state across TP sizes: split by sub-projection (x, B, C, SSM), B and C replicated.
+    tp_pairs=((1, 1), (2, 1), (1, 2), (2, 2)),
 )
 FAMILIES = {f.name: f for f in (GEMMA3, NEMOTRON_H)}
 
@@ -369,7 +381,10 @@ class RankCaches:
     def views(self) -> dict[str, torch.Tensor]:
         """What our connector registers: the adapter's views of vLLM's tensors."""
         if self._views is None:
-            self._views = vllm_kv_views(self.native, self.ours, self.side.split)
+            groups = self.ours.groups
+            parts = {n: g.state_parts for g in groups if g.state_parts for n in g.layer_names}
+            views = vllm_kv_views(self.native, self.ours, self.side.split)
+            self._views = expand_state_parts(views, parts)
         return self._views
 
     def groups(self) -> tuple[KVCacheGroup, ...]:
@@ -388,8 +403,9 @@ class RankCaches:
         """Write the reference's blocks ``remote`` of layer ``name`` into blocks ``local``, as
         the model does (the backend's K/V, vLLM's conv/SSM state views)."""
         if self.is_state(name):
-            for view, part in zip(self.states(name), ref.states[name, self.rank], strict=True):
-                view[local] = part[remote]
+            shares = rank_states(ref, self.family, name, self.tp, self.rank)
+            for view, share in zip(self.states(name), shares, strict=True):
+                view[local] = share[remote]
             return
         want = ref.attention[name][remote][:, self.heads.start : self.heads.stop]
         k, v = self.kv(name)
@@ -418,15 +434,40 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Reference:
     """What the producer's model wrote, independent of any layout: attention
-    [block, global head, token, K/V, dim] per layer, the states [block, *shape] per (layer,
-    rank); unique float32 values over the whole model (exact below 2**24)."""
+    [block, global head, token, K/V, dim] per layer, a Mamba2 layer's whole state (every head
+    and group: conv x [block, position, head, dim], B and C [block, position, group, state],
+    SSM [block, head, dim, state]); unique float32 values over the whole model (exact below
+    2**24)."""
 
     attention: dict[str, torch.Tensor]
-    states: dict[tuple[str, int], tuple[torch.Tensor, ...]]
+    states: dict[str, tuple[torch.Tensor, ...]]
+
+
+def rank_states(
+    ref: Reference, family: Family, name: str, tp: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One TP rank's conv and SSM state of layer ``name``, [block, *vLLM's shape], as vLLM
+    shards them: its heads of x and of the SSM state, its groups of B and C (a group count
+    below the TP size on every rank), x|B|C on the channel axis, in vLLM's conv orientation.
+    Built from the whole state, not from kvtransfer's parts."""
+    x, b, c, ssm = ref.states[name]
+    heads = kv_head_range(rank, tp, x.shape[2])
+    groups = kv_head_range(rank, tp, b.shape[2])
+    conv = torch.cat(
+        [
+            x[:, :, heads.start : heads.stop].flatten(2),
+            b[:, :, groups.start : groups.stop].flatten(2),
+            c[:, :, groups.start : groups.stop].flatten(2),
+        ],
+        dim=2,
+    )
+    if is_conv_state_dim_first():
+        conv = conv.transpose(1, 2)
+    return conv, ssm[:, heads.start : heads.stop]
 
 
 @cache
-def reference(family: Family, tp: int) -> Reference:
+def reference(family: Family) -> Reference:
     count = 0
 
     def codes(*shape: int) -> torch.Tensor:
@@ -439,11 +480,14 @@ def reference(family: Family, tp: int) -> Reference:
     attention, states = {}, {}
     blocks = family.num_blocks
     for index, name in enumerate(family.layers):
-        if family.state_shapes and not family.is_attention(index):
-            for rank in range(tp):
-                states[name, rank] = tuple(
-                    codes(blocks, *shape) for shape in family.rank_state_shapes(tp)
-                )
+        if family.mamba2 and not family.is_attention(index):
+            heads, head_dim, groups, state, kernel = family.mamba2
+            states[name] = (
+                codes(blocks, kernel - 1, heads, head_dim),
+                codes(blocks, kernel - 1, groups, state),
+                codes(blocks, kernel - 1, groups, state),
+                codes(blocks, heads, head_dim, state),
+            )
         else:
             attention[name] = codes(blocks, NUM_HEADS, family.block_size, 2, HEAD_SIZE)
     assert count < 1 << 24
@@ -486,8 +530,8 @@ def _expected_block(
 ) -> torch.Tensor:
     if what == "K/V":
         return bits(ref.attention[name][block, caches.heads.start : caches.heads.stop])
-    part = ref.states[name, caches.rank][("conv", "ssm").index(what)]
-    return bits(part[block])
+    shares = rank_states(ref, caches.family, name, caches.tp, caches.rank)
+    return bits(shares[("conv", "ssm").index(what)][block])
 
 
 @dataclass(frozen=True)
@@ -522,6 +566,36 @@ def request_plan(family: Family, groups: tuple[KVCacheGroup, ...]) -> Plan:
         assert len(pick[0]) == len(pick[1]), pick
         plan.append((g, pick[0], pick[1]))
     return plan
+
+
+def part_pulls(
+    link: Link,
+    group: KVCacheGroup,
+    remote_ids: tuple[int, ...],
+    local_ids: tuple[int, ...],
+    case: Case,
+) -> list[tuple[PullSpec, int]]:
+    """A state group's pulls over one link, as the connector plans them: per part, the heads
+    this consumer rank holds that the link's producer rank serves (`head_sources_between`),
+    with the payload each must report."""
+    tp_p, tp_c = case.tp
+    out = []
+    for part in group.state_parts:
+        for source in head_sources_between(link.consumer_rank, tp_c, tp_p, part.total_heads):
+            if source.remote_tp_rank != link.producer_rank:
+                continue
+            names = tuple(part_layer_name(name, part.name) for name in group.layer_names)
+            spec = PullSpec(
+                f"check-{part.name}-{link.consumer_rank}-{link.producer_rank}",
+                names,
+                remote_ids,
+                local_ids,
+                remote_heads=range(source.remote_offset, source.remote_offset + source.num_heads),
+                local_heads=range(source.local_offset, source.local_offset + source.num_heads),
+            )
+            size = len(names) * len(local_ids) * source.num_heads * part.head_bytes * part.rows
+            out.append((spec, size))
+    return out
 
 
 def payload_bytes(caches: RankCaches, names: tuple[str, ...], blocks: int, heads: int) -> int:
@@ -576,9 +650,7 @@ def run_case(
     ``corrupt`` alters the pulls (not what is expected): a check that must fail."""
     family = case.family
     tp_p, tp_c = case.tp
-    if tp_p != tp_c and family.state_shapes:
-        raise AssertionError("states move between equal TP sizes only")
-    ref = reference(family, tp_p)
+    ref = reference(family)
     producers = [RankCaches(family, case.producer, tp_p, r) for r in range(tp_p)]
     consumers = [RankCaches(family, case.consumer, tp_c, r) for r in range(tp_c)]
     for caches in producers:
@@ -594,6 +666,18 @@ def run_case(
         for link in links:
             for g, remote_ids, local_ids in pulled:
                 group = groups[g]
+                if group.state_parts:
+                    for spec, want_bytes in part_pulls(link, group, remote_ids, local_ids, case):
+                        result = link.agent.pull(link.peer, spec).result(WAIT_S)
+                        if result.payload_bytes != want_bytes:
+                            raise Mismatch(
+                                f"pull of {spec.layer_names[0]} and the like from producer "
+                                f"rank {link.producer_rank} reports {result.payload_bytes} "
+                                f"payload bytes, expected {want_bytes}"
+                            )
+                        pulls += 1
+                        payload += result.payload_bytes
+                    continue
                 if group.is_state:
                     if link.producer_rank != link.consumer_rank:
                         continue  # a rank's state shard comes from the same rank

@@ -44,6 +44,9 @@ run033 vllm_stage/check_layouts.py || fail "vLLM 0.33: wrong KV bytes between ca
 # Hybrid (HMA) caches as vLLM's own grouping and view builder make them, in 0.32 and 0.33.
 "$venv/bin/python" vllm_stage/check_hybrid_layouts.py \
   || fail "vLLM 0.32: wrong KV bytes between hybrid (HMA) cache layouts"
+# Mamba2 state across TP sizes in vLLM's other conv state orientation ("DS": channels first).
+VLLM_SSM_CONV_STATE_LAYOUT=DS "$venv/bin/python" vllm_stage/check_hybrid_layouts.py \
+  --family nemotron_h || fail "vLLM 0.32: wrong state bytes with DS conv states"
 run033 vllm_stage/check_hybrid_layouts.py \
   || fail "vLLM 0.33: wrong KV bytes between hybrid (HMA) cache layouts"
 run033 vllm_stage/check_adapter_pp.py --data-plane both \

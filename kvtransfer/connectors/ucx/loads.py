@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from kvtransfer.connector.kv_groups import FULL_ATTENTION, KVCacheGroup
 from kvtransfer.connectors.ucx.liveness import PROBE_INTERVAL_S, AskHeld, ProducerWatch
 from kvtransfer.connectors.ucx.metadata import LoadSpec
-from kvtransfer.connectors.ucx.plan import check_request_blocks
+from kvtransfer.connectors.ucx.plan import RemoteLayoutError, check_request_blocks
 from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines
 from kvtransfer.timeline import BOOK, now_ns
 from kvtransfer.transport import (
@@ -134,6 +134,8 @@ class LoadJob:
             return LoadOutcome(0, 0, 0.0)
         self._check_cancelled()
         engine = self._engines.get(spec.remote, spec.req_id)
+        if spec.refused:
+            raise RemoteLayoutError(spec.refused)
         check_request_blocks(
             spec.remote, next(iter(engine.metadata.values())).block_size, self._groups
         )

@@ -240,6 +240,11 @@ class LoadSpec:
     # block into kernel blocks for some backends): set by the consumer worker, which reads and
     # writes kernel blocks; the scheduler plans in engine blocks.
     kernel_blocks: int = 1
+    # Why the params' block lists do not fit this engine's groups, found by the scheduler:
+    # the load fails with it after the producer's handshake, whose compatibility check names
+    # a producer of another model first. ``runs`` then list the blocks the load would have
+    # written (no remote blocks), which the failure reports invalid.
+    refused: str = ""
 
     @classmethod
     def one_group(

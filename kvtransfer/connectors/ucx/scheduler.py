@@ -343,17 +343,37 @@ class UcxScheduler:
         remote_blocks = -(-remote.num_tokens // block_size)
         runs = []
         lease_offset = 0
-        for index, (group, theirs, ours) in enumerate(
-            zip(self._groups, remote.block_ids, block_ids, strict=True)
-        ):
-            run = self._block_run(rid, index, group, theirs, ours, first, end, remote_blocks)
-            if run.local_block_ids:
-                runs.append(replace(run, lease_offset=lease_offset + run.lease_offset))
-            lease_offset += len(theirs)
-        self._loads.append(LoadSpec(rid, remote, tuple(runs)))
+        refused = ""
+        try:
+            for index, (group, theirs, ours) in enumerate(
+                zip(self._groups, remote.block_ids, block_ids, strict=True)
+            ):
+                run = self._block_run(rid, index, group, theirs, ours, first, end, remote_blocks)
+                if run.local_block_ids:
+                    runs.append(replace(run, lease_offset=lease_offset + run.lease_offset))
+                lease_offset += len(theirs)
+        except ValueError as exc:
+            # Lists that do not fit our groups most often come from a producer of another
+            # model: let the worker's handshake say so (naming both models) before this.
+            refused = str(exc)
+            runs = self._blocks_to_invalidate(block_ids, first, end)
+        self._loads.append(LoadSpec(rid, remote, tuple(runs), refused=refused))
         self._consumed.add(rid)
         self._loading[rid] = (remote, sum(len(run.local_block_ids) for run in runs))
         self._notifier_for().watch(rid, remote)
+
+    def _blocks_to_invalidate(self, block_ids: BlockIds, first: int, end: int) -> list[BlockRun]:
+        """The blocks [first, end) of each group a refused load would have written (a state
+        group's state block), without remote blocks: what its failure reports invalid."""
+        runs = []
+        for index, (group, ours) in enumerate(zip(self._groups, block_ids, strict=True)):
+            if group.is_state:
+                local = state_block(group, ours, self._null_block)
+            else:
+                local = tuple(b for b in ours[first:end] if b != self._null_block)
+            if local:
+                runs.append(BlockRun(index, (), local))
+        return runs
 
     def _block_run(
         self,
