@@ -324,14 +324,15 @@ def _refused(handle) -> AccessDenied | RemoteTransferError:
 
 def test_keys_only_for_a_valid_lease(leased):
     held = leased.grant("held", (4, 5))
+    denied, not_granted = ErrorCode.ACCESS_DENIED, ErrorCode.LEASE_NOT_GRANTED
     attempts = [
-        (None, "presents no lease"),
-        (LeaseAccess("nobody", new_secret()), "'nobody' is unknown"),
-        (LeaseAccess("held", new_secret()), "wrong secret for lease 'held'"),
+        (None, "presents no lease", denied),
+        (LeaseAccess("nobody", new_secret()), "'nobody' is unknown", not_granted),
+        (LeaseAccess("held", new_secret()), "wrong secret for lease 'held'", denied),
     ]
-    for lease, reason in attempts:
+    for lease, reason, code in attempts:
         error = _refused(leased.pull("keys", (4, 5), (0, 1), lease))
-        assert isinstance(error, RemoteTransferError) and error.code == ErrorCode.ACCESS_DENIED
+        assert isinstance(error, RemoteTransferError) and error.code == code
         assert reason in str(error)
     assert all((cache == SENTINEL).all() for cache in leased.local.values())
     assert leased.producer.server.keys_served == 0

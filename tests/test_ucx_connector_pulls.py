@@ -375,6 +375,40 @@ def test_empty_load_completes_without_a_handshake(pool):
         assert c.workers[(0, 0)].worker_half.remote_engines == []
 
 
+# The transport's default wait for a grant (`TransportConfig.grant_wait_s`): a producer's
+# server parks a pull that long for its lease, a one-sided read once waited that long for its
+# lease row.
+GRANT_WAIT_S = 5.0
+
+
+def test_a_lease_the_producers_workers_record_late_is_still_read(pool):
+    """A lease not yet recorded is not a lease refused: the producer's scheduler lends the
+    blocks (the params are out), but its busy workers record the grant only after more than
+    the transport's grant wait. The load keeps asking, within its own deadline and while the
+    producer is alive and still holds the request, and reads the right bytes."""
+    p = pool.get("kv_producer", 1, 1)
+    c = pool.get("kv_consumer", 1, 1)
+    # In RMA mode the consumer then holds the producer's keys, so the one-sided check of the
+    # lease row is what waits (a consumer without keys waits in its keys request instead).
+    fine = LoadSpec.one_group("early", p.remote("early", REMOTE_IDS), REMOTE_IDS, LOCAL_IDS)
+    assert run_load(c, fine) == {(0, 0): ({"early"}, set(), set())}
+    for cache in c.caches[(0, 0)].values():
+        cache.fill_(SENTINEL)
+    remote = p.remote("late-grant", REMOTE_IDS, grant=False)
+    recorded = threading.Timer(
+        GRANT_WAIT_S + 3.0, lambda: p.grant("late-grant", remote.secret, REMOTE_IDS)
+    )
+    recorded.start()
+    try:
+        spec = LoadSpec.one_group("late-grant", remote, REMOTE_IDS, LOCAL_IDS)
+        assert run_load(c, spec) == {(0, 0): ({"late-grant"}, set(), set())}
+        assert recorded.finished.is_set()
+    finally:
+        recorded.cancel()
+        recorded.join()
+    _check_caches(c, REMOTE_IDS, LOCAL_IDS)
+
+
 def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
     p = pool.get("kv_producer", 1, 1)
     c = pool.get("kv_consumer", 1, 1)

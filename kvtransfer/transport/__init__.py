@@ -10,6 +10,7 @@ from kvtransfer.transport.access import (
     AccessDenied,
     LeaseAccess,
     LeaseGrants,
+    LeaseNotGranted,
     new_secret,
     secret_digest,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "KVTransferAgent",
     "LeaseAccess",
     "LeaseGrants",
+    "LeaseNotGranted",
     "PeerHandle",
     "PeerUnreachable",
     "PullHandle",

@@ -57,6 +57,14 @@ class AccessDenied(TransportError, PermissionError):
     code = ErrorCode.ACCESS_DENIED
 
 
+class LeaseNotGranted(AccessDenied):
+    """The serving worker has no record of the lease: never granted, not granted yet (a busy
+    producer's workers record a grant at their next step), or ended so long ago it is
+    forgotten. A reader that knows the producer still holds the request may ask again."""
+
+    code = ErrorCode.LEASE_NOT_GRANTED
+
+
 class LeaseEndedDuringRead(AccessDenied):
     """RMA mode: the lease ended while a one-sided read ran, so the bytes read may already be
     another request's KV; the pull fails and what it wrote must not be used."""
@@ -257,7 +265,12 @@ class LeaseGrants:
         with self._cond:
             grant = self._grants.get(access.lease_id)
             if grant is None:
-                state = self._revoked.get(access.lease_id, "is unknown")
+                state = self._revoked.get(access.lease_id)
+                if state is None:
+                    raise LeaseNotGranted(
+                        f"lease {access.lease_id!r} is unknown (not granted on this worker, or "
+                        "not yet): its KV cannot be read"
+                    )
                 raise AccessDenied(f"lease {access.lease_id!r} {state}: its KV cannot be read")
             if not hmac.compare_digest(grant.digest, secret_digest(access.secret)):
                 raise AccessDenied(f"wrong secret for lease {access.lease_id!r}")

@@ -25,6 +25,9 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 8
     ACCESS_DENIED = 9
     CORRUPT_PAYLOAD = 10
+    # The lease is not (yet) recorded on the serving worker: its grant may still be on the way
+    # (the scheduler lends, the workers record it at their next step), unlike ACCESS_DENIED.
+    LEASE_NOT_GRANTED = 11
 
 
 class TransportError(Exception):

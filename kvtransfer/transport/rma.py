@@ -28,7 +28,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kvtransfer.transport.access import AccessDenied, LeaseEndedDuringRead, secret_digest
+from kvtransfer.transport.access import (
+    AccessDenied,
+    LeaseEndedDuringRead,
+    LeaseNotGranted,
+    secret_digest,
+)
 from kvtransfer.transport.direct_read import (
     DirectPlan,
     DirectReader,
@@ -764,8 +769,13 @@ class _LeaseRow:
         return find_row(self.window, self.token)
 
     def wait_held(self, channel: _Channel, control: ReadControl) -> None:
-        """Until the lease row is there with the layers read ready (the grant may lag)."""
-        give_up = min(control.deadline, time.monotonic() + control.grant_wait_s)
+        """Until the lease row is there with the layers read ready (the grant may lag). A
+        read whose liveness hook watches the producer (it raises once the producer is gone
+        or no longer holds the request) waits up to its own deadline; others `grant_wait_s`."""
+        if control.on_wait is not None:
+            give_up = control.deadline
+        else:
+            give_up = min(control.deadline, time.monotonic() + control.grant_wait_s)
         delay = _ROW_BACKOFF_S[0]
         while True:
             row = self._read(channel, control)
@@ -785,10 +795,15 @@ class _LeaseRow:
             if control.cancelled():
                 raise TransferCancelled(f"read of lease {self.lease_id!r} was cancelled")
             if time.monotonic() >= give_up:
-                state = "is not held" if ready is None else "has layers still being computed"
+                waited = control.timeout_s if control.on_wait is not None else control.grant_wait_s
+                if ready is None:
+                    raise LeaseNotGranted(
+                        f"lease {self.lease_id!r} is not held on the producer (one-sided check "
+                        f"of its lease table after {waited} s)"
+                    )
                 raise AccessDenied(
-                    f"lease {self.lease_id!r} {state} on the producer (one-sided check of its "
-                    f"lease table after {control.grant_wait_s} s)"
+                    f"lease {self.lease_id!r} has layers still being computed on the producer "
+                    f"(one-sided check of its lease table after {waited} s)"
                 )
             control.probe()
             time.sleep(delay)

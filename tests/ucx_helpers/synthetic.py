@@ -105,14 +105,20 @@ class SyntheticEngine:
         return book.generation
 
     def remote(
-        self, request_id: str = "r", block_ids: Sequence[int] = (), **changes
+        self,
+        request_id: str = "r",
+        block_ids: Sequence[int] = (),
+        *,
+        grant: bool = True,
+        **changes,
     ) -> RemotePrefill:
         """The params a consumer would receive for ``block_ids`` of this producer, which now
         holds ``request_id`` for it and has granted its workers that lease (as
-        `request_finished` and the next step would)."""
+        `request_finished` and the next step would; ``grant=False``: not yet, see `grant`)."""
         secret = new_secret()
         self.scheduler.scheduler_half.leases.hold(request_id, secret)
-        self.step(grants=(Grant(request_id, secret_digest(secret), tuple(block_ids)),))
+        if grant:
+            self.grant(request_id, secret, block_ids)
         host, port = self.address.rsplit(":", 1)
         fields = {
             "engine_id": self.engine_id,
@@ -129,6 +135,10 @@ class SyntheticEngine:
         }
         fields.update(changes)
         return RemotePrefill(**fields)
+
+    def grant(self, request_id: str, secret: str, block_ids: Sequence[int]) -> None:
+        """The step that records a held lease on every worker."""
+        self.step(grants=(Grant(request_id, secret_digest(secret), tuple(block_ids)),))
 
     def step(self, **metadata) -> None:
         """Hand every worker one step's metadata, as the engine would."""

@@ -13,7 +13,10 @@ question cheaply, because accepting a TCP connection is the kernel's work, not t
 * connected: the process is alive (maybe stopped or slow): keep waiting, within the transfer
   timeout. Every few probes a KeepAlive for the lease also asks whether the producer still
   holds it: a producer restarted on the same port answers "not held", and the load fails at
-  once instead of waiting out its timeout.
+  once instead of waiting out its timeout; one that refuses the request's secret
+  (PERMISSION_DENIED: the params' secret is not the one it lent the KV under) fails it too,
+  typed as the refusal it is. Any other answer (no answer yet) keeps the load waiting: a lease
+  its workers have not recorded yet is not a lease refused.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import errno
 import socket
 from collections.abc import Callable
 
+import grpc
+
 from kvtransfer.connectors.ucx.metadata import RemotePrefill
+from kvtransfer.transport import AccessDenied
 
 # Pause between probes while a load waits, and bound of one TCP connect.
 PROBE_INTERVAL_S = 0.25
@@ -116,8 +122,17 @@ class ProducerWatch:
         held = self._held
         if held is not None and held.done():
             self._held = None
-            if held.exception() is None and not held.result():
-                remote = self._remote
+            remote = self._remote
+            error = held.exception()
+            if isinstance(error, grpc.RpcError) and (
+                error.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+            ):
+                raise AccessDenied(
+                    f"engine {remote.engine_id!r} refuses the secret of request "
+                    f"{remote.request_id!r} (its KeepAlive answered PERMISSION_DENIED): the "
+                    "params' secret is not the one it lent that KV under"
+                )
+            if error is None and not held.result():
                 raise LeaseLostError(
                     f"engine {remote.engine_id!r} no longer holds request "
                     f"{remote.request_id!r} (its lease ran out, or it restarted)"

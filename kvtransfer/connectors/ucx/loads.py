@@ -8,7 +8,11 @@
    fails the load in about a second instead of at the timeout;
 4. a pull that failed only because another read from the producer reset their connection
    (`EndpointReset`) is not the producer's failure: the load's pulls run once more, on the new
-   connection.
+   connection;
+5. a pull refused because the producer's worker has not recorded the lease yet
+   (`LeaseNotGranted`: its scheduler lent the blocks, its workers record grants at their next
+   step, which a busy host delays) is asked again while the producer is alive, still holds the
+   request and the load's deadline allows: a lease not yet recorded is not a lease refused.
 
 Every pull presents the lease's secret; the producer serves only that lease's blocks and only
 while it holds the lease (it stops before it frees them), so a load that succeeded read the
@@ -41,6 +45,7 @@ from kvtransfer.transport import (
     EndpointReset,
     ErrorCode,
     KVTransferAgent,
+    LeaseNotGranted,
     PullHandle,
     PullSpec,
     RemoteTransferError,
@@ -52,6 +57,8 @@ logger = logging.getLogger(__name__)
 _RESULT_GRACE_S = 5.0
 # How often a loader waiting for its pulls looks at the stop flag set by `stop_nowait`.
 _STOP_POLL_S = 0.02
+# Pause before asking again for a lease the producer's worker had not recorded yet.
+_NOT_GRANTED_RETRY_S = 0.2
 
 
 class LoadCancelled(Exception):
@@ -141,16 +148,7 @@ class LoadJob:
         )
         watch = ProducerWatch(spec.remote, self._ask_held)
         try:
-            try:
-                handles = self._start(engine, watch)
-                total, one_sided = self._wait_all(handles, watch)
-            except EndpointReset as reset:
-                # Another read from this producer failed and took the connection with it
-                # (after a partition healed, a read on the broken connection times out): the
-                # producer may be fine. Once more, on the new connection the next pull makes.
-                self._restart(reset)
-                handles = self._start(engine, watch)
-                total, one_sided = self._wait_all(handles, watch)
+            total, one_sided = self._attempts(engine, watch)
         except LoadCancelled:
             raise
         except BaseException as exc:
@@ -169,7 +167,33 @@ class LoadJob:
             tuple(sorted(self._bytes_by_kind.items())),
         )
 
-    def _restart(self, reset: EndpointReset) -> None:
+    def _attempts(self, engine: RemoteEngine, watch: ProducerWatch) -> tuple[int, int]:
+        """Start and wait for every pull, again after a reset (once) or while the lease is
+        not recorded yet (within the deadline); (bytes, of which one-sided)."""
+        deadline = time.monotonic() + self._timeout_s
+        reset_seen = False
+        while True:
+            try:
+                handles = self._start(engine, watch)
+                return self._wait_all(handles, watch)
+            except EndpointReset as reset:
+                # Another read from this producer failed and took the connection with it
+                # (after a partition healed, a read on the broken connection times out): the
+                # producer may be fine. Once more, on the new connection the next pull makes.
+                if reset_seen:
+                    raise
+                reset_seen = True
+                self._restart(f"{reset}; reading it again once")
+            except (AccessDenied, RemoteTransferError) as refused:
+                if not _not_granted(refused) or time.monotonic() + _NOT_GRANTED_RETRY_S >= deadline:
+                    raise
+                # Gone, or no longer holding the request: typed, at once. Else it holds it and
+                # its workers have not recorded the grant yet.
+                watch.check()
+                self._restart(f"{refused}; asking again while the producer holds the request")
+                time.sleep(_NOT_GRANTED_RETRY_S)
+
+    def _restart(self, why: str) -> None:
         """Stop this attempt's pulls (nothing they write lands after this) before another."""
         self._check_cancelled()
         with self._lock:
@@ -177,7 +201,7 @@ class LoadJob:
         for handle in handles:
             handle.cancel()
         self._read_started.clear()
-        logger.info("%s; reading it again once", reset, extra={"request_id": self.spec.req_id})
+        logger.info("%s", why, extra={"request_id": self.spec.req_id})
 
     def _start(self, engine: RemoteEngine, watch: ProducerWatch) -> list[PullHandle]:
         """Start every pull (a one-sided one runs to completion right here)."""
@@ -283,9 +307,17 @@ class LoadJob:
                 raise LoadCancelled(f"load of request {self.spec.req_id!r} was cancelled")
 
 
+def _not_granted(error: BaseException) -> bool:
+    """A pull refused because the serving worker has no record of its lease (yet)."""
+    return isinstance(error, LeaseNotGranted) or (
+        isinstance(error, RemoteTransferError) and error.code == ErrorCode.LEASE_NOT_GRANTED
+    )
+
+
 def _refused_access(error: BaseException) -> bool:
     """A pull refused for its lease (by the producer, or by a one-sided check of its lease
     table) says nothing about the producer's health."""
     return isinstance(error, AccessDenied) or (
-        isinstance(error, RemoteTransferError) and error.code == ErrorCode.ACCESS_DENIED
+        isinstance(error, RemoteTransferError)
+        and error.code in (ErrorCode.ACCESS_DENIED, ErrorCode.LEASE_NOT_GRANTED)
     )
