@@ -2,12 +2,14 @@
 
 Covers `KVTransferConfig.from_vllm` and, from `kvtransfer.integrations.vllm_translate`,
 `vllm_kv_cache_layout`, `vllm_kv_views` (checked against how each vLLM backend reads K and V,
-on dense and block-outermost views), the refusals of hybrid, MLA and malformed caches,
+on dense and block-outermost views), sparse MLA's latents and indexer caches (one group, each
+layer its own width), the refusals of hybrid, MLA and malformed caches,
 `group_block_ids`, `SchedulerStep.of` and `connector_output`.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from kvtransfer.connector.config import KVTransferConfig, KVTransferConfigError
-from kvtransfer.connector.metadata import KVCacheLayout
+from kvtransfer.connector.metadata import KVCacheLayout, LayerWidth
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.integrations.vllm_translate import (
     VLLM_KV_ORDER,
@@ -354,6 +356,149 @@ def test_an_mla_cache_is_one_latent_head_moved_in_two_halves():
     assert view.data_ptr() == cache.data_ptr()
     with pytest.raises(ValueError, match="needs an even width"):
         vllm_kv_cache_layout(vllm_config(), _mla(575), (0, 0))
+
+
+class CacheRole(str, enum.Enum):  # noqa: UP042 (as vLLM spells it: str() is not the value)
+    """vLLM 0.32's ``SparseCacheRole``."""
+
+    SPARSE = "sparse"
+    INDEXER = "indexer"
+
+
+def _mla_spec(head_size: int, dtype: torch.dtype, role: CacheRole = CacheRole.SPARSE, **more):
+    """A look-alike of vLLM 0.32's ``MLAAttentionSpec`` (its fields at their defaults)."""
+    fields = {
+        "block_size": BLOCK_SIZE,
+        "num_kv_heads": 1,
+        "head_size": head_size,
+        "dtype": dtype,
+        "cache_role": role,
+        "model_version": None,
+        "alignment": None,
+        "page_size_padded": None,
+        "state_content_bytes": None,
+        "num_head_slots": None,
+        "tokens_per_state": 1,
+        "is_index_group_leader": False,
+    }
+    fields.update(more)
+    return type("MLAAttentionSpec", (), fields)()
+
+
+LATENTS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+INDEXERS = ("model.layers.0.self_attn.indexer.k_cache", "model.layers.1.self_attn.indexer.k_cache")
+
+
+def _sparse_mla(latent=None, indexer=None, **extra_specs):
+    """vLLM's one ``UniformTypeKVCacheSpecs`` group of DeepSeek-V3.2's layers: each layer's
+    latent and its indexer's k-cache (128 fp8 keys + a 4-byte scale: 132 bytes per token)."""
+    latent = latent or _mla_spec(576, torch.bfloat16, is_index_group_leader=True)
+    indexer = indexer or _mla_spec(132, torch.uint8, CacheRole.INDEXER, max_tp_shards=1)
+    specs = {}
+    for name_latent, name_indexer in zip(LATENTS, INDEXERS, strict=True):
+        specs[name_latent], specs[name_indexer] = latent, indexer
+    specs.update(extra_specs)
+    uniform = type(
+        "UniformTypeKVCacheSpecs", (), {"block_size": BLOCK_SIZE, "kv_cache_specs": specs}
+    )()
+    return SimpleNamespace(
+        num_blocks=BLOCKS,
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=uniform, layer_names=list(specs))],
+    )
+
+
+def test_sparse_mla_latents_and_indexer_caches_are_one_group_each_layer_its_width():
+    config = vllm_config(block_size=BLOCK_SIZE, tp=2, pp=1)
+    layout = vllm_kv_cache_layout(config, _sparse_mla(), (0, 1))
+    # One full-attention group (the default: none listed), every block of every layer moved.
+    assert layout.groups == ()
+    assert (layout.num_kv_heads, layout.head_dim, layout.dtype) == (1, 288, "bfloat16")
+    assert layout.layer_widths == tuple(LayerWidth(name, 66, "uint8") for name in INDEXERS)
+    assert single_group_spec(_sparse_mla()).head_size == 576
+    native = {
+        LATENTS[0]: torch.randn(BLOCKS, 1, BLOCK_SIZE, 576).to(torch.bfloat16),
+        INDEXERS[0]: torch.randint(0, 256, (BLOCKS, 1, BLOCK_SIZE, 132), dtype=torch.uint8),
+    }
+    views = vllm_kv_views(native, layout, "last_axis")
+    for name, half in ((LATENTS[0], 288), (INDEXERS[0], 66)):
+        assert views[name].shape == (BLOCKS, 2, 1, BLOCK_SIZE, half)
+        assert torch.equal(torch.cat([views[name][:, 0], views[name][:, 1]], -1), native[name])
+        assert views[name].data_ptr() == native[name].data_ptr()
+    # fp8_ds_mla: a 656-byte opaque latent per token (vLLM sizes it by state_content_bytes).
+    packed = _mla_spec(576, torch.uint8, state_content_bytes=656, is_index_group_leader=True)
+    fp8 = vllm_kv_cache_layout(config, _sparse_mla(latent=packed), (0, 0))
+    assert (fp8.head_dim, fp8.dtype) == (328, "uint8")
+    assert fp8.layer_widths == tuple(LayerWidth(name, 66, "uint8") for name in INDEXERS)
+    # vLLM 0.33 marks sparse latents with the top-k buffer's width: moved beside indexers too.
+    topk = _mla_spec(576, torch.bfloat16, topk_buffer_width=2048)
+    assert vllm_kv_cache_layout(config, _sparse_mla(latent=topk), (0, 0)).head_dim == 288
+
+
+@pytest.mark.parametrize(
+    ("config", "pattern"),
+    [
+        (
+            _sparse_mla(**{"model.layers.2.self_attn.attn": type("FullAttentionSpec", (), {})()}),
+            r"group 0 of 1 is UniformTypeKVCacheSpecs \(layers of one kind with unequal page "
+            r"sizes: FullAttentionSpec, MLAAttentionSpec",
+        ),
+        (
+            _sparse_mla(latent=_mla_spec(576, torch.bfloat16, block_size=32)),
+            r"UniformTypeKVCacheSpecs .*block sizes \[16, 32\]",
+        ),
+        (
+            _sparse_mla(latent=_mla_spec(132, torch.uint8, CacheRole.INDEXER)),
+            r"UniformTypeKVCacheSpecs .*only as sparse MLA \(MLAAttentionSpec latents and",
+        ),
+        (
+            _sparse_mla(latent=_mla_spec(576, torch.bfloat16, model_version="deepseek_v4")),
+            r"MLAAttentionSpec \(layer 'model.layers.0.self_attn.attn'\) \(model_version\)",
+        ),
+        (
+            _sparse_mla(latent=_mla_spec(576, torch.bfloat16, alignment=576)),
+            r"MLAAttentionSpec \(layer 'model.layers.0.self_attn.attn'\) \(alignment\)",
+        ),
+        (
+            _sparse_mla(
+                indexer=_mla_spec(132, torch.uint8, CacheRole.INDEXER, page_size_padded=4096)
+            ),
+            r"\(layer 'model.layers.0.self_attn.indexer.k_cache'\) \(page_size_padded\).*"
+            r"nor padded or compressed ones \(DeepSeek-V4\)",
+        ),
+        (
+            _sparse_mla(latent=_mla_spec(576, torch.bfloat16, tokens_per_state=4)),
+            r"\(layer 'model.layers.0.self_attn.attn'\) \(tokens_per_state\)",
+        ),
+        (
+            _sparse_mla(indexer=_mla_spec(131, torch.uint8, CacheRole.INDEXER)),
+            r"MLA layer 'model.layers.0.self_attn.indexer.k_cache' \(indexer cache\) has 131 "
+            r"elements per token; kvtransfer moves it as two halves and needs an even width",
+        ),
+    ],
+    ids=["other-kind", "block-size", "no-latent", "v4", "aligned", "padded", "compressed", "odd"],
+)
+def test_other_uniform_groups_and_padded_sparse_mla_are_refused_by_name(config, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        vllm_kv_cache_layout(vllm_config(block_size=BLOCK_SIZE, pp=1), config, (0, 0))
+
+
+def test_sparse_latents_without_their_indexer_caches_are_refused():
+    # vLLM 0.32 flags a latent owning an indexer; without the indexer's k-cache beside it a
+    # decode could not select its prompt's tokens.
+    alone = SimpleNamespace(
+        num_blocks=BLOCKS,
+        kv_cache_groups=[
+            SimpleNamespace(
+                kv_cache_spec=_mla_spec(576, torch.bfloat16, is_index_group_leader=True),
+                layer_names=list(LATENTS),
+            )
+        ],
+    )
+    with pytest.raises(ValueError, match=r"MLAAttentionSpec \(is_index_group_leader\).*not "
+                       r"sparse latents without their indexer cache"):  # fmt: skip
+        single_group_spec(alone)
+    alone.kv_cache_groups[0].kv_cache_spec = _mla_spec(576, torch.bfloat16)
+    assert single_group_spec(alone).head_size == 576  # DeepSeek V2/V3: a plain latent
 
 
 def test_an_fp8_cache_is_moved_as_bytes_with_its_format_in_the_layout():

@@ -28,6 +28,22 @@ computed here independently, for every (layer, block, head, token, K/V, dim); bl
 must keep the sentinel, and the producer's caches must be unchanged. Some cases have kvtransfer's
 own engine cache (a contiguous ``[B, 2, H, N, D]`` tensor per layer) on one side.
 
+Sparse MLA (DeepSeek-V3.2, GLM-5): 3 layers, each an MLA latent (``MLAAttentionSpec``, cache
+role "sparse": 576 bfloat16 per token, or fp8_ds_mla's opaque 656 bytes) and its lightning
+indexer's k-cache (a layer of its own, ``...indexer.k_cache``, cache role "indexer": 132 bytes
+per token), specs as vLLM's ``MLAAttention`` and ``DeepseekV32IndexerCache`` report them. vLLM's
+own ``get_kv_cache_groups`` must make one ``UniformTypeKVCacheSpecs`` group of them,
+``get_kv_cache_config_from_groups`` its ``KVCacheConfig`` and the worker's ``allocate_kv_cache``
+the per-layer ``[blocks, 1, 64, C]`` tensors, in every layout vLLM resolves for them. Our
+adapter's ``vllm_kv_cache_layout`` must make one full-attention group with each indexer's own
+width, and ``vllm_kv_views`` the views our connector registers. Each consumer rank (TP 1 <-> 2:
+latents and indexers are the same on every rank) pulls every layer's scattered blocks, RMA and
+tagged; its whole buffer must then equal, byte for byte, the sentinel with the producer's
+tokens written through vLLM's own per-token view (``bind_kv_cache``'s ``[B, N, C]``) at the
+local blocks. Pulls that skip the indexers, or pair blocks wrongly, must fail that check; the
+DeepSeek-V4 padded latent and full-attention layers of unequal page sizes, grouped by vLLM the
+same way, must be refused by the adapter naming them.
+
 Prints one line per case and a summary; exits 1 on any mismatch or error.
 """
 
@@ -35,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 import traceback
@@ -42,6 +59,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from functools import cache
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,9 +72,29 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout as VllmLayout
 
-from kvtransfer.connector.metadata import KVCacheLayout
-from kvtransfer.integrations.vllm_translate import vllm_kv_views
+from kvtransfer.connector.metadata import KVCacheLayout, LayerWidth
+from kvtransfer.integrations.vllm_translate import vllm_kv_cache_layout, vllm_kv_views
 from kvtransfer.transport import KVTransferAgent, PullSpec, TransportConfig
+
+try:  # What the sparse MLA cases build with: vLLM's own spec classes, grouping and allocation.
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    try:  # vLLM 0.33 moved the engine core's KV cache planning out of kv_cache_utils.
+        from vllm.v1.core.kv_cache_planning import (
+            get_kv_cache_config_from_groups,
+            get_kv_cache_groups,
+        )
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import (
+            get_kv_cache_config_from_groups,
+            get_kv_cache_groups,
+        )
+    SPARSE_UNAVAILABLE = None
+except ImportError as exc:  # this vLLM cannot build them: those cases are skipped, saying so
+    SPARSE_UNAVAILABLE = f"{type(exc).__name__}: {exc}"
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 10
@@ -437,6 +476,298 @@ def cases() -> list[Case]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Sparse MLA: latents and indexer k-caches in one UniformTypeKVCacheSpecs group (see the top).
+
+SPARSE_LAYERS = 3
+SPARSE_BLOCK = 64  # FlashMLA-sparse's block size
+SPARSE_LATENTS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(SPARSE_LAYERS))
+# As DeepseekV32IndexerCache names its layer: f"{prefix}.k_cache" of the attention's indexer.
+SPARSE_INDEXERS = tuple(f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(SPARSE_LAYERS))
+SPARSE_NAMES = SPARSE_LATENTS + SPARSE_INDEXERS
+# cache_dtype -> the latent's (head_size, dtype, state_content_bytes, elements per token).
+SPARSE_FORMATS = {
+    "auto": (576, torch.bfloat16, None, 576),
+    "fp8_ds_mla": (576, torch.uint8, 656, 656),
+}
+INDEXER_BYTES = 132  # 128 fp8 keys and one fp32 scale per 128
+SPARSE_TP_PAIRS = ((1, 2), (2, 1))
+SPARSE_SENTINEL = 0xA5
+
+
+@dataclass(frozen=True)
+class SparseCase:
+    cache_dtype: str
+    producer: VllmLayout
+    consumer: VllmLayout
+    tp: tuple[int, int]
+    plane: str
+
+    def __str__(self) -> str:
+        return (
+            f"sparse-mla {self.cache_dtype:<10} {self.producer.name} tp{self.tp[0]} -> "
+            f"{self.consumer.name} tp{self.tp[1]} {self.plane}"
+        )
+
+
+def sparse_specs(cache_dtype: str) -> dict[str, Any]:
+    """Every layer's spec, as vLLM 0.32's ``MLAAttention.get_kv_cache_spec`` (a latent whose
+    layer owns an indexer) and ``DeepseekV32IndexerCache.get_kv_cache_spec`` report them."""
+    head_size, dtype, content, _ = SPARSE_FORMATS[cache_dtype]
+    extra = {}
+    if "topk_buffer_width" in {f.name for f in dataclasses.fields(MLAAttentionSpec)}:
+        extra["topk_buffer_width"] = 2048  # vLLM 0.33 records the top-k buffer's width
+    latent = MLAAttentionSpec(
+        block_size=SPARSE_BLOCK,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=head_size,
+        dtype=dtype,
+        cache_dtype_str=cache_dtype,
+        state_content_bytes=content,
+        is_index_group_leader=True,
+        **extra,
+    )
+    indexer = MLAAttentionSpec(
+        block_size=SPARSE_BLOCK,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=INDEXER_BYTES,
+        dtype=torch.uint8,
+        cache_role=SparseCacheRole.INDEXER,
+    )
+    return {**dict.fromkeys(SPARSE_LATENTS, latent), **dict.fromkeys(SPARSE_INDEXERS, indexer)}
+
+
+def sparse_config(cache_dtype: str, layout: VllmLayout | None) -> Any:
+    config = VllmConfig(cache_config=CacheConfig(block_size=SPARSE_BLOCK))
+    config.cache_config.cache_dtype = cache_dtype
+    config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
+    if layout is not None:
+        config.cache_config.kv_cache_layout = layout.name
+    return config
+
+
+@cache
+def sparse_refused(layout: VllmLayout) -> str | None:
+    """Why vLLM's engine core would not resolve ``layout`` for these specs (None: it would)."""
+    specs = sparse_specs("auto").values()
+    try:
+        resolve_kv_cache_layout(sparse_config("auto", None), [[layout.name]], specs)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def our_engine(config: Any, tp: int) -> SimpleNamespace:
+    """The VllmConfig parts our adapter reads: a DeepSeek-V3.2-like model (no checkpoint) and
+    vLLM's own cache config."""
+    model = SimpleNamespace(
+        model="tiny-deepseek-v32",
+        dtype=torch.bfloat16,
+        use_mla=True,
+        get_total_num_kv_heads=lambda: 1,
+        get_head_size=lambda: 576,
+        get_total_num_hidden_layers=lambda: SPARSE_LAYERS,
+    )
+    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1)
+    return SimpleNamespace(
+        model_config=model, parallel_config=parallel, cache_config=config.cache_config
+    )
+
+
+@cache
+def sparse_recipe(cache_dtype: str, layout: VllmLayout, tp: int, rank: int) -> tuple[Any, Any]:
+    """(vLLM's ``KVCacheConfig``, our layout) of one rank; `Mismatch` if either is not as
+    expected."""
+    config = sparse_config(cache_dtype, layout)
+    groups = get_kv_cache_groups(config, sparse_specs(cache_dtype))
+    kinds = [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in groups]
+    if kinds != [("UniformTypeKVCacheSpecs", len(SPARSE_NAMES))]:
+        raise Mismatch(f"vLLM grouped the sparse MLA layers as {kinds}")
+    kv_cache_config = get_kv_cache_config_from_groups(config, groups, 1 << 30)
+    ours = vllm_kv_cache_layout(our_engine(config, tp), kv_cache_config, (0, rank))
+    _, dtype, _, width = SPARSE_FORMATS[cache_dtype]
+    indexers = tuple(LayerWidth(name, INDEXER_BYTES // 2, "uint8") for name in SPARSE_INDEXERS)
+    got = (ours.groups, ours.num_kv_heads, ours.head_dim, ours.dtype, ours.layer_widths)
+    want = ((), 1, width // 2, str(dtype).removeprefix("torch."), indexers)
+    if got != want or ours.num_blocks != NUM_BLOCKS:
+        raise Mismatch(f"vllm_kv_cache_layout says {got}, expected {want}")
+    return kv_cache_config, ours
+
+
+class SparseRank:
+    """One rank's caches: vLLM's buffer and per-layer tensors, the views our adapter makes."""
+
+    def __init__(self, cache_dtype: str, layout: VllmLayout, tp: int, rank: int) -> None:
+        kv_cache_config, ours = sparse_recipe(cache_dtype, layout, tp, rank)
+        self.native = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        storage = next(iter(self.native.values())).untyped_storage()
+        for view in self.native.values():
+            assert view.untyped_storage().data_ptr() == storage.data_ptr()
+        self.raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        # The adapter splits MLA caches on their last axis whatever the backend.
+        self.views = vllm_kv_views(self.native, ours, "last_axis")
+        self.heads = range(0, 1)  # one latent "head", the same on every rank
+
+    def tokens(self, name: str) -> torch.Tensor:
+        """A layer's [blocks, tokens, bytes], as vLLM's kernels read it (``bind_kv_cache``
+        drops the head axis), viewed as bytes."""
+        return self.native[name].squeeze(1).view(torch.uint8)
+
+
+def sparse_reference(cache_dtype: str) -> dict[str, torch.Tensor]:
+    """What the producer's model wrote: random bytes per layer, [blocks, tokens, bytes]."""
+    generator = torch.Generator().manual_seed(32)
+    _, dtype, _, width = SPARSE_FORMATS[cache_dtype]
+    ref = {}
+    for name in SPARSE_NAMES:
+        size = width * dtype.itemsize if name in SPARSE_LATENTS else INDEXER_BYTES
+        shape = (NUM_BLOCKS, SPARSE_BLOCK, size)
+        ref[name] = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+    return ref
+
+
+def run_sparse_case(
+    case: SparseCase,
+    closer: ThreadPoolExecutor,
+    closing: list[Future],
+    layers: Sequence[str] = SPARSE_NAMES,
+    local_ids: Sequence[int] = LOCAL_IDS,
+) -> str:
+    """One sparse MLA case (``layers``, ``local_ids``: what is pulled, for checks that must
+    fail); returns a summary, raises `Mismatch` (or anything) on failure."""
+    tp_p, tp_c = case.tp
+    ref = sparse_reference(case.cache_dtype)
+    producers = [SparseRank(case.cache_dtype, case.producer, tp_p, r) for r in range(tp_p)]
+    consumers = [SparseRank(case.cache_dtype, case.consumer, tp_c, r) for r in range(tp_c)]
+    for rank, caches in enumerate(producers):
+        noise = torch.Generator().manual_seed(100 + rank)
+        caches.raw.copy_(torch.randint(0, 256, caches.raw.shape, generator=noise).to(torch.uint8))
+        for name in SPARSE_NAMES:
+            caches.tokens(name).copy_(ref[name])
+    before = [caches.raw.clone() for caches in producers]
+    for caches in consumers:
+        caches.raw.fill_(SPARSE_SENTINEL)
+    want_bytes = len(LOCAL_IDS) * sum(SPARSE_BLOCK * ref[name].shape[-1] for name in layers)
+    pulls = 0
+    for rank, consumer in enumerate(consumers):
+        # Replicated: each consumer rank reads one producer rank's copy.
+        producer = producers[rank % tp_p]
+        with linked_agents(case.plane, [producer], [consumer], closer, closing) as (link,):
+            spec = PullSpec(
+                f"sparse-{pulls}",
+                tuple(layers),
+                REMOTE_IDS,
+                tuple(local_ids),
+                remote_heads=link.remote_heads,
+                local_heads=link.local_heads,
+            )
+            result = link.agent.pull(link.peer, spec).result(WAIT_S)
+            if result.payload_bytes != want_bytes:
+                raise Mismatch(
+                    f"consumer rank {rank}'s pull reports {result.payload_bytes} payload bytes, "
+                    f"expected {want_bytes}"
+                )
+            pulls += 1
+    for rank, caches in enumerate(consumers):
+        # The sentinel with the producer's tokens written through vLLM's own views.
+        expected = SparseRank(case.cache_dtype, case.consumer, tp_c, rank)
+        expected.raw.fill_(SPARSE_SENTINEL)
+        for name in SPARSE_NAMES:
+            expected.tokens(name)[list(LOCAL_IDS)] = ref[name][list(REMOTE_IDS)]
+        if not torch.equal(caches.raw, expected.raw):
+            raise Mismatch(f"consumer rank {rank}: {sparse_difference(caches, ref)}")
+    for rank, (caches, raw) in enumerate(zip(producers, before, strict=True)):
+        if not torch.equal(caches.raw, raw):
+            raise Mismatch(f"producer rank {rank}: its buffer changed")
+    return f"{pulls} pulls of {want_bytes} B"
+
+
+def sparse_difference(caches: SparseRank, ref: dict[str, torch.Tensor]) -> str:
+    """The first layer and block read differently through vLLM's per-token views, or else
+    that bytes outside every view differ."""
+    for name in SPARSE_NAMES:
+        got = caches.tokens(name)
+        for block in range(NUM_BLOCKS):
+            want = torch.full_like(got[block], SPARSE_SENTINEL)
+            if block in LOCAL_IDS:
+                want = ref[name][REMOTE_IDS[LOCAL_IDS.index(block)]]
+            if not torch.equal(got[block], want):
+                bad = (got[block] != want).sum().item()
+                return f"{name} block {block}: {bad} of {want.numel()} bytes differ"
+    return "bytes outside every layer's view differ"
+
+
+def sparse_cases() -> list[SparseCase]:
+    accepted = [layout for layout in LAYOUTS if sparse_refused(layout) is None]
+    out = []
+    for i, layout in enumerate(accepted):
+        consumer = accepted[(i + 1) % len(accepted)]
+        for j, plane in enumerate(PLANES):
+            tp = SPARSE_TP_PAIRS[(i + j) % len(SPARSE_TP_PAIRS)]
+            out.append(SparseCase("auto", layout, consumer, tp, plane))
+    for j, plane in enumerate(PLANES):
+        layout = accepted[j % len(accepted)]
+        tp = SPARSE_TP_PAIRS[j % len(SPARSE_TP_PAIRS)]
+        out.append(SparseCase("fp8_ds_mla", layout, accepted[-1 - j], tp, plane))
+    return out
+
+
+def sparse_must_fail(
+    case: SparseCase, closer: ThreadPoolExecutor, closing: list[Future]
+) -> list[tuple[str, Any]]:
+    """Pulls the check must catch: the indexers left out, two blocks paired wrongly."""
+    swapped = (LOCAL_IDS[1], LOCAL_IDS[0], *LOCAL_IDS[2:])
+
+    def caught(**wrong: Any) -> str:
+        try:
+            run_sparse_case(case, closer, closing, **wrong)
+        except Mismatch as exc:
+            return f"caught: {exc}"
+        raise AssertionError("the check passed a wrong transfer")
+
+    return [
+        (f"{case} without the indexer caches", lambda: caught(layers=SPARSE_LATENTS)),
+        (f"{case} with blocks paired wrongly", lambda: caught(local_ids=swapped)),
+    ]
+
+
+def sparse_refusals() -> str:
+    """What vLLM groups like sparse MLA but kvtransfer must refuse, by name: DeepSeek-V4's
+    padded latent, full-attention layers of unequal page sizes."""
+    config = sparse_config("auto", VllmLayout.BLNHC)
+    v4 = dict(sparse_specs("auto"))
+    for name in SPARSE_LATENTS:
+        # An alignment that pads the page (vLLM sets page_size_padded).
+        v4[name] = dataclasses.replace(v4[name], model_version="deepseek_v4", alignment=5000)
+    full = {
+        f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+            block_size=SPARSE_BLOCK, num_kv_heads=1, head_size=64 * (1 + i % 2), dtype=torch.uint8
+        )
+        for i in range(2)
+    }
+    seen = []
+    for what, specs, words in (
+        ("DeepSeek-V4 latents", v4, "(model_version, page_size_padded, alignment)"),
+        ("unequal full attention", full, "is UniformTypeKVCacheSpecs (layers of one kind"),
+    ):
+        groups = get_kv_cache_groups(config, specs)
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        if kinds != ["UniformTypeKVCacheSpecs"]:
+            raise Mismatch(f"vLLM grouped {what} as {kinds}")
+        kv_cache_config = get_kv_cache_config_from_groups(config, groups, 1 << 30)
+        try:
+            vllm_kv_cache_layout(our_engine(config, 1), kv_cache_config, (0, 0))
+        except ValueError as exc:
+            if words not in str(exc):
+                raise Mismatch(f"{what} refused, but not naming {words!r}: {exc}") from exc
+            seen.append(what)
+            continue
+        raise Mismatch(f"vllm_kv_cache_layout took {what}")
+    return f"refused naming them: {', '.join(seen)}"
+
+
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     start = time.monotonic()
@@ -481,6 +812,9 @@ def main() -> int:
             traceback.print_exc(limit=3, file=sys.stdout)
             continue
         print(f"ok    {case}: {summary} ({time.monotonic() - t0:.2f} s)")
+    sparse = run_sparse_checks(closer, closing)
+    checks += sparse[0]
+    failed += sparse[1]
     closer.shutdown(wait=True)
     errors = [f.exception() for f in closing if f.exception() is not None]
     checks += 1
@@ -492,9 +826,55 @@ def main() -> int:
     elapsed = time.monotonic() - start
     print(
         f"[check_layouts] {checks - failed}/{checks} checks passed ({len(all_cases)} transfer "
-        f"cases over {len(LAYOUTS)} vLLM layouts, {len(ROWS_REFUSED)} refusals) in {elapsed:.1f} s"
+        f"cases over {len(LAYOUTS)} vLLM layouts, {len(ROWS_REFUSED)} refusals; {sparse[2]}) "
+        f"in {elapsed:.1f} s"
     )
     return 1 if failed else 0
+
+
+def run_sparse_checks(closer: ThreadPoolExecutor, closing: list[Future]) -> tuple[int, int, str]:
+    """The sparse MLA checks, each reported on its line: (checks, failed, summary words)."""
+    unavailable = SPARSE_UNAVAILABLE
+    if unavailable is None:
+        try:  # a vLLM whose spec classes take other fields cannot build them either
+            for cache_dtype in SPARSE_FORMATS:
+                sparse_specs(cache_dtype)
+        except (TypeError, ValueError) as exc:
+            unavailable = f"{type(exc).__name__}: {exc}"
+    if unavailable is not None:
+        print(f"skip  sparse MLA: this vLLM cannot build its specs ({unavailable})")
+        return 0, 0, "sparse MLA skipped"
+    checks = failed = 0
+    for layout in LAYOUTS:
+        reason = sparse_refused(layout)
+        if reason is not None:
+            print(f"n/a   sparse-mla {layout.name}: vLLM refuses it ({reason})")
+    try:
+        all_cases = sparse_cases()
+    except Exception as exc:  # reported as one failed check
+        print(f"FAIL  sparse MLA cases: {type(exc).__name__}: {exc}")
+        return 1, 1, "sparse MLA failed"
+    runs: list[tuple[str, Any]] = [
+        (str(case), lambda c=case: run_sparse_case(c, closer, closing)) for case in all_cases
+    ]
+    runs += sparse_must_fail(all_cases[0], closer, closing)
+    runs.append(("sparse-mla refusals", sparse_refusals))
+    for what, run in runs:
+        checks += 1
+        t0 = time.monotonic()
+        try:
+            summary = run()
+        except Mismatch as exc:
+            failed += 1
+            print(f"FAIL  {what}: {exc}")
+            continue
+        except Exception as exc:  # every failure is reported, then the next check runs
+            failed += 1
+            print(f"FAIL  {what}: {type(exc).__name__}: {exc}")
+            traceback.print_exc(limit=4, file=sys.stdout)
+            continue
+        print(f"ok    {what}: {summary} ({time.monotonic() - t0:.2f} s)")
+    return checks, failed, f"{len(all_cases)} sparse MLA cases"
 
 
 if __name__ == "__main__":

@@ -57,6 +57,17 @@ class KVConnectorHandshakeMetadata(BaseModel):
 
 
 @dataclass(frozen=True)
+class LayerWidth:
+    """An attention layer whose per-token vectors are not the engine's ``head_dim`` x ``dtype``
+    (`KVCacheLayout`): DeepSeek-V3.2's indexer k-cache (one uint8 vector of keys and scales per
+    token) beside its MLA latents. ``head_dim``: each of the two halves a block is moved as."""
+
+    name: str
+    head_dim: int
+    dtype: str  # torch dtype name without the "torch." prefix
+
+
+@dataclass(frozen=True)
 class KVCacheLayout:
     """What the engine tells a connector about the KV cache when it creates it (passed as
     ``kv_cache_config``). The scheduler half gets ``pp_rank``/``tp_rank`` ``None``; each worker
@@ -89,10 +100,20 @@ class KVCacheLayout:
     # skipped (before a sliding window); never moved, never lent.
     groups: tuple[KVCacheGroup, ...] = ()
     null_block_id: int | None = None
+    # Attention layers whose width or element type differs from ``head_dim`` and ``dtype``
+    # (each listed once); every other attention layer has the engine's.
+    layer_widths: tuple[LayerWidth, ...] = ()
 
     @property
     def num_groups(self) -> int:
         return max(1, len(self.groups))
+
+    def width_of(self, layer_name: str) -> tuple[int, str]:
+        """``(head_dim, dtype)`` of an attention layer: its own if listed, else the engine's."""
+        for width in self.layer_widths:
+            if width.name == layer_name:
+                return width.head_dim, width.dtype
+        return self.head_dim, self.dtype
 
     @property
     def rank(self) -> PpTpRank | None:

@@ -19,7 +19,7 @@ from kvtransfer.connector.kv_groups import (
     SLIDING_WINDOW,
     KVCacheGroup,
 )
-from kvtransfer.connector.metadata import KVCacheLayout, PpTpRank
+from kvtransfer.connector.metadata import KVCacheLayout, LayerWidth, PpTpRank
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.integrations.vllm_state import vllm_state_parts
 from kvtransfer.transport.spec import dtype_name
@@ -103,23 +103,27 @@ def vllm_kv_cache_layout(
     num_blocks = getattr(kv_cache_config, "num_blocks", None)
     spec = single_group_spec(kv_cache_config)
     # The cache's own element type (uint8 for fp8 caches: moved as bytes), else the model's.
-    dtype = getattr(spec, "dtype", None) or model.dtype
+    element = getattr(spec, "dtype", None) or model.dtype
+    dtype = dtype_name(element) if isinstance(element, torch.dtype) else str(element)
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    widths: tuple[LayerWidth, ...] = ()
     if uses_mla(vllm_config, spec):
         # One latent per token, the same on every TP rank: one "head" whose last axis is
         # the latent, moved as two halves (K's and V's places), so TP ranks replicate it.
-        latent = int(getattr(spec, "head_size", None) or model.get_head_size())
+        latent = _mla_width(spec) or int(model.get_head_size())
         if latent % 2:
             raise ValueError(
                 f"the MLA latent has {latent} elements per token; kvtransfer moves it as two "
                 "halves and needs an even width"
             )
         num_kv_heads, head_dim = 1, latent // 2
+        # Sparse MLA's indexer k-caches: one vector per token too, of their own width.
+        widths = _mla_layer_widths(kv_cache_config, head_dim, dtype)
     else:
         num_kv_heads, head_dim = model.get_total_num_kv_heads(), model.get_head_size()
     return KVCacheLayout(
         model=str(model.model),
-        dtype=dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype),
+        dtype=dtype,
         cache_dtype=cache_dtype,
         block_size=int(vllm_config.cache_config.block_size),
         num_blocks=int(num_blocks) if num_blocks else 1,
@@ -137,7 +141,60 @@ def vllm_kv_cache_layout(
         # vLLM's block pool hands out its first block as the null block every request's
         # skipped (out-of-window) positions point at.
         null_block_id=VLLM_NULL_BLOCK_ID,
+        layer_widths=widths,
     )
+
+
+def _mla_width(spec: Any) -> int | None:
+    """Elements per token of an MLA layer's cache (None: the spec does not say): ds_mla
+    formats (``fp8_ds_mla``: 656 bytes) pack NoPE, RoPE and scales into one opaque per-token
+    blob that vLLM sizes by ``state_content_bytes``, not by ``head_size``."""
+    content = getattr(spec, "state_content_bytes", None)
+    dtype = getattr(spec, "dtype", None)
+    if content is not None and isinstance(dtype, torch.dtype):
+        return int(content) // dtype.itemsize
+    head = getattr(spec, "head_size", None)
+    return int(head) if head else None
+
+
+def _mla_layer_widths(
+    kv_cache_config: Any | None, head_dim: int, dtype: str
+) -> tuple[LayerWidth, ...]:
+    """The MLA layers whose per-token vector is not the engine's latent (``head_dim`` x 2 of
+    ``dtype``): sparse MLA's indexer k-caches. `ValueError` naming a layer of odd width."""
+    widths = []
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        for name, spec in _layer_specs(group).items():
+            if "MLA" not in type(spec).__name__:
+                continue
+            width = _mla_width(spec)
+            if width is None:
+                continue
+            if width % 2:
+                raise ValueError(
+                    f"MLA layer {name!r} ({_role(spec)} cache) has {width} elements per token; "
+                    "kvtransfer moves it as two halves and needs an even width"
+                )
+            own = getattr(spec, "dtype", None)
+            own = dtype_name(own) if isinstance(own, torch.dtype) else str(own or dtype)
+            if (width // 2, own) != (head_dim, dtype):
+                widths.append(LayerWidth(name, width // 2, own))
+    return tuple(widths)
+
+
+def _layer_specs(group: Any) -> dict[str, Any]:
+    """Each layer's spec in one of vLLM's ``KVCacheGroupSpec``s."""
+    spec = group.kv_cache_spec
+    if type(spec).__name__ == _UNIFORM:
+        return dict(getattr(spec, "kv_cache_specs", None) or {})
+    return {name: spec for name in getattr(group, "layer_names", ()) or ()}
+
+
+def _specs_in(spec: Any) -> list[Any]:
+    """A group's spec, or a ``UniformTypeKVCacheSpecs``'s per-layer specs."""
+    if type(spec).__name__ == _UNIFORM:
+        return list((getattr(spec, "kv_cache_specs", None) or {}).values())
+    return [spec]
 
 
 def uses_mla(vllm_config: Any, spec: Any | None) -> bool:
@@ -150,6 +207,17 @@ def uses_mla(vllm_config: Any, spec: Any | None) -> bool:
 
 # MLA variants whose caches are more than one latent plane per layer, or padded pages.
 _MLA_EXTRAS = ("topk_buffer_width", "model_version", "page_size_padded", "alignment")
+# Sparse MLA (DeepSeek-V3.2, GLM-5): each layer's latent (``MLAAttentionSpec``, cache_role
+# "sparse", vLLM's default) has its lightning indexer's k-cache beside it as a layer of its own
+# (``<layer>.self_attn.indexer.k_cache``: cache_role "indexer", one vector of keys and scales
+# per token, the same on every TP rank). The two page sizes differ, so vLLM groups them as one
+# `_UNIFORM` group: one block table, every block of every layer moved whole.
+_INDEXER_ROLE = "indexer"
+_UNIFORM = "UniformTypeKVCacheSpecs"
+# What marks a latent as sparse: vLLM 0.33's top-k buffer width; vLLM 0.32's flag on a layer
+# owning an indexer. A decode needs the indexer's keys of the prompt: such latents move only
+# beside indexer caches.
+_SPARSE_MARKS = ("topk_buffer_width", "is_index_group_leader")
 # vLLM's KV cache specs our connectors move, by the group kind they are (`kv_groups`).
 _GROUP_KINDS = {
     "FullAttentionSpec": FULL_ATTENTION,
@@ -164,7 +232,6 @@ _NOT_MOVED = {
     "CrossAttentionSpec": "encoder-decoder cross attention",
     "EncoderOnlyAttentionSpec": "encoder-only attention",
     "SinkFullAttentionSpec": "attention sinks",
-    "UniformTypeKVCacheSpecs": "layers of one kind with unequal page sizes",
 }
 
 
@@ -182,7 +249,12 @@ def single_group_spec(kv_cache_config: Any | None) -> Any | None:
             "the model has no attention layer (recurrent state only): kvtransfer connectors "
             "in vLLM move state beside attention KV, not a pure state-space model's"
         )
-    return attention[0].kv_cache_spec
+    spec = attention[0].kv_cache_spec
+    if type(spec).__name__ == _UNIFORM:
+        # Sparse MLA (checked by `vllm_kv_groups`): the engine's width is the latents'; the
+        # indexer caches get their own (`_mla_layer_widths`).
+        return next(s for s in spec.kv_cache_specs.values() if _role(s) != _INDEXER_ROLE)
+    return spec
 
 
 def vllm_kv_groups(
@@ -190,24 +262,25 @@ def vllm_kv_groups(
 ) -> tuple[KVCacheGroup, ...]:
     """vLLM's KV cache groups as ours, in vLLM's order (the order of a request's block lists);
     ``()`` for one full-attention group (the layout's default). `ValueError` at start-up naming
-    the group vLLM built that kvtransfer does not move: recurrent state, sliding-window or
-    sparse-indexer MLA, padded pages, a group of another block size."""
+    the group vLLM built that kvtransfer does not move: recurrent state, sliding-window MLA,
+    sparse MLA latents without their indexer caches, padded pages, layers of unequal page sizes
+    (``UniformTypeKVCacheSpecs``) other than sparse MLA's, a group of another block size."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    has_indexer = any(
+        _role(each) == _INDEXER_ROLE for group in groups for each in _specs_in(group.kv_cache_spec)
+    )
     ours = []
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         kind = type(spec).__name__
-        if (
-            "MLA" in kind
-            and kind != "SlidingWindowMLASpec"
-            and (kind != "MLAAttentionSpec" or _has_mla_extras(spec))
-        ):
-            extras = [name for name in _MLA_EXTRAS if getattr(spec, name, None) is not None]
-            raise ValueError(
-                f"the model's KV cache is {kind} ({', '.join(extras) or 'not a plain latent'}"
-                "): kvtransfer connectors in vLLM move plain MLA caches (one latent per token, "
-                "DeepSeek V2/V3), not sparse-indexer or padded ones"
-            )
+        if kind == _UNIFORM:
+            # Layers of one kind with unequal page sizes: moved only as sparse MLA's latents
+            # and indexer caches, each layer whole on its own width (`_mla_layer_widths`).
+            for name, each in _uniform_mla_specs(index, len(groups), spec).items():
+                _check_mla(each, name, has_indexer)
+            kind = "MLAAttentionSpec"
+        else:
+            _check_mla(spec, None, has_indexer)
         if kind not in _GROUP_KINDS:
             what = _NOT_MOVED.get(kind, "a kind of KV cache kvtransfer does not know")
             layers = list(getattr(group, "layer_names", ()))[:3]
@@ -256,8 +329,59 @@ def _state_group(index: int, group: Any, spec: Any, vllm_config: Any | None) -> 
     )
 
 
-def _has_mla_extras(spec: Any) -> bool:
-    return any(getattr(spec, name, None) is not None for name in _MLA_EXTRAS)
+def _role(spec: Any) -> str:
+    """An MLA spec's ``cache_role`` ("sparse": a latent, vLLM's default; "indexer")."""
+    role = getattr(spec, "cache_role", None)
+    return str(getattr(role, "value", role) or "sparse")
+
+
+def _check_mla(spec: Any, layer: str | None, has_indexer: bool) -> None:
+    """`ValueError` naming the spec (and ``layer``) for an MLA cache kvtransfer does not move:
+    another MLA kind, padded or compressed pages (DeepSeek-V4), a sparse latent without its
+    indexer's k-cache in the engine's groups (``has_indexer``)."""
+    kind = type(spec).__name__
+    if "MLA" not in kind or kind == "SlidingWindowMLASpec":
+        return  # not MLA, or refused by kind (`_NOT_MOVED`)
+    extras = [
+        name
+        for name in _MLA_EXTRAS
+        if getattr(spec, name, None) is not None and not (has_indexer and name in _SPARSE_MARKS)
+    ]
+    extras += [
+        name
+        for name in ("tokens_per_state", "num_head_slots")
+        if getattr(spec, name, None) not in (None, 1)
+    ]
+    if getattr(spec, "is_index_group_leader", False) is True and not has_indexer:
+        extras.append("is_index_group_leader")
+    if kind != "MLAAttentionSpec" or extras:
+        where = "" if layer is None else f" (layer {layer!r})"
+        raise ValueError(
+            f"the model's KV cache is {kind}{where} ({', '.join(extras) or 'not a plain latent'}"
+            "): kvtransfer connectors in vLLM move plain MLA caches (one latent per token, "
+            "DeepSeek V2/V3) and sparse MLA latents beside their indexer's k-cache (DeepSeek-"
+            "V3.2, GLM-5), not sparse latents without their indexer cache, nor padded or "
+            "compressed ones (DeepSeek-V4)"
+        )
+
+
+def _uniform_mla_specs(index: int, num_groups: int, spec: Any) -> dict[str, Any]:
+    """A ``UniformTypeKVCacheSpecs`` group's per-layer specs when they are all plain
+    ``MLAAttentionSpec`` of its block size, at least one a latent (sparse MLA); `ValueError`
+    naming the group and its layers' kinds otherwise."""
+    specs = dict(getattr(spec, "kv_cache_specs", None) or {})
+    kinds = sorted({type(each).__name__ for each in specs.values()})
+    blocks = {getattr(each, "block_size", None) for each in specs.values()}
+    latents = [name for name, each in specs.items() if _role(each) != _INDEXER_ROLE]
+    if kinds != ["MLAAttentionSpec"] or len(blocks) != 1 or not latents:
+        raise ValueError(
+            f"KV cache group {index} of {num_groups} is {_UNIFORM} (layers of one kind with "
+            f"unequal page sizes: {', '.join(kinds) or 'none'}, block sizes "
+            f"{sorted(blocks, key=str)}, layers {list(specs)[:3]}): kvtransfer connectors in "
+            "vLLM move such a group only as sparse MLA (MLAAttentionSpec latents and their "
+            "indexer's k-cache, one block size); this model's cannot be transferred"
+        )
+    return specs
 
 
 def kv_split_for(device: torch.device, configured: str | None = None) -> str:
@@ -325,7 +449,7 @@ def state_page_view(name: str, cache: Any) -> torch.Tensor:
 def _b2hnd(name: str, cache: torch.Tensor, layout: KVCacheLayout, split: str) -> torch.Tensor:
     blocks, heads, tokens, width = cache.shape
     s_block, s_head, s_token, s_elem = cache.stride()
-    head_dim = layout.head_dim
+    head_dim, _ = layout.width_of(name)  # an indexer k-cache has its own
     if layout.block_size % tokens:
         # A smaller one is a kernel block (vLLM splits a block for some backends, e.g.
         # FlashInfer's 64-token pages under --block-size 128): moved as such.

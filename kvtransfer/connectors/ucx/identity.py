@@ -183,7 +183,16 @@ class WorkerIdentity:
         attention = {n: c for n, c in caches.items() if n not in state}
         if not attention:
             raise ValueError("UcxConnector: register_kv_caches got no attention layer")
-        first = next(iter(attention.values()))
+        # Layers the layout gives their own width (an indexer k-cache beside MLA latents) are
+        # checked against it; the others against the first of the engine's own width.
+        widths = {w.name: (w.head_dim, w.dtype) for w in layout.layer_widths} if layout else {}
+        engine_wide = [c for n, c in attention.items() if n not in widths]
+        if not engine_wide:
+            raise ValueError(
+                "every attention layer has a width of its own in the engine's layout; at "
+                "least one must have the engine's head_dim and dtype"
+            )
+        first = engine_wide[0]
         for name, group in state_groups.items():
             page = caches[name]
             heads = "heads" if group.state_heads is not None else "1"
@@ -207,16 +216,21 @@ class WorkerIdentity:
                     f"KV cache {name!r} has shape {tuple(cache.shape)}, expected "
                     "[num_blocks, 2, num_kv_heads, block_size, head_dim]"
                 )
-            if (cache.shape[0], cache.shape[3], cache.shape[4], cache.dtype, cache.device) != (
+            if (cache.shape[0], cache.shape[3], cache.device) != (
                 first.shape[0],
                 first.shape[3],
-                first.shape[4],
-                first.dtype,
                 first.device,
             ):
                 raise ValueError(
-                    f"KV cache {name!r} differs from the others in num_blocks, block_size, "
-                    "head_dim, dtype or device"
+                    f"KV cache {name!r} differs from the others in num_blocks, block_size or device"
+                )
+            own = (int(cache.shape[4]), _dtype_name(cache.dtype))
+            expected = widths.get(name, (int(first.shape[4]), _dtype_name(first.dtype)))
+            if own != expected:
+                said = "the engine's layout says" if name in widths else "the other layers have"
+                raise ValueError(
+                    f"KV cache {name!r} has head_dim {own[0]} of {own[1]}; {said} "
+                    f"{expected[0]} of {expected[1]}"
                 )
         if groups:
             check_groups(groups, list(caches))
@@ -234,11 +248,13 @@ class WorkerIdentity:
                     state_width=int(cache.shape[4]) if name in state else None,
                     state_split=name in state and state_groups[name].state_heads is not None,
                     state_parts=state_groups[name].state_parts if name in state else (),
+                    head_dim=widths[name][0] if name in widths else None,
+                    dtype=widths[name][1] if name in widths else None,
                 )
             )
         target = [la for la in layers if not la.is_draft]
         draft = [la for la in layers if la.is_draft]
-        dtype = str(first.dtype).removeprefix("torch.")
+        dtype = _dtype_name(first.dtype)
         block_size, head_dim = int(first.shape[3]), int(first.shape[4])
         if layout is None:
             layout = KVCacheLayout(
@@ -292,7 +308,8 @@ class WorkerIdentity:
                         f"{part.total_heads} heads; TP rank {tp_rank} of {layout.tp_size} holds "
                         f"{len(share)}"
                     )
-        indices = sorted(la.index for la in target)
+        # One model layer may hold several caches (an MLA latent and its indexer's k-cache).
+        indices = sorted({la.index for la in target})
         if indices and indices != list(range(indices[0], indices[0] + len(indices))):
             raise ValueError(f"target layers {indices} are not a contiguous range")
         return cls(
@@ -325,6 +342,10 @@ class WorkerIdentity:
         """What the transport registers: ``caches`` with each state layer kept in parts
         replaced by its parts' views (`state_parts`)."""
         return expand_state_parts(caches, _parts_of(self.layers))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _parts_of(layers: Sequence[UcxLayer]) -> dict[str, tuple[StatePart, ...]]:

@@ -52,6 +52,10 @@ class UcxLayer(BaseModel):
     # Gated DeltaNet pages): each is registered as its own transport layer and a consumer of
     # another TP size reads each part's heads it holds. Empty: the page moves whole.
     state_parts: tuple[StatePart, ...] = ()
+    # An attention layer whose vectors are not the engine's ``head_dim`` x ``dtype`` (the
+    # handshake's): DeepSeek-V3.2's indexer k-cache beside its MLA latents. None: the engine's.
+    head_dim: int | None = Field(default=None, gt=0)
+    dtype: str | None = Field(default=None, min_length=1)
 
 
 class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -121,8 +125,7 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
                     self.num_blocks * k,
                     layer.num_kv_heads,
                     self.block_size // k,
-                    self.head_dim,
-                    self.dtype,
+                    *self.width_of(layer),
                 )
             elif not layer.state_parts:
                 layouts[layer.name] = KVLayout(
@@ -133,6 +136,10 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
                     self.num_blocks, part.heads, part.rows, part.head_bytes // 2, "uint8"
                 )
         return layouts
+
+    def width_of(self, layer: UcxLayer) -> tuple[int, str]:
+        """``(head_dim, dtype)`` of an attention layer this worker holds."""
+        return layer.head_dim or self.head_dim, layer.dtype or self.dtype
 
     def target_layers(self) -> list[UcxLayer]:
         return sorted((layer for layer in self.layers if not layer.is_draft), key=_index)

@@ -174,10 +174,14 @@ def plan_pulls(
         if not layers:
             continue
         _register(topology, engine_id, metadata, is_draft)
-        by_index = {layer.index: layer for layer in layers}
+        # A model layer may hold several caches (an MLA latent and its indexer's k-cache).
+        by_index: dict[int, list[UcxLayer]] = {}
+        for layer in layers:
+            by_index.setdefault(layer.index, []).append(layer)
         for source in topology.layer_sources(engine_id):
-            states = [by_index[i] for i in source.layers if by_index[i].state_width is not None]
-            held = [by_index[i] for i in source.layers if by_index[i].state_width is None]
+            at = [layer for i in source.layers for layer in by_index[i]]
+            states = [layer for layer in at if layer.state_width is not None]
+            held = [layer for layer in at if layer.state_width is None]
             for layer in states:
                 group = identity.group_of(layer.name)
                 for rank, remote_heads, local_heads, name in _state_pulls(
@@ -233,7 +237,7 @@ def _register(
             )
         if tp != 0:
             continue  # one registration per PP rank; its TP ranks hold the same layers
-        indices = [layer.index for layer in layers]
+        indices = sorted({layer.index for layer in layers})
         if indices != list(range(indices[0], indices[-1] + 1)):
             raise RemoteLayoutError(
                 f"worker ({pp}, {tp}) of engine {engine_id!r} holds non-contiguous {kind} "
@@ -387,6 +391,19 @@ def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLaye
                 f"({md.pp_rank}, {md.tp_rank})) and {layer.kv_group} on this engine: the two "
                 "engines' KV cache groups differ"
             )
+        # A layer of its own width (an indexer k-cache beside MLA latents): both engines' own
+        # head_dim and dtype matched at handshake (`compat`), so the remote's stand for ours.
+        theirs_width, ours_width = md.width_of(held[layer.name]), md.width_of(layer)
+        if layer.state_width is None and theirs_width != ours_width:
+            raise RemoteLayoutError(
+                f"layer {layer.name!r} holds {_width(theirs_width)} on engine {engine_id!r} and "
+                f"{_width(ours_width)} on this engine: the two engines' layer widths differ"
+            )
+
+
+def _width(width: tuple[int, str]) -> str:
+    head_dim, dtype = width
+    return f"2 x {head_dim} {dtype} per token and head"
 
 
 def _parts(signatures: Sequence[tuple[str, int, int, int]]) -> str:
