@@ -155,13 +155,13 @@ def mamba2_parts(
     ``total_groups``: the model's ``n_groups`` (None: this rank's times ``tp_size``)."""
     heads, head_dim, state = (int(v) for v in ssm_shape)
     channels, positions = _conv_axes(conv_shape, dim_first)
-    group_channels = channels - heads * head_dim
-    if group_channels <= 0 or group_channels % (2 * state):
-        raise ValueError(
-            f"a Mamba2 conv state of {channels} channels does not hold x ({heads} heads of "
-            f"{head_dim}) then B and C in groups of {state}"
-        )
-    groups = group_channels // (2 * state)
+    groups = _paired_heads(
+        channels,
+        heads * head_dim,
+        state,
+        f"a Mamba2 conv state of {channels} channels does not hold x ({heads} heads of "
+        f"{head_dim}) then B and C in groups of {state}",
+    )
     total = groups * tp_size if total_groups is None else total_groups
     widths = (("x", heads, heads * tp_size, head_dim), ("B", groups, total, state))
     widths += (("C", groups, total, state),)
@@ -182,13 +182,13 @@ def gdn_parts(
     head), the recurrent state ``[value heads, v_dim, k_dim]`` (by value head)."""
     v_heads, v_dim, k_dim = (int(v) for v in ssm_shape)
     channels, positions = _conv_axes(conv_shape, dim_first)
-    key_channels = channels - v_heads * v_dim
-    if key_channels <= 0 or key_channels % (2 * k_dim):
-        raise ValueError(
-            f"a Gated DeltaNet conv state of {channels} channels does not hold q and k in heads "
-            f"of {k_dim} then v ({v_heads} heads of {v_dim})"
-        )
-    k_heads = key_channels // (2 * k_dim)
+    k_heads = _paired_heads(
+        channels,
+        v_heads * v_dim,
+        k_dim,
+        f"a Gated DeltaNet conv state of {channels} channels does not hold q and k in heads "
+        f"of {k_dim} then v ({v_heads} heads of {v_dim})",
+    )
     widths = (
         ("q", k_heads, k_heads * tp_size, k_dim),
         ("k", k_heads, k_heads * tp_size, k_dim),
@@ -196,6 +196,15 @@ def gdn_parts(
     )
     ssm = _ssm_part(conv_shape, conv_bytes, v_heads, tp_size, v_dim * k_dim * ssm_bytes)
     return (*_conv_parts(widths, positions, conv_bytes, dim_first), ssm)
+
+
+def _paired_heads(channels: int, known: int, width: int, mismatch: str) -> int:
+    """How many heads of ``width`` each of the two sub-projections (Mamba2's B and C, GDN's q
+    and k) holds in a conv state of ``channels``, beside ``known`` channels of the other."""
+    rest = channels - known
+    if rest <= 0 or rest % (2 * width):
+        raise ValueError(mismatch)
+    return rest // (2 * width)
 
 
 def _conv_axes(conv_shape: Sequence[int], dim_first: bool) -> tuple[int, int]:
