@@ -63,7 +63,8 @@ GDN's one-token recurrence, not its chunked prefill). Goals: ours at or below NI
 TTFT, the block lists as above, both pools empty, ours' P/D tokens equal to NIXL's.
 
 ``--tp`` adds, for ours and NIXL, a TP 2 prefill (both cores, one OpenMP thread per rank)
-feeding a TP 1 decode: each decode then reads half the heads from each prefill rank. Its
+feeding a TP 1 decode (unpinned: pinned beside a TP 2 prefill it starved): each decode then
+reads half the heads from each prefill rank. Its
 ``decode_ttft_ms`` compares with the TP 1 -> TP 1 row of the same connector; the TP 2 prefill is
 unpinned, so compare it with the ``--no-pin`` TP 1 row too.
 
@@ -356,9 +357,13 @@ def measure(name: str, spec, args, workdir: Path, shape: dict, prefill_tp: int =
         "prefill", args.model, logs, prefill_kv, *tp_flags, *shape["flags"], core=core,
         env={**env, **side, **tp_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
     )  # fmt: skip
+    # Beside a TP 2 prefill (one rank on each core, its workers polling vLLM's queues) a
+    # decode pinned to core 1 starved: its engine thread waited 13 s for a CPU in one step
+    # and the request timed out (nemotron_h, 2026-11-28). Unpinned, the OS spreads the three
+    # engines, as vllm_stage/check_pd.py's TP pairings place them.
     d = Server(
         "decode", args.model, logs, decode_kv, *shape["flags"],
-        core=None if args.no_pin else 1,
+        core=None if args.no_pin or prefill_tp > 1 else 1,
         env={**env, **side, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
     )  # fmt: skip
     row: dict = {
