@@ -22,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where views are made: importing kvtransfer stays light
+    import torch
 
 PART_SEPARATOR = "#"
 
@@ -105,6 +107,8 @@ def part_views(
     """The parts of ``name``'s state pages (``page``: ``[blocks, 2, 1, 1, half]`` uint8, the
     page's two byte halves) as ``[blocks, 2, heads, rows, head_bytes / 2]`` uint8 views of the
     same memory, keyed by `part_layer_name`."""
+    import torch
+
     if page.dim() != 5 or page.shape[1:4] != (2, 1, 1) or page.dtype != torch.uint8:
         raise ValueError(
             f"recurrent-state cache {name!r} is not a [blocks, 2, 1, 1, bytes] uint8 page view "
