@@ -4,7 +4,10 @@ Whatever moment the client cancels at (before admission, mid-prompt, just as the
 after the final message was written), nobody will pull that KV: the daemon aborts the request
 if it still runs and releases the KV it holds. The lease here is a minute, so blocks that come
 back within seconds came back through that path; the test never releases or aborts a cancelled
-call's request itself, it only watches the daemon's status.
+call's request itself, it only watches the daemon's status. One moment escapes any server: a
+cancel that reaches the client after the call ended OK on the daemon's side drops the final
+message there, unread, while the daemon saw a delivered call; that KV comes back at the lease's
+end, which the test then waits for (`_ended_ok_before_the_cancel`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import grpc
 import pytest
 from serve_helpers.daemons import admin, exit_used_blocks, running, start_daemon
 from serve_helpers.probes import cancel_after
-from waiting import wait_until
+from waiting import WaitTimeout, wait_until
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
 
@@ -70,13 +73,31 @@ def test_a_cancelled_prefill_call_holds_no_kv(prefill, delay_s):
             # Cancelled: nobody will pull this KV. If it is still listed, the daemon is giving
             # it back; nothing here helps it (no release, no abort): the test only watches.
             assert held in ([], [request_id])
-    wait_until(
-        lambda: (
-            admin(prefill.address, "status").num_used_blocks == 0
-            and not admin(prefill.address, "transfers")
-        ),
-        "the cancelled call's blocks given back by the daemon itself",
-        BACK_WITHIN_S,
+
+    def given_back() -> bool:
+        return admin(prefill.address, "status").num_used_blocks == 0 and not admin(
+            prefill.address, "transfers"
+        )
+
+    try:
+        wait_until(given_back, "the cancelled call's KV given back by the daemon", BACK_WITHIN_S)
+    except WaitTimeout:
+        if not _ended_ok_before_the_cancel(prefill, request_id):
+            raise
+        # gRPC's own race: the call ended OK on the daemon's side (its final message, with the
+        # params, written) and the client's cancel came after, dropping that message unread.
+        # The daemon cannot know (nor can any server); the lease gives the KV back.
+        wait_until(given_back, "the KV given back at its lease's end", LEASE_S + BACK_WITHIN_S)
+
+
+def _ended_ok_before_the_cancel(daemon, request_id: str) -> bool:
+    """Whether the daemon finished ``request_id``'s call, saw no cancellation and gave nothing
+    back: its call ended OK before the client's cancel reached it (seen once in CI, under
+    load: a 1500-token prefill that took 52 ms, cancelled at 50 ms)."""
+    log = daemon.log_path.read_text(errors="replace")
+    tag = f"[request_id={request_id}]"
+    return f"{tag} finished (" in log and not any(
+        f"{tag} {what}" in log for what in ("call cancelled", "released KV")
     )
 
 
