@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -99,7 +98,7 @@ except ImportError:  # vLLM 0.32
         get_kv_cache_groups,
     )
 
-from check_layouts import Link, linked_agents
+from check_layouts import Link, Mismatch, linked_agents, run_check
 
 from kvtransfer.connector.kv_groups import KVCacheGroup, transferable_blocks
 from kvtransfer.connector.metadata import KVCacheLayout
@@ -126,10 +125,6 @@ WAIT_S = 30.0
 CLOSE_THREADS = 16
 MAX_CLOSING = 24
 NULL_BLOCK = 0
-
-
-class Mismatch(AssertionError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -811,19 +806,8 @@ def main() -> int:
     def report(what: str, run) -> None:
         nonlocal failed, checks
         checks += 1
-        t0 = time.monotonic()
-        try:
-            summary = run()
-        except Mismatch as exc:
+        if not run_check(what, run):
             failed += 1
-            print(f"FAIL  {what}: {exc}")
-            return
-        except Exception as exc:  # every failure is reported, then the next check runs
-            failed += 1
-            print(f"FAIL  {what}: {type(exc).__name__}: {exc}")
-            traceback.print_exc(limit=4, file=sys.stdout)
-            return
-        print(f"ok    {what}: {summary} ({time.monotonic() - t0:.2f} s)")
 
     for family in families:
         for layout in LAYOUTS:

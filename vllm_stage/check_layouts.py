@@ -55,7 +55,7 @@ import dataclasses
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -120,6 +120,23 @@ ROWS_REFUSED = (VllmLayout.LBNHC, VllmLayout.BLNHC)
 
 class Mismatch(AssertionError):
     pass
+
+
+def run_check(what: str, run: Callable[[], str]) -> bool:
+    """Run one check and print its line: ``ok`` with its summary, or ``FAIL`` with why (and a
+    stack for anything but a `Mismatch`). True when it passed; a failure never stops the rest."""
+    t0 = time.monotonic()
+    try:
+        summary = run()
+    except Mismatch as exc:
+        print(f"FAIL  {what}: {exc}")
+        return False
+    except Exception as exc:  # every failure is reported, then the next check runs
+        print(f"FAIL  {what}: {type(exc).__name__}: {exc}")
+        traceback.print_exc(limit=4, file=sys.stdout)
+        return False
+    print(f"ok    {what}: {summary} ({time.monotonic() - t0:.2f} s)")
+    return True
 
 
 @dataclass(frozen=True)
@@ -799,19 +816,8 @@ def main() -> int:
             if sum(not f.done() for f in closing) <= MAX_CLOSING:
                 break
             futures_wait([future])
-        t0 = time.monotonic()
-        try:
-            summary = run_case(case, closer, closing)
-        except Mismatch as exc:
+        if not run_check(str(case), lambda c=case: run_case(c, closer, closing)):
             failed += 1
-            print(f"FAIL  {case}: {exc}")
-            continue
-        except Exception as exc:
-            failed += 1
-            print(f"FAIL  {case}: {type(exc).__name__}: {exc}")
-            traceback.print_exc(limit=3, file=sys.stdout)
-            continue
-        print(f"ok    {case}: {summary} ({time.monotonic() - t0:.2f} s)")
     sparse = run_sparse_checks(closer, closing)
     checks += sparse[0]
     failed += sparse[1]
@@ -861,19 +867,8 @@ def run_sparse_checks(closer: ThreadPoolExecutor, closing: list[Future]) -> tupl
     runs.append(("sparse-mla refusals", sparse_refusals))
     for what, run in runs:
         checks += 1
-        t0 = time.monotonic()
-        try:
-            summary = run()
-        except Mismatch as exc:
+        if not run_check(what, run):
             failed += 1
-            print(f"FAIL  {what}: {exc}")
-            continue
-        except Exception as exc:  # every failure is reported, then the next check runs
-            failed += 1
-            print(f"FAIL  {what}: {type(exc).__name__}: {exc}")
-            traceback.print_exc(limit=4, file=sys.stdout)
-            continue
-        print(f"ok    {what}: {summary} ({time.monotonic() - t0:.2f} s)")
     return checks, failed, f"{len(all_cases)} sparse MLA cases"
 
 
