@@ -72,16 +72,16 @@ CONSUMER_BLOCKS = ((13, 14, 15, 16, 17, 18), (0, 0, 0, 19, 20, 21))
 
 def test_a_group_moves_what_its_kind_keeps():
     full, window = hybrid()
-    assert transferable_blocks(full, [3, 4, 5, 6], 3, 8, 0) == (3, 4, 5)
-    assert transferable_blocks(window, [0, 0, 7, 8, 9], 5, 8, 0) == (7, 8, 9)
-    assert transferable_blocks(window, [0, 6, 7, 8, 9], 5, 8, 0) == (7, 8, 9)
-    assert transferable_blocks(window, [5, 6], 2, 8, 0) == (5, 6)
+    assert transferable_blocks(full, [3, 4, 5, 6], 24, 8, 0) == (3, 4, 5)
+    assert transferable_blocks(window, [0, 0, 7, 8, 9], 40, 8, 0) == (7, 8, 9)
+    assert transferable_blocks(window, [0, 6, 7, 8, 9], 33, 8, 0) == (7, 8, 9)
+    assert transferable_blocks(window, [5, 6], 16, 8, 0) == (5, 6)
     with pytest.raises(ValueError, match="null block at position 0 of a full-attention"):
-        transferable_blocks(full, [0, 4], 2, 8, 0)
+        transferable_blocks(full, [0, 4], 16, 8, 0)
     with pytest.raises(ValueError, match="null block inside the blocks to move"):
-        transferable_blocks(window, [0, 5, 0, 6], 4, 8, 0)
+        transferable_blocks(window, [0, 5, 0, 6], 32, 8, 0)
     with pytest.raises(ValueError, match=r"window 16\).*: 1 blocks listed, 2 needed"):
-        transferable_blocks(window, [5], 2, 8, 0)
+        transferable_blocks(window, [5], 9, 8, 0)
     with pytest.raises(ValueError, match="sliding_window group needs sliding_window"):
         KVCacheGroup(SLIDING_WINDOW, WINDOWED)
     assert (num_listed_blocks([4, 5]), num_listed_blocks([[4, 5], [6]])) == (2, 3)
@@ -291,3 +291,71 @@ def test_a_multi_connector_follows_groups_only_when_every_child_does(tmp_path):
         assert not supports_hma(dense)  # a one-group engine runs it, through request_finished
     finally:
         dense.shutdown()
+
+
+# DeepSeek-V4's shape: groups of whole pages (the same on every TP rank), one of its own block
+# size. Layers 1 and 3: full attention over the engine's 8-token blocks; 0 and 2: a window of
+# 8 tokens over 4-token blocks, so 44 tokens span 11 of its blocks and cdiv(8, 4) + 1 = 3 move.
+def whole_pages() -> tuple[KVCacheGroup, ...]:
+    return (
+        KVCacheGroup(FULL_ATTENTION, FULL, whole_pages=True),
+        KVCacheGroup(SLIDING_WINDOW, WINDOWED, 8, block_size=4, whole_pages=True),
+    )
+
+
+PAGES_PRODUCER = ((3, 4, 5, 6, 7, 8), (0,) * 8 + (9, 10, 11))
+PAGES_CONSUMER = ((13, 14, 15, 16, 17, 18), (0,) * 8 + (19, 20, 21))
+
+
+@pytest.mark.parametrize(("tp_p", "tp_c", "plane"), [(2, 1, "rma"), (1, 2, "tagged")])
+def test_whole_pages_of_own_block_sizes_move_from_one_rank_each(tp_p, tp_c, plane):
+    with engines(
+        dict(engine_id="vp", tp=tp_p, pp=1, role="kv_producer", seed=SEED, draft=False,
+             groups=whole_pages(), data_plane=plane),
+        dict(engine_id="vc", tp=tp_c, pp=1, role="kv_consumer", draft=False,
+             groups=whole_pages(), data_plane=plane),
+    ) as (p, c):  # fmt: skip
+        params = _producer_params(p, PAGES_PRODUCER)
+        assert params["remote_block_ids"] == [[3, 4, 5, 6, 7, 8], [9, 10, 11]]
+        spec = _consumer_load(c, params, blocks=PAGES_CONSUMER)
+        assert runs(spec) == [
+            (0, PAGES_PRODUCER[0], PAGES_CONSUMER[0], 0),
+            (1, (9, 10, 11), (19, 20, 21), 6),
+        ]  # fmt: skip
+        done = {rank: ({"dec"}, set(), set()) for rank in c.workers}
+        assert run_load(c, spec) == done
+        for rank, caches in c.caches.items():
+            stats = c.workers[rank].get_kv_connector_stats().data
+            assert stats["bytes_received_sliding_window"] == 3 * len(WINDOWED) * 2 * STATE_WIDTH
+            for names, pairs in (
+                (FULL, list(zip(PRODUCER_BLOCKS[0], CONSUMER_BLOCKS[0], strict=True))),
+                (WINDOWED, [(9, 19), (10, 20), (11, 21)]),
+            ):
+                for name in names:
+                    expected = sentinel_cache(caches[name].shape, "fp8")
+                    for remote, local in pairs:
+                        expected[local] = state_pages(SEED, name)[remote]
+                    assert torch.equal(caches[name], expected), (rank, name)
+
+
+def test_groups_of_other_block_sizes_fail_the_load_naming_both():
+    other = (whole_pages()[0], KVCacheGroup(SLIDING_WINDOW, WINDOWED, 8, whole_pages=True))
+    with engines(
+        dict(engine_id="bs4", tp=1, pp=1, role="kv_producer", seed=SEED, draft=False,
+             groups=whole_pages()),
+        dict(engine_id="bs8", tp=1, pp=1, role="kv_consumer", draft=False, groups=other),
+    ) as (p, c):  # fmt: skip
+        params = _producer_params(p, PAGES_PRODUCER)
+        blocks = (PAGES_CONSUMER[0], (0, 0, 0, 19, 20, 21))
+        half = c.scheduler
+        req = request("dec", PROMPT_TOKENS, params)
+        count, _ = half.get_num_new_matched_tokens(req, 0)
+        half.update_state_after_alloc(req, blocks, count)
+        (spec,) = half.build_connector_meta(SimpleNamespace()).loads
+        assert run_load(c, spec)[(0, 0)][1] == {"dec"}
+        reason = c.workers[(0, 0)].get_load_failure_reasons()["dec"]
+        assert (
+            "layer 'model.layers.0.self_attn' is sliding_window:8/4 on engine 'bs4'" in reason
+            and "sliding_window:8 on this engine" in reason
+        ), reason
+        assert torch.all(c.caches[(0, 0)]["model.layers.1.self_attn"] == 7)

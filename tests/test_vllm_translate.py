@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvtransfer.connector.config import KVTransferConfig, KVTransferConfigError
+from kvtransfer.connector.kv_groups import FULL_ATTENTION, SLIDING_WINDOW
 from kvtransfer.connector.metadata import KVCacheLayout, LayerWidth
 from kvtransfer.connector.outputs import KVConnectorOutput
 from kvtransfer.integrations.vllm_translate import (
@@ -297,15 +298,15 @@ def _groups(*kinds: str):
     )
 
 
-def test_sparse_or_padded_mla_and_unknown_kinds_are_refused_by_name():
+def test_sparse_mla_without_indexers_and_unknown_kinds_are_refused_by_name():
     with pytest.raises(ValueError, match=r"group 1 of 2 is CrossAttentionSpec \(encoder-decoder"):
         single_group_spec(_groups("FullAttentionSpec", "CrossAttentionSpec"))
     sparse = _groups("MLAAttentionSpec")
     sparse.kv_cache_groups[0].kv_cache_spec.topk_buffer_width = 2048
     with pytest.raises(ValueError, match=r"MLAAttentionSpec \(topk_buffer_width\).*not sparse"):
         single_group_spec(sparse)
-    with pytest.raises(ValueError, match=r"SlidingWindowMLASpec \(sliding-window MLA"):
-        single_group_spec(_groups("SlidingWindowMLASpec"))
+    with pytest.raises(ValueError, match=r"group 0 of 1 is ChunkedLocalAttentionSpec \(chunked"):
+        single_group_spec(_groups("ChunkedLocalAttentionSpec"))
 
 
 def _hybrid(window: int, block_size: int = BLOCK_SIZE):
@@ -451,33 +452,14 @@ def test_sparse_mla_latents_and_indexer_caches_are_one_group_each_layer_its_widt
             r"UniformTypeKVCacheSpecs .*only as sparse MLA \(MLAAttentionSpec latents and",
         ),
         (
-            _sparse_mla(latent=_mla_spec(576, torch.bfloat16, model_version="deepseek_v4")),
-            r"MLAAttentionSpec \(layer 'model.layers.0.self_attn.attn'\) \(model_version\)",
-        ),
-        (
-            _sparse_mla(latent=_mla_spec(576, torch.bfloat16, alignment=576)),
-            r"MLAAttentionSpec \(layer 'model.layers.0.self_attn.attn'\) \(alignment\)",
-        ),
-        (
-            _sparse_mla(
-                indexer=_mla_spec(132, torch.uint8, CacheRole.INDEXER, page_size_padded=4096)
-            ),
-            r"\(layer 'model.layers.0.self_attn.indexer.k_cache'\) \(page_size_padded\).*"
-            r"nor padded or compressed ones \(DeepSeek-V4\)",
-        ),
-        (
-            _sparse_mla(latent=_mla_spec(576, torch.bfloat16, tokens_per_state=4)),
-            r"\(layer 'model.layers.0.self_attn.attn'\) \(tokens_per_state\)",
-        ),
-        (
             _sparse_mla(indexer=_mla_spec(131, torch.uint8, CacheRole.INDEXER)),
             r"MLA layer 'model.layers.0.self_attn.indexer.k_cache' \(indexer cache\) has 131 "
             r"elements per token; kvtransfer moves it as two halves and needs an even width",
         ),
     ],
-    ids=["other-kind", "block-size", "no-latent", "v4", "aligned", "padded", "compressed", "odd"],
+    ids=["other-kind", "block-size", "no-latent", "odd"],
 )
-def test_other_uniform_groups_and_padded_sparse_mla_are_refused_by_name(config, pattern):
+def test_other_uniform_groups_are_refused_by_name(config, pattern):
     with pytest.raises(ValueError, match=pattern):
         vllm_kv_cache_layout(vllm_config(block_size=BLOCK_SIZE, pp=1), config, (0, 0))
 
@@ -648,3 +630,136 @@ def test_a_prefill_for_a_state_model_leaves_its_last_prompt_token_once():
     one = _vllm_request([5], {"do_remote_decode": True})
     leave_last_prompt_token(one)
     assert one.prompt_token_ids == [5]
+
+
+def _v4_spec(kind: str, block_size: int, head_size: int, **more):
+    fields = {
+        "block_size": block_size,
+        "num_kv_heads": 1,
+        "head_size": head_size,
+        "dtype": torch.uint8,
+        "cache_role": CacheRole.SPARSE,
+        "model_version": "deepseek_v4",
+        "alignment": 576,
+        "page_size_padded": None,
+        "state_content_bytes": None,
+        "num_head_slots": None,
+        "tokens_per_state": 1,
+    }
+    fields.update(more)
+    return type(kind, (), fields)()
+
+
+def _v4_groups(**overrides):
+    """DeepSeek-V4's groups as vLLM 0.33 packs them: sliding-window latents (64-token blocks,
+    window 128), compressed latents and indexer caches (256-token blocks, 4 tokens a state),
+    compressor states (4-token blocks, window 8)."""
+    swa = _v4_spec("SlidingWindowMLASpec", 64, 584, sliding_window=128, extra_retained_tokens=0)
+    compressed = _v4_spec("MLAAttentionSpec", 256, 512, tokens_per_state=4)
+    indexer = _v4_spec("MLAAttentionSpec", 256, 132, tokens_per_state=4, model_version=None)
+    state = _v4_spec("SlidingWindowMLASpec", 4, 2048, sliding_window=8, model_version=None)
+    layers = {
+        "swa": {
+            "model.layers.0.self_attn.swa_cache": swa,
+            "model.layers.1.self_attn.swa_cache": swa,
+        },
+        "compressed": {
+            "model.layers.1.self_attn": compressed,
+            "model.layers.1.self_attn.indexer.k_cache": indexer,
+        },
+        "state": {"model.layers.1.self_attn.compressor.state_cache": state},
+    }
+    for where, specs in overrides.items():
+        layers[where].update(specs)
+    groups = []
+    for specs in layers.values():
+        first = next(iter(specs.values()))
+        uniform = type(
+            "UniformTypeKVCacheSpecs",
+            (),
+            {"block_size": first.block_size, "kv_cache_specs": specs},
+        )()
+        groups.append(SimpleNamespace(kv_cache_spec=uniform, layer_names=list(specs)))
+    return SimpleNamespace(num_blocks=BLOCKS, kv_cache_groups=groups)
+
+
+def test_deepseek_v4_groups_move_as_whole_pages_at_their_own_block_sizes():
+    config = vllm_config(block_size=256, tp=2, pp=1)
+    layout = vllm_kv_cache_layout(config, _v4_groups(), (0, 1))
+    swa, compressed, state = layout.groups
+    assert (swa.kind, swa.sliding_window, swa.block_size, swa.whole_pages) == (
+        SLIDING_WINDOW,
+        128,
+        64,
+        True,
+    )
+    assert (compressed.kind, compressed.block_size, compressed.whole_pages) == (
+        FULL_ATTENTION,
+        None,  # the engine's
+        True,
+    )
+    assert compressed.layer_names == (
+        "model.layers.1.self_attn",
+        "model.layers.1.self_attn.indexer.k_cache",
+    )
+    assert (state.sliding_window, state.block_size, state.blocks_kept(256)) == (8, 4, 3)
+    assert swa.blocks_kept(256) == 3 and swa.blocks_for(300, 256) == 5
+    assert swa.label == "sliding_window:128/64" and compressed.label == FULL_ATTENTION
+    assert layout.layer_widths == ()  # pages, not per-token vectors
+    # vLLM's packed view: [blocks, 1, states, C] dense per block, blocks strided by the pack.
+    buffer = torch.randn(BLOCKS * 2250)
+    native = buffer.as_strided((BLOCKS, 1, 4, 512), (2250, 2048, 512, 1), 25)
+    name = "model.layers.1.self_attn.compressor.state_cache"
+    (view,) = vllm_kv_views({name: native}, layout).values()
+    assert view.shape == (BLOCKS, 2, 1, 1, 4096)
+    for block in (0, BLOCKS - 1):
+        page = torch.cat([view[block, 0, 0, 0], view[block, 1, 0, 0]])
+        assert torch.equal(page, native[block].contiguous().view(torch.uint8).flatten())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (
+            {"swa": {"model.layers.2.self_attn": _v4_spec("MLAAttentionSpec", 64, 512)}},
+            r"group 0 of 3 holds DeepSeek-V4 MLA pages with layers of kinds "
+            r"\['MLAAttentionSpec', 'SlidingWindowMLASpec'\]",
+        ),
+        (
+            {
+                "state": {
+                    "model.layers.2.self_attn.compressor.state_cache": _v4_spec(
+                        "SlidingWindowMLASpec", 8, 1024, sliding_window=128
+                    )
+                }
+            },
+            r"group 2 of 3 .* windows \[8, 128\] and block sizes \[4, 8\]",
+        ),
+        (
+            {
+                "swa": {
+                    "model.layers.0.self_attn.swa_cache": _v4_spec(
+                        "SlidingWindowMLASpec", 64, 584, sliding_window=128, num_kv_heads=2
+                    )
+                }
+            },
+            r"group 0 of 3 .* several heads per page, which TP would split",
+        ),
+        (
+            {
+                "swa": {
+                    "model.layers.0.self_attn.swa_cache": _v4_spec(
+                        "SlidingWindowMLASpec", 64, 584, sliding_window=128, bounded_replay=True
+                    )
+                }
+            },
+            r"group 0 of 3 .* bounded replay",
+        ),
+    ],
+    ids=["kinds", "windows", "heads", "replay"],
+)
+def test_deepseek_v4_groups_of_mixed_pages_are_refused_by_name(overrides, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        vllm_kv_cache_layout(
+            vllm_config(block_size=256, tp=1, pp=1), _v4_groups(**overrides), (0, 0)
+        )

@@ -555,7 +555,9 @@ def request_plan(family: Family, groups: tuple[KVCacheGroup, ...]) -> Plan:
     plan = []
     for g, group in enumerate(groups):
         pick = [
-            transferable_blocks(group, ids, family.request_blocks, family.block_size, NULL_BLOCK)
+            transferable_blocks(
+                group, ids, family.request_blocks * family.block_size, family.block_size, NULL_BLOCK
+            )
             for ids in (family.remote[g], family.local[g])
         ]
         assert len(pick[0]) == len(pick[1]), pick

@@ -14,6 +14,12 @@ Mamba2, Gated DeltaNet: vLLM's ``MambaSpec``) holds a request's running state in
 speculative scratch blocks after it): a transfer moves that block, the state after the last
 token the producer computed (which is why it computes all but the last prompt token: the
 consumer recomputes that one from the state).
+
+A group may count its own tokens per block (``block_size``; DeepSeek-V4's groups are 64-, 256-,
+4- and 8-token blocks in one engine): its block positions are then its own, and a request's
+lists differ in length by group. A group of ``whole_pages`` (DeepSeek-V4's compressed,
+padded MLA pages and compressor states) is moved as opaque pages, one per block and layer,
+identical on every TP rank: which blocks move still follows its kind.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ class KVCacheGroup:
     # across TP ranks (`state_parts`): each moves as its own heads, so engines of other TP
     # sizes exchange state too. Empty: pages move whole, between equal TP sizes only.
     state_parts: tuple[StatePart, ...] = ()
+    # Tokens per block of this group (None: the engine's block size).
+    block_size: int | None = None
+    # Its layers' blocks are opaque pages replicated on every TP rank (not heads of tokens):
+    # each moves whole, from any one producer rank.
+    whole_pages: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -77,10 +88,28 @@ class KVCacheGroup:
 
     @property
     def label(self) -> str:
-        """Kind and window, as workers publish each layer's group: peers compare it."""
+        """Kind, window and own block size, as workers publish each layer's group: peers
+        compare it."""
+        label = self.kind
         if self.kind == SLIDING_WINDOW:
-            return f"{SLIDING_WINDOW}:{self.sliding_window}"
-        return self.kind
+            label = f"{SLIDING_WINDOW}:{self.sliding_window}"
+        if self.block_size is not None:
+            label += f"/{self.block_size}"
+        return label
+
+    @property
+    def pages_opaque(self) -> bool:
+        """Whether its layers register one opaque page per block (state, or whole pages)."""
+        return self.is_state or self.whole_pages
+
+    def tokens_per_block(self, engine_block_size: int) -> int:
+        return self.block_size or engine_block_size
+
+    def blocks_for(self, num_tokens: int, engine_block_size: int) -> int:
+        """How many of its blocks ``num_tokens`` tokens span (a state group: its one)."""
+        if self.is_state:
+            return 1
+        return -(-num_tokens // self.tokens_per_block(engine_block_size))
 
     @property
     def is_state(self) -> bool:
@@ -95,26 +124,28 @@ class KVCacheGroup:
             return f"the sliding-window group (window {self.sliding_window}){layers}"
         return f"the full-attention group{layers}"
 
-    def blocks_kept(self, block_size: int) -> int | None:
+    def blocks_kept(self, engine_block_size: int) -> int | None:
         """How many trailing blocks a transfer of this group moves at most (None: all)."""
         if self.sliding_window is None:
             return None
-        return -(-self.sliding_window // block_size) + 1
+        return -(-self.sliding_window // self.tokens_per_block(engine_block_size)) + 1
 
 
 def transferable_blocks(
     group: KVCacheGroup,
     block_ids: Sequence[int],
-    num_blocks: int,
+    num_tokens: int,
     block_size: int,
     null_block_id: int | None,
 ) -> tuple[int, ...]:
-    """The blocks of one group a transfer of ``num_blocks`` blocks' worth of tokens moves: the
-    first ``num_blocks``, of which a sliding-window group keeps the tail its window reaches,
-    without the null blocks the engine put before the window. The result is contiguous and ends
-    at block ``num_blocks - 1``; `ValueError` for a null block inside it or a short list."""
+    """The blocks of one group a transfer of ``num_tokens`` tokens moves (``block_size``: the
+    engine's): the group's first blocks holding them, of which a sliding-window group keeps the
+    tail its window reaches, without the null blocks the engine put before the window. The
+    result is contiguous and ends at the block of the last token; `ValueError` for a null
+    block inside it or a short list."""
     if group.is_state:
         return state_block(group, block_ids, null_block_id)
+    num_blocks = group.blocks_for(num_tokens, block_size)
     if len(block_ids) < num_blocks:
         raise ValueError(f"{group.describe()}: {len(block_ids)} blocks listed, {num_blocks} needed")
     blocks = tuple(block_ids[:num_blocks])

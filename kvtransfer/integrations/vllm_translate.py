@@ -164,6 +164,8 @@ def _mla_layer_widths(
     ``dtype``): sparse MLA's indexer k-caches. `ValueError` naming a layer of odd width."""
     widths = []
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        if is_whole_page_group(group.kv_cache_spec):
+            continue  # moved as pages, not per-token vectors
         for name, spec in _layer_specs(group).items():
             if "MLA" not in type(spec).__name__:
                 continue
@@ -227,7 +229,6 @@ _GROUP_KINDS = {
 }
 # What the others hold, for the start-up refusal.
 _NOT_MOVED = {
-    "SlidingWindowMLASpec": "sliding-window MLA latents",
     "ChunkedLocalAttentionSpec": "chunked local attention",
     "CrossAttentionSpec": "encoder-decoder cross attention",
     "EncoderOnlyAttentionSpec": "encoder-only attention",
@@ -273,6 +274,9 @@ def vllm_kv_groups(
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         kind = type(spec).__name__
+        if is_whole_page_group(spec):
+            ours.append(_whole_page_group(index, len(groups), group, spec, block_size))
+            continue
         if kind == _UNIFORM:
             # Layers of one kind with unequal page sizes: moved only as sparse MLA's latents
             # and indexer caches, each layer whole on its own width (`_mla_layer_widths`).
@@ -298,7 +302,7 @@ def vllm_kv_groups(
                 f"KV cache group {index} ({kind}) has {spec_block}-token blocks, the engine "
                 f"{block_size}: kvtransfer connectors need one block size for every group"
             )
-        window = getattr(spec, "sliding_window", None) if kind == "SlidingWindowSpec" else None
+        window = _window(spec) if kind == "SlidingWindowSpec" else None
         ours.append(
             KVCacheGroup(
                 _GROUP_KINDS[kind],
@@ -309,6 +313,73 @@ def vllm_kv_groups(
     if len(ours) <= 1 and all(g.kind == FULL_ATTENTION for g in ours):
         return ()
     return tuple(ours)
+
+
+def _window(spec: Any) -> int:
+    """The tokens a sliding-window spec keeps readable behind a request's next position: its
+    window, plus the trailing tokens vLLM 0.33 retains for multi-module speculative decoding."""
+    return int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+
+
+# DeepSeek-V4's MLA caches: latents compressed several tokens to a state
+# (``tokens_per_state``), sliding-window latents and compressor states, pages padded to an
+# alignment, each group of its own block size. vLLM packs them block-outermost.
+_V4_MARKS = ("model_version", "page_size_padded", "alignment")
+
+
+def is_whole_page_group(spec: Any) -> bool:
+    """Whether a vLLM group's layers are DeepSeek-V4's MLA pages, moved as whole pages:
+    sliding-window MLA, compressed latents (``tokens_per_state`` > 1), padded or aligned ones
+    (`_V4_MARKS`), and the groups vLLM packs them with."""
+    for each in _specs_in(spec):
+        kind = type(each).__name__
+        if kind == "SlidingWindowMLASpec":
+            return True
+        if kind == "MLAAttentionSpec" and (
+            getattr(each, "tokens_per_state", 1) not in (None, 1)
+            or any(getattr(each, mark, None) is not None for mark in _V4_MARKS)
+        ):
+            return True
+    return False
+
+
+def _whole_page_group(
+    index: int, num_groups: int, group: Any, spec: Any, block_size: int | None
+) -> KVCacheGroup:
+    """A group of DeepSeek-V4's MLA pages (`is_whole_page_group`) as ours: full attention or
+    a sliding window by its specs' kind, at its own block size, each layer's page moved whole
+    from any producer rank (one latent per state: every TP rank holds the same). `ValueError`
+    naming the group for what such pages cannot carry: heads split across TP, specs of both
+    kinds or several windows in one group, bounded replay."""
+    specs = _layer_specs(group)
+    kinds = sorted({type(each).__name__ for each in specs.values()})
+    windows = {_window(each) for each in specs.values() if hasattr(each, "sliding_window")}
+    blocks = {int(each.block_size) for each in specs.values()}
+    layers = list(specs)[:3]
+    problem = ""
+    if any(int(getattr(each, "num_kv_heads", 1)) != 1 for each in specs.values()):
+        problem = "several heads per page, which TP would split"
+    elif kinds not in (["MLAAttentionSpec"], ["SlidingWindowMLASpec"]):
+        problem = f"layers of kinds {kinds}"
+    elif len(windows) > 1 or len(blocks) != 1:
+        problem = f"windows {sorted(windows)} and block sizes {sorted(blocks)}"
+    elif any(getattr(each, "bounded_replay", False) for each in specs.values()):
+        problem = "bounded replay (DeepSeek-V4.1's window, which a decode re-reads further)"
+    if problem:
+        raise ValueError(
+            f"KV cache group {index} of {num_groups} holds DeepSeek-V4 MLA pages with "
+            f"{problem} (layers {layers}): kvtransfer connectors in vLLM move such a group as "
+            "whole pages of one kind, window and block size, the same on every TP rank"
+        )
+    (own_block,) = blocks
+    window = windows.pop() if windows else None
+    return KVCacheGroup(
+        SLIDING_WINDOW if window is not None else FULL_ATTENTION,
+        tuple(specs),
+        window,
+        block_size=None if own_block == block_size else own_block,
+        whole_pages=True,
+    )
 
 
 def _state_group(index: int, group: Any, spec: Any, vllm_config: Any | None) -> KVCacheGroup:
@@ -336,9 +407,10 @@ def _role(spec: Any) -> str:
 
 
 def _check_mla(spec: Any, layer: str | None, has_indexer: bool) -> None:
-    """`ValueError` naming the spec (and ``layer``) for an MLA cache kvtransfer does not move:
-    another MLA kind, padded or compressed pages (DeepSeek-V4), a sparse latent without its
-    indexer's k-cache in the engine's groups (``has_indexer``)."""
+    """`ValueError` naming the spec (and ``layer``) for an MLA cache kvtransfer does not move
+    per token (DeepSeek-V4's pages are taken before: `is_whole_page_group`): another MLA kind,
+    several head slots, a sparse latent without its indexer's k-cache in the engine's groups
+    (``has_indexer``)."""
     kind = type(spec).__name__
     if "MLA" not in kind or kind == "SlidingWindowMLASpec":
         return  # not MLA, or refused by kind (`_NOT_MOVED`)
@@ -359,9 +431,9 @@ def _check_mla(spec: Any, layer: str | None, has_indexer: bool) -> None:
         raise ValueError(
             f"the model's KV cache is {kind}{where} ({', '.join(extras) or 'not a plain latent'}"
             "): kvtransfer connectors in vLLM move plain MLA caches (one latent per token, "
-            "DeepSeek V2/V3) and sparse MLA latents beside their indexer's k-cache (DeepSeek-"
-            "V3.2, GLM-5), not sparse latents without their indexer cache, nor padded or "
-            "compressed ones (DeepSeek-V4)"
+            "DeepSeek V2/V3), sparse MLA latents beside their indexer's k-cache (DeepSeek-"
+            "V3.2, GLM-5) and DeepSeek-V4's pages, not sparse latents without their indexer "
+            "cache"
         )
 
 
@@ -408,9 +480,13 @@ def vllm_kv_views(
     size or head size the layout does not expect, a split that the strides do not allow."""
     views = {}
     state_layers = {n for g in layout.groups if g.is_state for n in g.layer_names}
+    whole_pages = {n for g in layout.groups if g.whole_pages for n in g.layer_names}
     for name, cache in kv_caches.items():
         if name in state_layers:
             views[name] = state_page_view(name, cache)
+            continue
+        if name in whole_pages:
+            views[name] = whole_page_view(name, cache)
             continue
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             raise ValueError(
@@ -444,6 +520,33 @@ def state_page_view(name: str, cache: Any) -> torch.Tensor:
     return pages.as_strided(
         (blocks, 2, 1, 1, half), (cache.stride(0), half, half, half, 1), pages.storage_offset()
     )
+
+
+def whole_page_view(name: str, cache: Any) -> torch.Tensor:
+    """A DeepSeek-V4 MLA layer's cache (vLLM's ``[blocks, 1, states, C]``: compressed or
+    sliding-window latents, compressor states; each block's page dense, blocks strided by the
+    packed block) as a ``[blocks, 2, 1, 1, bytes / 2]`` uint8 view of the same memory: its
+    page's bytes, without the padding after them."""
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+        raise ValueError(
+            f"KV cache {name!r} is not a 4-D [blocks, heads, states, C] tensor (got "
+            f"{getattr(cache, 'shape', type(cache).__name__)})"
+        )
+    blocks = cache.shape[0]
+    page = cache[0]
+    size = page.numel() * cache.element_size()
+    block_stride = cache.stride(0) * cache.element_size()
+    if not page.is_contiguous() or size % 2 or block_stride < size:
+        raise ValueError(
+            f"KV cache {name!r} ({cache.dtype}, shape {tuple(cache.shape)}, strides "
+            f"{cache.stride()}) does not hold each block's page as an even number of dense bytes"
+        )
+    raw = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+        cache.untyped_storage(), 0, (cache.untyped_storage().nbytes(),), (1,)
+    )
+    half = size // 2
+    start = cache.storage_offset() * cache.element_size()
+    return raw.as_strided((blocks, 2, 1, 1, half), (block_stride, half, half, half, 1), start)
 
 
 def _b2hnd(name: str, cache: torch.Tensor, layout: KVCacheLayout, split: str) -> torch.Tensor:

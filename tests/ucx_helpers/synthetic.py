@@ -257,7 +257,7 @@ def start_engine(
                 layout = _layout(tp, pp, (p, t), block_size, cache_dtype, groups)
                 worker = UcxConnector(config, KVConnectorRole.WORKER, layout)
                 workers[(p, t)] = worker
-                state = frozenset(n for g in groups if g.is_state for n in g.layer_names)
+                state = frozenset(n for g in groups if g.pages_opaque for n in g.layer_names)
                 caches[(p, t)] = rank_caches(
                     tp, pp, (p, t), seed, draft, block_size, cache_dtype, state, state_maker
                 )

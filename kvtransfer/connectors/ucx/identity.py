@@ -178,21 +178,25 @@ class WorkerIdentity:
         # Recurrent-state layers hold one page per block: opaque (`[blocks, 2, 1, 1, bytes/2]`
         # uint8) or per head (`[blocks, 2, heads, 1, unit]`, a group with `state_heads`),
         # checked for their own shape, not the attention layers'.
-        state_groups = {n: g for g in groups if g.is_state for n in g.layer_names if n in caches}
+        # So are the layers of a group of whole pages (DeepSeek-V4's: opaque, one per block).
+        state_groups = {
+            n: g for g in groups if g.pages_opaque for n in g.layer_names if n in caches
+        }
         state = set(state_groups)
         attention = {n: c for n, c in caches.items() if n not in state}
-        if not attention:
+        if not attention and not any(g.whole_pages for g in groups):
             raise ValueError("UcxConnector: register_kv_caches got no attention layer")
         # Layers the layout gives their own width (an indexer k-cache beside MLA latents) are
         # checked against it; the others against the first of the engine's own width.
         widths = {w.name: (w.head_dim, w.dtype) for w in layout.layer_widths} if layout else {}
         engine_wide = [c for n, c in attention.items() if n not in widths]
-        if not engine_wide:
+        if attention and not engine_wide:
             raise ValueError(
                 "every attention layer has a width of its own in the engine's layout; at "
                 "least one must have the engine's head_dim and dtype"
             )
-        first = engine_wide[0]
+        # An engine of whole pages only has no per-token layer: its pages set the block count.
+        first = engine_wide[0] if engine_wide else caches[next(iter(state_groups))]
         for name, group in state_groups.items():
             page = caches[name]
             heads = "heads" if group.state_heads is not None else "1"
@@ -205,8 +209,9 @@ class WorkerIdentity:
                 or page.shape[0] != first.shape[0]
                 or page.dtype != torch.uint8
             ):
+                kind = "recurrent-state" if group.is_state else "whole-page"
                 raise ValueError(
-                    f"recurrent-state cache {name!r} has shape {tuple(page.shape)} "
+                    f"{kind} cache {name!r} has shape {tuple(page.shape)} "
                     f"({page.dtype}), expected [{first.shape[0]}, 2, {heads}, 1, page_bytes] "
                     "uint8"
                 )
@@ -248,14 +253,18 @@ class WorkerIdentity:
                     state_width=int(cache.shape[4]) if name in state else None,
                     state_split=name in state and state_groups[name].state_heads is not None,
                     state_parts=state_groups[name].state_parts if name in state else (),
+                    replicated=name in state and state_groups[name].whole_pages,
                     head_dim=widths[name][0] if name in widths else None,
                     dtype=widths[name][1] if name in widths else None,
                 )
             )
         target = [la for la in layers if not la.is_draft]
         draft = [la for la in layers if la.is_draft]
-        dtype = _dtype_name(first.dtype)
-        block_size, head_dim = int(first.shape[3]), int(first.shape[4])
+        if engine_wide:
+            dtype = _dtype_name(first.dtype)
+            block_size, head_dim = int(first.shape[3]), int(first.shape[4])
+        elif layout is not None:
+            dtype, block_size, head_dim = layout.dtype, layout.block_size, layout.head_dim
         if layout is None:
             layout = KVCacheLayout(
                 model=UNSPECIFIED_MODEL,

@@ -52,6 +52,9 @@ class UcxLayer(BaseModel):
     # Gated DeltaNet pages): each is registered as its own transport layer and a consumer of
     # another TP size reads each part's heads it holds. Empty: the page moves whole.
     state_parts: tuple[StatePart, ...] = ()
+    # Its opaque page is the same on every TP rank (DeepSeek-V4's whole pages): a consumer of
+    # any TP size reads it from one producer rank.
+    replicated: bool = False
     # An attention layer whose vectors are not the engine's ``head_dim`` x ``dtype`` (the
     # handshake's): DeepSeek-V3.2's indexer k-cache beside its MLA latents. None: the engine's.
     head_dim: int | None = Field(default=None, gt=0)

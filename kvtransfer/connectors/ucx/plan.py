@@ -117,7 +117,6 @@ def check_request_blocks(
     """A producer lists, per KV cache group, exactly the blocks of ``remote_num_tokens`` at its
     block size (a sliding-window group: at most the tail its window reaches): any other list
     was not returned by it, and must not pick (or skip) blocks silently."""
-    needed = -(-remote.num_tokens // block_size)
     if len(remote.block_ids) != len(groups):
         raise RemoteLayoutError(
             f"kv_transfer_params.remote_block_ids holds {len(remote.block_ids)} block list(s); "
@@ -132,18 +131,20 @@ def check_request_blocks(
                     f"{group.describe()}: a producer lends one state block per request"
                 )
             continue
+        needed = group.blocks_for(remote.num_tokens, block_size)
+        size = group.tokens_per_block(block_size)
         kept = group.blocks_kept(block_size)
         if kept is None and len(blocks) != needed:
             raise RemoteLayoutError(
                 f"kv_transfer_params.remote_block_ids holds {len(blocks)} blocks"
                 f"{for_group(group, len(groups))}, remote_num_tokens {remote.num_tokens} needs "
-                f"exactly {needed} of engine {remote.engine_id!r}'s {block_size}-token blocks"
+                f"exactly {needed} of engine {remote.engine_id!r}'s {size}-token blocks"
             )
         if kept is not None and not (min(1, needed) <= len(blocks) <= min(kept, needed)):
             raise RemoteLayoutError(
                 f"kv_transfer_params.remote_block_ids holds {len(blocks)} blocks for "
                 f"{group.describe()}; its window reaches at most {min(kept, needed)} of "
-                f"engine {remote.engine_id!r}'s {block_size}-token blocks (at least one)"
+                f"engine {remote.engine_id!r}'s {size}-token blocks (at least one)"
             )
 
 
@@ -280,6 +281,11 @@ def _state_pulls(
     remote_tp = next(iter(metadata.values())).tp_size
     if layer.state_parts:
         return _part_pulls(identity, engine_id, metadata, remote_pp_rank, layer)
+    if layer.replicated:
+        # Every producer rank holds the same page: spread the consumer's ranks over them.
+        rank = (remote_pp_rank, identity.tp_rank % remote_tp)
+        _check_serves(engine_id, metadata[rank], [layer])
+        return [(rank, range(0, 1), range(0, 1), layer.name)]
     if not layer.state_split:
         if remote_tp != identity.tp_size:
             raise RemoteLayoutError(
@@ -363,6 +369,11 @@ def _check_serves(engine_id: str, md: UcxHandshakeMetadata, wanted: list[UcxLaye
         )
     for layer in wanted:
         theirs = held[layer.name].kv_group
+        if held[layer.name].replicated != layer.replicated:
+            raise RemoteLayoutError(
+                f"layer {layer.name!r} is {_replica(held[layer.name].replicated)} on engine "
+                f"{engine_id!r} and {_replica(layer.replicated)} on this engine"
+            )
         if held[layer.name].state_split != layer.state_split:
             raise RemoteLayoutError(
                 f"layer {layer.name!r} keeps its state in "
@@ -412,6 +423,10 @@ def _parts(signatures: Sequence[tuple[str, int, int, int]]) -> str:
         if signatures
         else "none (an opaque page)"
     )
+
+
+def _replica(replicated: bool) -> str:
+    return "whole pages, the same on every TP rank" if replicated else "split across TP ranks"
 
 
 def _page_kind(split: bool) -> str:

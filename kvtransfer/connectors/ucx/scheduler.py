@@ -285,7 +285,6 @@ class UcxScheduler:
                 "an engine does not pull KV from itself"
             )
         block_size = self._block_size()
-        needed = -(-remote.num_tokens // block_size)
         # A producer that holds nothing (remote_num_tokens 0) lists no blocks, in any shape.
         if remote.num_tokens and len(remote.block_ids) != len(self._groups):
             raise ValueError(
@@ -293,6 +292,7 @@ class UcxScheduler:
                 f"list(s); this engine has {len(self._groups)} KV cache group(s)"
             )
         for group, blocks in zip(self._groups, remote.block_ids, strict=False):
+            needed = group.blocks_for(remote.num_tokens, block_size)
             if (
                 not group.is_state
                 and group.blocks_kept(block_size) is None
@@ -303,7 +303,8 @@ class UcxScheduler:
                 raise ValueError(
                     f"kv_transfer_params.remote_block_ids holds {len(blocks)} blocks"
                     f"{for_group(group, len(self._groups))}, remote_num_tokens "
-                    f"{remote.num_tokens} needs {needed} of {block_size} tokens"
+                    f"{remote.num_tokens} needs {needed} of "
+                    f"{group.tokens_per_block(block_size)} tokens"
                 )
         prompt = request.prompt_token_ids
         if len(prompt) < remote.num_tokens or (
@@ -339,8 +340,6 @@ class UcxScheduler:
             return
         remote, start = matched
         block_size = self._block_size()
-        first, end = start // block_size, -(-(start + num_external_tokens) // block_size)
-        remote_blocks = -(-remote.num_tokens // block_size)
         runs = []
         lease_offset = 0
         refused = ""
@@ -348,6 +347,10 @@ class UcxScheduler:
             for index, (group, theirs, ours) in enumerate(
                 zip(self._groups, remote.block_ids, block_ids, strict=True)
             ):
+                # Each group counts its own blocks (DeepSeek-V4's differ in size).
+                size = group.tokens_per_block(block_size)
+                first, end = start // size, -(-(start + num_external_tokens) // size)
+                remote_blocks = -(-remote.num_tokens // size)
                 run = self._block_run(rid, index, group, theirs, ours, first, end, remote_blocks)
                 if run.local_block_ids:
                     runs.append(replace(run, lease_offset=lease_offset + run.lease_offset))
@@ -356,20 +359,24 @@ class UcxScheduler:
             # Lists that do not fit our groups most often come from a producer of another
             # model: let the worker's handshake say so (naming both models) before this.
             refused = str(exc)
-            runs = self._blocks_to_invalidate(block_ids, first, end)
+            runs = self._blocks_to_invalidate(block_ids, start, start + num_external_tokens)
         self._loads.append(LoadSpec(rid, remote, tuple(runs), refused=refused))
         self._consumed.add(rid)
         self._loading[rid] = (remote, sum(len(run.local_block_ids) for run in runs))
         self._notifier_for().watch(rid, remote)
 
-    def _blocks_to_invalidate(self, block_ids: BlockIds, first: int, end: int) -> list[BlockRun]:
-        """The blocks [first, end) of each group a refused load would have written (a state
-        group's state block), without remote blocks: what its failure reports invalid."""
+    def _blocks_to_invalidate(self, block_ids: BlockIds, start: int, stop: int) -> list[BlockRun]:
+        """The blocks of tokens [start, stop) of each group a refused load would have written
+        (a state group's state block), without remote blocks: what its failure reports
+        invalid."""
         runs = []
+        block_size = self._block_size()
         for index, (group, ours) in enumerate(zip(self._groups, block_ids, strict=True)):
             if group.is_state:
                 local = state_block(group, ours, self._null_block)
             else:
+                size = group.tokens_per_block(block_size)
+                first, end = start // size, -(-stop // size)
                 local = tuple(b for b in ours[first:end] if b != self._null_block)
             if local:
                 runs.append(BlockRun(index, (), local))
@@ -501,9 +508,8 @@ class UcxScheduler:
             raise RuntimeError(f"UcxConnector cannot serve KV: {self._serve_error}")
         rid = request.request_id
         num_tokens = _num_computed_prompt_tokens(request)
-        num_blocks = -(-num_tokens // self._split.block_size)
         host, port = self._advertised
-        held = self._held_blocks(block_ids, num_blocks)
+        held = self._held_blocks(block_ids, num_tokens)
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "remote_engine_id": self._config.engine_id,
@@ -538,23 +544,25 @@ class UcxScheduler:
         self._grants.append(Grant(rid, secret_digest(secret), blocks, digest, streaming))
         return params
 
-    def _held_blocks(self, block_ids: BlockIds, num_blocks: int) -> BlockIds:
-        """Each group's blocks a consumer may read (a sliding-window group: its tail); all
-        empty when a group lacks blocks (a request that did not complete its prompt)."""
+    def _held_blocks(self, block_ids: BlockIds, num_tokens: int) -> BlockIds:
+        """Each group's blocks a consumer may read of ``num_tokens`` tokens (a sliding-window
+        group: its tail); all empty when a group lacks blocks (a request that did not complete
+        its prompt)."""
         if len(block_ids) != len(self._groups):
             raise ValueError(
                 f"{len(block_ids)} block list(s) for an engine with {len(self._groups)} KV "
                 "cache group(s)"
             )
+        block_size = self._split.block_size
         short = any(
-            len(ids) < num_blocks
+            len(ids) < g.blocks_for(num_tokens, block_size)
             for g, ids in zip(self._groups, block_ids, strict=True)
             if not g.is_state
         )
-        if num_blocks == 0 or short:
+        if num_tokens == 0 or short:
             return tuple(() for _ in block_ids)
         return tuple(
-            transferable_blocks(g, ids, num_blocks, self._split.block_size, self._null_block)
+            transferable_blocks(g, ids, num_tokens, block_size, self._null_block)
             for g, ids in zip(self._groups, block_ids, strict=True)
         )
 
