@@ -645,6 +645,7 @@ def _v4_spec(kind: str, block_size: int, head_size: int, **more):
         "state_content_bytes": None,
         "num_head_slots": None,
         "tokens_per_state": 1,
+        "sliding_window": None,  # FullAttentionSpec's field, None in MLA specs
     }
     fields.update(more)
     return type(kind, (), fields)()

@@ -40,9 +40,9 @@ width, and ``vllm_kv_views`` the views our connector registers. Each consumer ra
 latents and indexers are the same on every rank) pulls every layer's scattered blocks, RMA and
 tagged; its whole buffer must then equal, byte for byte, the sentinel with the producer's
 tokens written through vLLM's own per-token view (``bind_kv_cache``'s ``[B, N, C]``) at the
-local blocks. Pulls that skip the indexers, or pair blocks wrongly, must fail that check; the
-DeepSeek-V4 padded latent and full-attention layers of unequal page sizes, grouped by vLLM the
-same way, must be refused by the adapter naming them.
+local blocks. Pulls that skip the indexers, or pair blocks wrongly, must fail that check;
+full-attention layers of unequal page sizes, grouped by vLLM the same way, must be refused by
+the adapter naming them. DeepSeek-V4's groups: ``check_v4_layouts.py``.
 
 Prints one line per case and a summary; exits 1 on any mismatch or error.
 """
@@ -751,13 +751,10 @@ def sparse_must_fail(
 
 
 def sparse_refusals() -> str:
-    """What vLLM groups like sparse MLA but kvtransfer must refuse, by name: DeepSeek-V4's
-    padded latent, full-attention layers of unequal page sizes."""
+    """What vLLM groups like sparse MLA but kvtransfer must refuse, by name: full-attention
+    layers of unequal page sizes (DeepSeek-V4's padded pages move whole:
+    ``check_v4_layouts.py``)."""
     config = sparse_config("auto", VllmLayout.BLNHC)
-    v4 = dict(sparse_specs("auto"))
-    for name in SPARSE_LATENTS:
-        # An alignment that pads the page (vLLM sets page_size_padded).
-        v4[name] = dataclasses.replace(v4[name], model_version="deepseek_v4", alignment=5000)
     full = {
         f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
             block_size=SPARSE_BLOCK, num_kv_heads=1, head_size=64 * (1 + i % 2), dtype=torch.uint8
@@ -766,7 +763,6 @@ def sparse_refusals() -> str:
     }
     seen = []
     for what, specs, words in (
-        ("DeepSeek-V4 latents", v4, "(model_version, page_size_padded, alignment)"),
         ("unequal full attention", full, "is UniformTypeKVCacheSpecs (layers of one kind"),
     ):
         groups = get_kv_cache_groups(config, specs)

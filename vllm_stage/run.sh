@@ -49,6 +49,8 @@ VLLM_SSM_CONV_STATE_LAYOUT=DS "$venv/bin/python" vllm_stage/check_hybrid_layouts
   --family nemotron_h || fail "vLLM 0.32: wrong state bytes with DS conv states"
 run033 vllm_stage/check_hybrid_layouts.py \
   || fail "vLLM 0.33: wrong KV bytes between hybrid (HMA) cache layouts"
+# DeepSeek-V4's five groups of four block sizes, which only 0.33's classes build.
+run033 vllm_stage/check_v4_layouts.py || fail "vLLM 0.33: wrong DeepSeek-V4 KV pages moved"
 run033 vllm_stage/check_adapter_pp.py --data-plane both \
   || fail "vLLM 0.33: the adapter under PP failed"
 run033 vllm_stage/check_kv_events.py || fail "vLLM 0.33: our KV events are not its wire format"

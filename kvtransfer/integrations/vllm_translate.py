@@ -353,7 +353,11 @@ def _whole_page_group(
     kinds or several windows in one group, bounded replay."""
     specs = _layer_specs(group)
     kinds = sorted({type(each).__name__ for each in specs.values()})
-    windows = {_window(each) for each in specs.values() if hasattr(each, "sliding_window")}
+    windows = {
+        _window(each)
+        for each in specs.values()
+        if getattr(each, "sliding_window", None) is not None
+    }
     blocks = {int(each.block_size) for each in specs.values()}
     layers = list(specs)[:3]
     problem = ""
