@@ -514,15 +514,19 @@ SPARSE_SENTINEL = 0xA5
 
 @dataclass(frozen=True)
 class SparseCase:
+    """A case of MLA caches vLLM builds itself (sparse MLA here, DeepSeek-V4 in
+    ``check_v4_layouts.py``)."""
+
     cache_dtype: str
     producer: VllmLayout
     consumer: VllmLayout
     tp: tuple[int, int]
     plane: str
+    family: str = "sparse-mla"
 
     def __str__(self) -> str:
         return (
-            f"sparse-mla {self.cache_dtype:<10} {self.producer.name} tp{self.tp[0]} -> "
+            f"{self.family} {self.cache_dtype:<10} {self.producer.name} tp{self.tp[0]} -> "
             f"{self.consumer.name} tp{self.tp[1]} {self.plane}"
         )
 
@@ -556,10 +560,15 @@ def sparse_specs(cache_dtype: str) -> dict[str, Any]:
     return {**dict.fromkeys(SPARSE_LATENTS, latent), **dict.fromkeys(SPARSE_INDEXERS, indexer)}
 
 
-def sparse_config(cache_dtype: str, layout: VllmLayout | None) -> Any:
-    config = VllmConfig(cache_config=CacheConfig(block_size=SPARSE_BLOCK))
+def sparse_config(
+    cache_dtype: str,
+    layout: VllmLayout | None,
+    block_size: int = SPARSE_BLOCK,
+    num_blocks: int = NUM_BLOCKS,
+) -> Any:
+    config = VllmConfig(cache_config=CacheConfig(block_size=block_size))
     config.cache_config.cache_dtype = cache_dtype
-    config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
+    config.cache_config.num_gpu_blocks_override = num_blocks
     if layout is not None:
         config.cache_config.kv_cache_layout = layout.name
     return config
@@ -576,16 +585,22 @@ def sparse_refused(layout: VllmLayout) -> str | None:
     return None
 
 
-def our_engine(config: Any, tp: int) -> SimpleNamespace:
-    """The VllmConfig parts our adapter reads: a DeepSeek-V3.2-like model (no checkpoint) and
-    vLLM's own cache config."""
+def our_engine(
+    config: Any,
+    tp: int,
+    model: str = "tiny-deepseek-v32",
+    head_size: int = 576,
+    num_layers: int = SPARSE_LAYERS,
+) -> SimpleNamespace:
+    """The VllmConfig parts our adapter reads: a DeepSeek-V3.2-like ``model`` (no checkpoint)
+    and vLLM's own cache config."""
     model = SimpleNamespace(
-        model="tiny-deepseek-v32",
+        model=model,
         dtype=torch.bfloat16,
         use_mla=True,
         get_total_num_kv_heads=lambda: 1,
-        get_head_size=lambda: 576,
-        get_total_num_hidden_layers=lambda: SPARSE_LAYERS,
+        get_head_size=lambda: head_size,
+        get_total_num_hidden_layers=lambda: num_layers,
     )
     parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1)
     return SimpleNamespace(

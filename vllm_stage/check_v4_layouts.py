@@ -34,13 +34,20 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
 from functools import cache
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from check_layouts import MAX_CLOSING, WAIT_S, Mismatch, linked_agents, run_check
+from check_layouts import (
+    MAX_CLOSING,
+    WAIT_S,
+    Mismatch,
+    SparseCase,
+    linked_agents,
+    our_engine,
+    run_check,
+    sparse_config,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout as VllmLayout
 
 from kvtransfer.connector.kv_groups import FULL_ATTENTION, SLIDING_WINDOW, transferable_blocks
@@ -48,7 +55,6 @@ from kvtransfer.integrations.vllm_translate import vllm_kv_cache_layout, vllm_kv
 from kvtransfer.transport import PullSpec
 
 try:  # vLLM 0.33's classes; an older vLLM cannot build DeepSeek-V4's specs
-    from vllm.config import CacheConfig, VllmConfig
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import (
         get_kv_cache_config_from_groups,
@@ -75,19 +81,10 @@ PLANES = ("rma", "tagged")
 FORMATS = ("fp8_ds_mla", "auto")
 
 
-@dataclass(frozen=True)
-class V4Case:
-    cache_dtype: str
-    producer: VllmLayout
-    consumer: VllmLayout
-    tp: tuple[int, int]
-    plane: str
-
-    def __str__(self) -> str:
-        return (
-            f"deepseek-v4 {self.cache_dtype:<10} {self.producer.name} tp{self.tp[0]} -> "
-            f"{self.consumer.name} tp{self.tp[1]} {self.plane}"
-        )
+def v4_case(
+    cache_dtype: str, producer: VllmLayout, consumer: VllmLayout, tp: tuple[int, int], plane: str
+) -> SparseCase:
+    return SparseCase(cache_dtype, producer, consumer, tp, plane, family="deepseek-v4")
 
 
 def v4_specs(cache_dtype: str) -> dict[str, Any]:
@@ -160,12 +157,7 @@ def v4_specs(cache_dtype: str) -> dict[str, Any]:
 
 
 def v4_config(cache_dtype: str, layout: VllmLayout | None) -> Any:
-    config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK))
-    config.cache_config.cache_dtype = cache_dtype
-    config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
-    if layout is not None:
-        config.cache_config.kv_cache_layout = layout.name
-    return config
+    return sparse_config(cache_dtype, layout, BLOCK, NUM_BLOCKS)
 
 
 @cache
@@ -181,22 +173,6 @@ def refused(layout: VllmLayout) -> str | None:
     return None
 
 
-def our_engine(config: Any, tp: int) -> SimpleNamespace:
-    """The VllmConfig parts our adapter reads: a DeepSeek-V4-like model, vLLM's cache config."""
-    model = SimpleNamespace(
-        model="tiny-deepseek-v4",
-        dtype=torch.bfloat16,
-        use_mla=True,
-        get_total_num_kv_heads=lambda: 1,
-        get_head_size=lambda: HEAD,
-        get_total_num_hidden_layers=lambda: len(RATIOS),
-    )
-    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1)
-    return SimpleNamespace(
-        model_config=model, parallel_config=parallel, cache_config=config.cache_config
-    )
-
-
 @cache
 def recipe(cache_dtype: str, layout: VllmLayout, tp: int, rank: int) -> tuple[Any, Any]:
     """(vLLM's ``KVCacheConfig``, our layout) of one rank; `Mismatch` unless our groups are
@@ -204,7 +180,8 @@ def recipe(cache_dtype: str, layout: VllmLayout, tp: int, rank: int) -> tuple[An
     config = v4_config(cache_dtype, layout)
     groups = get_kv_cache_groups(config, v4_specs(cache_dtype))
     kv_cache_config = get_kv_cache_config_from_groups(config, groups, 1 << 30)
-    ours = vllm_kv_cache_layout(our_engine(config, tp), kv_cache_config, (0, rank))
+    engine = our_engine(config, tp, "tiny-deepseek-v4", HEAD, len(RATIOS))
+    ours = vllm_kv_cache_layout(engine, kv_cache_config, (0, rank))
     want = []
     for group in groups:
         first = next(iter(group.kv_cache_spec.kv_cache_specs.values()))
@@ -273,7 +250,7 @@ def plan(ours: Any) -> list[tuple[Any, tuple[int, ...], tuple[int, ...], tuple[i
 
 
 def run_v4_case(
-    case: V4Case, closer: ThreadPoolExecutor, closing: list[Future], corrupt: Any = None
+    case: SparseCase, closer: ThreadPoolExecutor, closing: list[Future], corrupt: Any = None
 ) -> str:
     """One case (``corrupt``: a change to the pairs pulled, for checks that must fail)."""
     tp_p, tp_c = case.tp
@@ -343,14 +320,14 @@ def difference(caches: Rank, expected: Rank, steps: list) -> str:
     return "bytes outside the request's pages differ (padding, or blocks it does not hold)"
 
 
-def cases() -> list[V4Case]:
+def cases() -> list[SparseCase]:
     accepted = [layout for layout in VllmLayout if refused(layout) is None]
     out = []
     for i, layout in enumerate(accepted):
         consumer = accepted[(i + 1) % len(accepted)]
         for j, plane in enumerate(PLANES):
             out.append(
-                V4Case(
+                v4_case(
                     FORMATS[(i + j) % len(FORMATS)],
                     layout,
                     consumer,
@@ -361,7 +338,7 @@ def cases() -> list[V4Case]:
     return out
 
 
-def must_fail(case: V4Case, closer: ThreadPoolExecutor, closing: list[Future]) -> list:
+def must_fail(case: SparseCase, closer: ThreadPoolExecutor, closing: list[Future]) -> list:
     """Pulls the check must catch: a window's first block left behind, two blocks swapped."""
 
     def caught(corrupt: Any) -> str:
