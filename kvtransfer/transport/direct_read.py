@@ -36,9 +36,9 @@ class DirectReadUnavailable(Exception):
 
 
 @functools.cache
-def _syscall() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+def _syscall(name: str = "process_vm_readv") -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     libc = ctypes.CDLL(None, use_errno=True)
-    function = libc.process_vm_readv
+    function = getattr(libc, name)
     function.argtypes = [
         ctypes.c_int,
         ctypes.c_void_p,
@@ -130,6 +130,9 @@ def plan_direct(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> D
 class DirectReader:
     """Reads runs of process ``pid``'s memory into this process's."""
 
+    _SYSCALL = "process_vm_readv"
+    _VERB = "reading"
+
     def __init__(self, pid: int) -> None:
         self.pid = pid
         # What this reader moved (`counters`): the proof, for tests, of which path did.
@@ -149,8 +152,8 @@ class DirectReader:
         self.bytes_read += plan.total_bytes
         self.system_calls += len(plan.calls)
 
-    def _copy(self, plan: DirectPlan) -> None:
-        call = _syscall()
+    def _copy(self, plan: DirectPlan, syscall: str | None = None) -> None:
+        call = _syscall(syscall or self._SYSCALL)
         pid = self.pid
         for local_iov, local_count, remote_iov, remote_count, want in plan.calls:
             done = call(pid, local_iov, local_count, remote_iov, remote_count, 0)
@@ -158,13 +161,13 @@ class DirectReader:
                 continue
             code = ctypes.get_errno() if done < 0 else errno.EFAULT
             if code in (errno.EPERM, errno.EACCES):
-                raise DirectReadUnavailable(f"not allowed to read process {self.pid}")
+                raise DirectReadUnavailable(f"not allowed to access process {self.pid}")
             reason = (
                 "the process is gone"
                 if code == errno.ESRCH
                 else f"{os.strerror(code)} after {max(done, 0)} of {want} bytes"
             )
-            raise PeerUnreachable(f"reading producer process {self.pid} failed: {reason}")
+            raise PeerUnreachable(f"{self._VERB} process {self.pid} failed: {reason}")
 
     def probe(self, address: int, expected: bytes) -> bool:
         """Whether ``address`` in the process holds ``expected`` (the producer's nonce): the
@@ -176,8 +179,18 @@ class DirectReader:
                     np.array([buffer.ctypes.data], dtype=np.int64),
                     np.array([address], dtype=np.int64),
                     np.array([len(expected)], dtype=np.int64),
-                )
+                ),
+                "process_vm_readv",  # a writer probes by reading too: the same permission
             )
         except (DirectReadUnavailable, PeerUnreachable):
             return False
         return buffer.tobytes() == expected
+
+
+class DirectWriter(DirectReader):
+    """Writes runs of this process's memory into process ``pid``'s (``process_vm_writev``):
+    a plan's local runs are the sources, its remote runs the destinations. Its counters count
+    writes. Same permission as reading (`probe` reads the peer's nonce)."""
+
+    _SYSCALL = "process_vm_writev"
+    _VERB = "writing"

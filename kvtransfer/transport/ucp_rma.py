@@ -23,10 +23,12 @@ _MAP_ADDRESS = 1 << 0
 _MAP_LENGTH = 1 << 1
 _MAP_PROT = 1 << 3
 _MAP_MEMORY_TYPE = 1 << 4
-# Remote read only: a peer with the key can never write our cache.
+# Remote read only unless asked (`MappedRegion.map`'s ``remote_write``): a peer with a read
+# key can never write our cache.
 _PROT_LOCAL_READ = 1 << 0
 _PROT_LOCAL_WRITE = 1 << 1
 _PROT_REMOTE_READ = 1 << 8
+_PROT_REMOTE_WRITE = 1 << 9
 # ucp_request_param_t.op_attr_mask
 _OP_MEMORY_TYPE = 1 << 6
 # ucs_memory_type_t
@@ -83,6 +85,7 @@ def _bind() -> ctypes.CDLL:
         "ucp_ep_rkey_unpack": ([vp, ctypes.c_char_p, p(vp)], ctypes.c_int),
         "ucp_rkey_destroy": ([vp], None),
         "ucp_get_nbx": ([vp, vp, sz, ctypes.c_uint64, vp, p(RequestParam)], ctypes.c_size_t),
+        "ucp_put_nbx": ([vp, vp, sz, ctypes.c_uint64, vp, p(RequestParam)], ctypes.c_size_t),
         "ucp_ep_flush_nbx": ([vp, p(RequestParam)], ctypes.c_size_t),
         "ucp_request_check_status": ([vp], ctypes.c_int),
         "ucp_request_free": ([vp], None),
@@ -123,7 +126,8 @@ def vp(handle: int) -> ctypes.c_void_p:
 
 @dataclass
 class MappedRegion:
-    """Memory registered with a UCX context for remote reads, and its packed remote key."""
+    """Memory registered with a UCX context for remote reads (and writes, when mapped with
+    ``remote_write``), and its packed remote key."""
 
     context: int
     address: int
@@ -133,13 +137,22 @@ class MappedRegion:
     packed_key: bytes
 
     @classmethod
-    def map(cls, context: int, address: int, length: int, memory_type: int) -> MappedRegion:
+    def map(
+        cls,
+        context: int,
+        address: int,
+        length: int,
+        memory_type: int,
+        *,
+        remote_write: bool = False,
+    ) -> MappedRegion:
         lib = _bind()
+        prot = _PROT_LOCAL_READ | _PROT_LOCAL_WRITE | _PROT_REMOTE_READ
         params = _MemMapParams(
             field_mask=_MAP_ADDRESS | _MAP_LENGTH | _MAP_PROT | _MAP_MEMORY_TYPE,
             address=address,
             length=length,
-            prot=_PROT_LOCAL_READ | _PROT_LOCAL_WRITE | _PROT_REMOTE_READ,
+            prot=prot | (_PROT_REMOTE_WRITE if remote_write else 0),
             memory_type=memory_type,
         )
         memh = ctypes.c_void_p()
@@ -192,8 +205,12 @@ def _as_status(pointer: int) -> int:
 class Gets:
     """Gets posted on one endpoint, completed together by a flush (see `post` and `poll`)."""
 
+    _OP = "ucp_get_nbx"
+    _WHAT = "reading remote memory"
+
     def __init__(self, worker: int, endpoint: int, memory_type: int = MEMORY_HOST) -> None:
         self._lib = _bind()
+        self._post = getattr(self._lib, self._OP)
         self._worker = vp(worker)
         self._endpoint = vp(endpoint)
         self._param = RequestParam()
@@ -208,19 +225,20 @@ class Gets:
         self, local: list[int], lengths: list[int], remote: list[int], rkeys: list[int]
     ) -> None:
         """Read ``lengths[i]`` bytes at remote address ``remote[i]`` (key ``rkeys[i]``) into
-        local address ``local[i]``; completion is learnt from `flush` and `poll`."""
-        get, free, endpoint, param = (
-            self._lib.ucp_get_nbx,
+        local address ``local[i]`` (`Puts`: write them there from it); completion is learnt
+        from `flush` and `poll`."""
+        post, free, endpoint, param = (
+            self._post,
             self._lib.ucp_request_free,
             self._endpoint,
             ctypes.byref(self._param),
         )
         limit = (1 << 64) - _ERR_LAST
-        for to, length, at, rkey in zip(local, lengths, remote, rkeys, strict=True):
-            request = get(endpoint, to, length, at, rkey, param)
+        for here, length, there, rkey in zip(local, lengths, remote, rkeys, strict=True):
+            request = post(endpoint, here, length, there, rkey, param)
             if request:
                 if request >= limit:
-                    raise UcxStatusError("ucp_get_nbx", _as_status(request))
+                    raise UcxStatusError(self._OP, _as_status(request))
                 # Released by UCX once complete; the flush says when that is.
                 free(request)
         self.posted += len(lengths)
@@ -242,7 +260,7 @@ class Gets:
             return False
         self._lib.ucp_request_free(vp(self._flush))
         self._flush = None
-        _check("reading remote memory", status)
+        _check(self._WHAT, status)
         return True
 
     def abandon(self) -> None:
@@ -250,3 +268,12 @@ class Gets:
         if self._flush is not None:
             self._lib.ucp_request_free(vp(self._flush))
             self._flush = None
+
+
+class Puts(Gets):
+    """Puts posted on one endpoint: `post_many` writes local runs into the peer's memory (a key
+    of a region mapped with ``remote_write``). A completed flush means UCX completed them at
+    the peer: the bytes are in its memory, not merely sent."""
+
+    _OP = "ucp_put_nbx"
+    _WHAT = "writing remote memory"
