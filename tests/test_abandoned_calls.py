@@ -90,6 +90,12 @@ def test_a_cancelled_prefill_call_holds_no_kv(prefill, delay_s):
         wait_until(given_back, "the KV given back at its lease's end", LEASE_S + BACK_WITHIN_S)
 
 
+def _taken(daemon, request_id: str) -> bool:
+    """Whether ``daemon``'s engine took ``request_id`` (its Generate call logs it admitted once
+    the engine thread added the request)."""
+    return f"[request_id={request_id}] admitted: " in daemon.log_path.read_text(errors="replace")
+
+
 def _ended_ok_before_the_cancel(daemon, request_id: str) -> bool:
     """Whether the daemon finished ``request_id``'s call, saw no cancellation and gave nothing
     back: its call ended OK before the client's cancel reached it (seen once in CI, under
@@ -110,11 +116,19 @@ def decode(tmp_path_factory):
     assert exit_used_blocks(daemon) == 0
 
 
-@pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.01, 0.05])
-def test_a_decode_call_cancelled_while_admitted_holds_no_blocks(prefill, decode, delay_s):
-    """A decode called early (awaiting the prefill's first token) and cancelled around its
-    admission: whatever the moment, the decode gives its blocks back itself, at once."""
-    request_id = f"abandon-decode-{delay_s}"
+# When the cancel comes, counted from the moment the decode daemon took the request: at once,
+# soon after (while it allocates and loads), and once it holds the request's blocks.
+MOMENTS = [("taken", 0.0), ("taken", 0.002), ("taken", 0.01), ("taken", 0.05), ("holding", 0.0)]
+
+
+@pytest.mark.parametrize(("after", "delay_s"), MOMENTS, ids=lambda m: str(m))
+def test_a_decode_call_cancelled_while_admitted_holds_no_blocks(prefill, decode, after, delay_s):
+    """A decode called early (awaiting the prefill's first token) and cancelled once the daemon
+    took it: whatever the moment after that, the decode gives its blocks back itself, at once.
+    The cancel waits for the daemon's own word that its engine took the request (its log), so
+    the check that follows is never passed by a call cancelled before the decode held
+    anything."""
+    request_id = f"abandon-decode-{after}-{delay_s}"
     with GenerationClient(prefill.address) as client:
         final = None
         for message in client.stream(
@@ -127,7 +141,18 @@ def test_a_decode_call_cancelled_while_admitted_holds_no_blocks(prefill, decode,
         request = generate_request(request_id, PROMPT, 8)
         request.kv_transfer_params_json = params
         request.await_generated_tokens = True
-        cancel_after(client.stream(request), delay_s)
+        call = client.stream(request)
+        wait_until(
+            lambda: _taken(decode, request_id), "the decode daemon took the request", BACK_WITHIN_S
+        )
+        if after == "holding":
+            # The request waits for its first token (never sent) holding its blocks.
+            wait_until(
+                lambda: admin(decode.address, "status").num_used_blocks > 0,
+                "the decode holding the request's blocks",
+                BACK_WITHIN_S,
+            )
+        cancel_after(call, delay_s)
     wait_until(
         lambda: admin(decode.address, "status").num_used_blocks == 0,
         "the cancelled decode call's blocks given back by the daemon itself",
