@@ -117,7 +117,11 @@ class _Grant:
     prompt_digest: str
     # Layers whose KV is still being computed (a lease granted while its prefill runs).
     pending: set[str] = field(default_factory=set)
+    # Gathers reading its blocks (a push grant: producers writing them, `begin_write`).
     readers: int = 0
+    # A push grant: per layer, the landed reports still expected (one per producer worker
+    # writing it: several when the producer's TP ranks each write their heads; `end_write`).
+    unlanded: dict[str, int] = field(default_factory=dict)
 
 
 class LeaseGrants:
@@ -170,6 +174,98 @@ class LeaseGrants:
             self._grants[lease_id] = grant
             if self._table is not None:
                 self._table.publish(lease_id, digest, prompt_digest, grant.pending, grant.block_ids)
+            self._cond.notify_all()
+
+    def grant_push(
+        self,
+        lease_id: str,
+        digest: bytes,
+        block_ids: Iterable[int],
+        layer_names: Iterable[str],
+        prompt_digest: str = "",
+        writers: int = 1,
+    ) -> None:
+        """Allow writes of ``layer_names`` into ``block_ids`` (this consumer's blocks, in
+        prompt order) to the producer presenting the secret hashing to ``digest`` and
+        ``prompt_digest``: the lease of a push (see `begin_write`), which ``writers`` producer
+        workers each write a part of (their heads), every layer. Its row says every layer
+        ready, so writers go at once; what landed is `landed`'s."""
+        if isinstance(writers, bool) or not isinstance(writers, int) or writers < 1:
+            raise ValueError(f"writers must be an int >= 1, got {writers!r}")
+        with self._cond:
+            self._revoked.pop(lease_id, None)
+            unlanded = dict.fromkeys(layer_names, writers)
+            grant = _Grant(digest, tuple(block_ids), prompt_digest, unlanded=unlanded)
+            self._grants[lease_id] = grant
+            if self._table is not None:
+                self._table.publish(lease_id, digest, prompt_digest, set(), grant.block_ids)
+            self._cond.notify_all()
+
+    def begin_write(self, access: LeaseAccess | None) -> None:
+        """A producer is about to write a push grant's blocks: counted as a reader until its
+        `end_write`, so a revocation does not hand the blocks back while writes may land
+        (`revoke_nowait`, `drained`). `AccessDenied` as `authenticate`."""
+        with self._check(access) as grant:
+            grant.readers += 1
+
+    def end_write(self, access: LeaseAccess | None, landed: Iterable[str]) -> None:
+        """The producer's writes (after its `begin_write`) have ended; ``landed``: the layers
+        they completed (their flush returned). Valid also after the grant was revoked, for a
+        writer draining it. `AccessDenied` for an unknown lease, a wrong secret, or no write
+        begun."""
+        if access is None:
+            raise AccessDenied("the push notice presents no lease")
+        with self._cond:
+            grant = self._grants.get(access.lease_id) or self._draining.get(access.lease_id)
+            if grant is None or not hmac.compare_digest(grant.digest, secret_digest(access.secret)):
+                raise AccessDenied(
+                    f"lease {access.lease_id!r} has no write to end (unknown, ended, or another "
+                    "secret)"
+                )
+            if grant.readers <= 0:
+                raise AccessDenied(f"lease {access.lease_id!r} has no write begun")
+            grant.readers -= 1
+            if self._grants.get(access.lease_id) is grant:
+                for name in set(landed):
+                    left = grant.unlanded.get(name, 0) - 1
+                    if left > 0:
+                        grant.unlanded[name] = left
+                    else:
+                        grant.unlanded.pop(name, None)
+            self._cond.notify_all()
+
+    def landed(self, lease_id: str) -> bool:
+        """Whether every layer of push grant ``lease_id`` was reported written and flushed by
+        each of its writers, and no write of it is running; `AccessDenied` if it ended
+        (revoked) or is unknown."""
+        with self._cond:
+            grant = self._grants.get(lease_id)
+            if grant is None:
+                raise AccessDenied(
+                    f"push lease {lease_id!r} {self._revoked.get(lease_id, 'is unknown')}"
+                )
+            return not grant.unlanded and grant.readers == 0
+
+    def wait_landed(self, lease_id: str, timeout_s: float) -> bool:
+        """`landed`, waiting up to ``timeout_s`` for it (False: not yet)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self.landed(lease_id):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+
+    def abandon_writes(self, lease_ids: Iterable[str]) -> None:
+        """Forget the writes begun on these leases: their producer is known to be gone (its
+        process, or its connection closed), so none of them can land any more."""
+        with self._cond:
+            for lease_id in lease_ids:
+                grant = self._grants.get(lease_id) or self._draining.get(lease_id)
+                if grant is not None:
+                    grant.readers = 0
             self._cond.notify_all()
 
     def layer_ready(self, lease_ids: Iterable[str], layer_name: str | None = None) -> None:

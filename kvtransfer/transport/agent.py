@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from types import MappingProxyType, TracebackType
+from typing import TypeVar
 
 import torch
 
@@ -56,10 +57,16 @@ from kvtransfer.transport.ucx import UcxLoop
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 DATA_PLANES = ("rma", "tagged")
 # A pull waiting for another pull's keys request checks its deadline, cancel and probe this often.
 _KEYS_LOCK_POLL_S = 0.05
+# A push asks again this soon (doubling to the second) while its grant is not recorded yet.
+_GRANT_RETRY_S = (0.002, 0.1)
+# How long a push that failed may still take to tell the consumer its writes stopped.
+_STOP_NOTICE_S = 5.0
 
 
 def _positive(name: str, value: object, *, integer: bool = True) -> None:
@@ -162,6 +169,12 @@ class KVTransferAgent:
         self._server: KVServer | None = None
         self._exporter: RmaExporter | None = None
         self._table: LeaseTable | None = None
+        # Pushes into this agent's blocks (`start_server`'s ``push_grants``): its caches mapped
+        # for remote writes, and the table of its push leases.
+        self._push_exporter: RmaExporter | None = None
+        self._push_table: LeaseTable | None = None
+        # Per consumer address: its write keys (pushes from this agent).
+        self._push_peers: dict[bytes, RmaPeer] = {}
         self._reader = RmaReader(self._loop.worker_handle, self._loop.nudge)
         # Per peer address: its keys (one-sided reads), or None once it refused to hand them.
         self._rma_peers: dict[bytes, RmaPeer | None] = {}
@@ -200,7 +213,7 @@ class KVTransferAgent:
         for name, tensor in kv_caches.items():
             check_kv_cache(name, tensor)
         with self._lock:
-            if self._exporter is not None:
+            if self._exporter is not None or self._push_exporter is not None:
                 # Peers hold keys to the memory mapped at start_server: new layers would be
                 # unreadable to them, and replaced ones read from the old addresses.
                 raise ValueError(
@@ -226,15 +239,31 @@ class KVTransferAgent:
 
     # -- serving ------------------------------------------------------------------------------
 
-    def start_server(self, grants: LeaseGrants | None = None) -> None:
+    def start_server(
+        self, grants: LeaseGrants | None = None, push_grants: LeaseGrants | None = None
+    ) -> None:
         """Answer pull requests from the registered caches on a background thread; idempotent.
 
         With ``grants`` only pulls presenting a granted lease are served (what an engine does);
         without, any peer may read any block (tests and benchmarks on a trusted host).
+
+        ``push_grants``: this agent also takes pushes. Its caches are mapped a second time,
+        for remote writes, and a producer presenting one of these grants (`LeaseGrants.
+        grant_push`) gets those write keys and writes the granted blocks itself (`push`);
+        `LeaseGrants.landed` says when its writes completed. What the write keys allow is
+        in docs/data-plane.md.
         """
         self._check_open()
         with self._lock:
             if self._server is None:
+                push_keys = None
+                if push_grants is not None:
+                    self._push_table = LeaseTable(tuple(self._caches))
+                    self._push_exporter = RmaExporter(
+                        self._loop.context_handle, self._caches, self._push_table, writable=True
+                    )
+                    push_keys = self._push_exporter.encoded
+                    push_grants.publish_to(self._push_table)
                 rma_keys = None
                 if self.config.data_plane == "rma":
                     self._table = LeaseTable(tuple(self._caches)) if grants is not None else None
@@ -254,6 +283,8 @@ class KVTransferAgent:
                     checksum=self.config.checksum,
                     inline_bytes=self.config.inline_bytes,
                     rma_keys=rma_keys,
+                    push_grants=push_grants,
+                    push_keys=push_keys,
                 )
             server = self._server
         server.start()
@@ -405,6 +436,131 @@ class KVTransferAgent:
         finally:
             lock.release()
 
+    # -- pushing ------------------------------------------------------------------------------
+
+    def push(
+        self,
+        peer: PeerHandle,
+        spec: PullSpec,
+        *,
+        timeout_s: float | None = None,
+        on_wait: Callable[[], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> PullHandle:
+        """Write ``spec``'s local blocks into ``peer``'s (a consumer that granted this push:
+        ``spec.lease`` is its push lease, ``spec.remote_block_ids`` its blocks at the lease's
+        positions), one-sided, on the calling thread; returns a completed handle.
+
+        The first push to a peer asks it for its write keys. Each push then tells the peer it
+        begins (from then on the peer keeps the blocks out of use even if it gives the lease
+        up), checks the lease row, writes every run (same host: ``process_vm_writev``; else UCX
+        puts), waits for their flush, checks the row again, and tells the peer the layers
+        landed (or, on any failure, that its writes stopped). A lease not yet granted there is
+        waited for within the push's deadline. `ValueError` now for what is checkable locally,
+        as `pull`."""
+        self._check_open()
+        if not isinstance(peer, PeerHandle):
+            raise ValueError(f"peer must be a PeerHandle from connect(), got {peer!r}")
+        if not isinstance(spec, PullSpec) or spec.lease is None:
+            raise ValueError("spec must be a PullSpec presenting the consumer's push lease")
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        _positive("timeout_s", timeout, integer=False)
+        plans = plan_pull(spec, self._caches, peer.layouts, self._layouts)
+        control = ReadControl(
+            cancelled=should_stop or (lambda: False),
+            deadline=time.monotonic() + timeout,
+            timeout_s=timeout,
+            on_wait=on_wait,
+            grant_wait_s=self.config.grant_wait_s,
+        )
+        lease = spec.lease
+        try:
+            rma = self._push_peer(peer, spec, control)
+            self._until_granted(
+                control,
+                spec,
+                lambda: self._client.notify_push(peer, lease, "begin", (), control),
+            )
+        except TransportError as exc:
+            return PullHandle.failed(spec.request_id, peer, exc)
+        handle = self._client.read_one_sided(
+            peer, rma, self._reader, spec, plans, self._memory, control, write=True
+        )
+        landed = handle.exception() is None
+        layers = tuple(plan.name for plan in plans) if landed else ()
+        # A stop is told even past the push's deadline (briefly): until it arrives the
+        # consumer keeps the blocks out of use.
+        notice = ReadControl(
+            cancelled=lambda: False,
+            deadline=max(control.deadline, time.monotonic() + _STOP_NOTICE_S),
+            timeout_s=timeout,
+        )
+        try:
+            self._client.notify_push(peer, lease, "landed" if landed else "stopped", layers, notice)
+        except TransportError as exc:
+            if landed:
+                return PullHandle.failed(spec.request_id, peer, exc)
+            logger.warning(
+                "push %r: telling %s it stopped failed: %s", spec.request_id, peer.name, exc
+            )
+        return handle
+
+    def _until_granted(self, control: ReadControl, spec: PullSpec, ask: Callable[[], T]) -> T:
+        """``ask()``, asked again while the consumer answers LEASE_NOT_GRANTED (its workers
+        record a grant once a step), within ``control``."""
+        delay = _GRANT_RETRY_S[0]
+        while True:
+            try:
+                return ask()
+            except RemoteTransferError as exc:
+                if exc.code != ErrorCode.LEASE_NOT_GRANTED or time.monotonic() + delay >= (
+                    control.deadline
+                ):
+                    raise
+            control.check(f"push {spec.request_id!r} (waiting for the consumer's grant)")
+            time.sleep(delay)
+            delay = min(delay * 2, _GRANT_RETRY_S[1])
+
+    def _push_peer(self, peer: PeerHandle, spec: PullSpec, control: ReadControl) -> RmaPeer:
+        """``peer``'s write keys, fetched once (presenting this push's lease)."""
+        key = peer.ucx_address
+        rma = self._push_peers.get(key)
+        if rma is not None:
+            return rma
+        with self._lock:
+            lock = self._rma_locks.setdefault(key, threading.Lock())
+        while not lock.acquire(timeout=_KEYS_LOCK_POLL_S):
+            control.check(f"push {spec.request_id!r} (waiting for {peer.name}'s keys)")
+        try:
+            rma = self._push_peers.get(key)
+            if rma is not None:
+                return rma
+            with BOOK.span(spec.request_id, "kv.push_keys", peer=peer.name):
+                encoded = self._until_granted(
+                    control,
+                    spec,
+                    lambda: self._client.fetch_keys(peer, spec.lease, control, push=True),
+                )
+            try:
+                keys = RmaKeys.decode(encoded)
+            except ValueError as exc:
+                raise RemoteTransferError(
+                    f"push {spec.request_id!r}: {peer.name} sent unusable write keys: {exc}",
+                    code=ErrorCode.BAD_REQUEST,
+                ) from exc
+            same_host = WorkerAddresses.unpack(key).locality == self._loop.locality
+            rma = RmaPeer(keys, same_host)
+            self._loop.on_close(key, rma.release)
+            self._push_peers[key] = rma
+            return rma
+        finally:
+            lock.release()
+
+    @property
+    def push_table(self) -> LeaseTable | None:
+        """Taking pushes: the table this agent publishes its push leases in."""
+        return self._push_table
+
     @property
     def loop_naps(self) -> tuple[int, int]:
         """The UCX loop's naps so far: (after empty wake-ups, while UCX could not be armed);
@@ -432,9 +588,10 @@ class KVTransferAgent:
         self._client.close()
         if self._server is not None:
             self._server.stop()
-        if self._exporter is not None:
-            # Before the context goes with the loop: UCX wants regions unmapped first.
-            self._exporter.close()
+        for exporter in (self._exporter, self._push_exporter):
+            if exporter is not None:
+                # Before the context goes with the loop: UCX wants regions unmapped first.
+                exporter.close()
         self._loop.close()
         self._peers.clear()
 

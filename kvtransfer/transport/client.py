@@ -60,6 +60,7 @@ from kvtransfer.transport.messages import (
     LayerRequest,
     PullRequestMessage,
     PullResponseHeader,
+    PushNoticeMessage,
     WireFormatError,
     pack_block_ids,
     peer_name,
@@ -344,8 +345,11 @@ class PullClient:
         plans: list[LayerPlan],
         memory: Mapping[str, LayerMemory],
         control: ReadControl,
+        *,
+        write: bool = False,
     ) -> PullHandle:
-        """Run an RMA pull on the calling thread; the handle returned is complete."""
+        """Run an RMA pull (``write``: a push into the peer's blocks) on the calling thread;
+        the handle returned is complete."""
         future: Future[PullResult] = Future()
         future.set_running_or_notify_cancel()
         handle = PullHandle(spec.request_id, peer, future)
@@ -371,13 +375,17 @@ class PullClient:
                         plans,
                         memory,
                         control,
+                        write=write,
                     )
                 except (RemoteTransferError, AccessDenied):
                     raise  # decided before any read was posted, or after all completed
                 except BaseException:
                     # Reads may be in flight: closing the endpoint ends them before the
-                    # write lock (and with it `cancel`) returns.
-                    self._reset_peer(peer, wait=True)
+                    # write lock (and with it `cancel`) returns. Not for a read that only
+                    # waited for its turn: it posted nothing, and the reset would wait for
+                    # the read ahead of it (closing takes the keys' lock) and break it.
+                    if not control.queued_only:
+                        self._reset_peer(peer, wait=True)
                     raise
                 elapsed = time.perf_counter() - started
                 future.set_result(
@@ -398,18 +406,65 @@ class PullClient:
         return handle
 
     def fetch_keys(
-        self, peer: PeerHandle, lease: LeaseAccess | None, control: ReadControl
+        self,
+        peer: PeerHandle,
+        lease: LeaseAccess | None,
+        control: ReadControl,
+        *,
+        push: bool = False,
     ) -> bytes:
-        """Ask ``peer`` for its RMA keys, presenting ``lease``; the encoded `RmaKeys`.
+        """Ask ``peer`` for its RMA keys (``push``: its write keys), presenting ``lease``; the
+        encoded `RmaKeys`.
 
         `RemoteTransferError` with the peer's code if refused (``NOT_SERVING``: tagged only);
         waits within ``control`` (its deadline, cancel flag and liveness probe)."""
+        what = "push keys" if push else "keys"
+
+        def message(header_tag: int) -> bytes:
+            fields = None if lease is None else _lease_fields(lease)
+            return KeysRequestMessage(header_tag, self._loop.address, fields, push).encode()
+
+        answer, payload = self._ask(peer, message, control, what, MAX_KEYS_BYTES)
+        if not 0 < answer.payload_bytes <= MAX_KEYS_BYTES:
+            raise RemoteTransferError(
+                f"{peer.name} announced {answer.payload_bytes} bytes of {what}",
+                code=ErrorCode.BAD_REQUEST,
+            )
+        return payload[: answer.payload_bytes].tobytes()
+
+    def notify_push(
+        self,
+        peer: PeerHandle,
+        lease: LeaseAccess,
+        phase: str,
+        layers: tuple[str, ...],
+        control: ReadControl,
+    ) -> None:
+        """Tell ``peer`` (the consumer) that this producer begins writing ``lease``'s blocks,
+        or that its writes landed or stopped; `RemoteTransferError` if it refused."""
+
+        def message(header_tag: int) -> bytes:
+            return PushNoticeMessage(
+                header_tag, self._loop.address, _lease_fields(lease), phase, layers
+            ).encode()
+
+        self._ask(peer, message, control, f"push notice ({phase})", 0)
+
+    def _ask(
+        self,
+        peer: PeerHandle,
+        message: Callable[[int], bytes],
+        control: ReadControl,
+        what: str,
+        payload_max: int,
+    ) -> tuple[PullResponseHeader, Any]:
+        """Send the request ``message(reply tag)`` to ``peer`` and wait for its answer (header
+        and a payload of at most ``payload_max`` bytes) within ``control``; `PeerUnreachable`
+        if the exchange failed, `RemoteTransferError` with the peer's code if refused."""
         header_tag, data_tag = reply_tags(self._next_sequence())
         header = self._loop.new_host_buffer(RESPONSE_HEADER_BYTES)
-        payload = self._loop.new_host_buffer(MAX_KEYS_BYTES)
-        message = KeysRequestMessage(
-            header_tag, self._loop.address, None if lease is None else _lease_fields(lease)
-        ).encode()
+        payload = self._loop.new_host_buffer(max(payload_max, 1))
+        request = message(header_tag)
         done = threading.Event()
         outcome: dict[str, object] = {"pending": 2}
 
@@ -426,7 +481,7 @@ class PullClient:
             address = peer.ucx_address
             self._loop.recv(address, header, header_tag, finish)
             self._loop.recv(address, payload, data_tag, finish)
-            self._loop.send(address, message, REQUEST_TAG, lambda e: e and finish(e))
+            self._loop.send(address, request, REQUEST_TAG, lambda e: e and finish(e))
 
         posted = self._loop.call(post)
         # Within the read's deadline, and stopped by its cancel: a UCX loop thread that cannot
@@ -441,17 +496,17 @@ class PullClient:
                 raise
             except Exception as exc:
                 raise PeerUnreachable(
-                    f"cannot ask {peer.name} for its keys: {type(exc).__name__}: {exc}"
+                    f"cannot send {peer.name} a {what} request: {type(exc).__name__}: {exc}"
                 ) from exc
             try:
-                control.check(f"posting a keys request to {peer.name}")
+                control.check(f"posting a {what} request to {peer.name}")
             except BaseException:
                 # The post may still run: its receives are cancelled with the endpoint.
                 self._reset_peer(peer)
                 raise
         try:
             while not done.wait(_KEYS_POLL_S):
-                control.check(f"keys request to {peer.name}")
+                control.check(f"{what} request to {peer.name}")
         except BaseException:
             # Frees the receives still posted for an answer that may never come.
             self._reset_peer(peer)
@@ -459,24 +514,19 @@ class PullClient:
         error = outcome.get("error")
         if isinstance(error, BaseException):
             self._reset_peer(peer)
-            raise PeerUnreachable(f"keys request to {peer.name} failed: {error}") from error
+            raise PeerUnreachable(f"{what} request to {peer.name} failed: {error}") from error
         try:
             answer = PullResponseHeader.decode(header)
         except WireFormatError as exc:
             raise RemoteTransferError(
-                f"{peer.name} sent an unreadable keys answer: {exc}", code=exc.code
+                f"{peer.name} sent an unreadable {what} answer: {exc}", code=exc.code
             ) from exc
         if answer.status != ErrorCode.OK:
             raise RemoteTransferError(
-                f"keys request refused by {peer.name} ({answer.status.name}): {answer.message}",
+                f"{what} request refused by {peer.name} ({answer.status.name}): {answer.message}",
                 code=answer.status,
             )
-        if not 0 < answer.payload_bytes <= MAX_KEYS_BYTES:
-            raise RemoteTransferError(
-                f"{peer.name} announced {answer.payload_bytes} bytes of keys",
-                code=ErrorCode.BAD_REQUEST,
-            )
-        return payload[: answer.payload_bytes].tobytes()
+        return answer, payload
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Cancel every pull, then stop the worker threads."""

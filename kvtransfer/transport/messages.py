@@ -43,8 +43,13 @@ RESPONSE_HEADER_BYTES = 4096
 SEGMENT_ALIGNMENT = 16
 
 KIND_PULL = 1
-# RMA mode: ask for the remote keys and memory layout of the server's KV (one-sided reads).
+# RMA mode: ask for the remote keys and memory layout of the server's KV (one-sided reads;
+# with "push": its write keys, presenting a push lease).
 KIND_KEYS = 2
+# Push: a producer tells the consumer it begins writing a push lease's blocks, or that its
+# writes ended (landed: flushed; or stopped).
+KIND_PUSH = 3
+PUSH_PHASES = ("begin", "landed", "stopped")
 
 _ADDRESS_MAGIC = b"KVTA"
 _REQUEST_MAGIC = b"KVTQ"
@@ -244,22 +249,60 @@ class PullRequestMessage:
 @dataclass(frozen=True)
 class KeysRequestMessage:
     """Ask for the server's `RmaKeys`, presenting ``lease`` (as a pull does) to a server that
-    serves leased KV only; the answer's payload is the encoded keys."""
+    serves leased KV only; the answer's payload is the encoded keys. ``push``: its write keys,
+    presenting a push lease (a grant of this server's blocks to the asking producer)."""
 
     reply_tag: int
     reply_address: bytes
     lease: tuple[str, str, str, int] | None = None
+    push: bool = False
 
     def encode(self) -> bytes:
         fields: dict[str, object] = {}
         if self.lease is not None:
             fields["lease"] = list(self.lease)
+        if self.push:
+            fields["push"] = True
         return _encode_request(KIND_KEYS, self.reply_tag, self.reply_address, fields)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> KeysRequestMessage:
         envelope, _, body, _ = _decode_request(data, KIND_KEYS)
-        return cls(envelope.reply_tag, envelope.reply_address, _decode_lease(body))
+        push = body.get("push", False)
+        if not isinstance(push, bool):
+            raise WireFormatError(f"request field 'push' must be a bool, got {push!r}")
+        return cls(envelope.reply_tag, envelope.reply_address, _decode_lease(body), push)
+
+
+@dataclass(frozen=True)
+class PushNoticeMessage:
+    """A producer's notice about its writes of a push lease (``phase``: "begin" before the
+    first write, "landed" once ``layers`` were written and flushed, "stopped" when it gave up),
+    presenting the lease; answered with a bare header."""
+
+    reply_tag: int
+    reply_address: bytes
+    lease: tuple[str, str, str, int]
+    phase: str
+    layers: tuple[str, ...] = ()
+
+    def encode(self) -> bytes:
+        fields = {"lease": list(self.lease), "phase": self.phase, "layers": list(self.layers)}
+        return _encode_request(KIND_PUSH, self.reply_tag, self.reply_address, fields)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> PushNoticeMessage:
+        envelope, _, body, _ = _decode_request(data, KIND_PUSH)
+        lease = _decode_lease(body)
+        if lease is None:
+            raise WireFormatError("a push notice must present its lease")
+        phase = _field(body, "phase", str)
+        if phase not in PUSH_PHASES:
+            raise WireFormatError(f"push notice phase must be one of {list(PUSH_PHASES)}")
+        layers = _field(body, "layers", list)
+        if not all(isinstance(name, str) and name for name in layers):
+            raise WireFormatError("push notice layers must be non-empty strings")
+        return cls(envelope.reply_tag, envelope.reply_address, lease, phase, tuple(layers))
 
 
 def _encode_request(

@@ -38,6 +38,7 @@ from kvtransfer.transport.direct_read import (
     DirectPlan,
     DirectReader,
     DirectReadUnavailable,
+    DirectWriter,
     plan_direct,
 )
 from kvtransfer.transport.errors import (
@@ -65,6 +66,7 @@ from kvtransfer.transport.ucp_rma import (
     MEMORY_HOST,
     Gets,
     MappedRegion,
+    Puts,
     UcxStatusError,
     destroy_key,
     unpack_key,
@@ -186,10 +188,17 @@ def _memory_type(tensor: torch.Tensor) -> int:
 
 
 class RmaExporter:
-    """The producer's registered memory: every cache storage and the lease table."""
+    """The producer's registered memory: every cache storage and the lease table. With
+    ``writable`` (a consumer taking pushes) the cache storages are mapped for remote writes
+    too; the lease table never is."""
 
     def __init__(
-        self, context: int, caches: Mapping[str, torch.Tensor], table: LeaseTable | None
+        self,
+        context: int,
+        caches: Mapping[str, torch.Tensor],
+        table: LeaseTable | None,
+        *,
+        writable: bool = False,
     ) -> None:
         self._mapped: list[MappedRegion] = []
         # Random bytes only this process holds at this address (see `Identity`).
@@ -202,7 +211,9 @@ class RmaExporter:
                 key = (storage.data_ptr(), storage.nbytes())
                 if key not in by_storage:
                     by_storage[key] = len(self._mapped)
-                    self._mapped.append(MappedRegion.map(context, *key, _memory_type(tensor)))
+                    self._mapped.append(
+                        MappedRegion.map(context, *key, _memory_type(tensor), remote_write=writable)
+                    )
                 layers[name] = LayerMemory.of(name, tensor, by_storage[key])
             ref = None
             if table is not None:
@@ -262,16 +273,23 @@ class RmaPeer:
         self._endpoint: int | None = None
         self._rkeys: list[int] = []
         self._direct: DirectReader | None = None
+        self._direct_writer: DirectWriter | None = None
         # Pull shapes planned against these keys (see `plan_runs`).
         self.shapes: dict[tuple, PullShape] = {}
         if same_host and all(region.memory == "host" for region in keys.regions):
             candidate = DirectReader(keys.identity.pid)
             if candidate.probe(keys.identity.address, keys.identity.nonce):
                 self._direct = candidate
+                self._direct_writer = DirectWriter(keys.identity.pid)
 
     @property
     def direct(self) -> DirectReader | None:
         return self._direct
+
+    @property
+    def direct_writer(self) -> DirectWriter | None:
+        """Same-host writes into the peer (a push), where `direct` reads it."""
+        return self._direct_writer if self._direct is not None else None
 
     def ucx_keys(self, endpoint: int) -> list[int]:
         """The region keys unpacked on ``endpoint`` (call under ``lock``)."""
@@ -295,8 +313,9 @@ class RmaPeer:
             self._unbind()
 
     def no_direct(self) -> None:
-        """Direct reads were refused (permissions changed): UCX from now on."""
+        """Direct reads (or writes) were refused (permissions changed): UCX from now on."""
         self._direct = None
+        self._direct_writer = None
 
     def _unbind(self) -> None:
         rkeys, self._rkeys = self._rkeys, []
@@ -315,6 +334,10 @@ class ReadControl:
     on_wait: Callable[[], None] | None = None
     grant_wait_s: float = 5.0
     _probe_at: float = 0.0
+    # Set by a read that failed while it only waited for its turn (behind another read from
+    # the producer, or for a reconnect): it posted nothing, so there is nothing in flight to
+    # end by resetting the endpoint, and a reset would wait for the read it queued behind.
+    queued_only: bool = False
 
     def check(self, what: str) -> None:
         """Raise if ``what`` was cancelled or ran past its deadline; else run the probe."""
@@ -517,6 +540,12 @@ class ReadCounters:
     # ucp_get_nbx calls of the data reads (one per run).
     ucx_gets: int = 0
     row_reads: int = 0
+    # Pushes: the same, for writes into a consumer's blocks.
+    direct_writes: int = 0
+    direct_write_bytes: int = 0
+    ucx_writes: int = 0
+    ucx_write_bytes: int = 0
+    ucx_puts: int = 0
 
 
 class _Channel:
@@ -538,12 +567,22 @@ class _Channel:
 
 
 class _DirectChannel(_Channel):
-    def __init__(self, reader: DirectReader, counters: ReadCounters) -> None:
+    """``writer``: the data runs are written into the peer (a push), rows still read."""
+
+    def __init__(
+        self, reader: DirectReader, counters: ReadCounters, writer: DirectWriter | None = None
+    ) -> None:
         super().__init__(counters)
         self._reader = reader
+        self._writer = writer
 
     def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
         plan = plan_direct(runs.local, runs.remote, runs.lengths)
+        if self._writer is not None:
+            self._writer.run(plan)
+            self.counters.direct_writes += 1
+            self.counters.direct_write_bytes += plan.total_bytes
+            return
         self._reader.run(plan)
         self.counters.direct_reads += 1
         self.counters.direct_bytes += plan.total_bytes
@@ -554,11 +593,20 @@ class _DirectChannel(_Channel):
 
 
 class _UcxChannel(_Channel):
+    """``write``: the data runs are put into the peer (a push), rows still read."""
+
     def __init__(
-        self, worker: int, endpoint: int, rkeys: list[int], memory: int, counters: ReadCounters
+        self,
+        worker: int,
+        endpoint: int,
+        rkeys: list[int],
+        memory: int,
+        counters: ReadCounters,
+        write: bool = False,
     ) -> None:
         super().__init__(counters)
         self._worker, self._endpoint, self._rkeys, self._memory = worker, endpoint, rkeys, memory
+        self._write = write
 
     def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
         rkeys = self._rkeys
@@ -568,7 +616,13 @@ class _UcxChannel(_Channel):
             self._memory,
             control,
             what,
+            write=self._write,
         )
+        if self._write:
+            self.counters.ucx_writes += 1
+            self.counters.ucx_write_bytes += runs.total_bytes
+            self.counters.ucx_puts += len(runs)
+            return
         self.counters.ucx_reads += 1
         self.counters.ucx_bytes += runs.total_bytes
         self.counters.ucx_gets += len(runs)
@@ -579,9 +633,16 @@ class _UcxChannel(_Channel):
         self._get(runs, rkeys, MEMORY_HOST, control, f"lease check of {row.lease_id!r}")
 
     def _get(
-        self, runs: Runs, rkeys: list[int], memory: int, control: ReadControl, what: str
+        self,
+        runs: Runs,
+        rkeys: list[int],
+        memory: int,
+        control: ReadControl,
+        what: str,
+        *,
+        write: bool = False,
     ) -> None:
-        gets = Gets(self._worker, self._endpoint, memory)
+        gets = (Puts if write else Gets)(self._worker, self._endpoint, memory)
         try:
             try:
                 gets.post_many(
@@ -591,7 +652,8 @@ class _UcxChannel(_Channel):
             except UcxStatusError as exc:
                 # Posting fails at once where UCX already knows the peer is gone (its TCP
                 # lane reset): the same failure as one met while waiting.
-                raise PeerUnreachable(f"{what}: one-sided read failed: {exc}") from exc
+                verb = "write" if write else "read"
+                raise PeerUnreachable(f"{what}: one-sided {verb} failed: {exc}") from exc
             _wait(gets, control, what)
         except BaseException:
             gets.abandon()
@@ -639,21 +701,30 @@ class RmaReader:
         plans: list[LayerPlan],
         local_memory: Mapping[str, LayerMemory],
         control: ReadControl,
+        *,
+        write: bool = False,
     ) -> tuple[int, int]:
         """Read ``spec`` into the local layers ``local_memory`` describes; returns (bytes,
         runs). ``endpoint`` gives the live endpoint's handle (None: none yet), ``connect``
         makes one (never called holding ``rma.lock``: the loop thread takes it to close
         endpoints). Any error raised while
         UCX reads were in flight (cancel, timeout, ``on_wait``, a failed read) leaves them to
-        the caller, who must reset the endpoint."""
+        the caller, who must reset the endpoint; one raised while the read only waited for its
+        turn or a reconnect sets ``control.queued_only`` (nothing of it in flight: no reset)."""
+        # ``write`` (a push): the other way round, the local layers' blocks are written into
+        # the peer's (``spec``'s remote blocks are the peer's, of the push lease its keys were
+        # fetched with), bracketed by the same two checks of the peer's lease row.
         runs = plan_runs(rma.keys, spec, plans, local_memory, rma.shapes)
         row = _LeaseRow.of(rma.keys, spec, plans)
-        what = f"pull {spec.request_id!r}"
+        what = f"{'push' if write else 'pull'} {spec.request_id!r}"
         memory = local_memory[plans[0].name].memory
         direct = rma.direct if memory == MEMORY_HOST else None
         if direct is not None:
             try:
-                self._read(_DirectChannel(direct, self.counters), runs, row, control, what)
+                channel = _DirectChannel(
+                    direct, self.counters, rma.direct_writer if write else None
+                )
+                self._read(channel, runs, row, control, what, write)
                 return runs.total_bytes, len(runs)
             except DirectReadUnavailable:
                 rma.no_direct()
@@ -662,19 +733,29 @@ class RmaReader:
             # deadline, cancel flag and liveness probe: behind a read held by a partitioned
             # producer, unprobed waiters each failed only after the one before them did.
             while not rma.lock.acquire(timeout=_LOCK_POLL_S):
-                control.check(f"{what} (queued behind another read from the producer)")
+                try:
+                    control.check(f"{what} (queued behind another read from the producer)")
+                except BaseException:
+                    control.queued_only = True
+                    raise
             try:
                 ep = endpoint()
                 if ep is not None:
-                    channel = _UcxChannel(self._worker, ep, rma.ucx_keys(ep), memory, self.counters)
+                    channel = _UcxChannel(
+                        self._worker, ep, rma.ucx_keys(ep), memory, self.counters, write
+                    )
                     try:
-                        self._read(channel, runs, row, control, what)
+                        self._read(channel, runs, row, control, what, write)
                     finally:
                         self._nudge()
                     return runs.total_bytes, len(runs)
             finally:
                 rma.lock.release()
-            connect()
+            try:
+                connect()
+            except BaseException:
+                control.queued_only = True
+                raise
 
     def _read(
         self,
@@ -683,11 +764,18 @@ class RmaReader:
         row: _LeaseRow | None,
         control: ReadControl,
         what: str,
+        write: bool = False,
     ) -> None:
         if row is not None:
             row.wait_held(channel, control)
         channel.copy(runs, control, what)
         if row is not None and not row.held(channel, control):
+            if write:
+                raise LeaseEndedDuringRead(
+                    f"push lease {row.lease_id!r} ended while {what} wrote its blocks: the "
+                    "consumer gave them up, and keeps them out of use until this producer "
+                    "says its writes stopped"
+                )
             raise LeaseEndedDuringRead(
                 f"lease {row.lease_id!r} ended while {what} read its blocks one-sided: what "
                 "was read may be another request's KV and is not used"

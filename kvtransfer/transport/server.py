@@ -45,10 +45,12 @@ from kvtransfer.transport.buffers import (
 from kvtransfer.transport.errors import ErrorCode, TransportClosed
 from kvtransfer.transport.messages import (
     KIND_KEYS,
+    KIND_PUSH,
     REQUEST_TAG,
     KeysRequestMessage,
     PullRequestMessage,
     PullResponseHeader,
+    PushNoticeMessage,
     RequestEnvelope,
     WireFormatError,
     payload_tag,
@@ -103,10 +105,16 @@ class KVServer:
         checksum: bool = True,
         inline_bytes: int = 0,
         rma_keys: bytes | None = None,
+        push_grants: LeaseGrants | None = None,
+        push_keys: bytes | None = None,
     ) -> None:
         self._loop = loop
         # RMA mode: the encoded `RmaKeys` handed to peers that authenticate (None: tagged only).
         self._rma_keys = rma_keys
+        # Push: the grants of this agent's blocks to producers, and the write keys handed to
+        # a producer presenting one (None: this agent takes no pushes).
+        self._push_grants = push_grants
+        self._push_keys = push_keys
         self._inline_bytes = inline_bytes
         self._pool = pool
         self._caches = caches
@@ -242,6 +250,9 @@ class KVServer:
         if envelope.kind == KIND_KEYS:
             self._answer_keys(data, envelope, may_park)
             return
+        if envelope.kind == KIND_PUSH:
+            self._answer_push_notice(data, envelope)
+            return
         payload: torch.Tensor | None = None
         buffer: torch.Tensor | None = None
         try:
@@ -272,6 +283,9 @@ class KVServer:
         payload: torch.Tensor | None = None
         try:
             request = KeysRequestMessage.decode(data)
+            if request.push:
+                self._answer_push_keys(request, envelope)
+                return
             if self._rma_keys is None:
                 raise _Rejected(
                     ErrorCode.NOT_SERVING,
@@ -293,6 +307,41 @@ class KVServer:
             header = _refusal(exc, "keys")
         self._count(header, keys=True)
         self._reply(envelope.reply_address, envelope.reply_tag, header, None, payload)
+
+    def _answer_push_keys(self, request: KeysRequestMessage, envelope: RequestEnvelope) -> None:
+        """A producer asks for the write keys, presenting a push lease of this agent's."""
+        payload: torch.Tensor | None = None
+        try:
+            if self._push_grants is None or self._push_keys is None:
+                raise _Rejected(
+                    ErrorCode.NOT_SERVING, "this agent takes no pushes (no push grants)"
+                )
+            access = None if request.lease is None else LeaseAccess(*request.lease)
+            self._push_grants.authenticate(access)
+            payload = torch.frombuffer(bytearray(self._push_keys), dtype=torch.uint8)
+            header = PullResponseHeader(ErrorCode.OK, payload.numel())
+        except Exception as exc:
+            header = _refusal(exc, "push keys")
+        self._count(header, keys=True)
+        self._reply(envelope.reply_address, envelope.reply_tag, header, None, payload)
+
+    def _answer_push_notice(self, data: Any, envelope: RequestEnvelope) -> None:
+        """A producer begins, or has ended, its writes of a push lease."""
+        try:
+            notice = PushNoticeMessage.decode(data)
+            if self._push_grants is None:
+                raise _Rejected(ErrorCode.NOT_SERVING, "this agent takes no pushes")
+            access = LeaseAccess(*notice.lease)
+            if notice.phase == "begin":
+                self._push_grants.begin_write(access)
+            else:
+                landed = notice.layers if notice.phase == "landed" else ()
+                self._push_grants.end_write(access, landed)
+            header = PullResponseHeader(ErrorCode.OK, 0)
+        except Exception as exc:
+            header = _refusal(exc, "push notice")
+        self._count(header, keys=False)
+        self._reply(envelope.reply_address, envelope.reply_tag, header, None, None)
 
     def _count(self, header: PullResponseHeader, *, keys: bool) -> None:
         with self._stats_lock:

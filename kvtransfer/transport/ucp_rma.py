@@ -23,8 +23,8 @@ _MAP_ADDRESS = 1 << 0
 _MAP_LENGTH = 1 << 1
 _MAP_PROT = 1 << 3
 _MAP_MEMORY_TYPE = 1 << 4
-# Remote read only unless asked (`MappedRegion.map`'s ``remote_write``): a peer with a read
-# key can never write our cache.
+# Remote read, or (`MappedRegion.map`'s ``remote_write``) remote write only: a peer with a read
+# key can never write our cache, nor one with a write key read it.
 _PROT_LOCAL_READ = 1 << 0
 _PROT_LOCAL_WRITE = 1 << 1
 _PROT_REMOTE_READ = 1 << 8
@@ -147,12 +147,13 @@ class MappedRegion:
         remote_write: bool = False,
     ) -> MappedRegion:
         lib = _bind()
-        prot = _PROT_LOCAL_READ | _PROT_LOCAL_WRITE | _PROT_REMOTE_READ
+        # A write mapping (a push's) is write only: its key must not also read the cache.
+        remote = _PROT_REMOTE_WRITE if remote_write else _PROT_REMOTE_READ
         params = _MemMapParams(
             field_mask=_MAP_ADDRESS | _MAP_LENGTH | _MAP_PROT | _MAP_MEMORY_TYPE,
             address=address,
             length=length,
-            prot=prot | (_PROT_REMOTE_WRITE if remote_write else 0),
+            prot=_PROT_LOCAL_READ | _PROT_LOCAL_WRITE | remote,
             memory_type=memory_type,
         )
         memh = ctypes.c_void_p()

@@ -1,0 +1,236 @@
+"""Push: a producer writes its KV one-sided into blocks a consumer granted it.
+
+A consumer agent takes pushes (`start_server`'s ``push_grants``: its caches mapped a second
+time, for remote writes) and grants a lease of its own blocks (`LeaseGrants.grant_push`); a
+producer agent presenting that lease gets the write keys and writes (`KVTransferAgent.push`),
+same host through ``process_vm_writev`` or, counted as another host, through UCX puts over TCP.
+Both agents live in this process, each with its own UCX worker (the raw building blocks between
+processes: tests/test_transport_put.py).
+
+Bytes: the consumer's granted blocks must equal the producer's source blocks, every (layer,
+block, K/V, head, token, dim), and every other block keep its sentinel. Guards: no keys or
+writes without the grant, with another secret, with another request's lease, after the lease
+ended (a replay); a revocation while writes run keeps the blocks out of use (`drained`) until
+the producer says its writes stopped, and that push fails typed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transport_helpers.kv import LayerGroup, empty_caches, layer_tensor, make_caches
+
+from kvtransfer.transport import (
+    AccessDenied,
+    ErrorCode,
+    KVTransferAgent,
+    LeaseAccess,
+    LeaseGrants,
+    PullSpec,
+    RemoteTransferError,
+    TransportConfig,
+    direct_read,
+    new_secret,
+    secret_digest,
+    ucp_rma,
+)
+from kvtransfer.transport.access import LeaseEndedDuringRead
+
+pytestmark = pytest.mark.integration
+
+GROUP = LayerGroup("model.layers", 0, 3)
+SEED = 23
+SENTINEL = -7.0
+WAIT_S = 20.0
+DEST = (7, 3, 9)
+SOURCE = (1, 2, 5)
+
+
+class Pushing:
+    """A consumer agent taking pushes and a producer agent connected to it, in this process;
+    with ``network`` the producer counts as another host (UCX puts over TCP)."""
+
+    def __init__(self, network: bool) -> None:
+        self.network = network
+        self.grants = LeaseGrants(grant_wait_s=1.0)
+        self.local = empty_caches([GROUP])
+        self.consumer = KVTransferAgent(TransportConfig(timeout_s=WAIT_S))
+        self.consumer.register_kv_caches(self.local)
+        self.consumer.start_server(push_grants=self.grants)
+        self.source = make_caches(SEED, [GROUP])
+        self.producer = KVTransferAgent(
+            TransportConfig(timeout_s=WAIT_S, shared_memory=not network)
+        )
+        self.producer.register_kv_caches(self.source)
+        self.peer = self.producer.connect(self.consumer.address, layouts=self.consumer.kv_layouts())
+
+    def grant(self, lease_id: str, blocks=DEST, prompt: str = "p") -> LeaseAccess:
+        secret = new_secret()
+        self.grants.grant_push(lease_id, secret_digest(secret), blocks, GROUP.names(), prompt)
+        return LeaseAccess(lease_id, secret, prompt, 0, tuple(blocks))
+
+    def push(self, name: str, lease: LeaseAccess | None, remote=DEST, local=SOURCE, **kwargs):
+        spec = PullSpec(name, GROUP.names(), remote, local, lease=lease)
+        return self.producer.push(self.peer, spec, **kwargs)
+
+    def untouched(self) -> bool:
+        return all((cache == SENTINEL).all() for cache in self.local.values())
+
+    def close(self) -> None:
+        self.producer.close()
+        self.consumer.close()
+
+
+@pytest.fixture(params=["direct", "network"])
+def pushing(request):
+    setup = Pushing(network=request.param == "network")
+    yield setup
+    setup.close()
+
+
+def _written(setup: Pushing, pairs) -> None:
+    for name in GROUP.names():
+        expected = torch.full_like(setup.local[name], SENTINEL)
+        for remote, local in pairs:
+            expected[remote] = setup.source[name][local]
+        assert torch.equal(setup.local[name], expected), name
+
+
+def test_a_push_writes_the_granted_blocks_and_lands(pushing):
+    lease = pushing.grant("req-1")
+    assert not pushing.grants.landed("req-1")
+    result = pushing.push("req-1", lease).result(WAIT_S)
+    assert (
+        result.one_sided
+        and result.payload_bytes == 3 * 3 * pushing.local[GROUP.names()[0]][0].numel() * 4
+    )
+    assert pushing.grants.landed("req-1")
+    _written(pushing, list(zip(DEST, SOURCE, strict=True)))
+    counters = pushing.producer.one_sided_counters
+    if pushing.network:
+        assert (counters.ucx_writes, counters.direct_writes) == (1, 0) and counters.ucx_puts
+    else:
+        assert (counters.direct_writes, counters.ucx_writes) == (1, 0)
+    assert counters.direct_reads == counters.ucx_reads == 0  # rows only: counted apart
+    # The lease's blocks can go back once it ends: no write of it runs.
+    pushing.grants.revoke_nowait(["req-1"])
+    assert pushing.grants.drained(["req-1"]) == {"req-1"}
+
+
+def _refusal(handle) -> AccessDenied | RemoteTransferError:
+    with pytest.raises((AccessDenied, RemoteTransferError)) as refused:
+        handle.result(WAIT_S)
+    return refused.value
+
+
+def test_no_write_without_the_grant_its_secret_its_blocks_or_after_it_ended(pushing):
+    held = pushing.grant("held")
+    other = pushing.grant("other", blocks=(11, 12, 13), prompt="q")
+    attempts = [
+        # Never granted (waited for within the deadline, then refused as not granted).
+        (LeaseAccess("nobody", new_secret(), "p", 0, DEST), DEST, ErrorCode.LEASE_NOT_GRANTED),
+        (LeaseAccess("held", new_secret(), "p", 0, DEST), DEST, ErrorCode.ACCESS_DENIED),
+        # Another request's lease, its secret too, but blocks and prompt of this one.
+        (LeaseAccess("other", other.secret, "p", 0, DEST), DEST, ErrorCode.ACCESS_DENIED),
+    ]
+    for lease, blocks, code in attempts:
+        error = _refusal(pushing.push("x", lease, remote=blocks, timeout_s=2.0))
+        assert isinstance(error, RemoteTransferError) and error.code == code, error
+    assert pushing.untouched()
+    # Blocks other than the grant's, with its own secret: refused before any write.
+    error = _refusal(pushing.push("x", held, remote=(7, 3, 10)))
+    assert "reordered, repeated, shifted or outside it" in str(error)
+    assert pushing.untouched()
+    pushing.push("held", held).result(WAIT_S)
+    _written(pushing, list(zip(DEST, SOURCE, strict=True)))
+    # A replay after the lease ended: refused, nothing written (the source changed since).
+    pushing.grants.revoke_nowait(["held"])
+    for cache in pushing.source.values():
+        cache.fill_(3.0)
+    error = _refusal(pushing.push("held", held))
+    assert isinstance(error, RemoteTransferError) and error.code == ErrorCode.ACCESS_DENIED
+    assert "lease 'held' has ended" in str(error)
+    assert not any((cache == 3.0).any() for cache in pushing.local.values())
+
+
+def test_a_revoke_during_writes_keeps_the_blocks_until_the_writes_stopped(pushing, monkeypatch):
+    lease = pushing.grant("slow")
+    writing, release = threading.Event(), threading.Event()
+    if pushing.network:
+        original = ucp_rma.Puts.post_many
+
+        def held(self, *args, **kwargs):
+            writing.set()
+            assert release.wait(WAIT_S)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(ucp_rma.Puts, "post_many", held)
+    else:
+        original = direct_read.DirectWriter.run
+
+        def held(self, plan):
+            writing.set()
+            assert release.wait(WAIT_S)
+            return original(self, plan)
+
+        monkeypatch.setattr(direct_read.DirectWriter, "run", held)
+    outcome: dict[str, BaseException | None] = {}
+
+    def run() -> None:
+        outcome["error"] = pushing.push("slow", lease).exception(WAIT_S)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert writing.wait(WAIT_S)
+    pushing.grants.revoke_nowait(["slow"])
+    # A write may still land: the blocks stay out of use.
+    assert pushing.grants.drained(["slow"]) == set()
+    release.set()
+    thread.join(WAIT_S)
+    assert isinstance(outcome["error"], LeaseEndedDuringRead)
+    assert "ended while push 'slow' wrote its blocks" in str(outcome["error"])
+    # The producer told the consumer its writes stopped: now they may be reused.
+    assert pushing.grants.drained(["slow"]) == {"slow"}
+    with pytest.raises(AccessDenied, match="push lease 'slow' has ended"):
+        pushing.grants.landed("slow")
+
+
+@pytest.mark.parametrize("network", [False, True], ids=["direct", "network"])
+def test_two_producer_ranks_each_write_their_heads_and_the_push_lands_after_both(network):
+    """A TP 2 producer into a TP 1 consumer: each producer worker writes its 2 of the 4 heads
+    into the same granted blocks; the lease lands only once both reported their layers."""
+    grants = LeaseGrants(grant_wait_s=1.0)
+    local = empty_caches([GROUP])
+    whole = {name: layer_tensor(SEED, name, num_heads=4) for name in GROUP.names()}
+    agents = []
+    try:
+        consumer = KVTransferAgent(TransportConfig(timeout_s=WAIT_S))
+        agents.append(consumer)
+        consumer.register_kv_caches(local)
+        consumer.start_server(push_grants=grants)
+        secret = new_secret()
+        grants.grant_push("tp", secret_digest(secret), DEST, GROUP.names(), "p", writers=2)
+        lease = LeaseAccess("tp", secret, "p", 0, DEST)
+        for rank in range(2):
+            heads = range(2 * rank, 2 * rank + 2)
+            producer = KVTransferAgent(TransportConfig(timeout_s=WAIT_S, shared_memory=not network))
+            agents.append(producer)
+            producer.register_kv_caches(
+                {n: t[:, :, heads.start : heads.stop].contiguous() for n, t in whole.items()}
+            )
+            peer = producer.connect(consumer.address, layouts=consumer.kv_layouts())
+            spec = PullSpec(
+                f"tp-{rank}", GROUP.names(), DEST, SOURCE, heads, range(0, 2), lease=lease
+            )
+            producer.push(peer, spec).result(WAIT_S)
+            assert grants.landed("tp") == (rank == 1)
+        for name in GROUP.names():
+            expected = torch.full_like(local[name], SENTINEL)
+            for remote, source in zip(DEST, SOURCE, strict=True):
+                expected[remote] = whole[name][source]
+            assert torch.equal(local[name], expected), name
+    finally:
+        for agent in reversed(agents):
+            agent.close()
