@@ -1,0 +1,242 @@
+"""Push against pull, one-sided, between two processes: the same blocks moved each way.
+
+A peer process holds caches in the engine's paged layout (8 layers x [320, 2, 8, 16, 128]
+float32: 1 MiB per block over the 8 layers). It serves one-sided reads of a read lease and
+takes pushes of a push lease (`KVTransferAgent.start_server(grants, push_grants)`). This
+process holds caches of the same layout and, per case (1, 16 and 256 scattered blocks),
+
+* pull: reads the peer's blocks into its own (`KVTransferAgent.pull`, one-sided);
+* push: writes its blocks into the peer's (`KVTransferAgent.push`: begin notice, row check,
+  writes, flush, row check, landed notice);
+
+on two paths: ``direct`` (same host: ``process_vm_readv`` / ``process_vm_writev``) and
+``network`` (this process counts the peer as another host: UCX gets / puts over TCP). With
+``--perftest``, UCX's own ``ucx_perftest -t ucp_get`` and ``-t ucp_put_bw`` of one contiguous
+buffer of each size over UCX's TCP transport (the network path's limit: no layout, no Python)
+run too. Bytes are checked after each
+method (the destination's blocks equal the source's).
+
+Prints one table (p50 ms and GB/s per method, push over pull) and, with ``--json``, writes it.
+
+    python benchmarks/push.py [--iterations 10] [--perftest] [--json results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYERS = tuple(f"model.layers.{i}.self_attn" for i in range(8))
+SHAPE = (320, 2, 8, 16, 128)  # blocks, K/V, heads, tokens, head_dim: 128 KiB per block, layer
+BLOCK_BYTES = len(LAYERS) * 2 * 8 * 16 * 128 * 4
+CASES = (1, 16, 256)
+SECRET = "benchmark-secret"
+READ_LEASE, PUSH_LEASE = "bench-read", "bench-push"
+
+
+def _caches(seed: int | None) -> dict[str, torch.Tensor]:
+    if seed is None:
+        return {name: torch.zeros(SHAPE) for name in LAYERS}
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(SHAPE, generator=generator) for name in LAYERS}
+
+
+def _ids(seed: int, count: int) -> tuple[int, ...]:
+    return tuple(
+        torch.randperm(SHAPE[0], generator=torch.Generator().manual_seed(seed))[:count].tolist()
+    )
+
+
+def _peer(ready: Any, commands: Any, answers: Any) -> None:
+    """The peer: serves reads of `READ_LEASE` and takes pushes of `PUSH_LEASE` (re-granted
+    per case), and answers checksums of its blocks."""
+    from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig, secret_digest
+
+    torch.set_num_threads(1)
+    caches = _caches(7)
+    grants, push_grants = LeaseGrants(), LeaseGrants()
+    agent = KVTransferAgent(TransportConfig(timeout_s=600))
+    agent.register_kv_caches(caches)
+    agent.start_server(grants, push_grants)
+    ready.put((agent.address, agent.kv_layouts()))
+    while (command := commands.get()) is not None:
+        kind, blocks = command
+        if kind == "grant":
+            digest = secret_digest(SECRET)
+            grants.revoke([READ_LEASE])
+            push_grants.revoke_nowait([PUSH_LEASE])
+            grants.grant(READ_LEASE, digest, blocks)
+            push_grants.grant_push(PUSH_LEASE, digest, blocks, LAYERS)
+            answers.put(True)
+        else:  # "blocks": the peer's blocks, for the check
+            answers.put({name: caches[name][list(blocks)].clone() for name in LAYERS})
+    agent.close()
+
+
+def timed(fn: Any, iterations: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def perftest(test: str, nbytes: int, iterations: int) -> float | None:
+    """``ucx_perftest -t <test>`` ms per ``nbytes`` buffer (from its bandwidth) between two
+    processes over UCX's TCP transport (the network path's limit)."""
+    import libucx
+
+    root = Path(libucx.__file__).parent
+    binary = root / "bin" / "ucx_perftest"
+    if not binary.exists():
+        return None
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": str(root / "lib"),
+        "UCX_WARN_UNUSED_ENV_VARS": "n",
+        "UCX_TLS": "tcp,self",
+    }
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [str(binary), "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        command = [str(binary), "127.0.0.1", "-p", str(port), "-t", test, "-s", str(nbytes)]
+        command += ["-n", str(iterations), "-w", "2"]
+        for _ in range(50):
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+            if "Final:" in run.stdout:
+                # Its bandwidth (MB/s, the 6th figure) as ms per buffer: the latency columns
+                # of the bandwidth tests are not per-transfer times.
+                megabytes_per_s = float(run.stdout.split("Final:")[1].split()[5])
+                return nbytes / (megabytes_per_s * 1e6) * 1e3
+            time.sleep(0.1)  # the server is still starting: retry
+        return None
+    finally:
+        server.kill()
+        server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--perftest", action="store_true", help="UCX's own put/get limits")
+    parser.add_argument("--quick", action="store_true", help="3 iterations, 1 warm-up")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.quick:
+        args.iterations, args.warmup = 3, 1
+    from kvtransfer.transport import (
+        KVTransferAgent,
+        LeaseAccess,
+        PullSpec,
+        TransportConfig,
+    )
+
+    torch.set_num_threads(1)
+    ctx = mp.get_context("spawn")
+    ready, commands, answers = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    peer_process = ctx.Process(target=_peer, args=(ready, commands, answers))
+    peer_process.start()
+    rows = []
+    try:
+        address, layouts = ready.get(timeout=600)
+        local = _caches(11)
+        for path in ("direct", "network"):
+            agent = KVTransferAgent(TransportConfig(timeout_s=600, shared_memory=path == "direct"))
+            agent.register_kv_caches(local)
+            reader = agent.connect(address, layouts=layouts, one_sided=True)
+            writer = agent.connect(address, layouts=layouts)
+            try:
+                for count in CASES:
+                    remote, mine = _ids(1 + count, count), _ids(2 + count, count)
+                    commands.put(("grant", remote))
+                    answers.get(timeout=60)
+                    lease = LeaseAccess(READ_LEASE, SECRET, "", 0, remote)
+                    push_lease = LeaseAccess(PUSH_LEASE, SECRET, "", 0, remote)
+                    pull_spec = PullSpec(f"pull-{count}", LAYERS, remote, mine, lease=lease)
+                    push_spec = PullSpec(f"push-{count}", LAYERS, remote, mine, lease=push_lease)
+                    iterations = args.iterations * (4 if count <= 16 else 1)
+                    pulls = timed(
+                        lambda a=agent, r=reader, s=pull_spec: a.pull(r, s).result(600),
+                        iterations,
+                        args.warmup,
+                    )
+                    pulled = {name: local[name][list(mine)].clone() for name in LAYERS}
+                    # Pushing writes different values than the peer holds: the check tells.
+                    for name in LAYERS:
+                        local[name][list(mine)] += 1.0
+                    pushes = timed(
+                        lambda a=agent, w=writer, s=push_spec: a.push(w, s).result(600),
+                        iterations,
+                        args.warmup,
+                    )
+                    commands.put(("blocks", remote))
+                    theirs = answers.get(timeout=60)
+                    for name in LAYERS:
+                        if not torch.equal(theirs[name], local[name][list(mine)]):
+                            raise SystemExit(f"push {count} blocks: the peer's {name} differs")
+                        if torch.equal(pulled[name], local[name][list(mine)]):
+                            raise SystemExit("the pushed values were the pulled ones")
+                    nbytes = count * BLOCK_BYTES
+                    row = {
+                        "path": path,
+                        "blocks": count,
+                        "mib": nbytes / (1 << 20),
+                        "pull_p50_ms": statistics.median(pulls) * 1e3,
+                        "push_p50_ms": statistics.median(pushes) * 1e3,
+                    }
+                    row["pull_gbps"] = nbytes / statistics.median(pulls) / 1e9
+                    row["push_gbps"] = nbytes / statistics.median(pushes) / 1e9
+                    row["push_over_pull"] = row["push_p50_ms"] / row["pull_p50_ms"]
+                    if args.perftest and path == "network":
+                        row["ucx_get_p50_ms"] = perftest("ucp_get", nbytes, iterations)
+                        row["ucx_put_p50_ms"] = perftest("ucp_put_bw", nbytes, iterations)
+                    rows.append(row)
+            finally:
+                agent.close()
+    finally:
+        commands.put(None)
+        peer_process.join(120)
+    header = ["path", "blocks", "MiB", "pull p50 ms", "push p50 ms", "pull GB/s", "push GB/s"]
+    header += ["push/pull", "ucx get ms", "ucx put ms"]
+    print(" | ".join(header))
+    for row in rows:
+        cells = [
+            row["path"],
+            str(row["blocks"]),
+            f"{row['mib']:.0f}",
+            f"{row['pull_p50_ms']:.3f}",
+            f"{row['push_p50_ms']:.3f}",
+            f"{row['pull_gbps']:.2f}",
+            f"{row['push_gbps']:.2f}",
+            f"{row['push_over_pull']:.2f}",
+        ]
+        for key in ("ucx_get_p50_ms", "ucx_put_p50_ms"):
+            value = row.get(key)
+            cells.append("-" if value is None else f"{value:.3f}")
+        print(" | ".join(cells))
+    if args.json is not None:
+        meta = {"host": platform.node(), "cpus": os.cpu_count(), "iterations": args.iterations}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
