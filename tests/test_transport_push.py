@@ -21,6 +21,7 @@ import threading
 import pytest
 import torch
 from transport_helpers.kv import LayerGroup, empty_caches, layer_tensor, make_caches
+from transport_helpers.procs import ServerSpec, kv_servers
 
 from kvtransfer.transport import (
     AccessDenied,
@@ -28,8 +29,10 @@ from kvtransfer.transport import (
     KVTransferAgent,
     LeaseAccess,
     LeaseGrants,
+    PeerUnreachable,
     PullSpec,
     RemoteTransferError,
+    TransferTimeoutError,
     TransportConfig,
     direct_read,
     new_secret,
@@ -234,3 +237,48 @@ def test_two_producer_ranks_each_write_their_heads_and_the_push_lands_after_both
     finally:
         for agent in reversed(agents):
             agent.close()
+
+
+@pytest.mark.parametrize("network", [False, True], ids=["direct", "network"])
+def test_a_consumer_that_dies_mid_push_fails_the_push_typed(network, monkeypatch):
+    """The consumer process is killed while the producer writes: the push ends with
+    `PeerUnreachable` (its process gone, or its connection reset) within the push's own
+    deadline, never a hang, and the producer's agent keeps working."""
+    secret = new_secret()
+    spec = ServerSpec(SEED, (GROUP,), push_lease=f"dying:{secret}:7,3,9")
+    writing, release = threading.Event(), threading.Event()
+    target = ucp_rma.Puts if network else direct_read.DirectWriter
+    name = "post_many" if network else "run"
+    original = getattr(target, name)
+
+    def held(self, *args, **kwargs):
+        writing.set()
+        assert release.wait(WAIT_S)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(target, name, held)
+    with kv_servers([spec]) as (server,):
+        producer = KVTransferAgent(TransportConfig(timeout_s=10.0, shared_memory=not network))
+        try:
+            producer.register_kv_caches(make_caches(SEED + 1, [GROUP]))
+            peer = producer.connect(server.address, layouts=server.layouts)
+            lease = LeaseAccess("dying", secret, "", 0, DEST)
+            outcome: dict[str, BaseException | None] = {}
+
+            def run() -> None:
+                handle = producer.push(
+                    peer, PullSpec("dying", GROUP.names(), DEST, SOURCE, lease=lease)
+                )
+                outcome["error"] = handle.exception(WAIT_S)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            assert writing.wait(WAIT_S)
+            server.kill()
+            release.set()
+            thread.join(WAIT_S)
+            assert not thread.is_alive()
+            assert isinstance(outcome["error"], PeerUnreachable | TransferTimeoutError), outcome
+            assert not producer.closed
+        finally:
+            producer.close()

@@ -1,10 +1,11 @@
 """A KV transfer agent serving seeded caches until stdin closes.
 
     python -m transport_helpers.kv_server --seed 3 --group model.layers:0:3:float32 [--no-serve]
-        [--order BH2ND] [--data-plane tagged]
+        [--order BH2ND] [--data-plane tagged] [--push-lease ID:SECRET:7,3,9]
 
 ``--order`` stores every layer physically in that axis order (registered as its ``B2HND``
-view, values unchanged).
+view, values unchanged). ``--push-lease`` also takes pushes, and grants that push lease of its
+blocks (every layer) to the producer presenting the secret.
 
 Prints one JSON line ``{"address": hex, "layouts": {...}, "pid": n}`` once serving; then
 answers each ``counters`` line on stdin with one JSON line of its server's counters
@@ -18,7 +19,13 @@ import json
 import os
 import sys
 
-from kvtransfer.transport import KV_AXES, KVTransferAgent, TransportConfig
+from kvtransfer.transport import (
+    KV_AXES,
+    KVTransferAgent,
+    LeaseGrants,
+    TransportConfig,
+    secret_digest,
+)
 from transport_helpers.kv import LayerGroup, in_order, make_caches
 
 
@@ -30,6 +37,7 @@ def main() -> None:
     parser.add_argument("--send-timeout", type=float, default=5.0)
     parser.add_argument("--order", default=KV_AXES)
     parser.add_argument("--data-plane", default="rma")
+    parser.add_argument("--push-lease", default=None)
     args = parser.parse_args()
     groups = [LayerGroup.decode(text) for text in args.group]
     agent = KVTransferAgent(
@@ -38,8 +46,15 @@ def main() -> None:
     agent.register_kv_caches(
         {name: in_order(t, args.order) for name, t in make_caches(args.seed, groups).items()}
     )
+    push_grants = None
+    if args.push_lease is not None:
+        lease_id, secret, blocks = args.push_lease.split(":")
+        push_grants = LeaseGrants()
+        names = [name for group in groups for name in group.names()]
+        ids = [int(b) for b in blocks.split(",")]
+        push_grants.grant_push(lease_id, secret_digest(secret), ids, names)
     if not args.no_serve:
-        agent.start_server()
+        agent.start_server(push_grants=push_grants)
     layouts = {name: layout.as_dict() for name, layout in agent.kv_layouts().items()}
     print(json.dumps({"address": agent.address.hex(), "layouts": layouts, "pid": os.getpid()}))
     sys.stdout.flush()

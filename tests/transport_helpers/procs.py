@@ -22,6 +22,8 @@ class ServerSpec:
     serve: bool = True
     order: str = "B2HND"
     data_plane: str = "rma"
+    # "ID:SECRET:7,3,9": also take pushes, granting that push lease (see kv_server).
+    push_lease: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ def _spawn(spec: ServerSpec) -> subprocess.Popen[str]:
     if not spec.serve:
         args.append("--no-serve")
     args += ["--order", spec.order, "--data-plane", spec.data_plane]
+    if spec.push_lease is not None:
+        args += ["--push-lease", spec.push_lease]
     # One intra-op thread: the test machine may have two cores shared by several processes.
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     return spawn("transport_helpers.kv_server", *args, env={"OMP_NUM_THREADS": threads})
