@@ -10,15 +10,17 @@ process holds caches of the same layout and, per case (1, 16 and 256 scattered b
   writes, flush, row check, landed notice);
 
 on two paths: ``direct`` (same host: ``process_vm_readv`` / ``process_vm_writev``) and
-``network`` (this process counts the peer as another host: UCX gets / puts over TCP). With
-``--perftest``, UCX's own ``ucx_perftest -t ucp_get`` and ``-t ucp_put_bw`` of one contiguous
-buffer of each size over UCX's TCP transport (the network path's limit: no layout, no Python)
-run too. Bytes are checked after each
-method (the destination's blocks equal the source's).
+``network`` (this process counts the peer as another host: UCX gets / puts over TCP). NIXL's
+READ and WRITE of the same blocks (one descriptor per layer and block, lists prepared once;
+``nixl_cu12`` in processes of their own, with its own choice of UCX transports) run first
+unless ``--no-nixl``. With ``--perftest``, UCX's own ``ucx_perftest -t ucp_get`` and ``-t
+ucp_put_bw`` of one contiguous buffer of each size over UCX's TCP transport (the network path's
+limit: no layout, no Python) run too. Bytes are checked after each of ours (the destination's
+blocks equal the source's).
 
 Prints one table (p50 ms and GB/s per method, push over pull) and, with ``--json``, writes it.
 
-    python benchmarks/push.py [--iterations 10] [--perftest] [--json results.json] [--quick]
+    python benchmarks/push.py [--iterations 10] [--perftest] [--no-nixl] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -84,6 +86,101 @@ def _peer(ready: Any, commands: Any, answers: Any) -> None:
     agent.close()
 
 
+LAYER_BLOCK_BYTES = BLOCK_BYTES // len(LAYERS)
+
+
+def _nixl_rows(addresses: list[int]) -> Any:
+    """One (address, bytes, device) descriptor per (layer, block), layer-major."""
+    import numpy as np
+
+    return np.array(
+        [
+            (base + block * LAYER_BLOCK_BYTES, LAYER_BLOCK_BYTES, 0)
+            for base in addresses
+            for block in range(SHAPE[0])
+        ],
+        dtype=np.uint64,
+    )
+
+
+def _nixl_indices(ids: tuple[int, ...]) -> list[int]:
+    return [layer * SHAPE[0] + block for layer in range(len(LAYERS)) for block in ids]
+
+
+def _nixl_peer(meta_queue: Any, done_queue: Any) -> None:
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+    torch.set_num_threads(1)
+    agent = nixl_agent("push-peer", nixl_agent_config(backends=["UCX"]))
+    caches = _caches(7)
+    agent.register_memory(list(caches.values()))
+    meta_queue.put((agent.get_agent_metadata(), [caches[name].data_ptr() for name in LAYERS]))
+    done_queue.get()
+
+
+def _nixl_initiator(results: Any, iterations: int, warmup: int) -> None:
+    """NIXL READ and WRITE of each case's blocks (descriptor lists prepared once), in a
+    process of its own: NIXL must start before ucxx sets UCX variables in the environment."""
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        torch.set_num_threads(1)
+        ctx = mp.get_context("spawn")
+        meta_queue, done_queue = ctx.Queue(), ctx.Queue()
+        peer = ctx.Process(target=_nixl_peer, args=(meta_queue, done_queue))
+        peer.start()
+        try:
+            agent = nixl_agent("push-initiator", nixl_agent_config(backends=["UCX"]))
+            metadata, remote_addresses = meta_queue.get(timeout=300)
+            remote_name = agent.add_remote_agent(metadata)
+            local = _caches(11)
+            agent.register_memory(list(local.values()))
+            local_side = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", _nixl_rows([local[name].data_ptr() for name in LAYERS]), "DRAM"
+            )
+            remote_side = agent.prep_xfer_dlist(remote_name, _nixl_rows(remote_addresses), "DRAM")
+            out: dict[int, dict[str, list[float]]] = {}
+            for count in CASES:
+                remote, mine = _ids(1 + count, count), _ids(2 + count, count)
+                local_index, remote_index = _nixl_indices(mine), _nixl_indices(remote)
+                out[count] = {}
+                for op in ("READ", "WRITE"):
+
+                    def once(op: str = op, li: list = local_index, ri: list = remote_index):
+                        handle = agent.make_prepped_xfer(op, local_side, li, remote_side, ri)
+                        state = agent.transfer(handle)
+                        while state == "PROC":
+                            state = agent.check_xfer_state(handle)
+                        agent.release_xfer_handle(handle)
+                        if state != "DONE":
+                            raise RuntimeError(f"NIXL {op} ended in state {state}")
+
+                    runs = iterations * (4 if count <= 16 else 1)
+                    out[count][op] = timed(once, runs, warmup)
+            results.put(("ok", out))
+        finally:
+            done_queue.put(None)
+            peer.join(60)
+    except Exception as exc:  # reported in the table as n/a, with why
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def run_nixl(iterations: int, warmup: int) -> tuple[dict | None, str]:
+    try:
+        import nixl_cu12._api  # noqa: F401
+    except Exception as exc:
+        return None, f"nixl_cu12 not importable: {type(exc).__name__}: {exc}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    process = ctx.Process(target=_nixl_initiator, args=(results, iterations, warmup))
+    process.start()
+    status, payload = results.get(timeout=1800)
+    process.join(60)
+    if status != "ok":
+        return None, f"NIXL run failed: {payload}"
+    return payload, "nixl_cu12 READ and WRITE over UCX (its own transports), DRAM"
+
+
 def timed(fn: Any, iterations: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -138,11 +235,16 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--perftest", action="store_true", help="UCX's own put/get limits")
+    parser.add_argument("--no-nixl", action="store_true", help="skip NIXL READ/WRITE")
     parser.add_argument("--quick", action="store_true", help="3 iterations, 1 warm-up")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.quick:
         args.iterations, args.warmup = 3, 1
+    # Before ucxx is imported here (it writes UCX variables into the environment).
+    nixl, nixl_note = (None, "skipped (--no-nixl)")
+    if not args.no_nixl:
+        nixl, nixl_note = run_nixl(args.iterations, args.warmup)
     from kvtransfer.transport import (
         KVTransferAgent,
         LeaseAccess,
@@ -206,6 +308,9 @@ def main() -> None:
                     row["pull_gbps"] = nbytes / statistics.median(pulls) / 1e9
                     row["push_gbps"] = nbytes / statistics.median(pushes) / 1e9
                     row["push_over_pull"] = row["push_p50_ms"] / row["pull_p50_ms"]
+                    if nixl is not None and path == "direct":
+                        row["nixl_read_p50_ms"] = statistics.median(nixl[count]["READ"]) * 1e3
+                        row["nixl_write_p50_ms"] = statistics.median(nixl[count]["WRITE"]) * 1e3
                     if args.perftest and path == "network":
                         row["ucx_get_p50_ms"] = perftest("ucp_get", nbytes, iterations)
                         row["ucx_put_p50_ms"] = perftest("ucp_put_bw", nbytes, iterations)
@@ -216,7 +321,7 @@ def main() -> None:
         commands.put(None)
         peer_process.join(120)
     header = ["path", "blocks", "MiB", "pull p50 ms", "push p50 ms", "pull GB/s", "push GB/s"]
-    header += ["push/pull", "ucx get ms", "ucx put ms"]
+    header += ["push/pull", "nixl read ms", "nixl write ms", "ucx get ms", "ucx put ms"]
     print(" | ".join(header))
     for row in rows:
         cells = [
@@ -229,12 +334,18 @@ def main() -> None:
             f"{row['push_gbps']:.2f}",
             f"{row['push_over_pull']:.2f}",
         ]
-        for key in ("ucx_get_p50_ms", "ucx_put_p50_ms"):
+        for key in ("nixl_read_p50_ms", "nixl_write_p50_ms", "ucx_get_p50_ms", "ucx_put_p50_ms"):
             value = row.get(key)
             cells.append("-" if value is None else f"{value:.3f}")
         print(" | ".join(cells))
+    print(f"nixl: {nixl_note}; on the direct lines: one host, it picks shared memory itself")
     if args.json is not None:
-        meta = {"host": platform.node(), "cpus": os.cpu_count(), "iterations": args.iterations}
+        meta = {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "iterations": args.iterations,
+            "nixl": nixl_note,
+        }
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 
