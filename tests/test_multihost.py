@@ -206,6 +206,13 @@ def test_completions_across_hosts_equal_colocated(cluster, expected):
     decode = cluster.decode[1]
     counters = admin_status(cluster.client, decode.address)["counters"]
     assert counters["kv_tokens_recomputed"] == 0 and counters["kv_blocks_received"] > 0
+    # Across hosts one-sided reads are UCX's: the status names the protocol it picked (issue
+    # 36), and a tagged decode reads nothing one-sided.
+    picked = [name for name in counters if name.startswith("ucx_protocol:get host: ")]
+    if cluster.data_plane == "rma":
+        assert len(picked) == 1 and "tcp/" in picked[0] and counters[picked[0]] >= 1, counters
+    else:
+        assert picked == [], counters
 
 
 def test_every_listener_is_on_the_configured_address(cluster):

@@ -14,8 +14,8 @@ first-party connectors hand out.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from kvtransfer.connector.metadata import PpTpRank
@@ -50,6 +50,10 @@ class KVControlEndpoint:
     address: str
 
 
+# Counters named so carry a protocol UCX picked (`KVTransferTotals.protocols`).
+PROTOCOL_PREFIX = "ucx_protocol:"
+
+
 @dataclass(frozen=True)
 class KVTransferTotals:
     """Cumulative transfer counters of one engine since its connector started.
@@ -78,12 +82,19 @@ class KVTransferTotals:
     # Handshakes made with remote engines, and the time they took in all.
     handshakes: int = 0
     handshake_s: float = 0.0
+    # What UCX said it picked for one-sided operations ("ucx_protocol:get cuda: <its words>")
+    # -> how many workers reported it: shown with the admin status' counters.
+    protocols: Mapping[str, int] = field(default_factory=dict)
 
     def __add__(self, other: KVTransferTotals) -> KVTransferTotals:
         if not isinstance(other, KVTransferTotals):
             return NotImplemented
-        pairs = zip(astuple(self), astuple(other), strict=True)
-        return KVTransferTotals(*(mine + theirs for mine, theirs in pairs))
+        numbers = [f.name for f in fields(self) if f.name != "protocols"]
+        summed = {name: getattr(self, name) + getattr(other, name) for name in numbers}
+        protocols = dict(self.protocols)
+        for name, count in other.protocols.items():
+            protocols[name] = protocols.get(name, 0) + count
+        return KVTransferTotals(**summed, protocols=protocols)
 
     @classmethod
     def sum(cls, totals: Sequence[KVTransferTotals | None]) -> KVTransferTotals | None:

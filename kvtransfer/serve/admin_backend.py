@@ -44,6 +44,8 @@ def transfer_counters(totals: KVTransferTotals) -> dict[str, int]:
         "kv_loads_failed": totals.loads_failed,
         "kv_leases_expired": totals.leases_expired,
         "handshakes": totals.handshakes,
+        # Named by what UCX picked for one-sided operations (issue 36), counted by workers.
+        **totals.protocols,
     }
 
 

@@ -53,6 +53,7 @@ from kvtransfer.transport.rma import (
 from kvtransfer.transport.rma_layout import LayerMemory
 from kvtransfer.transport.server import KVServer
 from kvtransfer.transport.spec import KVLayout, PullSpec, check_kv_cache, plan_pull
+from kvtransfer.transport.ucp_rma import picked_protocols
 from kvtransfer.transport.ucx import UcxLoop
 
 logger = logging.getLogger(__name__)
@@ -555,6 +556,12 @@ class KVTransferAgent:
             return rma
         finally:
             lock.release()
+
+    @property
+    def picked_protocols(self) -> dict[str, str]:
+        """What UCX said it picked for this process's one-sided reads and writes, per
+        operation and memory type (`ucp_rma.picked_protocols`; logged once each)."""
+        return picked_protocols()
 
     @property
     def push_table(self) -> LeaseTable | None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import threading
 from dataclasses import dataclass
 
 from kvtransfer.transport.ucp_query import WorkerAttr, libucp
@@ -37,6 +39,8 @@ MEMORY_CUDA = 1
 # ucs_thread_mode_t
 _THREAD_MODE_MULTI = 2
 _WORKER_ATTR_THREAD_MODE = 1 << 0
+
+logger = logging.getLogger(__name__)
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
@@ -88,6 +92,7 @@ def _bind() -> ctypes.CDLL:
         "ucp_put_nbx": ([vp, vp, sz, ctypes.c_uint64, vp, p(RequestParam)], ctypes.c_size_t),
         "ucp_ep_flush_nbx": ([vp, p(RequestParam)], ctypes.c_size_t),
         "ucp_request_check_status": ([vp], ctypes.c_int),
+        "ucp_request_query": ([vp, p(_RequestAttr)], ctypes.c_int),
         "ucp_request_free": ([vp], None),
         "ucp_worker_progress": ([vp], ctypes.c_uint),
         "ucs_status_string": ([ctypes.c_int], ctypes.c_char_p),
@@ -203,15 +208,69 @@ def _as_status(pointer: int) -> int:
     return pointer - (1 << 64)
 
 
+class _RequestAttr(ctypes.Structure):
+    """``ucp_request_attr_t``."""
+
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("debug_string", ctypes.c_char_p),
+        ("debug_string_size", ctypes.c_size_t),
+        ("status", ctypes.c_int),
+        ("mem_type", ctypes.c_int),
+    ]
+
+
+_REQUEST_ATTR_INFO_STRING = 1 << 0
+_REQUEST_ATTR_INFO_STRING_SIZE = 1 << 1
+_INFO_BYTES = 512
+# Operations smaller (a lease-row check: 256 bytes) take another protocol than KV does.
+_PROTOCOL_MIN_BYTES = 1024
+# The protocol UCX picked for the first operation of each (kind, memory type) in this process
+# that did not complete at once: "get cuda" -> UCX's own description (`picked_protocols`).
+_PICKED: dict[str, str] = {}
+_PICKED_LOCK = threading.Lock()
+_MEMORY_NAMES = {MEMORY_HOST: "host", MEMORY_CUDA: "cuda"}
+
+
+def picked_protocols() -> dict[str, str]:
+    """What UCX said it picked for one-sided operations so far, per "get host", "put cuda",
+    ...: the transports and protocol of the first such operation of this process (of 1 KiB
+    or more) that UCX did not complete at once (same-host reads and writes we make ourselves
+    are not UCX's). ``{proto|init} get into cuda memory length 1048576 zero-copy
+    cuda_ipc/cuda ...`` is what a GPU read should say; "software emulation" is the slow path
+    issue 36 measured."""
+    with _PICKED_LOCK:
+        return dict(_PICKED)
+
+
+def _note_protocol(what: str, request: int) -> None:
+    """Record (and log once) UCX's description of ``request``'s protocol as ``what``'s."""
+    buffer = ctypes.create_string_buffer(_INFO_BYTES)
+    attr = _RequestAttr(
+        field_mask=_REQUEST_ATTR_INFO_STRING | _REQUEST_ATTR_INFO_STRING_SIZE,
+        debug_string=ctypes.cast(buffer, ctypes.c_char_p),
+        debug_string_size=_INFO_BYTES,
+    )
+    status = _bind().ucp_request_query(vp(request), ctypes.byref(attr))
+    text = buffer.value.decode(errors="replace").strip() if status == UCS_OK else ""
+    with _PICKED_LOCK:
+        if what in _PICKED:
+            return
+        _PICKED[what] = text or f"not reported (ucp_request_query status {status})"
+    logger.info("one-sided %s: UCX picked %s", what, _PICKED[what])
+
+
 class Gets:
     """Gets posted on one endpoint, completed together by a flush (see `post` and `poll`)."""
 
     _OP = "ucp_get_nbx"
     _WHAT = "reading remote memory"
+    _KIND = "get"
 
     def __init__(self, worker: int, endpoint: int, memory_type: int = MEMORY_HOST) -> None:
         self._lib = _bind()
         self._post = getattr(self._lib, self._OP)
+        self._memory_type = memory_type
         self._worker = vp(worker)
         self._endpoint = vp(endpoint)
         self._param = RequestParam()
@@ -235,11 +294,14 @@ class Gets:
             ctypes.byref(self._param),
         )
         limit = (1 << 64) - _ERR_LAST
+        what = f"{self._KIND} {_MEMORY_NAMES.get(self._memory_type, self._memory_type)}"
         for here, length, there, rkey in zip(local, lengths, remote, rkeys, strict=True):
             request = post(endpoint, here, length, there, rkey, param)
             if request:
                 if request >= limit:
                     raise UcxStatusError(self._OP, _as_status(request))
+                if length >= _PROTOCOL_MIN_BYTES and what not in _PICKED:
+                    _note_protocol(what, request)
                 # Released by UCX once complete; the flush says when that is.
                 free(request)
         self.posted += len(lengths)
@@ -278,3 +340,4 @@ class Puts(Gets):
 
     _OP = "ucp_put_nbx"
     _WHAT = "writing remote memory"
+    _KIND = "put"

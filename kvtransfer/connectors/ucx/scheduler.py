@@ -48,7 +48,7 @@ from kvtransfer.connector.metadata import (
     PpTpRank,
 )
 from kvtransfer.connector.outputs import KVConnectorOutput
-from kvtransfer.connector.serving import KVControlEndpoint, KVTransferTotals
+from kvtransfer.connector.serving import PROTOCOL_PREFIX, KVControlEndpoint, KVTransferTotals
 from kvtransfer.connectors.ucx.config import UcxConfig
 from kvtransfer.connectors.ucx.identity import UNSPECIFIED_MODEL, compat_from_layout, compat_info
 from kvtransfer.connectors.ucx.leases import LeaseBook
@@ -442,6 +442,11 @@ class UcxScheduler:
             leases_expired=int(totals.get("leases_expired", 0)),
             handshakes=int(totals.get("num_handshakes", 0)),
             handshake_s=totals.get("handshake_ms", 0.0) / 1e3,
+            protocols={
+                name: int(count)
+                for name, count in totals.items()
+                if name.startswith(PROTOCOL_PREFIX)
+            },
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

@@ -27,6 +27,7 @@ from kvtransfer.connector.base import TransferResults
 from kvtransfer.connector.completions import CompletionQueue
 from kvtransfer.connector.config import KVTransferConfig
 from kvtransfer.connector.metadata import KVCacheLayout, KVConnectorStats, canonical_kv_caches
+from kvtransfer.connector.serving import PROTOCOL_PREFIX
 from kvtransfer.connector.watchdog import LOAD_HOOK, process_watchdog
 from kvtransfer.connectors.ucx.config import UcxConfig
 from kvtransfer.connectors.ucx.identity import WorkerIdentity
@@ -48,6 +49,8 @@ logger = logging.getLogger(__name__)
 # Past its transfer timeout plus this, a load still running is reported by the watchdog (the
 # load's own result wait gives up 5 s after the timeout: `loads._RESULT_GRACE_S`).
 _LOAD_OVERDUE_GRACE_S = 10.0
+# UCX's description of a protocol it picked, cut to this length in its counter's name.
+_PROTOCOL_TEXT = 160
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class UcxWorker:
         self._stats: dict[str, float | list[float]] = {}
         self._pulls_served = 0
         self._naps_seen = (0, 0)
+        self._protocols_seen: set[str] = set()
         self._bytes_served = 0
         self._bytes_per_block = 0
         self._closed = False
@@ -372,6 +376,13 @@ class UcxWorker:
                 if now > before:
                     self._add(key, now - before)
             self._naps_seen = naps
+            # What UCX picked for one-sided operations, once each: a counter of its own in
+            # the admin status, named by UCX's description (issue 36: a GPU read emulated in
+            # software must be visible, not only slow).
+            for what, text in self._agent.picked_protocols.items():
+                if what not in self._protocols_seen:
+                    self._protocols_seen.add(what)
+                    self._add(f"{PROTOCOL_PREFIX}{what}: {text[:_PROTOCOL_TEXT]}", 1)
         server = self._agent.server if self._agent is not None else None
         if server is not None:
             # What crossed the wire, whoever asked and whatever became of the pull after: a
