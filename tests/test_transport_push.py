@@ -17,6 +17,7 @@ the producer says its writes stopped, and that push fails typed.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -105,11 +106,12 @@ def test_a_push_writes_the_granted_blocks_and_lands(pushing):
     lease = pushing.grant("req-1")
     assert not pushing.grants.landed("req-1")
     result = pushing.push("req-1", lease).result(WAIT_S)
+    # The producer tells the landing without waiting for the answer: the consumer waits.
+    assert pushing.grants.wait_landed("req-1", WAIT_S)
     assert (
         result.one_sided
         and result.payload_bytes == 3 * 3 * pushing.local[GROUP.names()[0]][0].numel() * 4
     )
-    assert pushing.grants.landed("req-1")
     _written(pushing, list(zip(DEST, SOURCE, strict=True)))
     counters = pushing.producer.one_sided_counters
     if pushing.network:
@@ -120,6 +122,15 @@ def test_a_push_writes_the_granted_blocks_and_lands(pushing):
     # The lease's blocks can go back once it ends: no write of it runs.
     pushing.grants.revoke_nowait(["req-1"])
     assert pushing.grants.drained(["req-1"]) == {"req-1"}
+
+
+def _eventually(condition, timeout_s: float = WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _refusal(handle) -> AccessDenied | RemoteTransferError:
@@ -195,7 +206,7 @@ def test_a_revoke_during_writes_keeps_the_blocks_until_the_writes_stopped(pushin
     assert isinstance(outcome["error"], LeaseEndedDuringRead)
     assert "ended while push 'slow' wrote its blocks" in str(outcome["error"])
     # The producer told the consumer its writes stopped: now they may be reused.
-    assert pushing.grants.drained(["slow"]) == {"slow"}
+    assert _eventually(lambda: pushing.grants.drained(["slow"]) == {"slow"})
     with pytest.raises(AccessDenied, match="push lease 'slow' has ended"):
         pushing.grants.landed("slow")
 
@@ -228,7 +239,9 @@ def test_two_producer_ranks_each_write_their_heads_and_the_push_lands_after_both
                 f"tp-{rank}", GROUP.names(), DEST, SOURCE, heads, range(0, 2), lease=lease
             )
             producer.push(peer, spec).result(WAIT_S)
-            assert grants.landed("tp") == (rank == 1)
+            if rank == 0:
+                assert not grants.wait_landed("tp", 0.2)  # the other rank's heads are due
+        assert grants.wait_landed("tp", WAIT_S)
         for name in GROUP.names():
             expected = torch.full_like(local[name], SENTINEL)
             for remote, source in zip(DEST, SOURCE, strict=True):

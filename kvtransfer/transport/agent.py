@@ -66,8 +66,6 @@ DATA_PLANES = ("rma", "tagged")
 _KEYS_LOCK_POLL_S = 0.05
 # A push asks again this soon (doubling to the second) while its grant is not recorded yet.
 _GRANT_RETRY_S = (0.002, 0.1)
-# How long a push that failed may still take to tell the consumer its writes stopped.
-_STOP_NOTICE_S = 5.0
 
 
 def _positive(name: str, value: object, *, integer: bool = True) -> None:
@@ -489,15 +487,10 @@ class KVTransferAgent:
         )
         landed = handle.exception() is None
         layers = tuple(plan.name for plan in plans) if landed else ()
-        # A stop is told even past the push's deadline (briefly): until it arrives the
-        # consumer keeps the blocks out of use.
-        notice = ReadControl(
-            cancelled=lambda: False,
-            deadline=max(control.deadline, time.monotonic() + _STOP_NOTICE_S),
-            timeout_s=timeout,
-        )
+        # Told without waiting for the answer: the consumer is the one who waits for it
+        # (until a stop arrives it keeps the blocks out of use).
         try:
-            self._client.notify_push(peer, lease, "landed" if landed else "stopped", layers, notice)
+            self._client.notify_push(peer, lease, "landed" if landed else "stopped", layers, None)
         except TransportError as exc:
             if landed:
                 return PullHandle.failed(spec.request_id, peer, exc)

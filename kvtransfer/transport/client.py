@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -71,6 +72,8 @@ from kvtransfer.transport.rma import MAX_KEYS_BYTES, ReadControl, RmaPeer, RmaRe
 from kvtransfer.transport.rma_layout import LayerMemory
 from kvtransfer.transport.spec import KVLayout, LayerPlan, PullSpec
 from kvtransfer.transport.ucx import UcxLoop
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, repr=False)
@@ -245,6 +248,34 @@ class _Exchange:
         return callback
 
 
+class _Asked:
+    """One request/answer exchange of a keys request or a push notice: the answer's buffers
+    and its completion (the header and payload receives, or the first error)."""
+
+    def __init__(self, header: Any, payload: Any) -> None:
+        self.header = header
+        self.payload = payload
+        self.done = threading.Event()
+        self.outcome: dict[str, object] = {}
+        self.posted: Future[None] | None = None
+        # Run once on the loop thread when the exchange ended (an answer nobody waits for).
+        self.on_done: Callable[[], None] | None = None
+        self._pending = 2
+
+    def finish(self, error: BaseException | None) -> None:  # loop thread
+        if error is not None:
+            self.outcome.setdefault("error", error)
+        else:
+            self._pending -= 1
+            if self._pending:
+                return
+        if self.done.is_set():
+            return
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done()
+
+
 class PullClient:
     """Runs pulls on a small thread pool against one `UcxLoop`."""
 
@@ -273,6 +304,8 @@ class PullClient:
         self._jobs_cond = threading.Condition()
         self._active: set[PullHandle] = set()
         self._closed = False
+        # Push notices sent without waiting, kept until their answer came.
+        self._told: set[_Asked] = set()
 
     def submit(
         self,
@@ -438,17 +471,66 @@ class PullClient:
         lease: LeaseAccess,
         phase: str,
         layers: tuple[str, ...],
-        control: ReadControl,
+        control: ReadControl | None,
     ) -> None:
         """Tell ``peer`` (the consumer) that this producer begins writing ``lease``'s blocks,
-        or that its writes landed or stopped; `RemoteTransferError` if it refused."""
+        or that its writes landed or stopped. With ``control``: wait for the answer within it
+        (`RemoteTransferError` if refused); without: send and return, the answer (a refusal is
+        logged) absorbed when it comes: what a landed or stopped notice needs, the consumer
+        being the one who waits for it."""
 
         def message(header_tag: int) -> bytes:
             return PushNoticeMessage(
                 header_tag, self._loop.address, _lease_fields(lease), phase, layers
             ).encode()
 
-        self._ask(peer, message, control, f"push notice ({phase})", 0)
+        what = f"push notice ({phase})"
+        if control is not None:
+            self._ask(peer, message, control, what, 0)
+            return
+        exchange: _Asked
+
+        def answered() -> None:
+            self._told.discard(exchange)
+            error = exchange.outcome.get("error")
+            if error is None:
+                try:
+                    answer = PullResponseHeader.decode(exchange.header)
+                except WireFormatError as exc:
+                    error = exc
+                else:
+                    error = None if answer.status == ErrorCode.OK else answer.message
+            if error is not None:
+                logger.warning("%s of lease %r to %s: %s", what, lease.lease_id, peer.name, error)
+
+        exchange = self._post_exchange(peer, message, 0, answered)
+        self._told.add(exchange)
+
+    def _post_exchange(
+        self,
+        peer: PeerHandle,
+        message: Callable[[int], bytes],
+        payload_max: int,
+        on_done: Callable[[], None] | None = None,
+    ) -> _Asked:
+        """Post the receives of an answer, then send the request ``message(reply tag)``;
+        ``on_done`` runs on the loop thread once the exchange ended."""
+        header_tag, data_tag = reply_tags(self._next_sequence())
+        exchange = _Asked(
+            self._loop.new_host_buffer(RESPONSE_HEADER_BYTES),
+            self._loop.new_host_buffer(max(payload_max, 1)),
+        )
+        exchange.on_done = on_done
+        request = message(header_tag)
+
+        def post() -> None:
+            address = peer.ucx_address
+            self._loop.recv(address, exchange.header, header_tag, exchange.finish)
+            self._loop.recv(address, exchange.payload, data_tag, exchange.finish)
+            self._loop.send(address, request, REQUEST_TAG, lambda e: e and exchange.finish(e))
+
+        exchange.posted = self._loop.call(post)
+        return exchange
 
     def _ask(
         self,
@@ -461,29 +543,14 @@ class PullClient:
         """Send the request ``message(reply tag)`` to ``peer`` and wait for its answer (header
         and a payload of at most ``payload_max`` bytes) within ``control``; `PeerUnreachable`
         if the exchange failed, `RemoteTransferError` with the peer's code if refused."""
-        header_tag, data_tag = reply_tags(self._next_sequence())
-        header = self._loop.new_host_buffer(RESPONSE_HEADER_BYTES)
-        payload = self._loop.new_host_buffer(max(payload_max, 1))
-        request = message(header_tag)
-        done = threading.Event()
-        outcome: dict[str, object] = {"pending": 2}
-
-        def finish(error: BaseException | None) -> None:  # loop thread
-            if error is not None:
-                outcome.setdefault("error", error)
-                done.set()
-                return
-            outcome["pending"] = int(outcome["pending"]) - 1  # type: ignore[call-overload]
-            if outcome["pending"] == 0:
-                done.set()
-
-        def post() -> None:
-            address = peer.ucx_address
-            self._loop.recv(address, header, header_tag, finish)
-            self._loop.recv(address, payload, data_tag, finish)
-            self._loop.send(address, request, REQUEST_TAG, lambda e: e and finish(e))
-
-        posted = self._loop.call(post)
+        exchange = self._post_exchange(peer, message, payload_max)
+        header, payload, done, outcome = (
+            exchange.header,
+            exchange.payload,
+            exchange.done,
+            exchange.outcome,
+        )
+        posted = exchange.posted
         # Within the read's deadline, and stopped by its cancel: a UCX loop thread that cannot
         # post (starved, or stuck in a send) must not hold a cancelled load for the timeout.
         while True:
