@@ -173,7 +173,7 @@ class KVTransferAgent:
         self._push_exporter: RmaExporter | None = None
         self._push_table: LeaseTable | None = None
         # Per consumer address: its write keys (pushes from this agent).
-        self._push_peers: dict[bytes, RmaPeer] = {}
+        self._push_peers: dict[bytes, RmaPeer | None] = {}
         self._reader = RmaReader(self._loop.worker_handle, self._loop.nudge)
         # Per peer address: its keys (one-sided reads), or None once it refused to hand them.
         self._rma_peers: dict[bytes, RmaPeer | None] = {}
@@ -402,35 +402,55 @@ class KVTransferAgent:
 
     def _rma_peer(self, peer: PeerHandle, spec: PullSpec, control: ReadControl) -> RmaPeer | None:
         """``peer``'s keys, fetched once (presenting this pull's lease); None: tagged only."""
-        key = peer.ucx_address
-        if key in self._rma_peers:
-            return self._rma_peers[key]
-        with self._lock:
-            lock = self._rma_locks.setdefault(key, threading.Lock())
-        # Another pull asking for the keys: wait within this pull's deadline and probe.
-        while not lock.acquire(timeout=_KEYS_LOCK_POLL_S):
-            control.check(f"pull {spec.request_id!r} (waiting for {peer.name}'s keys)")
-        try:
-            if key in self._rma_peers:
-                return self._rma_peers[key]
+
+        def fetch() -> bytes | None:
             try:
                 with BOOK.span(spec.request_id, "kv.keys", peer=peer.name):
-                    keys = RmaKeys.decode(self._client.fetch_keys(peer, spec.lease, control))
+                    return self._client.fetch_keys(peer, spec.lease, control)
             except RemoteTransferError as exc:
                 if exc.code != ErrorCode.NOT_SERVING:
                     raise
                 logger.info("%s serves tagged reads only: %s", peer.name, exc)
-                self._rma_peers[key] = None
                 return None
+
+        return self._keyed_peer(peer, spec, control, self._rma_peers, "pull", fetch)
+
+    def _keyed_peer(
+        self,
+        peer: PeerHandle,
+        spec: PullSpec,
+        control: ReadControl,
+        cache: dict[bytes, RmaPeer | None],
+        verb: str,
+        fetch: Callable[[], bytes | None],
+    ) -> RmaPeer | None:
+        """``peer``'s keys from ``cache``, else fetched once by ``fetch()`` (None: the peer
+        hands none) while other pulls or pushes to it wait within their own ``control``."""
+        key = peer.ucx_address
+        if key in cache:
+            return cache[key]
+        with self._lock:
+            lock = self._rma_locks.setdefault(key, threading.Lock())
+        while not lock.acquire(timeout=_KEYS_LOCK_POLL_S):
+            control.check(f"{verb} {spec.request_id!r} (waiting for {peer.name}'s keys)")
+        try:
+            if key in cache:
+                return cache[key]
+            encoded = fetch()
+            if encoded is None:
+                cache[key] = None
+                return None
+            try:
+                keys = RmaKeys.decode(encoded)
             except ValueError as exc:
                 raise RemoteTransferError(
-                    f"pull {spec.request_id!r}: {peer.name} sent unusable keys: {exc}",
+                    f"{verb} {spec.request_id!r}: {peer.name} sent unusable keys: {exc}",
                     code=ErrorCode.BAD_REQUEST,
                 ) from exc
             same_host = WorkerAddresses.unpack(key).locality == self._loop.locality
             rma = RmaPeer(keys, same_host)
             self._loop.on_close(key, rma.release)
-            self._rma_peers[key] = rma
+            cache[key] = rma
             return rma
         finally:
             lock.release()
@@ -517,38 +537,19 @@ class KVTransferAgent:
 
     def _push_peer(self, peer: PeerHandle, spec: PullSpec, control: ReadControl) -> RmaPeer:
         """``peer``'s write keys, fetched once (presenting this push's lease)."""
-        key = peer.ucx_address
-        rma = self._push_peers.get(key)
-        if rma is not None:
-            return rma
-        with self._lock:
-            lock = self._rma_locks.setdefault(key, threading.Lock())
-        while not lock.acquire(timeout=_KEYS_LOCK_POLL_S):
-            control.check(f"push {spec.request_id!r} (waiting for {peer.name}'s keys)")
-        try:
-            rma = self._push_peers.get(key)
-            if rma is not None:
-                return rma
+
+        def fetch() -> bytes:
             with BOOK.span(spec.request_id, "kv.push_keys", peer=peer.name):
-                encoded = self._until_granted(
+                return self._until_granted(
                     control,
                     spec,
                     lambda: self._client.fetch_keys(peer, spec.lease, control, push=True),
                 )
-            try:
-                keys = RmaKeys.decode(encoded)
-            except ValueError as exc:
-                raise RemoteTransferError(
-                    f"push {spec.request_id!r}: {peer.name} sent unusable write keys: {exc}",
-                    code=ErrorCode.BAD_REQUEST,
-                ) from exc
-            same_host = WorkerAddresses.unpack(key).locality == self._loop.locality
-            rma = RmaPeer(keys, same_host)
-            self._loop.on_close(key, rma.release)
-            self._push_peers[key] = rma
-            return rma
-        finally:
-            lock.release()
+
+        rma = self._keyed_peer(peer, spec, control, self._push_peers, "push", fetch)
+        if rma is None:  # never: a refused fetch raises
+            raise RemoteTransferError(f"{peer.name} handed no write keys", code=ErrorCode.INTERNAL)
+        return rma
 
     @property
     def picked_protocols(self) -> dict[str, str]:
