@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transfer import timed
 
 LAYERS = tuple(f"model.layers.{i}.self_attn" for i in range(8))
 SHAPE = (320, 2, 8, 16, 128)  # blocks, K/V, heads, tokens, head_dim: 128 KiB per block, layer
@@ -179,17 +180,6 @@ def run_nixl(iterations: int, warmup: int) -> tuple[dict | None, str]:
     if status != "ok":
         return None, f"NIXL run failed: {payload}"
     return payload, "nixl_cu12 READ and WRITE over UCX (its own transports), DRAM"
-
-
-def timed(fn: Any, iterations: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return samples
 
 
 def perftest(test: str, nbytes: int, iterations: int) -> float | None:
