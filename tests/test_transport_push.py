@@ -295,3 +295,18 @@ def test_a_consumer_that_dies_mid_push_fails_the_push_typed(network, monkeypatch
             assert not producer.closed
         finally:
             producer.close()
+
+
+def test_an_agent_taking_pushes_serves_no_unauthenticated_reads(pushing):
+    """Taking pushes starts a server; without read grants of its own it must refuse reads
+    (tagged and one-sided keys), not serve its caches to any peer."""
+    spec = PullSpec("steal", GROUP.names(), DEST, SOURCE)
+    before = {name: cache.clone() for name, cache in pushing.source.items()}
+    for one_sided in (False, True):
+        peer = pushing.producer.connect(
+            pushing.consumer.address, layouts=pushing.consumer.kv_layouts(), one_sided=one_sided
+        )
+        error = _refusal(pushing.producer.pull(peer, spec))
+        assert "presents no lease" in str(error), error
+    assert all(torch.equal(pushing.source[name], cache) for name, cache in before.items())
+    assert pushing.consumer.server.keys_served == 0

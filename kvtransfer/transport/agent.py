@@ -253,6 +253,10 @@ class KVTransferAgent:
         in docs/data-plane.md.
         """
         self._check_open()
+        if push_grants is not None and grants is None:
+            # An agent taking pushes serves no unauthenticated reads of its caches: with no
+            # read grants every read is refused (an empty set of leases, not none at all).
+            grants = LeaseGrants(self.config.grant_wait_s)
         with self._lock:
             if self._server is None:
                 push_keys = None
