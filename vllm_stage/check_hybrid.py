@@ -16,7 +16,10 @@ disaggregated. Checked, per data plane:
    (at most cdiv(64, 32) + 1 = 3 blocks);
 3. the P/D tokens equal the single vLLM's, and vLLM counts every prompt token as transferred;
 4. the KV bytes the decode received are exactly those lists' blocks over their groups' layers
-   (printed per group beside what moving every block of every layer would have cost).
+   (printed per group beside what moving every block of every layer would have cost);
+5. a load that fails (the producer's port has nobody behind it) fails its request, and the
+   decode stays healthy and serves the next request P/D (both families: vLLM kills an
+   engine on block-level load errors of a model with several KV cache groups).
 """
 
 from __future__ import annotations
@@ -63,6 +66,21 @@ PROMPTS = [
     "Short prompt inside the window",
 ]
 HMA_OFF = "Turning off hybrid kv cache manager"
+# Prompts neither server has seen: a load that fails, then the request after it.
+FAILING = "A prompt whose KV cannot be loaded: " + " ".join(f"miss{i * 7 % 53}" for i in range(50))
+AFTER = "The request after a failed load: " + " ".join(f"next{i * 11 % 61}" for i in range(50))
+
+
+def check_a_failed_load_is_survived(p: Server, d: Server, backoff: int = 0) -> None:
+    """A load that fails in a hybrid model fails its request and leaves the decode serving.
+    vLLM kills an engine whose connector reports block-level load errors (invalid block ids)
+    for a model of several KV cache groups; our adapter reports failed loads per request
+    (failed_recving) there. The producer's params name a port nobody listens on."""
+    params = {**prefill(p, FAILING), "remote_port": free_port()}
+    status, _ = d.complete(FAILING, MAX_TOKENS, params)
+    check(status >= 500, f"a load from an unreachable producer fails its request (HTTP {status})")
+    check(d.healthy(), "the decode stays healthy after the failed load (its engine alive)")
+    pd_decode(d, AFTER, MAX_TOKENS, prefill(p, AFTER), "the request after it", backoff=backoff)
 
 
 def received_bytes(decode: Server) -> float:
@@ -207,6 +225,7 @@ def run_state(model: str, logs: Path) -> list[dict]:
                     **{f"{k}_bytes": v for k, v in moved.items()},
                 }
             )
+        check_a_failed_load_is_survived(p, d, backoff=1)
     if pd_tokens:
         check_against_nixl(model, logs, flags, pd_tokens)
     return rows
@@ -301,6 +320,7 @@ def run(model: str, logs: Path) -> list[dict]:
                     "all_blocks_bytes": blocks * (full_layers + window_layers) * per_block,
                 }
             )
+        check_a_failed_load_is_survived(p, d)
     return rows
 
 

@@ -264,6 +264,11 @@ class KVTransferConnector(VllmConnectorBase):
         for load in self._failed_blocks:
             blocks.update(load.block_ids)
         self._failed_blocks = []
+        if self._layout.num_groups > 1:
+            # vLLM kills the engine on block-level load failures of a model with several KV
+            # cache groups (a block id means nothing without its group); every failed load is
+            # in `get_transfer_results`' failed_recving already, which vLLM handles per request.
+            return set()
         return blocks
 
     def get_handshake_metadata(self) -> Any:
