@@ -30,15 +30,13 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
-import subprocess
-import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transfer import timed
+from transfer import run_perftest, timed
 
 LAYERS = tuple(f"model.layers.{i}.self_attn" for i in range(8))
 SHAPE = (320, 2, 8, 16, 128)  # blocks, K/V, heads, tokens, head_dim: 128 KiB per block, layer
@@ -184,40 +182,11 @@ def run_nixl(iterations: int, warmup: int) -> tuple[dict | None, str]:
 
 def perftest(test: str, nbytes: int, iterations: int) -> float | None:
     """``ucx_perftest -t <test>`` ms per ``nbytes`` buffer (from its bandwidth) between two
-    processes over UCX's TCP transport (the network path's limit)."""
-    import libucx
-
-    root = Path(libucx.__file__).parent
-    binary = root / "bin" / "ucx_perftest"
-    if not binary.exists():
-        return None
-    env = {
-        **os.environ,
-        "LD_LIBRARY_PATH": str(root / "lib"),
-        "UCX_WARN_UNUSED_ENV_VARS": "n",
-        "UCX_TLS": "tcp,self",
-    }
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [str(binary), "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    processes over UCX's TCP transport (the network path's limit; transfer.py's runner)."""
+    result = run_perftest(
+        SimpleNamespace(nbytes=nbytes), iterations, 2, test, {"UCX_TLS": "tcp,self"}
     )
-    try:
-        command = [str(binary), "127.0.0.1", "-p", str(port), "-t", test, "-s", str(nbytes)]
-        command += ["-n", str(iterations), "-w", "2"]
-        for _ in range(50):
-            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-            if "Final:" in run.stdout:
-                # Its bandwidth (MB/s, the 6th figure) as ms per buffer: the latency columns
-                # of the bandwidth tests are not per-transfer times.
-                megabytes_per_s = float(run.stdout.split("Final:")[1].split()[5])
-                return nbytes / (megabytes_per_s * 1e6) * 1e3
-            time.sleep(0.1)  # the server is still starting: retry
-        return None
-    finally:
-        server.kill()
-        server.wait()
+    return None if result is None else nbytes / (result["gbps"] * 1e9) * 1e3
 
 
 def main() -> None:

@@ -688,16 +688,28 @@ def measure_interference(stop: Any, cpu: Any, agent: Any, peer: Any, one_sided: 
 # -- the limit: UCX's own perftest ------------------------------------------------------------
 
 
-def run_perftest(case: Case, iterations: int, warmup: int) -> dict[str, float] | None:
-    """``ucx_perftest -t ucp_get`` of one contiguous buffer of the case's size between two
-    processes (what UCX reaches with no layout at all); None if the wheel lacks it."""
+def run_perftest(
+    case: Case,
+    iterations: int,
+    warmup: int,
+    test: str = "ucp_get",
+    environment: dict[str, str] | None = None,
+) -> dict[str, float] | None:
+    """``ucx_perftest -t <test>`` of one contiguous buffer of the case's size (``case.nbytes``)
+    between two processes (what UCX reaches with no layout at all), with ``environment`` added
+    to both; None if the wheel lacks it."""
     import libucx
 
     root = Path(libucx.__file__).parent
     binary = root / "bin" / "ucx_perftest"
     if not binary.exists():
         return None
-    env = {**os.environ, "LD_LIBRARY_PATH": str(root / "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": str(root / "lib"),
+        "UCX_WARN_UNUSED_ENV_VARS": "n",
+        **(environment or {}),
+    }
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -705,7 +717,7 @@ def run_perftest(case: Case, iterations: int, warmup: int) -> dict[str, float] |
         [str(binary), "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
     )
     try:
-        command = [str(binary), "127.0.0.1", "-p", str(port), "-t", "ucp_get"]
+        command = [str(binary), "127.0.0.1", "-p", str(port), "-t", test]
         command += ["-s", str(case.nbytes), "-n", str(iterations), "-w", str(warmup)]
         for _ in range(50):
             run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
