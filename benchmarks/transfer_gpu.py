@@ -11,13 +11,18 @@ block), this process pulls scattered blocks into its own caches on the same devi
   host's messages are eager: ``transport_options``), the consumer scatters;
 * rma: one-sided ``ucp_get`` of the contiguous runs from the producer's mapped device memory
   (UCX's ``cuda_ipc`` between processes of one host);
+* push: the same blocks written the other way, into a third process's caches (on the same
+  device) under a push lease it granted (`KVTransferAgent.push`: begin notice, lease row
+  check, ``ucp_put`` of the runs, flush, row check, landed notice; ``cuda_ipc`` puts);
 * local: the same gather and scatter inside one process (``index_select``/``index_copy_``),
   what the device's own memory bandwidth allows;
-* limit: ``ucx_perftest -t ucp_get -m cuda`` of one contiguous buffer of the case's size
-  between two processes (from the ``libucx`` wheel), where the wheel has it.
+* limit (get) and limit (put): ``ucx_perftest -t ucp_get`` and ``-t ucp_put_bw`` with ``-m
+  cuda`` of one contiguous buffer of the case's size between two processes (from the
+  ``libucx`` wheel), where the wheel has it.
 
-Every pull is checked bitwise against the producer's contents afterwards, so a row is also a
-correctness check of the CUDA data plane. Per case and method the median request time over
+Every pull is checked bitwise against the producer's contents afterwards, every push in the
+destination process against the same contents, so a row is also a correctness check of the
+CUDA data plane. Per case and method the median request time over
 ``--iterations`` after ``--warmup``, and the GB/s it gives; which UCX path served the RMA
 reads (``ucx_reads``/``direct_reads``, the agent's counters) is in the JSON.
 
@@ -164,18 +169,61 @@ def timed(fn: Callable[[], None], iterations: int, warmup: int) -> list[float]:
     return samples
 
 
-def _producer(ready: Any, stop: Any, device: str) -> None:
+def _producer(ready: Any, stop: Any, device: str, cuda_ipc: bool) -> None:
     from kvtransfer.transport import KVTransferAgent, TransportConfig
 
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     caches = {name: t for layout in LAYOUTS for name, t in filled_caches(layout, device).items()}
     synchronize()
-    agent = KVTransferAgent(TransportConfig(data_plane="rma"))
+    agent = KVTransferAgent(TransportConfig(data_plane="rma", cuda_ipc=cuda_ipc))
     agent.register_kv_caches(caches)
     agent.start_server()
     ready.put(agent.address)
     stop.get()
+    agent.close()
+
+
+PUSH_LEASE, PUSH_SECRET = "bench-push", "bench-push-secret"
+
+
+def _push_target(ready: Any, commands: Any, answers: Any, device: str, cuda_ipc: bool) -> None:
+    """Takes pushes: zeroed caches, one push lease re-granted per case, and a check that the
+    pushed blocks hold the producer's contents (`filled_caches`, rebuilt here)."""
+    from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig, secret_digest
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    caches = {name: t for layout in LAYOUTS for name, t in empty_caches(layout, device).items()}
+    push_grants = LeaseGrants()
+    agent = KVTransferAgent(TransportConfig(data_plane="rma", cuda_ipc=cuda_ipc))
+    agent.register_kv_caches(caches)
+    agent.start_server(LeaseGrants(), push_grants)
+    ready.put((agent.address, agent.kv_layouts()))
+    while (command := commands.get()) is not None:
+        kind, layout_name, blocks = command
+        layout = next(layout for layout in LAYOUTS if layout.name == layout_name)
+        names = [layout.layer_name(i) for i in range(layout.num_layers)]
+        if kind == "grant":
+            push_grants.revoke_nowait([PUSH_LEASE])
+            for name in names:
+                caches[name].zero_()
+            synchronize()
+            push_grants.grant_push(PUSH_LEASE, secret_digest(PUSH_SECRET), blocks, names)
+            answers.put("")
+            continue
+        reference = filled_caches(layout, device)
+        index = torch.tensor(blocks, device=device)
+        itype = _int_view(layout.dtype)
+        differs = [
+            name
+            for name in names
+            if not torch.equal(
+                caches[name].index_select(0, index).view(itype),
+                reference[name].index_select(0, index).view(itype),
+            )
+        ]
+        answers.put(f"{layout_name}: {differs} differ after the push" if differs else "")
     agent.close()
 
 
@@ -218,23 +266,32 @@ def run_local(base: int, warmup: int, device: str) -> list[Row]:
     return rows
 
 
-def run_pulls(base: int, warmup: int, device: str) -> tuple[list[Row], dict[str, int]]:
+def run_pulls(
+    base: int, warmup: int, device: str, cuda_ipc: bool
+) -> tuple[list[Row], dict[str, int]]:
     from kvtransfer.transport import KVTransferAgent, PullSpec, TransportConfig
 
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Queue()
-    producer = ctx.Process(target=_producer, args=(ready, stop, device), daemon=True)
+    producer = ctx.Process(target=_producer, args=(ready, stop, device, cuda_ipc), daemon=True)
     producer.start()
+    target_ready, commands, answers = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    push_target = ctx.Process(
+        target=_push_target, args=(target_ready, commands, answers, device, cuda_ipc), daemon=True
+    )
+    push_target.start()
     rows: list[Row] = []
     agent = KVTransferAgent(TransportConfig(data_plane="rma"))
     try:
         address = ready.get(timeout=300)
+        target_address, target_layouts = target_ready.get(timeout=300)
         local = {name: t for layout in LAYOUTS for name, t in empty_caches(layout, device).items()}
         agent.register_kv_caches(local)
         targets = {
             "tagged": agent.connect(address),
             "rma": agent.connect(address, one_sided=True),
         }
+        writer = agent.connect(target_address, layouts=target_layouts)
         for layout in LAYOUTS:
             reference = filled_caches(layout, device)
             layer_names = [layout.layer_name(i) for i in range(layout.num_layers)]
@@ -256,27 +313,68 @@ def run_pulls(base: int, warmup: int, device: str) -> tuple[list[Row], dict[str,
                     except Exception as exc:
                         rows.append(Row(case.name, case.nbytes, method, None, None, 0, _why(exc)))
                         print(traceback.format_exc(), file=sys.stderr, flush=True)
+                # `mine` now holds the producer's blocks (the last pull was checked): push
+                # them into the target's blocks of the same ids as the producer's.
+                rows.append(
+                    push_row(agent, writer, case, layer_names, (commands, answers), base, warmup)
+                )
             del reference
         counters = asdict(agent.one_sided_counters)
     finally:
         agent.close()
         stop.put(None)
+        commands.put(None)
         producer.join(60)
+        push_target.join(60)
     return rows, counters
+
+
+def push_row(
+    agent: Any,
+    writer: Any,
+    case: Case,
+    layer_names: list[str],
+    target: tuple[Any, Any],
+    iterations: int,
+    warmup: int,
+) -> Row:
+    """Push ``case``'s blocks into the target (granted for exactly them), then have it check."""
+    from kvtransfer.transport import LeaseAccess, PullSpec
+
+    commands, answers = target
+
+    remote_ids, local_ids = case.block_ids()
+    try:
+        commands.put(("grant", case.layout.name, remote_ids))
+        answers.get(timeout=120)
+        lease = LeaseAccess(PUSH_LEASE, PUSH_SECRET, "", 0, tuple(remote_ids))
+        spec = PullSpec(f"push {case.name}", tuple(layer_names), remote_ids, local_ids, lease=lease)
+        samples = timed(lambda: agent.push(writer, spec).result(120), iterations, warmup)
+        commands.put(("check", case.layout.name, remote_ids))
+        if differs := answers.get(timeout=300):
+            raise RuntimeError(differs)
+        return _row(case, "push", samples)
+    except Exception as exc:
+        print(traceback.format_exc(), file=sys.stderr, flush=True)
+        return Row(case.name, case.nbytes, "push", None, None, 0, _why(exc))
 
 
 def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
 
 
-def run_perftest(case: Case, iterations: int, warmup: int, device: str) -> Row:
-    """``ucx_perftest -t ucp_get -m cuda`` of one buffer of the case's size, two processes."""
+PERFTESTS = {"ucp_get": "lim-get", "ucp_put_bw": "lim-put"}
+
+
+def run_perftest(case: Case, iterations: int, warmup: int, device: str, test: str) -> Row:
+    """``ucx_perftest -t TEST -m cuda`` of one buffer of the case's size, two processes."""
+    method = PERFTESTS[test]
     import libucx
 
     root = Path(libucx.__file__).parent
     binary = root / "bin" / "ucx_perftest"
     if not binary.exists():
-        return Row(case.name, case.nbytes, "limit", None, None, 0, "no ucx_perftest in libucx")
+        return Row(case.name, case.nbytes, method, None, None, 0, "no ucx_perftest in libucx")
     env = {**os.environ, "LD_LIBRARY_PATH": str(root / "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n"}
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -285,7 +383,7 @@ def run_perftest(case: Case, iterations: int, warmup: int, device: str) -> Row:
         [str(binary), "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
     )
     try:
-        command = [str(binary), "127.0.0.1", "-p", str(port), "-t", "ucp_get"]
+        command = [str(binary), "127.0.0.1", "-p", str(port), "-t", test]
         command += ["-m", "cuda" if device.startswith("cuda") else "host"]
         command += ["-s", str(case.nbytes), "-n", str(iterations), "-w", str(warmup)]
         for _ in range(50):
@@ -295,7 +393,7 @@ def run_perftest(case: Case, iterations: int, warmup: int, device: str) -> Row:
             time.sleep(0.1)  # the server is still starting: retry (not synchronisation)
         else:
             tail = (run.stdout + run.stderr).strip().splitlines()[-3:]
-            return Row(case.name, case.nbytes, "limit", None, None, 0, " | ".join(tail)[:300])
+            return Row(case.name, case.nbytes, method, None, None, 0, " | ".join(tail)[:300])
     finally:
         server.kill()
         server.wait()
@@ -305,7 +403,7 @@ def run_perftest(case: Case, iterations: int, warmup: int, device: str) -> Row:
     fields = run.stdout.split("Final:")[1].split()
     p50_ms = float(fields[2]) / 1e3
     rate = case.nbytes / (p50_ms / 1e3) / 1e9
-    return Row(case.name, case.nbytes, "limit", p50_ms, rate, iterations, "average, not median")
+    return Row(case.name, case.nbytes, method, p50_ms, rate, iterations, "average, not median")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (a dry run)")
     parser.add_argument("--no-perftest", action="store_true")
+    parser.add_argument(
+        "--no-cuda-ipc",
+        action="store_true",
+        help="peers publish no CUDA IPC handles: UCX's cuda_ipc moves each run",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0:
@@ -330,11 +433,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         parser.error(f"--device must be cuda[:N] or cpu, got {device!r}")
     rows = run_local(args.iterations, args.warmup, device)
-    pulled, counters = run_pulls(args.iterations, args.warmup, device)
+    pulled, counters = run_pulls(args.iterations, args.warmup, device, not args.no_cuda_ipc)
     rows += pulled
     if not args.no_perftest:
-        rows += [run_perftest(case, args.iterations, args.warmup, device) for case in CASES]
-    print(f"device: {name}; RMA reads: {counters}")
+        rows += [
+            run_perftest(case, args.iterations, args.warmup, device, test)
+            for case in CASES
+            for test in PERFTESTS
+        ]
+    get_zcopy = os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "unset")
+    print(
+        f"device: {name}; cuda_ipc {not args.no_cuda_ipc}; "
+        f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={get_zcopy}; RMA: {counters}"
+    )
     print(f"{'case':<18} {'MiB':>8} {'method':<7} {'p50_ms':>9} {'GB/s':>8}  note")
     for row in sorted(rows, key=lambda r: (r.nbytes, r.method)):
         p50 = "n/a" if row.p50_ms is None else f"{row.p50_ms:.3f}"
@@ -346,10 +457,12 @@ def main(argv: list[str] | None = None) -> int:
             "device": name,
             "torch": torch.__version__,
             "rma_counters": counters,
+            "cuda_ipc_get_zcopy": get_zcopy,
+            "cuda_ipc_handles": not args.no_cuda_ipc,
             "rows": [asdict(row) for row in rows],
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    failed = [row for row in rows if row.p50_ms is None and row.method != "limit"]
+    failed = [row for row in rows if row.p50_ms is None and row.method not in PERFTESTS.values()]
     return 1 if failed else 0
 
 

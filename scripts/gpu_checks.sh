@@ -5,18 +5,21 @@
 #      installed into /tmp/site; the repository itself on PYTHONPATH, with its entry points
 #      (the connector registry reads them) written as a dist-info from pyproject.toml;
 #   2. the machine: nvidia-smi, torch/CUDA, UCX's version and transports (cuda_copy/cuda_ipc);
-#   3. the GPU tier: pytest -m gpu (tests/test_pd_gpu.py); if it fails, its CPU twin
-#      (tests/test_daemons.py, the 1-to-1 equality test) runs as a control in the same
-#      environment;
-#   4. benchmarks/transfer_gpu.py (tagged and RMA pulls between two processes on the GPU,
-#      checked bitwise) and benchmarks/pd_latency.py --quick with the daemons on CUDA
-#      (KVTRANSFER_DEVICE=cuda), then on CPU for comparison if time is left;
-#   3 and 4 run twice: as UCX leaves cuda_ipc gets, and with them on (IPC_GET below).
+#   3. benchmarks/transfer_gpu.py (tagged and RMA pulls, and pushes, between processes on the
+#      GPU, checked bitwise, beside UCX's own get and put limits), three ways: through the
+#      peers' CUDA IPC handles (kvtransfer's default), through UCX's cuda_ipc per run
+#      (--no-cuda-ipc) with gets on (kvtransfer's UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on), and so
+#      with UCX's own default (GET_AUTO below: gets off without NVLink);
+#   4. the GPU tier: pytest -m gpu (tests/test_transport_cuda_ipc.py, tests/test_pd_gpu.py);
+#      if it fails, its CPU twin (tests/test_daemons.py, the 1-to-1 equality test) runs as a
+#      control in the same environment;
+#   5. benchmarks/pd_latency.py --quick with the daemons on CUDA (KVTRANSFER_DEVICE=cuda), then
+#      on CPU for comparison if time is left.
 #
-# Everything lands in $OUT (default /tmp/gpu_checks), 7 files: info.txt (with the protocol UCX
-# picks for a GPU get), pytest.log, bench.log, transfer_gpu.json, transfer_gpu_ipc_get.json,
-# results.tar.gz (pd_latency's JSON and pictures, the daemons' logs) and summary.txt (each
-# step's exit status and seconds). Steps share one deadline
+# Everything lands in $OUT (default /tmp/gpu_checks), 8 files: info.txt (with the protocol UCX
+# picks for a GPU get), pytest.log, bench.log, transfer_gpu.json, transfer_gpu_ucx.json,
+# transfer_gpu_get_auto.json, results.tar.gz (pd_latency's JSON and pictures, the daemons'
+# logs) and summary.txt (each step's exit status and seconds). Steps share one deadline
 # (GPU_CHECKS_DEADLINE_S, default 400 s from the start): a step that would run past it is cut
 # short or skipped, and says so in summary.txt.
 #
@@ -125,9 +128,9 @@ EOF
 
 # UCX turns cuda_ipc gets off where it finds no NVLink ("cuda-ipc get zcopy disabled as no
 # nvlinks detected"): one-sided reads of GPU memory then run as software emulation through
-# shared memory (0.5-0.8 GB/s on an H200 VM, 2026-11). Each GPU step runs as UCX leaves it and
-# again with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on (IPC gets), for the A/B.
-IPC_GET=(env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on)
+# shared memory (0.5-0.8 GB/s on an H200 VM, 2026-11). kvtransfer sets the variable to "on"
+# unless it is set; "auto" here is the operator choosing UCX's default, for the A/B.
+GET_AUTO=(env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto)
 
 # Which protocol UCX picks for a cross-process get of GPU memory, both ways.
 (
@@ -152,31 +155,32 @@ IPC_GET=(env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on)
     done
 ) >>"$OUT/info.txt" 2>&1
 
+# transfer_gpu: through the peers' CUDA IPC handles (kvtransfer's default), then UCX's
+# cuda_ipc per run (--no-cuda-ipc) with gets on, then with UCX's default.
+step "transfer_gpu" 120 "$OUT/bench.log" \
+    "$PY" benchmarks/transfer_gpu.py --json "$OUT/transfer_gpu.json"
+step "transfer_gpu, UCX" 100 "$OUT/bench.log" \
+    "$PY" benchmarks/transfer_gpu.py --no-cuda-ipc --no-perftest --json "$OUT/transfer_gpu_ucx.json"
+step "transfer_gpu, UCX, GET auto" 100 "$OUT/bench.log" \
+    "${GET_AUTO[@]}" "$PY" benchmarks/transfer_gpu.py --no-cuda-ipc --no-perftest \
+    --json "$OUT/transfer_gpu_get_auto.json"
+
 PYTEST=("$PY" -m pytest -p no:cacheprovider -v -rA)
-step "pytest -m gpu" 240 "$OUT/pytest.log" \
-    "${PYTEST[@]}" -m gpu --basetemp="$WORK/pt-gpu" tests/test_pd_gpu.py
-gpu_rc=$?
-step "pytest -m gpu, IPC gets" 240 "$OUT/pytest.log" \
-    "${IPC_GET[@]}" "${PYTEST[@]}" -m gpu --basetemp="$WORK/pt-gpu-ipc-get" tests/test_pd_gpu.py
-if [ "$gpu_rc" -ne 0 ]; then
-    step "control: CPU twin" 120 "$OUT/pytest.log" "${PYTEST[@]}" --basetemp="$WORK/pt-cpu" \
+GPU_TESTS=(tests/test_transport_cuda_ipc.py tests/test_pd_gpu.py)
+step "pytest -m gpu" 150 "$OUT/pytest.log" \
+    "${PYTEST[@]}" -m gpu --basetemp="$WORK/pt-gpu" "${GPU_TESTS[@]}"
+if [ $? -ne 0 ]; then
+    step "control: CPU twin" 90 "$OUT/pytest.log" "${PYTEST[@]}" --basetemp="$WORK/pt-cpu" \
         "tests/test_daemons.py::test_disaggregated_equals_colocated_and_counters_show_the_transfer"
 fi
 
-step "transfer_gpu" 150 "$OUT/bench.log" \
-    "$PY" benchmarks/transfer_gpu.py --json "$OUT/transfer_gpu.json"
-step "transfer_gpu, IPC gets" 150 "$OUT/bench.log" \
-    "${IPC_GET[@]}" "$PY" benchmarks/transfer_gpu.py --json "$OUT/transfer_gpu_ipc_get.json"
 # pd_latency writes a picture next to its JSON: both go into results.tar.gz ($OUT takes 8 files).
 RESULTS=$WORK/results
 mkdir -p "$RESULTS"
-step "pd_latency cuda" 150 "$OUT/bench.log" \
+step "pd_latency cuda" 100 "$OUT/bench.log" \
     env KVTRANSFER_DEVICE=cuda "$PY" benchmarks/pd_latency.py --quick \
     --json "$RESULTS/pd_latency_cuda.json"
-step "pd_latency cuda, IPC gets" 150 "$OUT/bench.log" \
-    "${IPC_GET[@]}" KVTRANSFER_DEVICE=cuda "$PY" benchmarks/pd_latency.py --quick \
-    --json "$RESULTS/pd_latency_cuda_ipc_get.json"
-step "pd_latency cpu" 150 "$OUT/bench.log" \
+step "pd_latency cpu" 90 "$OUT/bench.log" \
     "$PY" benchmarks/pd_latency.py --quick --json "$RESULTS/pd_latency_cpu.json"
 
 # Results and the daemons' logs (pytest's tmp_path, pd_latency's kept log folders).

@@ -107,8 +107,11 @@ class TransportConfig:
     # and dials only there. None leaves it to UCX (UCX_NET_DEVICES, else every interface).
     net_devices: str | None = None
     # Shared memory with peers on this host and in this network namespace; False: always the
-    # network (see `locality`).
+    # network (see `locality`), and no CUDA IPC handles published.
     shared_memory: bool = True
+    # GPU caches publish CUDA IPC handles to peers on this host, which copy a whole pull or
+    # push with a few kernels (see `cuda_ipc`); False: UCX's cuda_ipc, one operation per run.
+    cuda_ipc: bool = True
     # "rma": a server also hands its UCX remote keys to peers that present a valid lease, and
     # pulls from peers that offer them read one-sided (see `rma`); "tagged": every read is a
     # request the server checks and answers (see `server`).
@@ -139,8 +142,9 @@ class TransportConfig:
             raise ValueError(
                 f"net_devices must be a non-empty str or None, got {self.net_devices!r}"
             )
-        if not isinstance(self.shared_memory, bool):
-            raise ValueError(f"shared_memory must be a bool, got {self.shared_memory!r}")
+        for name in ("shared_memory", "cuda_ipc"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(
                 f"data_plane must be one of {list(DATA_PLANES)}, got {self.data_plane!r}"
@@ -263,7 +267,11 @@ class KVTransferAgent:
                 if push_grants is not None:
                     self._push_table = LeaseTable(tuple(self._caches))
                     self._push_exporter = RmaExporter(
-                        self._loop.context_handle, self._caches, self._push_table, writable=True
+                        self._loop.context_handle,
+                        self._caches,
+                        self._push_table,
+                        writable=True,
+                        cuda_ipc=self.config.shared_memory and self.config.cuda_ipc,
                     )
                     push_keys = self._push_exporter.encoded
                     push_grants.publish_to(self._push_table)
@@ -271,7 +279,10 @@ class KVTransferAgent:
                 if self.config.data_plane == "rma":
                     self._table = LeaseTable(tuple(self._caches)) if grants is not None else None
                     self._exporter = RmaExporter(
-                        self._loop.context_handle, self._caches, self._table
+                        self._loop.context_handle,
+                        self._caches,
+                        self._table,
+                        cuda_ipc=self.config.shared_memory and self.config.cuda_ipc,
                     )
                     rma_keys = self._exporter.encoded
                     if grants is not None and self._table is not None:

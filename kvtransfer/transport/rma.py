@@ -34,6 +34,14 @@ from kvtransfer.transport.access import (
     LeaseNotGranted,
     secret_digest,
 )
+from kvtransfer.transport.cuda_ipc import (
+    CudaIpcHandle,
+    CudaIpcUnavailable,
+    Span,
+    copy_runs,
+    local_bytes,
+    open_region,
+)
 from kvtransfer.transport.direct_read import (
     DirectPlan,
     DirectReader,
@@ -99,6 +107,8 @@ class RegionKey:
     length: int
     memory: str
     key: bytes
+    # A CUDA region's IPC handle, for a consumer on the same host (see `cuda_ipc`).
+    ipc: CudaIpcHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,7 @@ class RmaKeys:
         body = {
             "regions": [
                 [r.address, r.length, r.memory, base64.b64encode(r.key).decode()]
+                + ([] if r.ipc is None else [r.ipc.as_list()])
                 for r in self.regions
             ],
             "layers": [layer.as_dict() for layer in self.layers.values()],
@@ -154,8 +165,14 @@ class RmaKeys:
         try:
             body = json.loads(data)
             regions = tuple(
-                RegionKey(int(a), int(n), str(m), base64.b64decode(k, validate=True))
-                for a, n, m, k in body["regions"]
+                RegionKey(
+                    int(a),
+                    int(n),
+                    str(m),
+                    base64.b64decode(k, validate=True),
+                    CudaIpcHandle.from_list(ipc[0]) if ipc else None,
+                )
+                for a, n, m, k, *ipc in body["regions"]
             )
             layers = {}
             for item in body["layers"]:
@@ -190,7 +207,8 @@ def _memory_type(tensor: torch.Tensor) -> int:
 class RmaExporter:
     """The producer's registered memory: every cache storage and the lease table. With
     ``writable`` (a consumer taking pushes) the cache storages are mapped for remote writes
-    too; the lease table never is."""
+    too; the lease table never is. ``cuda_ipc``: CUDA storages also publish their IPC
+    handles, for consumers on the same host (`cuda_ipc`)."""
 
     def __init__(
         self,
@@ -199,11 +217,13 @@ class RmaExporter:
         table: LeaseTable | None,
         *,
         writable: bool = False,
+        cuda_ipc: bool = True,
     ) -> None:
         self._mapped: list[MappedRegion] = []
         # Random bytes only this process holds at this address (see `Identity`).
         self._nonce = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8)
         by_storage: dict[tuple[int, int], int] = {}
+        handles: list[CudaIpcHandle | None] = []
         layers: dict[str, LayerMemory] = {}
         try:
             for name, tensor in caches.items():
@@ -214,6 +234,8 @@ class RmaExporter:
                     self._mapped.append(
                         MappedRegion.map(context, *key, _memory_type(tensor), remote_write=writable)
                     )
+                    share = cuda_ipc and tensor.is_cuda
+                    handles.append(CudaIpcHandle.export(tensor) if share else None)
                 layers[name] = LayerMemory.of(name, tensor, by_storage[key])
             ref = None
             if table is not None:
@@ -233,8 +255,9 @@ class RmaExporter:
                     m.length,
                     "cuda" if m.memory_type == MEMORY_CUDA else "host",
                     m.packed_key,
+                    handles[i] if i < len(handles) else None,
                 )
-                for m in self._mapped
+                for i, m in enumerate(self._mapped)
             ),
             layers,
             ref,
@@ -274,13 +297,25 @@ class RmaPeer:
         self._rkeys: list[int] = []
         self._direct: DirectReader | None = None
         self._direct_writer: DirectWriter | None = None
+        # CUDA memory on this host: the data is copied through the regions' IPC handles,
+        # opened at the first read (`cuda_spans`); the lease rows are read directly where
+        # the probe allows, else through UCX.
+        self._ipc = same_host and any(region.ipc is not None for region in keys.regions)
+        self._cuda_spans: list[Span] | None = None
+        self._row_reader: DirectReader | None = None
         # Pull shapes planned against these keys (see `plan_runs`).
         self.shapes: dict[tuple, PullShape] = {}
-        if same_host and all(region.memory == "host" for region in keys.regions):
+        if not same_host:
+            return
+        host = all(region.memory == "host" for region in keys.regions)
+        if host or self._ipc:
             candidate = DirectReader(keys.identity.pid)
             if candidate.probe(keys.identity.address, keys.identity.nonce):
-                self._direct = candidate
-                self._direct_writer = DirectWriter(keys.identity.pid)
+                if host:
+                    self._direct = candidate
+                    self._direct_writer = DirectWriter(keys.identity.pid)
+                else:
+                    self._row_reader = candidate
 
     @property
     def direct(self) -> DirectReader | None:
@@ -312,10 +347,39 @@ class RmaPeer:
         with self.lock:
             self._unbind()
 
+    @property
+    def row_reader(self) -> DirectReader | None:
+        """Direct reads of the lease table where the data is GPU memory copied over IPC."""
+        return self._row_reader
+
+    def cuda_spans(self) -> list[Span] | None:
+        """The producer's regions mapped into this process through their IPC handles (a
+        region without one, the lease table's, maps to nothing), opened once; None: UCX."""
+        if not self._ipc:
+            return None
+        if self._cuda_spans is None:
+            try:
+                self._cuda_spans = [
+                    Span(
+                        region.address,
+                        torch.empty(0, dtype=torch.uint8)
+                        if region.ipc is None
+                        else open_region(region.ipc, self.keys.identity.pid),
+                    )
+                    for region in self.keys.regions
+                ]
+            except CudaIpcUnavailable as exc:
+                pid = self.keys.identity.pid
+                logger.warning("GPU reads and writes with pid %d go through UCX: %s", pid, exc)
+                self._ipc = False
+                return None
+        return self._cuda_spans
+
     def no_direct(self) -> None:
         """Direct reads (or writes) were refused (permissions changed): UCX from now on."""
         self._direct = None
         self._direct_writer = None
+        self._row_reader = None
 
     def _unbind(self) -> None:
         rkeys, self._rkeys = self._rkeys, []
@@ -592,6 +656,49 @@ class _DirectChannel(_Channel):
         self._reader.run(row.direct_plan)
 
 
+class _CudaIpcChannel(_Channel):
+    """GPU memory on one host: the data runs copied through the producer's mapped regions by
+    `copy_runs` on a stream of the reader's, synchronised before returning; the lease rows
+    (host memory) read by ``rows``, directly or through UCX."""
+
+    def __init__(
+        self,
+        rows: _Channel,
+        remote: list[Span],
+        local: list[Span],
+        stream: torch.cuda.Stream,
+        write: bool = False,
+    ) -> None:
+        super().__init__(rows.counters)
+        self._rows, self._remote, self._local, self._stream = rows, remote, local, stream
+        self._write = write
+
+    def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
+        # The copy waits for what this thread queued on the device (a push's source blocks).
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            launched = copy_runs(
+                runs.local,
+                runs.remote,
+                runs.lengths,
+                runs.keys,
+                self._local,
+                self._remote,
+                write=self._write,
+            )
+        self._stream.synchronize()
+        if self._write:
+            self.counters.direct_writes += 1
+            self.counters.direct_write_bytes += runs.total_bytes
+            return
+        self.counters.direct_reads += 1
+        self.counters.direct_bytes += runs.total_bytes
+        self.counters.direct_calls += launched
+
+    def _copy_row(self, row: _LeaseRow, control: ReadControl) -> None:
+        self._rows._copy_row(row, control)
+
+
 class _UcxChannel(_Channel):
     """``write``: the data runs are put into the peer (a push), rows still read."""
 
@@ -691,6 +798,39 @@ class RmaReader:
         # the events the loop sleeps on).
         self._nudge = nudge
         self.counters = ReadCounters()
+        # The local caches as spans (`_local_spans`), per registration, and the CUDA stream
+        # GPU copies run on.
+        self._spans: tuple[Mapping[str, LayerMemory], list[Span]] | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def _local_spans(self, local_memory: Mapping[str, LayerMemory]) -> list[Span]:
+        """The local layers' memory as byte spans, layers that touch or overlap (one buffer)
+        merged into one."""
+        if self._spans is not None and self._spans[0] is local_memory:
+            return self._spans[1]
+        extents = sorted(layer.extent() for layer in local_memory.values())
+        merged: list[list[int]] = []
+        for low, high in extents:
+            if merged and low <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], high)
+            else:
+                merged.append([low, high])
+        cuda = any(layer.memory == MEMORY_CUDA for layer in local_memory.values())
+        spans = [Span(low, local_bytes(low, high - low, cuda)) for low, high in merged]
+        self._spans = (local_memory, spans)
+        return spans
+
+    def _ipc_channel(
+        self,
+        spans: list[Span],
+        rows: _Channel,
+        local_memory: Mapping[str, LayerMemory],
+        write: bool,
+    ) -> _CudaIpcChannel:
+        local = self._local_spans(local_memory)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(local[0].tensor.device)
+        return _CudaIpcChannel(rows, spans, local, self._stream, write)
 
     def read(
         self,
@@ -719,6 +859,18 @@ class RmaReader:
         what = f"{'push' if write else 'pull'} {spec.request_id!r}"
         memory = local_memory[plans[0].name].memory
         direct = rma.direct if memory == MEMORY_HOST else None
+        spans = rma.cuda_spans() if memory == MEMORY_CUDA else None
+        if spans is not None and rma.row_reader is not None:
+            try:
+                rows = _DirectChannel(rma.row_reader, self.counters)
+                ipc = self._ipc_channel(spans, rows, local_memory, write)
+                self._read(ipc, runs, row, control, what, write)
+                return runs.total_bytes, len(runs)
+            except DirectReadUnavailable:
+                rma.no_direct()
+            except CudaIpcUnavailable as exc:
+                logger.debug("%s goes through UCX: %s", what, exc)
+                spans = None
         if direct is not None:
             try:
                 channel = _DirectChannel(
@@ -745,6 +897,13 @@ class RmaReader:
                         self._worker, ep, rma.ucx_keys(ep), memory, self.counters, write
                     )
                     try:
+                        if spans is not None:
+                            try:
+                                ipc = self._ipc_channel(spans, channel, local_memory, write)
+                                self._read(ipc, runs, row, control, what, write)
+                                return runs.total_bytes, len(runs)
+                            except CudaIpcUnavailable as exc:
+                                logger.debug("%s goes through UCX: %s", what, exc)
                         self._read(channel, runs, row, control, what, write)
                     finally:
                         self._nudge()
