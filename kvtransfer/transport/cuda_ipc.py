@@ -191,11 +191,6 @@ def _word(row: int, *addresses: int) -> torch.dtype:
     return torch.uint8
 
 
-def _rows(span: Span, row: int, word: torch.dtype) -> torch.Tensor:
-    usable = span.tensor.numel() // row * row
-    return span.tensor[:usable].view(word).view(-1, row // torch.empty(0, dtype=word).itemsize)
-
-
 def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Row indices ``starts[i] .. starts[i] + counts[i]``, concatenated."""
     total = int(counts.sum())
@@ -203,11 +198,26 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - before, counts) + np.arange(total, dtype=np.int64)
 
 
-def _pair_spans(
-    pair: int, local_spans: Sequence[Span], remote_spans: Sequence[Span]
-) -> tuple[Span, Span]:
-    mine, theirs = divmod(pair, len(remote_spans))
-    return local_spans[mine], remote_spans[theirs]
+class RowViews:
+    """Spans seen as rows of one size, kept across copies (the spans of a peer and of the
+    local caches do not change)."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    def of(self, span: Span, row: int, word: torch.dtype) -> torch.Tensor:
+        # By memory, not by tensor object: equal keys are the same bytes.
+        tensor = span.tensor
+        key = (tensor.device, tensor.data_ptr(), tensor.numel(), row, word)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 1024:
+                self._views.clear()
+            usable = span.tensor.numel() // row * row
+            width = row // torch.empty(0, dtype=word).element_size()
+            view = span.tensor[:usable].view(word).view(-1, width)
+            self._views[key] = view
+        return view
 
 
 def copy_runs(
@@ -219,15 +229,19 @@ def copy_runs(
     remote_spans: Sequence[Span],
     *,
     write: bool = False,
+    views: RowViews | None = None,
 ) -> int:
     """Copy ``lengths[i]`` bytes from ``remote[i]`` (in ``remote_spans[remote_regions[i]]``)
     to ``local[i]`` (in the local span holding it), or the other way with ``write``. Returns
     the number of gather/scatter pairs launched; the caller synchronises.
 
     Runs are cut into rows of their greatest common size (a block's slice of a layer, for a
-    KV pull), so one indexed copy per pair of spans moves them all."""
+    KV pull), so one indexed copy per pair of spans moves them all; the row indices of every
+    pair reach the device in one copy. Everything is checked before anything is launched: a
+    refused copy has moved nothing."""
     if not len(lengths):
         return 0
+    views = views or RowViews()
     bases = np.array([s.address for s in local_spans], dtype=np.int64)
     order = np.argsort(bases)
     which = order[np.searchsorted(bases[order], local, side="right") - 1]
@@ -239,26 +253,41 @@ def copy_runs(
     )
     if int(lengths.sum()) // row > MAX_ROWS:
         raise CudaIpcUnavailable(f"runs of {row}-byte rows are too fine for an indexed copy")
-    counts = lengths // row
+    # Runs grouped by (local span, remote region), each group's rows contiguous.
     pairs = which * len(remote_spans) + remote_regions
+    by_pair = np.argsort(pairs, kind="stable")
+    counts = lengths[by_pair] // row
+    local_idx = _expand(local_off[by_pair] // row, counts)
+    remote_idx = _expand(remote_off[by_pair] // row, counts)
+    row_pairs = np.repeat(pairs[by_pair], counts)
+    groups, starts = np.unique(row_pairs, return_index=True)
+    local_max = np.maximum.reduceat(local_idx, starts)
+    remote_max = np.maximum.reduceat(remote_idx, starts)
     copies = []
-    for pair in np.unique(pairs).tolist():
-        mask = pairs == pair
-        mine, theirs = _pair_spans(pair, local_spans, remote_spans)
-        word = _word(row, mine.tensor.data_ptr(), theirs.tensor.data_ptr())
-        mine_rows, their_rows = _rows(mine, row, word), _rows(theirs, row, word)
-        local_idx = _expand(local_off[mask] // row, counts[mask])
-        remote_idx = _expand(remote_off[mask] // row, counts[mask])
-        if local_idx.max() >= len(mine_rows) or remote_idx.max() >= len(their_rows):
+    for k, pair in enumerate(groups.tolist()):
+        mine, theirs = divmod(pair, len(remote_spans))
+        mine_span, their_span = local_spans[mine], remote_spans[theirs]
+        word = _word(row, mine_span.tensor.data_ptr(), their_span.tensor.data_ptr())
+        mine_rows = views.of(mine_span, row, word)
+        their_rows = views.of(their_span, row, word)
+        if local_max[k] >= len(mine_rows) or remote_max[k] >= len(their_rows):
             raise ValueError("a run lies outside its memory region")
-        if write:
-            copies.append((mine_rows, local_idx, their_rows, remote_idx))
-        else:
-            copies.append((their_rows, remote_idx, mine_rows, local_idx))
-    # Checked all before launching any: a refused copy has moved nothing.
-    for src_rows, src_idx, dst_rows, dst_idx in copies:
-        gathered = src_rows.index_select(0, torch.from_numpy(src_idx).to(src_rows.device))
-        if gathered.device != dst_rows.device:
-            gathered = gathered.to(dst_rows.device)
-        dst_rows.index_copy_(0, torch.from_numpy(dst_idx).to(dst_rows.device), gathered)
+        copies.append((mine_rows, their_rows))
+    devices = {t.device for pair in copies for t in pair}
+    total = len(local_idx)
+    if len(devices) == 1:
+        both = torch.from_numpy(np.concatenate((local_idx, remote_idx))).to(devices.pop())
+        local_dev, remote_dev = both[:total], both[total:]
+    else:  # spans on several devices: each copy takes its indices where it runs
+        local_dev, remote_dev = torch.from_numpy(local_idx), torch.from_numpy(remote_idx)
+    ends = [*starts.tolist()[1:], total]
+    for (mine_rows, their_rows), start, end in zip(copies, starts.tolist(), ends, strict=True):
+        mine_at, theirs_at = local_dev[start:end], remote_dev[start:end]
+        src, src_at, dst, dst_at = (
+            (mine_rows, mine_at, their_rows, theirs_at)
+            if write
+            else (their_rows, theirs_at, mine_rows, mine_at)
+        )
+        gathered = src.index_select(0, src_at.to(src.device))
+        dst.index_copy_(0, dst_at.to(dst.device), gathered.to(dst.device))
     return len(copies)

@@ -37,6 +37,7 @@ from kvtransfer.transport.access import (
 from kvtransfer.transport.cuda_ipc import (
     CudaIpcHandle,
     CudaIpcUnavailable,
+    RowViews,
     Span,
     copy_runs,
     local_bytes,
@@ -667,11 +668,12 @@ class _CudaIpcChannel(_Channel):
         remote: list[Span],
         local: list[Span],
         stream: torch.cuda.Stream,
+        views: RowViews,
         write: bool = False,
     ) -> None:
         super().__init__(rows.counters)
         self._rows, self._remote, self._local, self._stream = rows, remote, local, stream
-        self._write = write
+        self._views, self._write = views, write
 
     def copy(self, runs: Runs, control: ReadControl, what: str) -> None:
         # The copy waits for what this thread queued on the device (a push's source blocks).
@@ -685,6 +687,7 @@ class _CudaIpcChannel(_Channel):
                 self._local,
                 self._remote,
                 write=self._write,
+                views=self._views,
             )
         self._stream.synchronize()
         if self._write:
@@ -802,6 +805,7 @@ class RmaReader:
         # GPU copies run on.
         self._spans: tuple[Mapping[str, LayerMemory], list[Span]] | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._views = RowViews()
 
     def _local_spans(self, local_memory: Mapping[str, LayerMemory]) -> list[Span]:
         """The local layers' memory as byte spans, layers that touch or overlap (one buffer)
@@ -830,7 +834,7 @@ class RmaReader:
         local = self._local_spans(local_memory)
         if self._stream is None:
             self._stream = torch.cuda.Stream(local[0].tensor.device)
-        return _CudaIpcChannel(rows, spans, local, self._stream, write)
+        return _CudaIpcChannel(rows, spans, local, self._stream, self._views, write)
 
     def read(
         self,
