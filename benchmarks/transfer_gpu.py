@@ -1,4 +1,4 @@
-"""KV block pulls between two processes on one CUDA device: tagged and RMA, against UCX's limit.
+"""KV block pulls and pushes between processes on one CUDA device, against UCX's limits.
 
 The GPU counterpart of ``benchmarks/transfer.py`` (host memory only). A producer process holds
 caches on ``cuda:0`` in the engine's paged layout (per layer
@@ -9,11 +9,13 @@ block), this process pulls scattered blocks into its own caches on the same devi
 
 * tagged: the producer gathers into a device buffer and sends it as UCX tagged messages (one
   host's messages are eager: ``transport_options``), the consumer scatters;
-* rma: one-sided ``ucp_get`` of the contiguous runs from the producer's mapped device memory
-  (UCX's ``cuda_ipc`` between processes of one host);
+* rma: one-sided, through the producer's CUDA IPC handles: the pull's runs copied by a
+  gather and a scatter kernel per pair of storages (`transport.cuda_ipc`); with
+  ``--no-cuda-ipc`` the peers publish no handles and UCX gets each contiguous run
+  (``ucp_get``, its ``cuda_ipc`` transport between processes of one host);
 * push: the same blocks written the other way, into a third process's caches (on the same
   device) under a push lease it granted (`KVTransferAgent.push`: begin notice, lease row
-  check, ``ucp_put`` of the runs, flush, row check, landed notice; ``cuda_ipc`` puts);
+  check, the writes (kernels, or ``ucp_put`` per run), row check, landed notice);
 * local: the same gather and scatter inside one process (``index_select``/``index_copy_``),
   what the device's own memory bandwidth allows;
 * limit (get) and limit (put): ``ucx_perftest -t ucp_get`` and ``-t ucp_put_bw`` with ``-m
@@ -23,11 +25,12 @@ block), this process pulls scattered blocks into its own caches on the same devi
 Every pull is checked bitwise against the producer's contents afterwards, every push in the
 destination process against the same contents, so a row is also a correctness check of the
 CUDA data plane. Per case and method the median request time over
-``--iterations`` after ``--warmup``, and the GB/s it gives; which UCX path served the RMA
-reads (``ucx_reads``/``direct_reads``, the agent's counters) is in the JSON.
+``--iterations`` after ``--warmup``, and the GB/s it gives; which path served the one-sided
+reads and writes (``direct_*``: IPC kernels, ``ucx_*``: UCX; the agent's counters) and
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` as UCX saw it are in the JSON.
 
     python benchmarks/transfer_gpu.py [--iterations 10] [--warmup 2] [--json out.json]
-        [--no-perftest] [--device cuda:0]
+        [--no-perftest] [--no-cuda-ipc] [--device cuda:0]
 
 Needs CUDA; exits with status 2 and says so without it. ``--device cpu`` runs the same cases
 on host memory (a dry run of the script where no GPU is; ``benchmarks/transfer.py`` is the
@@ -37,6 +40,7 @@ host benchmark).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -172,6 +176,7 @@ def timed(fn: Callable[[], None], iterations: int, warmup: int) -> list[float]:
 def _producer(ready: Any, stop: Any, device: str, cuda_ipc: bool) -> None:
     from kvtransfer.transport import KVTransferAgent, TransportConfig
 
+    faulthandler.enable()
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     caches = {name: t for layout in LAYOUTS for name, t in filled_caches(layout, device).items()}
@@ -192,6 +197,7 @@ def _push_target(ready: Any, commands: Any, answers: Any, device: str, cuda_ipc:
     pushed blocks hold the producer's contents (`filled_caches`, rebuilt here)."""
     from kvtransfer.transport import KVTransferAgent, LeaseGrants, TransportConfig, secret_digest
 
+    faulthandler.enable()
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     caches = {name: t for layout in LAYOUTS for name, t in empty_caches(layout, device).items()}
@@ -240,6 +246,7 @@ class Row:
 
 def _row(case: Case, method: str, samples: list[float], note: str = "") -> Row:
     p50 = statistics.median(samples)
+    print(f"{case.name}: {method} {p50 * 1e3:.3f} ms", file=sys.stderr, flush=True)
     return Row(
         case.name, case.nbytes, method, p50 * 1e3, case.nbytes / p50 / 1e9, len(samples), note
     )
@@ -419,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    # A crash inside UCX or CUDA leaves the Python stack that led there (seen once: a
+    # segfault with UCX's cuda_ipc gets, no output).
+    faulthandler.enable()
     if args.iterations < 1 or args.warmup < 0:
         parser.error("--iterations must be >= 1 and --warmup >= 0")
     device = args.device
