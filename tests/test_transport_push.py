@@ -30,6 +30,7 @@ from kvtransfer.transport import (
     KVTransferAgent,
     LeaseAccess,
     LeaseGrants,
+    LeaseNotGranted,
     PeerUnreachable,
     PullSpec,
     RemoteTransferError,
@@ -310,3 +311,80 @@ def test_an_agent_taking_pushes_serves_no_unauthenticated_reads(pushing):
         assert "presents no lease" in str(error), error
     assert all(torch.equal(pushing.source[name], cache) for name, cache in before.items())
     assert pushing.consumer.server.keys_served == 0
+
+
+def test_a_session_writes_layer_by_layer_after_one_begin_and_lands_at_finish(pushing):
+    """What a prefill pushing each layer as it computes it does: one begin, a write per
+    layer, one landed notice. The consumer's load is not complete before the finish, even
+    with every layer written (the writer is still counted)."""
+    # The write keys are fetched once per consumer: fetch them with a first push.
+    pushing.push("warm", pushing.grant("warm")).result(WAIT_S)
+    assert pushing.grants.wait_landed("warm", WAIT_S)
+    server = pushing.consumer.server
+    before = server.messages_received
+    lease = pushing.grant("req-layers")
+    with pushing.producer.begin_push(pushing.peer, lease) as session:
+        for layer in GROUP.names():
+            spec = PullSpec(f"req-layers/{layer}", (layer,), DEST, SOURCE, lease=lease)
+            session.write(spec).result(WAIT_S)
+            assert not pushing.grants.landed("req-layers")
+        assert session.written == set(GROUP.names())
+    assert pushing.grants.wait_landed("req-layers", WAIT_S)
+    _written(pushing, list(zip(DEST, SOURCE, strict=True)))
+    # Three layers, two notices: begin and landed (the producer's messages this session).
+    assert _eventually(lambda: server.messages_received - before == 2)
+
+
+def test_a_session_after_a_failed_write_writes_nothing_more_and_ends_stopped(pushing):
+    lease = pushing.grant("req-fail")
+    session = pushing.producer.begin_push(pushing.peer, lease)
+    first, second = GROUP.names()[:2]
+    session.write(PullSpec("w1", (first,), DEST, SOURCE, lease=lease)).result(WAIT_S)
+    pushing.grants.revoke_nowait(["req-fail"])
+    # The lease ended: the next write's row check finds no row (a row may lag its grant, so
+    # it is waited for within the write's timeout) and writes nothing.
+    failed = session.write(PullSpec("w2", (second,), DEST, SOURCE, lease=lease), timeout_s=1.0)
+    with pytest.raises((LeaseNotGranted, TransferTimeoutError), match="'req-fail'"):
+        failed.result(WAIT_S)
+    again = session.write(PullSpec("w3", (second,), DEST, SOURCE, lease=lease))
+    assert again.exception() is failed.exception()
+    assert not any((pushing.local[second][b] != SENTINEL).any() for b in DEST)
+    # The blocks stay out of use until the producer says its writes stopped.
+    assert pushing.grants.drained(["req-fail"]) == set()
+    session.finish()
+    assert _eventually(lambda: pushing.grants.drained(["req-fail"]) == {"req-fail"})
+    with pytest.raises(ValueError, match="is finished"):
+        session.write(PullSpec("w4", (second,), DEST, SOURCE, lease=lease))
+
+
+def test_a_session_writes_only_its_own_lease(pushing):
+    pushing.push("warm", pushing.grant("warm")).result(WAIT_S)
+    assert pushing.grants.wait_landed("warm", WAIT_S)
+    server = pushing.consumer.server
+    before = server.messages_received
+    lease = pushing.grant("req-own")
+    other = pushing.grant("req-other", blocks=(0, 1, 2))
+    with (
+        pushing.producer.begin_push(pushing.peer, lease) as session,
+        pytest.raises(ValueError, match="its own push lease"),
+    ):
+        session.write(PullSpec("x", GROUP.names(), (0, 1, 2), SOURCE, lease=other))
+    # Begun and ended (landed, with no layer): nothing written, nothing landed.
+    assert _eventually(lambda: server.messages_received - before == 2)
+    assert not pushing.grants.landed("req-own") and not pushing.grants.landed("req-other")
+    assert all((cache[[0, 1, 2]] == SENTINEL).all() for cache in pushing.local.values())
+
+
+def test_a_session_left_by_an_exception_ends_stopped(pushing):
+    lease = pushing.grant("req-raise")
+    with (
+        pytest.raises(RuntimeError, match="the engine failed"),
+        pushing.producer.begin_push(pushing.peer, lease) as session,
+    ):
+        session.write(PullSpec("r1", GROUP.names()[:1], DEST, SOURCE, lease=lease))
+        raise RuntimeError("the engine failed mid-prefill")
+    assert isinstance(session.failed, RuntimeError) and session.finished
+    assert not pushing.grants.landed("req-raise")
+    # The stop reached the consumer: once it ends the lease, the blocks can go back.
+    pushing.grants.revoke_nowait(["req-raise"])
+    assert _eventually(lambda: pushing.grants.drained(["req-raise"]) == {"req-raise"})

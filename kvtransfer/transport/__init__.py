@@ -14,7 +14,7 @@ from kvtransfer.transport.access import (
     new_secret,
     secret_digest,
 )
-from kvtransfer.transport.agent import KVTransferAgent, TransportConfig
+from kvtransfer.transport.agent import KVTransferAgent, PushSession, TransportConfig
 from kvtransfer.transport.client import PeerHandle, PullHandle, PullResult
 from kvtransfer.transport.errors import (
     CorruptPayloadError,
@@ -47,6 +47,7 @@ __all__ = [
     "PullHandle",
     "PullResult",
     "PullSpec",
+    "PushSession",
     "RemoteTransferError",
     "TransferCancelled",
     "TransferTimeoutError",

@@ -28,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from kvtransfer.timeline import BOOK
-from kvtransfer.transport.access import LeaseGrants
+from kvtransfer.transport.access import LeaseAccess, LeaseGrants
 from kvtransfer.transport.buffers import BufferPool
 from kvtransfer.transport.client import PeerHandle, PullClient, PullHandle
 from kvtransfer.transport.errors import (
@@ -428,12 +428,12 @@ class KVTransferAgent:
                 logger.info("%s serves tagged reads only: %s", peer.name, exc)
                 return None
 
-        return self._keyed_peer(peer, spec, control, self._rma_peers, "pull", fetch)
+        return self._keyed_peer(peer, spec.request_id, control, self._rma_peers, "pull", fetch)
 
     def _keyed_peer(
         self,
         peer: PeerHandle,
-        spec: PullSpec,
+        request_id: str,
         control: ReadControl,
         cache: dict[bytes, RmaPeer | None],
         verb: str,
@@ -447,7 +447,7 @@ class KVTransferAgent:
         with self._lock:
             lock = self._rma_locks.setdefault(key, threading.Lock())
         while not lock.acquire(timeout=_KEYS_LOCK_POLL_S):
-            control.check(f"{verb} {spec.request_id!r} (waiting for {peer.name}'s keys)")
+            control.check(f"{verb} {request_id!r} (waiting for {peer.name}'s keys)")
         try:
             if key in cache:
                 return cache[key]
@@ -459,7 +459,7 @@ class KVTransferAgent:
                 keys = RmaKeys.decode(encoded)
             except ValueError as exc:
                 raise RemoteTransferError(
-                    f"{verb} {spec.request_id!r}: {peer.name} sent unusable keys: {exc}",
+                    f"{verb} {request_id!r}: {peer.name} sent unusable keys: {exc}",
                     code=ErrorCode.BAD_REQUEST,
                 ) from exc
             same_host = WorkerAddresses.unpack(key).locality == self._loop.locality
@@ -483,23 +483,65 @@ class KVTransferAgent:
     ) -> PullHandle:
         """Write ``spec``'s local blocks into ``peer``'s (a consumer that granted this push:
         ``spec.lease`` is its push lease, ``spec.remote_block_ids`` its blocks at the lease's
-        positions), one-sided, on the calling thread; returns a completed handle.
-
-        The first push to a peer asks it for its write keys. Each push then tells the peer it
-        begins (from then on the peer keeps the blocks out of use even if it gives the lease
-        up), checks the lease row, writes every run (same host: ``process_vm_writev``; else UCX
-        puts), waits for their flush, checks the row again, and tells the peer the layers
-        landed (or, on any failure, that its writes stopped). A lease not yet granted there is
-        waited for within the push's deadline. `ValueError` now for what is checkable locally,
-        as `pull`."""
+        positions), one-sided, on the calling thread; returns a completed handle. One
+        `begin_push`, one `PushSession.write`, one `PushSession.finish`. `ValueError` now for
+        what is checkable locally, as `pull`."""
         self._check_open()
         if not isinstance(peer, PeerHandle):
             raise ValueError(f"peer must be a PeerHandle from connect(), got {peer!r}")
         if not isinstance(spec, PullSpec) or spec.lease is None:
             raise ValueError("spec must be a PullSpec presenting the consumer's push lease")
+        plan_pull(spec, self._caches, peer.layouts, self._layouts)
+        try:
+            session = self.begin_push(
+                peer,
+                spec.lease,
+                request_id=spec.request_id,
+                timeout_s=timeout_s,
+                on_wait=on_wait,
+                should_stop=should_stop,
+            )
+        except TransportError as exc:
+            return PullHandle.failed(spec.request_id, peer, exc)
+        handle = session.write(spec, timeout_s=timeout_s)
+        try:
+            session.finish()
+        except TransportError as exc:
+            if handle.exception() is None:
+                return PullHandle.failed(spec.request_id, peer, exc)
+            logger.warning(
+                "push %r: telling %s it stopped failed: %s", spec.request_id, peer.name, exc
+            )
+        return handle
+
+    def begin_push(
+        self,
+        peer: PeerHandle,
+        lease: LeaseAccess,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        on_wait: Callable[[], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> PushSession:
+        """Begin writing push lease ``lease`` of ``peer`` (the consumer): its write keys,
+        fetched once per consumer presenting the lease, then the begin notice, which the
+        consumer answers once it counts this writer (from then on it keeps the lease's blocks
+        out of use, even if it gives the lease up, until this producer says its writes
+        stopped or landed). A lease not yet granted there is waited for within ``timeout_s``.
+        Raises `TransportError` (typed: refused, unreachable, timed out).
+
+        The session's `write` calls then each check the lease row, write, wait for the
+        flush and check the row again: a producer writes each layer as it computes it and
+        pays the begin round trip once per request. `finish` tells the consumer what landed."""
+        self._check_open()
+        if not isinstance(peer, PeerHandle):
+            raise ValueError(f"peer must be a PeerHandle from connect(), got {peer!r}")
+        if not isinstance(lease, LeaseAccess):
+            raise ValueError(f"lease must be a LeaseAccess, got {lease!r}")
+        name = lease.lease_id if request_id is None else request_id
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         _positive("timeout_s", timeout, integer=False)
-        plans = plan_pull(spec, self._caches, peer.layouts, self._layouts)
         control = ReadControl(
             cancelled=should_stop or (lambda: False),
             deadline=time.monotonic() + timeout,
@@ -507,34 +549,49 @@ class KVTransferAgent:
             on_wait=on_wait,
             grant_wait_s=self.config.grant_wait_s,
         )
-        lease = spec.lease
-        try:
-            rma = self._push_peer(peer, spec, control)
-            self._until_granted(
-                control,
-                spec,
-                lambda: self._client.notify_push(peer, lease, "begin", (), control),
-            )
-        except TransportError as exc:
-            return PullHandle.failed(spec.request_id, peer, exc)
-        handle = self._client.read_one_sided(
-            peer, rma, self._reader, spec, plans, self._memory, control, write=True
+        rma = self._push_peer(peer, lease, name, control)
+        self._until_granted(
+            control, name, lambda: self._client.notify_push(peer, lease, "begin", (), control)
         )
-        landed = handle.exception() is None
-        layers = tuple(plan.name for plan in plans) if landed else ()
-        # Told without waiting for the answer: the consumer is the one who waits for it
-        # (until a stop arrives it keeps the blocks out of use).
-        try:
-            self._client.notify_push(peer, lease, "landed" if landed else "stopped", layers, None)
-        except TransportError as exc:
-            if landed:
-                return PullHandle.failed(spec.request_id, peer, exc)
-            logger.warning(
-                "push %r: telling %s it stopped failed: %s", spec.request_id, peer.name, exc
-            )
+        return PushSession(self, peer, lease, rma, on_wait, should_stop)
+
+    def _write(
+        self,
+        session: PushSession,
+        spec: PullSpec,
+        timeout_s: float | None,
+    ) -> PullHandle:
+        """One `PushSession.write`: the writes of ``spec`` and the row checks around them."""
+        self._check_open()
+        if spec.lease is None or spec.lease.lease_id != session.lease.lease_id:
+            raise ValueError("a session's writes present its own push lease")
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        _positive("timeout_s", timeout, integer=False)
+        plans = plan_pull(spec, self._caches, session.peer.layouts, self._layouts)
+        control = ReadControl(
+            cancelled=session.should_stop or (lambda: False),
+            deadline=time.monotonic() + timeout,
+            timeout_s=timeout,
+            on_wait=session.on_wait,
+            grant_wait_s=self.config.grant_wait_s,
+        )
+        handle = self._client.read_one_sided(
+            session.peer, session.rma, self._reader, spec, plans, self._memory, control, write=True
+        )
+        if handle.exception() is None:
+            session.written.update(plan.name for plan in plans)
         return handle
 
-    def _until_granted(self, control: ReadControl, spec: PullSpec, ask: Callable[[], T]) -> T:
+    def _end_push(self, session: PushSession, landed: bool) -> None:
+        """Tell the consumer the session's writes landed (the layers written) or stopped,
+        without waiting for its answer: the consumer is the one who waits for it (until a
+        stop arrives it keeps the blocks out of use)."""
+        layers = tuple(sorted(session.written)) if landed else ()
+        self._client.notify_push(
+            session.peer, session.lease, "landed" if landed else "stopped", layers, None
+        )
+
+    def _until_granted(self, control: ReadControl, request_id: str, ask: Callable[[], T]) -> T:
         """``ask()``, asked again while the consumer answers LEASE_NOT_GRANTED (its workers
         record a grant once a step), within ``control``."""
         delay = _GRANT_RETRY_S[0]
@@ -546,22 +603,24 @@ class KVTransferAgent:
                     control.deadline
                 ):
                     raise
-            control.check(f"push {spec.request_id!r} (waiting for the consumer's grant)")
+            control.check(f"push {request_id!r} (waiting for the consumer's grant)")
             time.sleep(delay)
             delay = min(delay * 2, _GRANT_RETRY_S[1])
 
-    def _push_peer(self, peer: PeerHandle, spec: PullSpec, control: ReadControl) -> RmaPeer:
+    def _push_peer(
+        self, peer: PeerHandle, lease: LeaseAccess, request_id: str, control: ReadControl
+    ) -> RmaPeer:
         """``peer``'s write keys, fetched once (presenting this push's lease)."""
 
         def fetch() -> bytes:
-            with BOOK.span(spec.request_id, "kv.push_keys", peer=peer.name):
+            with BOOK.span(request_id, "kv.push_keys", peer=peer.name):
                 return self._until_granted(
                     control,
-                    spec,
-                    lambda: self._client.fetch_keys(peer, spec.lease, control, push=True),
+                    request_id,
+                    lambda: self._client.fetch_keys(peer, lease, control, push=True),
                 )
 
-        rma = self._keyed_peer(peer, spec, control, self._push_peers, "push", fetch)
+        rma = self._keyed_peer(peer, request_id, control, self._push_peers, "push", fetch)
         if rma is None:  # never: a refused fetch raises
             raise RemoteTransferError(f"{peer.name} handed no write keys", code=ErrorCode.INTERNAL)
         return rma
@@ -629,3 +688,63 @@ class KVTransferAgent:
     def _check_open(self) -> None:
         if self._closed:
             raise TransportClosed("the transfer agent is closed")
+
+
+class PushSession:
+    """One producer's writes of one push lease, begun once (`KVTransferAgent.begin_push`):
+    any number of `write` calls (a layer each, as the producer computes them), then one
+    `finish`. As a context manager it finishes on exit, as stopped if the block raised.
+    A session never finished leaves the consumer holding the lease's blocks until it learns
+    this producer is gone (`LeaseGrants.abandon_writes`)."""
+
+    def __init__(
+        self,
+        agent: KVTransferAgent,
+        peer: PeerHandle,
+        lease: LeaseAccess,
+        rma: RmaPeer,
+        on_wait: Callable[[], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> None:
+        self._agent = agent
+        self.peer, self.lease, self.rma = peer, lease, rma
+        self.on_wait, self.should_stop = on_wait, should_stop
+        # Layers whose writes completed (flushed, the lease held before and after).
+        self.written: set[str] = set()
+        self.failed: BaseException | None = None
+        self.finished = False
+
+    def write(self, spec: PullSpec, *, timeout_s: float | None = None) -> PullHandle:
+        """Write ``spec``'s local blocks into the consumer's (``spec.lease`` is the session's);
+        a completed handle. After a failed write the session only finishes, as stopped."""
+        if self.finished:
+            raise ValueError(f"push session of lease {self.lease.lease_id!r} is finished")
+        if self.failed is not None:
+            return PullHandle.failed(spec.request_id, self.peer, self.failed)
+        handle = self._agent._write(self, spec, timeout_s)
+        self.failed = handle.exception()
+        return handle
+
+    def finish(self) -> None:
+        """Tell the consumer what landed (every layer written, if no write failed) or that the
+        writes stopped; idempotent. `TransportError` if the notice could not be sent."""
+        if self.finished:
+            return
+        self.finished = True
+        self._agent._end_push(self, landed=self.failed is None)
+
+    def __enter__(self) -> PushSession:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None and self.failed is None:
+            self.failed = exc
+        try:
+            self.finish()
+        except TransportError as error:
+            logger.warning("push of lease %r: ending it failed: %s", self.lease.lease_id, error)
