@@ -8,6 +8,9 @@ process holds caches of the same layout and, per case (1, 16 and 256 scattered b
 * pull: reads the peer's blocks into its own (`KVTransferAgent.pull`, one-sided);
 * push: writes its blocks into the peer's (`KVTransferAgent.push`: begin notice, row check,
   writes, flush, row check, landed notice);
+* by layer: the same blocks a layer at a time, as a streaming consumer pulls (a pull per
+  layer) and a producer computing layer after layer pushes (one `begin_push` session: one
+  begin, a write per layer, one landed notice);
 
 on two paths: ``direct`` (same host: ``process_vm_readv`` / ``process_vm_writev``) and
 ``network`` (this process counts the peer as another host: UCX gets / puts over TCP). NIXL's
@@ -189,6 +192,16 @@ def perftest(test: str, nbytes: int, iterations: int) -> float | None:
     return None if result is None else nbytes / (result["gbps"] * 1e9) * 1e3
 
 
+def push_layers(agent: Any, writer: Any, lease: Any, remote: tuple, mine: tuple) -> None:
+    """One push session writing the blocks a layer at a time (one begin, one landed)."""
+    from kvtransfer.transport import PullSpec
+
+    with agent.begin_push(writer, lease, timeout_s=600) as session:
+        for name in LAYERS:
+            spec = PullSpec(f"ps-{name}", (name,), remote, mine, lease=lease)
+            session.write(spec, timeout_s=600).result(600)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=10)
@@ -249,6 +262,25 @@ def main() -> None:
                         iterations,
                         args.warmup,
                     )
+                    # Layer by layer, as a streaming consumer pulls and a computing producer
+                    # pushes: a pull per layer, or one session's begin, a write per layer, end.
+                    layer_pulls = timed(
+                        lambda a=agent, r=reader, lease=lease, rm=remote, mi=mine: [
+                            a.pull(r, PullSpec(f"pl-{n}", (n,), rm, mi, lease=lease)).result(600)
+                            for n in LAYERS
+                        ],
+                        iterations,
+                        args.warmup,
+                    )
+                    for name in LAYERS:
+                        local[name][list(mine)] += 1.0
+                    layer_pushes = timed(
+                        lambda a=agent, w=writer, lease=push_lease, rm=remote, mi=mine: push_layers(
+                            a, w, lease, rm, mi
+                        ),
+                        iterations,
+                        args.warmup,
+                    )
                     commands.put(("blocks", remote))
                     theirs = answers.get(timeout=60)
                     for name in LAYERS:
@@ -267,6 +299,8 @@ def main() -> None:
                     row["pull_gbps"] = nbytes / statistics.median(pulls) / 1e9
                     row["push_gbps"] = nbytes / statistics.median(pushes) / 1e9
                     row["push_over_pull"] = row["push_p50_ms"] / row["pull_p50_ms"]
+                    row["pull_layers_p50_ms"] = statistics.median(layer_pulls) * 1e3
+                    row["push_layers_p50_ms"] = statistics.median(layer_pushes) * 1e3
                     if nixl is not None and path == "direct":
                         row["nixl_read_p50_ms"] = statistics.median(nixl[count]["READ"]) * 1e3
                         row["nixl_write_p50_ms"] = statistics.median(nixl[count]["WRITE"]) * 1e3
@@ -280,7 +314,8 @@ def main() -> None:
         commands.put(None)
         peer_process.join(120)
     header = ["path", "blocks", "MiB", "pull p50 ms", "push p50 ms", "pull GB/s", "push GB/s"]
-    header += ["push/pull", "nixl read ms", "nixl write ms", "ucx get ms", "ucx put ms"]
+    header += ["push/pull", "pull by layer ms", "push by layer ms"]
+    header += ["nixl read ms", "nixl write ms", "ucx get ms", "ucx put ms"]
     print(" | ".join(header))
     for row in rows:
         cells = [
@@ -292,6 +327,8 @@ def main() -> None:
             f"{row['pull_gbps']:.2f}",
             f"{row['push_gbps']:.2f}",
             f"{row['push_over_pull']:.2f}",
+            f"{row['pull_layers_p50_ms']:.3f}",
+            f"{row['push_layers_p50_ms']:.3f}",
         ]
         for key in ("nixl_read_p50_ms", "nixl_write_p50_ms", "ucx_get_p50_ms", "ucx_put_p50_ms"):
             value = row.get(key)
