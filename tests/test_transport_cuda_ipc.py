@@ -81,6 +81,21 @@ REMOTE = [3, 9, 10, 11, 40, 63]
 LOCAL = [0, 1, 2, 50, 20, 7]
 
 
+def _same_blocks_by_path(
+    ours: dict[str, torch.Tensor],
+    theirs: dict[str, torch.Tensor],
+    ipc_and_ucx: tuple[int, int],
+    cuda_ipc: bool,
+) -> None:
+    """Our blocks LOCAL equal the peer's REMOTE bit for bit, moved in one operation by the
+    path the peer allowed: (IPC copies, UCX operations)."""
+    for name in LAYERS:
+        assert torch.equal(
+            ours[name][LOCAL].cpu().view(torch.int16), theirs[name].view(torch.int16)
+        )
+    assert ipc_and_ucx == ((1, 0) if cuda_ipc else (0, 1))
+
+
 @pytest.mark.parametrize("cuda_ipc", [True, False], ids=["ipc", "ucx"])
 def test_a_gpu_pull_copies_the_blocks_through_the_path_the_peer_allows(cuda_ipc):
     peer = _Peer(cuda_ipc, takes_pushes=False)
@@ -95,14 +110,7 @@ def test_a_gpu_pull_copies_the_blocks_through_the_path_the_peer_allows(cuda_ipc)
     finally:
         agent.close()
         peer.close()
-    for name in LAYERS:
-        assert torch.equal(
-            local[name][LOCAL].cpu().view(torch.int16), theirs[name].view(torch.int16)
-        )
-    if cuda_ipc:
-        assert (counters.direct_reads, counters.ucx_reads) == (1, 0)
-    else:
-        assert (counters.direct_reads, counters.ucx_reads) == (0, 1)
+    _same_blocks_by_path(local, theirs, (counters.direct_reads, counters.ucx_reads), cuda_ipc)
 
 
 @pytest.mark.parametrize("cuda_ipc", [True, False], ids=["ipc", "ucx"])
@@ -121,11 +129,4 @@ def test_a_gpu_push_writes_the_granted_blocks_through_the_path_the_peer_allows(c
     finally:
         agent.close()
         peer.close()
-    for name in LAYERS:
-        assert torch.equal(
-            mine[name][LOCAL].cpu().view(torch.int16), theirs[name].view(torch.int16)
-        )
-    if cuda_ipc:
-        assert (counters.direct_writes, counters.ucx_writes) == (1, 0)
-    else:
-        assert (counters.direct_writes, counters.ucx_writes) == (0, 1)
+    _same_blocks_by_path(mine, theirs, (counters.direct_writes, counters.ucx_writes), cuda_ipc)
