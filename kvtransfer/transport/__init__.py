@@ -11,6 +11,7 @@ from kvtransfer.transport.access import (
     LeaseAccess,
     LeaseGrants,
     LeaseNotGranted,
+    WritesStopped,
     new_secret,
     secret_digest,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "TransportClosed",
     "TransportConfig",
     "TransportError",
+    "WritesStopped",
     "canonical_kv_view",
     "new_secret",
     "secret_digest",

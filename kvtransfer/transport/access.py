@@ -65,6 +65,11 @@ class LeaseNotGranted(AccessDenied):
     code = ErrorCode.LEASE_NOT_GRANTED
 
 
+class WritesStopped(TransportError):
+    """A push's producer stopped writing before every layer landed: the blocks hold nothing
+    usable (the load fails, or recomputes under its policy)."""
+
+
 class LeaseEndedDuringRead(AccessDenied):
     """RMA mode: the lease ended while a one-sided read ran, so the bytes read may already be
     another request's KV; the pull fails and what it wrote must not be used."""
@@ -122,6 +127,8 @@ class _Grant:
     # A push grant: per layer, the landed reports still expected (one per producer worker
     # writing it: several when the producer's TP ranks each write their heads; `end_write`).
     unlanded: dict[str, int] = field(default_factory=dict)
+    # A push grant whose producer said its writes stopped before all landed.
+    stopped: bool = False
 
 
 class LeaseGrants:
@@ -208,11 +215,14 @@ class LeaseGrants:
         with self._check(access) as grant:
             grant.readers += 1
 
-    def end_write(self, access: LeaseAccess | None, landed: Iterable[str]) -> None:
+    def end_write(
+        self, access: LeaseAccess | None, landed: Iterable[str], *, stopped: bool = False
+    ) -> None:
         """The producer's writes (after its `begin_write`) have ended; ``landed``: the layers
-        they completed (their flush returned). Valid also after the grant was revoked, for a
-        writer draining it. `AccessDenied` for an unknown lease, a wrong secret, or no write
-        begun."""
+        they completed (their flush returned); ``stopped``: they gave up (`landed` then raises
+        `WritesStopped` until the lease is granted again). Valid also after the grant was
+        revoked, for a writer draining it. `AccessDenied` for an unknown lease, a wrong
+        secret, or no write begun."""
         if access is None:
             raise AccessDenied("the push notice presents no lease")
         with self._cond:
@@ -226,6 +236,7 @@ class LeaseGrants:
                 raise AccessDenied(f"lease {access.lease_id!r} has no write begun")
             grant.readers -= 1
             if self._grants.get(access.lease_id) is grant:
+                grant.stopped = grant.stopped or stopped
                 for name in set(landed):
                     left = grant.unlanded.get(name, 0) - 1
                     if left > 0:
@@ -243,6 +254,11 @@ class LeaseGrants:
             if grant is None:
                 raise AccessDenied(
                     f"push lease {lease_id!r} {self._revoked.get(lease_id, 'is unknown')}"
+                )
+            if grant.stopped and grant.readers == 0:
+                raise WritesStopped(
+                    f"push lease {lease_id!r}: its producer stopped writing before "
+                    f"{len(grant.unlanded)} layer(s) landed (its log says why)"
                 )
             return not grant.unlanded and grant.readers == 0
 

@@ -30,7 +30,7 @@ import torch
 from kvtransfer.timeline import BOOK
 from kvtransfer.transport.access import LeaseAccess, LeaseGrants
 from kvtransfer.transport.buffers import BufferPool
-from kvtransfer.transport.client import PeerHandle, PullClient, PullHandle
+from kvtransfer.transport.client import PeerHandle, PullClient, PullHandle, lease_fields
 from kvtransfer.transport.errors import (
     ErrorCode,
     PeerUnreachable,
@@ -41,7 +41,13 @@ from kvtransfer.transport.errors import (
 )
 from kvtransfer.transport.lease_table import LeaseTable
 from kvtransfer.transport.locality import WorkerAddresses
-from kvtransfer.transport.messages import decode_address, encode_address, peer_name
+from kvtransfer.transport.messages import (
+    PushAskMessage,
+    decode_address,
+    encode_address,
+    peer_name,
+)
+from kvtransfer.transport.pusher import Pusher
 from kvtransfer.transport.rma import (
     ReadControl,
     ReadCounters,
@@ -170,6 +176,8 @@ class KVTransferAgent:
         self._address = encode_address(self._loop.address)
         self._pool = BufferPool(self.config.buffer_pool_bytes)
         self._server: KVServer | None = None
+        # Push data plane: the producer's writes of what consumers ask (`start_server`).
+        self._pusher: Pusher | None = None
         self._exporter: RmaExporter | None = None
         self._table: LeaseTable | None = None
         # Pushes into this agent's blocks (`start_server`'s ``push_grants``): its caches mapped
@@ -243,7 +251,11 @@ class KVTransferAgent:
     # -- serving ------------------------------------------------------------------------------
 
     def start_server(
-        self, grants: LeaseGrants | None = None, push_grants: LeaseGrants | None = None
+        self,
+        grants: LeaseGrants | None = None,
+        push_grants: LeaseGrants | None = None,
+        *,
+        pushes: bool = False,
     ) -> None:
         """Answer pull requests from the registered caches on a background thread; idempotent.
 
@@ -255,8 +267,13 @@ class KVTransferAgent:
         grant_push`) gets those write keys and writes the granted blocks itself (`push`);
         `LeaseGrants.landed` says when its writes completed. What the write keys allow is
         in docs/data-plane.md.
+
+        ``pushes`` (with ``grants``): this agent also writes, into a consumer's blocks, the
+        leased KV that consumer asks for (`ask_push`), each layer once computed (`Pusher`).
         """
         self._check_open()
+        if pushes and grants is None:
+            raise ValueError("pushes are served for granted leases only: pass grants")
         if push_grants is not None and grants is None:
             # An agent taking pushes serves no unauthenticated reads of its caches: with no
             # read grants every read is refused (an empty set of leases, not none at all).
@@ -299,9 +316,16 @@ class KVTransferAgent:
                     rma_keys=rma_keys,
                     push_grants=push_grants,
                     push_keys=push_keys,
+                    push_asks=self._start_pusher(grants) if pushes else None,
                 )
             server = self._server
         server.start()
+
+    def _start_pusher(self, grants: LeaseGrants | None) -> Callable[[PushAskMessage], None]:
+        if grants is None:  # never: start_server checked
+            raise ValueError("pushes need grants")
+        self._pusher = Pusher(self, grants, self.config.timeout_s)
+        return self._pusher.submit
 
     # -- pulling ------------------------------------------------------------------------------
 
@@ -591,6 +615,72 @@ class KVTransferAgent:
             session.peer, session.lease, "landed" if landed else "stopped", layers, None
         )
 
+    def ask_push(
+        self,
+        peer: PeerHandle,
+        *,
+        request_id: str,
+        lease: LeaseAccess,
+        push_lease: LeaseAccess,
+        layer_names: tuple[str, ...],
+        block_ids: tuple[int, ...],
+        dest_block_ids: tuple[int, ...],
+        heads: range | None = None,
+        dest_heads: range | None = None,
+        timeout_s: float | None = None,
+        on_wait: Callable[[], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Ask producer ``peer`` (serving with ``pushes``) to write ``layer_names`` of its
+        blocks ``block_ids`` (heads ``heads``), presenting ``lease``, its lease of them, into
+        this agent's ``dest_block_ids`` (heads ``dest_heads``), which ``push_lease`` grants
+        it (`LeaseGrants.grant_push` of this agent's push grants). Returns once the producer
+        queued the ask; `LeaseGrants.landed` says when the writes landed. `RemoteTransferError`
+        if refused (``LEASE_NOT_GRANTED``: not recorded there yet), `ValueError` now for what
+        is checkable here."""
+        self._check_open()
+        if not isinstance(peer, PeerHandle):
+            raise ValueError(f"peer must be a PeerHandle from connect(), got {peer!r}")
+        check = PullSpec(
+            request_id=request_id,
+            layer_names=layer_names,
+            remote_block_ids=block_ids,
+            local_block_ids=dest_block_ids,
+            remote_heads=heads,
+            local_heads=dest_heads,
+            lease=lease,
+        )
+        plan_pull(check, self._caches, peer.layouts, self._layouts)
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        _positive("timeout_s", timeout, integer=False)
+        control = ReadControl(
+            cancelled=should_stop or (lambda: False),
+            deadline=time.monotonic() + timeout,
+            timeout_s=timeout,
+            on_wait=on_wait,
+            grant_wait_s=self.config.grant_wait_s,
+        )
+        layouts = {name: layout.as_dict() for name, layout in self._layouts.items()}
+        address = self._address
+
+        def message(reply_tag: int, reply_address: bytes) -> bytes:
+            return PushAskMessage(
+                reply_tag,
+                reply_address,
+                request_id,
+                lease_fields(lease),
+                lease_fields(push_lease),
+                address,
+                layouts,
+                layer_names,
+                block_ids,
+                dest_block_ids,
+                None if heads is None else (heads.start, heads.stop),
+                None if dest_heads is None else (dest_heads.start, dest_heads.stop),
+            ).encode()
+
+        self._client.ask(peer, message, control, "push ask")
+
     def _until_granted(self, control: ReadControl, request_id: str, ask: Callable[[], T]) -> T:
         """``ask()``, asked again while the consumer answers LEASE_NOT_GRANTED (its workers
         record a grant once a step), within ``control``."""
@@ -660,6 +750,8 @@ class KVTransferAgent:
             if self._closed:
                 return
             self._closed = True
+        if self._pusher is not None:
+            self._pusher.close()
         self._client.close()
         if self._server is not None:
             self._server.stop()

@@ -115,7 +115,7 @@ class _BrokenPeer(PeerUnreachable):
     """A send or receive with the peer failed: its endpoint is reset."""
 
 
-def _lease_fields(lease: LeaseAccess) -> tuple[str, str, str, int]:
+def lease_fields(lease: LeaseAccess) -> tuple[str, str, str, int]:
     return lease.lease_id, lease.secret, lease.prompt_digest, lease.block_offset
 
 
@@ -454,7 +454,7 @@ class PullClient:
         what = "push keys" if push else "keys"
 
         def message(header_tag: int) -> bytes:
-            fields = None if lease is None else _lease_fields(lease)
+            fields = None if lease is None else lease_fields(lease)
             return KeysRequestMessage(header_tag, self._loop.address, fields, push).encode()
 
         answer, payload = self._ask(peer, message, control, what, MAX_KEYS_BYTES)
@@ -464,6 +464,17 @@ class PullClient:
                 code=ErrorCode.BAD_REQUEST,
             )
         return payload[: answer.payload_bytes].tobytes()
+
+    def ask(
+        self,
+        peer: PeerHandle,
+        message: Callable[[int, bytes], bytes],
+        control: ReadControl,
+        what: str,
+    ) -> None:
+        """Send ``peer`` the request ``message(reply tag, reply address)`` and wait within
+        ``control`` for its bare answer; `RemoteTransferError` with its code if refused."""
+        self._ask(peer, lambda tag: message(tag, self._loop.address), control, what, 0)
 
     def notify_push(
         self,
@@ -481,7 +492,7 @@ class PullClient:
 
         def message(header_tag: int) -> bytes:
             return PushNoticeMessage(
-                header_tag, self._loop.address, _lease_fields(lease), phase, layers
+                header_tag, self._loop.address, lease_fields(lease), phase, layers
             ).encode()
 
         what = f"push notice ({phase})"
@@ -793,7 +804,7 @@ class PullClient:
             num_heads=len(plans[0].local_heads),
             block_ids=pack_block_ids(spec.remote_block_ids[first:last]),
             payload_bytes=total,
-            lease=None if spec.lease is None else _lease_fields(spec.lease.at(first)),
+            lease=None if spec.lease is None else lease_fields(spec.lease.at(first)),
         ).encode()
         buffer = self._pool.acquire(total, device)
         exchange = _Exchange(

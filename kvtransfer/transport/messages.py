@@ -20,6 +20,8 @@ cancelled or timed-out pull can only land in that pull's private receive buffer.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import struct
 import sys
@@ -50,6 +52,12 @@ KIND_KEYS = 2
 # writes ended (landed: flushed; or stopped).
 KIND_PUSH = 3
 PUSH_PHASES = ("begin", "landed", "stopped")
+# Push data plane: a consumer asks the producer holding a request's KV to write some of its
+# layers into the consumer's blocks (presenting the request's lease and a push lease of its own).
+KIND_PUSH_ASK = 4
+# Bounds of a push ask: blocks on either side, layers named.
+MAX_ASK_BLOCKS = 1 << 20
+MAX_ASK_LAYERS = 4096
 
 _ADDRESS_MAGIC = b"KVTA"
 _REQUEST_MAGIC = b"KVTQ"
@@ -303,6 +311,96 @@ class PushNoticeMessage:
         if not all(isinstance(name, str) and name for name in layers):
             raise WireFormatError("push notice layers must be non-empty strings")
         return cls(envelope.reply_tag, envelope.reply_address, lease, phase, tuple(layers))
+
+
+@dataclass(frozen=True)
+class PushAskMessage:
+    """A consumer asks the producer to write ``layers`` of the blocks ``block_ids`` (the
+    producer's, presenting ``lease``, the request's lease there) into ``dest_block_ids`` of the
+    agent at ``consumer`` (its encoded address; ``layouts``: its caches, every layer),
+    presenting ``push_lease`` (the consumer's grant of those blocks) in its writes. Heads: the
+    producer's ``heads`` into the consumer's ``dest_heads`` (None: all). Answered with a bare
+    header once the ask is queued; the writes' end is told by push notices."""
+
+    reply_tag: int
+    reply_address: bytes
+    request_id: str
+    lease: tuple[str, str, str, int]
+    push_lease: tuple[str, str, str, int]
+    consumer: bytes
+    layouts: dict[str, dict[str, int | str]]
+    layers: tuple[str, ...]
+    block_ids: tuple[int, ...]
+    dest_block_ids: tuple[int, ...]
+    heads: tuple[int, int] | None = None
+    dest_heads: tuple[int, int] | None = None
+
+    def encode(self) -> bytes:
+        fields = {
+            "request_id": self.request_id,
+            "lease": list(self.lease),
+            "push_lease": list(self.push_lease),
+            "consumer": base64.b64encode(self.consumer).decode(),
+            "layouts": self.layouts,
+            "layers": list(self.layers),
+            "dest_block_ids": list(self.dest_block_ids),
+            "heads": None if self.heads is None else list(self.heads),
+            "dest_heads": None if self.dest_heads is None else list(self.dest_heads),
+        }
+        return _encode_request(
+            KIND_PUSH_ASK,
+            self.reply_tag,
+            self.reply_address,
+            fields,
+            block_ids=pack_block_ids(self.block_ids),
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> PushAskMessage:
+        envelope, _, body, packed = _decode_request(data, KIND_PUSH_ASK)
+        lease = _decode_lease(body)
+        push_lease = _decode_lease({"lease": body.get("push_lease")})
+        if lease is None or push_lease is None:
+            raise WireFormatError("a push ask must present the request's lease and a push lease")
+        try:
+            consumer = base64.b64decode(_field(body, "consumer", str), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise WireFormatError(f"push ask consumer address is not base64: {exc}") from exc
+        layouts = _field(body, "layouts", dict)
+        if not 0 < len(layouts) <= MAX_ASK_LAYERS or not all(
+            isinstance(name, str) and name and isinstance(layout, dict)
+            for name, layout in layouts.items()
+        ):
+            raise WireFormatError(
+                f"push ask layouts must map 1 to {MAX_ASK_LAYERS} layer names to layouts"
+            )
+        layers = _field(body, "layers", list)
+        if not layers or not all(isinstance(name, str) and name in layouts for name in layers):
+            raise WireFormatError("push ask layers must name layers of its layouts")
+        if len(set(layers)) != len(layers):
+            raise WireFormatError("push ask layers repeat a layer")
+        block_ids = tuple(unpack_block_ids(packed))
+        dest = _field(body, "dest_block_ids", list)
+        if not 0 < len(dest) <= MAX_ASK_BLOCKS or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in dest
+        ):
+            raise WireFormatError(
+                f"push ask dest_block_ids must be 1 to {MAX_ASK_BLOCKS} block ids >= 0"
+            )
+        return cls(
+            envelope.reply_tag,
+            envelope.reply_address,
+            _field(body, "request_id", str),
+            lease,
+            push_lease,
+            consumer,
+            layouts,
+            tuple(layers),
+            block_ids,
+            tuple(dest),
+            _decode_heads(body),
+            _decode_heads({"heads": body.get("dest_heads")}),
+        )
 
 
 def _encode_request(

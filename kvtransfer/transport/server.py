@@ -46,10 +46,12 @@ from kvtransfer.transport.errors import ErrorCode, TransportClosed
 from kvtransfer.transport.messages import (
     KIND_KEYS,
     KIND_PUSH,
+    KIND_PUSH_ASK,
     REQUEST_TAG,
     KeysRequestMessage,
     PullRequestMessage,
     PullResponseHeader,
+    PushAskMessage,
     PushNoticeMessage,
     RequestEnvelope,
     WireFormatError,
@@ -107,8 +109,11 @@ class KVServer:
         rma_keys: bytes | None = None,
         push_grants: LeaseGrants | None = None,
         push_keys: bytes | None = None,
+        push_asks: Callable[[PushAskMessage], None] | None = None,
     ) -> None:
         self._loop = loop
+        # Push data plane: where the asks of consumers to be written to go (None: refused).
+        self._push_asks = push_asks
         # RMA mode: the encoded `RmaKeys` handed to peers that authenticate (None: tagged only).
         self._rma_keys = rma_keys
         # Push: the grants of this agent's blocks to producers, and the write keys handed to
@@ -253,6 +258,9 @@ class KVServer:
         if envelope.kind == KIND_PUSH:
             self._answer_push_notice(data, envelope)
             return
+        if envelope.kind == KIND_PUSH_ASK:
+            self._answer_push_ask(data, envelope)
+            return
         payload: torch.Tensor | None = None
         buffer: torch.Tensor | None = None
         try:
@@ -336,11 +344,28 @@ class KVServer:
                 self._push_grants.begin_write(access)
             else:
                 landed = notice.layers if notice.phase == "landed" else ()
-                self._push_grants.end_write(access, landed)
+                self._push_grants.end_write(access, landed, stopped=notice.phase == "stopped")
             header = PullResponseHeader(ErrorCode.OK, 0)
         except Exception as exc:
             header = _refusal(exc, "push notice")
         self._count(header, keys=False)
+        self._reply(envelope.reply_address, envelope.reply_tag, header, None, None)
+
+    def _answer_push_ask(self, data: Any, envelope: RequestEnvelope) -> None:
+        """A consumer asks to be written a request's KV: the same lease check as a pull, then
+        the ask is queued for the pusher (the writes' outcome reaches it as push notices)."""
+        try:
+            ask = PushAskMessage.decode(data)
+            if self._push_asks is None or self._grants is None:
+                raise _Rejected(
+                    ErrorCode.NOT_SERVING, "this agent pushes no KV (data_plane is not 'push')"
+                )
+            self._grants.authenticate(LeaseAccess(*ask.lease))
+            self._push_asks(ask)
+            header = PullResponseHeader(ErrorCode.OK, 0)
+        except Exception as exc:
+            header = _refusal(exc, "push ask")
+        self._count(header, keys=True)
         self._reply(envelope.reply_address, envelope.reply_tag, header, None, None)
 
     def _count(self, header: PullResponseHeader, *, keys: bool) -> None:
