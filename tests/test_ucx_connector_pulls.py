@@ -77,7 +77,7 @@ class EnginePool:
             engine.shutdown()
 
 
-@pytest.fixture(scope="module", params=["rma", "tagged"])
+@pytest.fixture(scope="module", params=["rma", "tagged", "push"])
 def pool(request):
     pool = EnginePool(request.param)
     yield pool
@@ -101,6 +101,11 @@ def test_every_layer_and_head_slice_arrives(pool, producer, consumer):
     results = run_load(c, spec)
     assert results == {rank: ({"req"}, set(), set()) for rank in c.workers}
     _check_caches(c, REMOTE_IDS, LOCAL_IDS)
+    if pool.data_plane == "push":
+        # Written by the producer's ranks, not read by the consumer's.
+        for rank, worker in c.workers.items():
+            stats = worker.worker_half.stats()
+            assert stats is not None and stats.data.get("num_loads_pushed") == 1, rank
 
 
 def _plan(consumer: SyntheticEngine, rank, producer: SyntheticEngine):
@@ -426,8 +431,10 @@ def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
     spec = LoadSpec.one_group("late", remote, REMOTE_IDS, LOCAL_IDS)
     with caplog.at_level(logging.WARNING, logger="kvtransfer.connectors.ucx.worker"):
         assert run_load(c, spec) == {(0, 0): ({"late"}, {"late"}, set(LOCAL_IDS))}
-    if pool.data_plane == "tagged":
-        # The producer refuses the read itself.
+    if pool.data_plane in ("tagged", "push"):
+        # The producer refuses the read (or the ask to push) itself.
+        asked = "push ask request" if pool.data_plane == "push" else "request"
+        assert f"{asked} refused by" in caplog.text
         assert (
             "(ACCESS_DENIED): lease 'expired' has ended (its consumer released it): its KV "
             "cannot be read" in caplog.text

@@ -54,9 +54,10 @@ _EXTRA_KEYS = (
     *_TLS_KEYS,
 )
 # "rma": one-sided reads of the producer's registered KV (the producer runs no code per read);
-# "tagged": every read is a request the producer checks against the lease (see
-# docs/data-plane.md#security-per-mode).
-DATA_PLANES = ("rma", "tagged")
+# "tagged": every read is a request the producer checks against the lease; "push": the consumer
+# grants its blocks and the producer writes each layer into them once computed (a producer
+# serves rma reads too). See docs/data-plane.md#security-per-mode.
+DATA_PLANES = ("rma", "tagged", "push")
 DEFAULT_DATA_PLANE = "rma"
 # Shorter prompts are not streamed: their compute is too short for the transfer to hide behind,
 # and serving pulls while computing slows the prefill (measured on 2 vCPUs: +5-15 ms TTFT).
@@ -76,7 +77,9 @@ class UcxConfig:
     producer streams (``kv_stream``) only prompts of at least this many tokens
     (``kv_stream_min_tokens``); shorter ones hand over once computed. ``data_plane``: ``"rma"``
     (one-sided reads; a producer offers them, a consumer uses them where offered) or
-    ``"tagged"`` (every read checked by the producer)."""
+    ``"tagged"`` (every read checked by the producer) or ``"push"`` (a consumer grants its
+    blocks to producers that offer pushes, which write each layer once computed; it pulls from
+    the others, and a push producer serves one-sided reads too)."""
 
     host: str = DEFAULT_HOST
     port: int = 0

@@ -38,6 +38,7 @@ from kvtransfer.connector.kv_groups import FULL_ATTENTION, KVCacheGroup
 from kvtransfer.connectors.ucx.liveness import PROBE_INTERVAL_S, AskHeld, ProducerWatch
 from kvtransfer.connectors.ucx.metadata import LoadSpec
 from kvtransfer.connectors.ucx.plan import RemoteLayoutError, check_request_blocks
+from kvtransfer.connectors.ucx.pushes import PushedLoad, producer_pushes
 from kvtransfer.connectors.ucx.remote import RemoteEngine, RemoteEngines
 from kvtransfer.timeline import BOOK, now_ns
 from kvtransfer.transport import (
@@ -45,6 +46,7 @@ from kvtransfer.transport import (
     EndpointReset,
     ErrorCode,
     KVTransferAgent,
+    LeaseGrants,
     LeaseNotGranted,
     PullHandle,
     PullSpec,
@@ -74,6 +76,8 @@ class LoadOutcome:
     one_sided_bytes: int = 0
     # Of num_bytes, those of each KV cache group kind other than full attention.
     bytes_by_kind: tuple[tuple[str, int], ...] = ()
+    # The producer wrote the KV (push data plane).
+    pushed: bool = False
 
 
 class LoadJob:
@@ -85,8 +89,12 @@ class LoadJob:
         transfer_timeout_s: float,
         ask_held: AskHeld | None = None,
         groups: Sequence[KVCacheGroup] | None = None,
+        push_grants: LeaseGrants | None = None,
     ) -> None:
         self.spec = spec
+        # Push data plane: this worker's grants of its blocks to producers that offer pushes
+        # (None: every load pulls).
+        self._push_grants = push_grants
         # The engine's KV cache groups (a model without any: one of full attention).
         self._groups = tuple(groups or (KVCacheGroup(FULL_ATTENTION, ()),))
         self._engines = engines
@@ -105,6 +113,8 @@ class LoadJob:
         # Each pull's KV cache group kind, by handle.
         self._kinds: dict[int, str] = {}
         self._bytes_by_kind: dict[str, int] = {}
+        # The producer wrote this load's KV (push data plane) rather than this worker pulling.
+        self.pushed = False
 
     @property
     def req_id(self) -> str:
@@ -165,6 +175,7 @@ class LoadJob:
             time.perf_counter() - started,
             one_sided,
             tuple(sorted(self._bytes_by_kind.items())),
+            self.pushed,
         )
 
     def _attempts(self, engine: RemoteEngine, watch: ProducerWatch) -> tuple[int, int]:
@@ -174,6 +185,8 @@ class LoadJob:
         reset_seen = False
         while True:
             try:
+                if self._push_grants is not None and producer_pushes(engine):
+                    return self._pushed(engine, watch)
                 handles = self._start(engine, watch)
                 return self._wait_all(handles, watch)
             except EndpointReset as reset:
@@ -192,6 +205,37 @@ class LoadJob:
                 watch.check()
                 self._restart(f"{refused}; asking again while the producer holds the request")
                 time.sleep(_NOT_GRANTED_RETRY_S)
+
+    def _pushed(self, engine: RemoteEngine, watch: ProducerWatch) -> tuple[int, int]:
+        """The producer writes the blocks (`PushedLoad`); (bytes, all of them one-sided)."""
+        if self._push_grants is None:  # never: `_attempts` checked
+            raise ValueError("a pushed load needs push grants")
+        started = now_ns()
+        attempt = PushedLoad(
+            self.spec,
+            self._agent,
+            self._push_grants,
+            self._timeout_s,
+            lambda: self._cancelled,
+            self._begin_push,
+        )
+        total, by_group = attempt.run(engine, watch)
+        self._check_cancelled()
+        self.pushed = True
+        self._bytes_by_kind = {}
+        for group, num_bytes in by_group.items():
+            kind = self._groups[group].kind
+            if kind != FULL_ATTENTION:
+                self._bytes_by_kind[kind] = self._bytes_by_kind.get(kind, 0) + num_bytes
+        BOOK.record(self.spec.req_id, "kv.pushed", started, now_ns(), bytes=total)
+        return total, total
+
+    def _begin_push(self) -> None:
+        """One push ask is about to go: counted as a pull begun (`stop_nowait`)."""
+        with self._lock:
+            if self._cancelled:
+                raise LoadCancelled(f"load of request {self.spec.req_id!r} was cancelled")
+            self._begun += 1
 
     def _restart(self, why: str) -> None:
         """Stop this attempt's pulls (nothing they write lands after this) before another."""

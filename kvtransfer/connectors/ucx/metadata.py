@@ -88,7 +88,7 @@ class UcxHandshakeMetadata(KVConnectorHandshakeMetadata):
     # block_size / kernel_blocks tokens (vLLM's kernel block split); 1: no split.
     kernel_blocks: int = Field(default=1, gt=0)
     # How this worker's KV may be read: "rma" offers one-sided reads (keys per lease).
-    data_plane: Literal["rma", "tagged"] = "tagged"
+    data_plane: Literal["rma", "tagged", "push"] = "tagged"
 
     @model_validator(mode="after")
     def _consistent(self) -> UcxHandshakeMetadata:

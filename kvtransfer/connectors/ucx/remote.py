@@ -164,7 +164,9 @@ class RemoteEngines:
         for rank in sorted({pull.remote_rank for pull in plan}):
             md = metadata[rank]
             engine.peers[rank] = self._agent.connect(
-                md.agent_address_bytes(), layouts=md.layouts(), one_sided=md.data_plane == "rma"
+                md.agent_address_bytes(),
+                layouts=md.layouts(),
+                one_sided=md.data_plane in ("rma", "push"),
             )
         logger.debug(
             "handshake with engine %s at %s (generation %d): %d pull(s) per request from %s",

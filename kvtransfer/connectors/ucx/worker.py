@@ -84,6 +84,10 @@ class UcxWorker:
         self._results: CompletionQueue[_Finished] = CompletionQueue()
         self._released: list[str] = []
         self._grants = LeaseGrants()
+        # Push data plane, on a consumer: its grants of its blocks to the producers writing them.
+        self._push_grants: LeaseGrants | None = None
+        if ucx.data_plane == "push" and config.is_kv_consumer:
+            self._push_grants = LeaseGrants()
         # Leases granted this step while their KV is computed: served layer by layer.
         self._streaming: list[str] = []
         # Host caches until registered (a GPU's layers wait for their CUDA event).
@@ -139,13 +143,16 @@ class UcxWorker:
                 connect_timeout_s=self._ucx.handshake_timeout_s,
                 net_devices=self._ucx.ucx_net_devices(),
                 checksum=self._ucx.payload_checksum,
-                data_plane=self._ucx.data_plane,
+                # Pushes are one-sided writes: the rest of the RMA machinery, keys included.
+                data_plane="rma" if self._ucx.data_plane == "push" else self._ucx.data_plane,
             )
         )
         try:
             agent.register_kv_caches(kv_caches)
             if self._config.is_kv_producer:
-                agent.start_server(self._grants)
+                agent.start_server(self._grants, pushes=self._ucx.data_plane == "push")
+            elif self._push_grants is not None:
+                agent.start_server(push_grants=self._push_grants)
         except BaseException:
             agent.close()
             raise
@@ -172,6 +179,8 @@ class UcxWorker:
             if job is not None:
                 job.cancel()
         self._grants.revoke(self._grants.lease_ids(), "has ended: the producer went to sleep")
+        if self._push_grants is not None:
+            self._push_grants.revoke(self._push_grants.lease_ids(), "has ended: the engine sleeps")
         agent, self._agent, self._engines = self._agent, None, None
         agent.close()
         self._asleep = True
@@ -224,7 +233,7 @@ class UcxWorker:
         for release in metadata.releases:
             self._released.append(release.req_id)
             self._add("num_leases_expired" if release.expired else "num_sends", 1)
-            if self._ucx.data_plane == "rma" and release.num_blocks:
+            if self._ucx.data_plane != "tagged" and release.num_blocks:
                 # One-sided reads are never seen here: count what the consumer says it read.
                 self._add("bytes_sent", release.num_blocks * self._bytes_per_block)
         for spec in metadata.loads:
@@ -250,6 +259,7 @@ class UcxWorker:
             self._ucx.transfer_timeout_s,
             self._notifier.ask_held,
             groups=self._identity.groups if self._identity is not None else None,
+            push_grants=self._push_grants,
         )
         self._loads[spec.req_id] = (spec, job)
         self._loaders().submit(lambda: self._run(job))
@@ -317,6 +327,8 @@ class UcxWorker:
                 self._add("blocks_received", finished.outcome.num_blocks)
                 self._add("bytes_received", finished.outcome.num_bytes)
                 self._add("bytes_received_one_sided", finished.outcome.one_sided_bytes)
+                if finished.outcome.pushed:
+                    self._add("num_loads_pushed", 1)
                 for kind, num_bytes in finished.outcome.bytes_by_kind:
                     self._add(f"bytes_received_{kind}", num_bytes)
                 self._append("transfer_s", finished.outcome.elapsed_s)
