@@ -360,6 +360,11 @@ class LeaseGrants:
         with self._cond:
             return lease_id in self._grants or lease_id in self._revoked
 
+    def wake(self) -> None:
+        """Wake every `wait_for_change` now (a server stopping)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def wait_for_change(self, timeout_s: float) -> None:
         """Sleep until a grant or revocation happens, or ``timeout_s`` passes."""
         with self._cond:

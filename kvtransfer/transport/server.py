@@ -169,6 +169,8 @@ class KVServer:
                 logger.debug("could not unlisten; the loop is closing", exc_info=True)
         for _ in self._threads:
             self._queue.put(None)
+        if self._grants is not None:
+            self._grants.wake()  # the parking thread, else it sleeps up to a second more
         for thread in self._threads:
             thread.join(timeout_s)
         with self._parked_lock:
