@@ -94,7 +94,7 @@ HEALTH_INTERVAL_S = RouterConfig.__dataclass_fields__["health_interval_s"].defau
 HEALED_WITHIN_S = HEALTH_INTERVAL_S + 1.0
 # Both data planes (`UcxConnector` ``data_plane``): one-sided reads (UCX gets over TCP, served
 # by the producer's UCX worker) and tagged pulls (each answered by the producer).
-DATA_PLANES = ("rma", "tagged")
+DATA_PLANES = ("rma", "tagged", "push")
 # Workers (so UCX agents) of each daemon.
 WORKERS = {"p11": 1, "ptp2": 2, "ppp2": 2, "decode": 1}
 

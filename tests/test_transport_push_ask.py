@@ -138,7 +138,7 @@ def test_an_ask_needs_the_request_lease_its_secret_and_its_blocks(asking):
     assert unknown.value.code == ErrorCode.LEASE_NOT_GRANTED
     # Blocks outside the lease: accepted as an ask (the lease is right), but never read.
     asking.ask(lease, push_lease, source=(1, 2, 6))
-    with pytest.raises(WritesStopped):
+    with pytest.raises(WritesStopped, match=r"AccessDenied: block\(s\) 6 do not belong to lease"):
         wait_until(lambda: asking.push_grants.landed("req-push"), "the push to end", WAIT_S)
     assert asking.untouched()
 
@@ -151,7 +151,7 @@ def test_a_lease_ended_mid_push_stops_it_typed(asking):
     asking.read_grants.layer_ready(["req"], names[0])
     wait_until(lambda: not (asking.local[names[0]] == SENTINEL).all(), "layer 0 written", WAIT_S)
     asking.read_grants.revoke(["req"], "has ended (aborted)")
-    with pytest.raises(WritesStopped):
+    with pytest.raises(WritesStopped, match="lease 'req' has ended \\(aborted\\)"):
         wait_until(lambda: asking.push_grants.landed("req-push"), "the push to end", WAIT_S)
     with pytest.raises(RemoteTransferError) as late:
         asking.ask(lease, asking.grant_push("req-push-2"))

@@ -72,6 +72,8 @@ class KVTransferTotals:
     bytes_received: int = 0
     # Of bytes_received, those read one-sided (RMA mode: the producer ran nothing per read).
     bytes_received_one_sided: int = 0
+    # Of bytes_received one-sided, those the producer wrote (push data plane).
+    bytes_received_pushed: int = 0
     # KV written to a store for later loads (a storage tier), not yet read by anyone.
     blocks_saved: int = 0
     bytes_saved: int = 0

@@ -39,6 +39,7 @@ def transfer_counters(totals: KVTransferTotals) -> dict[str, int]:
         "kv_blocks_received": totals.blocks_received,
         "kv_bytes_received": totals.bytes_received,
         "kv_bytes_received_one_sided": totals.bytes_received_one_sided,
+        "kv_bytes_received_pushed": totals.bytes_received_pushed,
         "kv_blocks_saved": totals.blocks_saved,
         "kv_bytes_saved": totals.bytes_saved,
         "kv_loads_failed": totals.loads_failed,

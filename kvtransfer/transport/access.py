@@ -127,8 +127,8 @@ class _Grant:
     # A push grant: per layer, the landed reports still expected (one per producer worker
     # writing it: several when the producer's TP ranks each write their heads; `end_write`).
     unlanded: dict[str, int] = field(default_factory=dict)
-    # A push grant whose producer said its writes stopped before all landed.
-    stopped: bool = False
+    # A push grant whose producer said its writes stopped before all landed: why (its words).
+    stopped: str = ""
 
 
 class LeaseGrants:
@@ -216,13 +216,13 @@ class LeaseGrants:
             grant.readers += 1
 
     def end_write(
-        self, access: LeaseAccess | None, landed: Iterable[str], *, stopped: bool = False
+        self, access: LeaseAccess | None, landed: Iterable[str], *, stopped: str = ""
     ) -> None:
         """The producer's writes (after its `begin_write`) have ended; ``landed``: the layers
-        they completed (their flush returned); ``stopped``: they gave up (`landed` then raises
-        `WritesStopped` until the lease is granted again). Valid also after the grant was
-        revoked, for a writer draining it. `AccessDenied` for an unknown lease, a wrong
-        secret, or no write begun."""
+        they completed (their flush returned); ``stopped``: they gave up, and why (`landed`
+        then raises `WritesStopped` with it until the lease is granted again). Valid also
+        after the grant was revoked, for a writer draining it. `AccessDenied` for an unknown
+        lease, a wrong secret, or no write begun."""
         if access is None:
             raise AccessDenied("the push notice presents no lease")
         with self._cond:
@@ -258,7 +258,7 @@ class LeaseGrants:
             if grant.stopped and grant.readers == 0:
                 raise WritesStopped(
                     f"push lease {lease_id!r}: its producer stopped writing before "
-                    f"{len(grant.unlanded)} layer(s) landed (its log says why)"
+                    f"{len(grant.unlanded)} layer(s) landed: {grant.stopped}"
                 )
             return not grant.unlanded and grant.readers == 0
 

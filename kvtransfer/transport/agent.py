@@ -611,8 +611,10 @@ class KVTransferAgent:
         without waiting for its answer: the consumer is the one who waits for it (until a
         stop arrives it keeps the blocks out of use)."""
         layers = tuple(sorted(session.written)) if landed else ()
+        failed = session.failed
+        reason = "" if failed is None else f"{type(failed).__name__}: {failed}"
         self._client.notify_push(
-            session.peer, session.lease, "landed" if landed else "stopped", layers, None
+            session.peer, session.lease, "landed" if landed else "stopped", layers, None, reason
         )
 
     def ask_push(

@@ -483,6 +483,7 @@ class PullClient:
         phase: str,
         layers: tuple[str, ...],
         control: ReadControl | None,
+        reason: str = "",
     ) -> None:
         """Tell ``peer`` (the consumer) that this producer begins writing ``lease``'s blocks,
         or that its writes landed or stopped. With ``control``: wait for the answer within it
@@ -492,7 +493,7 @@ class PullClient:
 
         def message(header_tag: int) -> bytes:
             return PushNoticeMessage(
-                header_tag, self._loop.address, lease_fields(lease), phase, layers
+                header_tag, self._loop.address, lease_fields(lease), phase, layers, reason
             ).encode()
 
         what = f"push notice ({phase})"

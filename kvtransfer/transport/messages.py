@@ -52,6 +52,8 @@ KIND_KEYS = 2
 # writes ended (landed: flushed; or stopped).
 KIND_PUSH = 3
 PUSH_PHASES = ("begin", "landed", "stopped")
+# A stopped notice's reason is cut to this many characters.
+MAX_STOP_REASON = 1000
 # Push data plane: a consumer asks the producer holding a request's KV to write some of its
 # layers into the consumer's blocks (presenting the request's lease and a push lease of its own).
 KIND_PUSH_ASK = 4
@@ -285,17 +287,23 @@ class KeysRequestMessage:
 @dataclass(frozen=True)
 class PushNoticeMessage:
     """A producer's notice about its writes of a push lease (``phase``: "begin" before the
-    first write, "landed" once ``layers`` were written and flushed, "stopped" when it gave up),
-    presenting the lease; answered with a bare header."""
+    first write, "landed" once ``layers`` were written and flushed, "stopped" when it gave up,
+    and why: ``reason``), presenting the lease; answered with a bare header."""
 
     reply_tag: int
     reply_address: bytes
     lease: tuple[str, str, str, int]
     phase: str
     layers: tuple[str, ...] = ()
+    reason: str = ""
 
     def encode(self) -> bytes:
-        fields = {"lease": list(self.lease), "phase": self.phase, "layers": list(self.layers)}
+        fields = {
+            "lease": list(self.lease),
+            "phase": self.phase,
+            "layers": list(self.layers),
+            "reason": self.reason[:MAX_STOP_REASON],
+        }
         return _encode_request(KIND_PUSH, self.reply_tag, self.reply_address, fields)
 
     @classmethod
@@ -310,7 +318,17 @@ class PushNoticeMessage:
         layers = _field(body, "layers", list)
         if not all(isinstance(name, str) and name for name in layers):
             raise WireFormatError("push notice layers must be non-empty strings")
-        return cls(envelope.reply_tag, envelope.reply_address, lease, phase, tuple(layers))
+        reason = body.get("reason", "")
+        if not isinstance(reason, str):
+            raise WireFormatError("push notice reason must be a string")
+        return cls(
+            envelope.reply_tag,
+            envelope.reply_address,
+            lease,
+            phase,
+            tuple(layers),
+            reason[:MAX_STOP_REASON],
+        )
 
 
 @dataclass(frozen=True)

@@ -345,8 +345,12 @@ class KVServer:
             if notice.phase == "begin":
                 self._push_grants.begin_write(access)
             else:
-                landed = notice.layers if notice.phase == "landed" else ()
-                self._push_grants.end_write(access, landed, stopped=notice.phase == "stopped")
+                stopped = notice.phase == "stopped"
+                self._push_grants.end_write(
+                    access,
+                    () if stopped else notice.layers,
+                    stopped=(notice.reason or "no reason given") if stopped else "",
+                )
             header = PullResponseHeader(ErrorCode.OK, 0)
         except Exception as exc:
             header = _refusal(exc, "push notice")

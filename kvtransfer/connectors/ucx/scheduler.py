@@ -438,6 +438,7 @@ class UcxScheduler:
             blocks_received=int(totals.get("blocks_loaded", 0)),
             bytes_received=int(totals.get("bytes_received", 0)),
             bytes_received_one_sided=int(totals.get("bytes_received_one_sided", 0)),
+            bytes_received_pushed=int(totals.get("bytes_received_pushed", 0)),
             loads_failed=int(totals.get("loads_failed", 0)),
             leases_expired=int(totals.get("leases_expired", 0)),
             handshakes=int(totals.get("num_handshakes", 0)),

@@ -329,6 +329,7 @@ class UcxWorker:
                 self._add("bytes_received_one_sided", finished.outcome.one_sided_bytes)
                 if finished.outcome.pushed:
                     self._add("num_loads_pushed", 1)
+                    self._add("bytes_received_pushed", finished.outcome.num_bytes)
                 for kind, num_bytes in finished.outcome.bytes_by_kind:
                     self._add(f"bytes_received_{kind}", num_bytes)
                 self._append("transfer_s", finished.outcome.elapsed_s)
