@@ -6,8 +6,8 @@ that UCX must never advertise or dial. KV moves between namespaces over TCP: UCX
 shared memory there (see `kvtransfer.transport.locality`). Every test that moves KV runs on
 both data planes (``data_plane`` in both daemons' ``kv_connector_extra_config``, one cluster
 per plane): ``rma`` (the decode reads the prefill's KV one-sided, UCX gets over TCP served by
-the prefill's UCX worker) and ``tagged`` (each pull answered by the prefill). Checked, per
-plane:
+the prefill's UCX worker), ``tagged`` (each pull answered by the prefill) and ``push`` (the
+decode asks, each prefill worker writes with UCX puts over TCP). Checked, per plane:
 
 * completions through the router equal a colocated run, with each prefill (1x1, TP2, PP2 ->
   decode 1x1) serving, and the KV received rather than recomputed;
@@ -92,8 +92,9 @@ assert UNREACHABLE_WITHIN_S < KV_EXTRA["transfer_timeout_s"] < REQUEST_DEADLINE_
 # health interval apart, each bounded): requests sent this long after the heal all succeed.
 HEALTH_INTERVAL_S = RouterConfig.__dataclass_fields__["health_interval_s"].default
 HEALED_WITHIN_S = HEALTH_INTERVAL_S + 1.0
-# Both data planes (`UcxConnector` ``data_plane``): one-sided reads (UCX gets over TCP, served
-# by the producer's UCX worker) and tagged pulls (each answered by the producer).
+# The data planes (`UcxConnector` ``data_plane``): one-sided reads (UCX gets over TCP, served
+# by the producer's UCX worker), tagged pulls (each answered by the producer) and pushes (UCX
+# puts over TCP by the producer's workers).
 DATA_PLANES = ("rma", "tagged", "push")
 # Workers (so UCX agents) of each daemon.
 WORKERS = {"p11": 1, "ptp2": 2, "ppp2": 2, "decode": 1}
@@ -213,6 +214,16 @@ def test_completions_across_hosts_equal_colocated(cluster, expected):
         assert len(picked) == 1 and "tcp/" in picked[0] and counters[picked[0]] >= 1, counters
     else:
         assert picked == [], counters
+    pushed = counters["kv_bytes_received_pushed"]
+    if cluster.data_plane == "push":
+        # Every load was written by a prefill worker (UCX puts over TCP, as its status says).
+        assert pushed == counters["kv_bytes_received"] > 0, counters
+        for _, prefill in cluster.prefills.values():
+            theirs = admin_status(cluster.client, prefill.address)["counters"]
+            puts = [name for name in theirs if name.startswith("ucx_protocol:put host: ")]
+            assert len(puts) == 1 and "tcp/" in puts[0], theirs
+    else:
+        assert pushed == 0, counters
 
 
 def test_every_listener_is_on_the_configured_address(cluster):
@@ -515,6 +526,13 @@ READ_RATE = "1mbit"
 # Far below the transfer timeout, far above what the probes need (~1-1.5 s to call a silent
 # host unreachable).
 ANSWERED_WITHIN_S = 15.0
+# Push: the decode learns as fast that the producer is unreachable, but the producer's writer
+# still counts on its blocks (what sat in the cut link may land once it heals): the decode
+# keeps them, and the request, until that writer says it stopped or the revocation's bound
+# (`access._REVOKE_WAIT_S`, 30 s) passed. The producer's own push deadline (its transfer
+# timeout) is shorter, so its writer has given up and reset its endpoint by then.
+PUSH_READ_EXTRA = {**READ_EXTRA, "transfer_timeout_s": 20}
+PUSH_ANSWERED_WITHIN_S = 30.0 + 5.0
 # KV sent by the prefill and not yet acknowledged by the decode (its UCX sockets' Send-Q) when
 # the link is cut: about 0.5 s of transfer at READ_RATE, so still there after the cut.
 IN_FLIGHT_BYTES = 64 << 10
@@ -535,7 +553,8 @@ def test_a_partition_during_reads_fails_the_load_typed_and_the_decode_serves_on(
     with network("rd", shaped=True) as net:
         hosts = {name: net.add_host(name) for name in ("prefill", "decode", "router", "client")}
         prefill_host, decode_host, client = hosts["prefill"], hosts["decode"], hosts["client"]
-        extra = {**READ_EXTRA, "data_plane": data_plane}
+        pushed = data_plane == "push"
+        extra = {**(PUSH_READ_EXTRA if pushed else READ_EXTRA), "data_plane": data_plane}
         processes: list[ServiceProcess] = []
         try:
             processes += start_together(
@@ -573,7 +592,9 @@ def test_a_partition_during_reads_fails_the_load_typed_and_the_decode_serves_on(
                 f"{result['status']} {answered_after:.2f} s after the cut"
             )
             assert stuck > 0, f"no KV was in flight when the link went down ({reading})"
-            assert answered_after < ANSWERED_WITHIN_S, result
+            assert answered_after < (PUSH_ANSWERED_WITHIN_S if pushed else ANSWERED_WITHIN_S), (
+                result
+            )
             if policy == "fail":
                 assert result["status"] == 502, result
                 message = result["body"]["error"]["message"]
@@ -591,7 +612,8 @@ def test_a_partition_during_reads_fails_the_load_typed_and_the_decode_serves_on(
                 assert any("failed: ProducerUnreachable" in line for line in why), why
             assert admin_transfers(client, decode.address) == []
             # The decode serves on: once the router takes the prefill back, the long prompt's
-            # KV is read from it (new UCX endpoints) and the tokens equal colocated.
+            # KV is read from it (new UCX endpoints) and the tokens equal colocated (nothing
+            # the cut push wrote late corrupted the decode's cache).
             answer = _served_after_heal(client, router.address)
             assert _tokens(answer) == expected_long
             info = answer["body"]["kvtransfer"]

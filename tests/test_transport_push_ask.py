@@ -4,10 +4,10 @@ once its KV is computed.
 
 Both agents live in this process, each with its own UCX worker; ``network`` counts the producer
 as another host (UCX puts over TCP). Bytes: the consumer's granted blocks must equal the
-producer's, every other block keeps its sentinel. Guards: an ask needs the request's lease (its
-secret, its blocks, not ended); a lease not recorded yet is answered LEASE_NOT_GRANTED (asked
-again by the consumer); a push whose read lease ends mid-way ends "stopped", which the
-consumer's `landed` raises as `WritesStopped`.
+producer's, every other block keeps its sentinel. Guards: an ask needs the request's lease
+(its secret, its blocks at their positions, not ended); a lease not recorded yet is answered
+LEASE_NOT_GRANTED (asked again by the consumer); a push whose read lease ends mid-way ends
+"stopped", which the consumer's `landed` raises as `WritesStopped`.
 """
 
 from __future__ import annotations
@@ -136,11 +136,13 @@ def test_an_ask_needs_the_request_lease_its_secret_and_its_blocks(asking):
     with pytest.raises(RemoteTransferError) as unknown:
         asking.ask(LeaseAccess("other", lease.secret, "p", 0), push_lease)
     assert unknown.value.code == ErrorCode.LEASE_NOT_GRANTED
-    # Blocks outside the lease: accepted as an ask (the lease is right), but never read.
-    asking.ask(lease, push_lease, source=(1, 2, 6))
-    with pytest.raises(WritesStopped, match=r"AccessDenied: block\(s\) 6 do not belong to lease"):
-        wait_until(lambda: asking.push_grants.landed("req-push"), "the push to end", WAIT_S)
+    # Blocks outside the lease, or the lease's in another order.
+    for source, why in [((1, 2, 6), "block(s) 6 do not belong"), (SOURCE[::-1], "reordered")]:
+        with pytest.raises(RemoteTransferError) as outside:
+            asking.ask(lease, push_lease, source=source)
+        assert outside.value.code == ErrorCode.ACCESS_DENIED and why in str(outside.value)
     assert asking.untouched()
+    assert not asking.push_grants.landed("req-push")  # and no write begun on it
 
 
 def test_a_lease_ended_mid_push_stops_it_typed(asking):

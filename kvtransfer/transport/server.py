@@ -366,7 +366,9 @@ class KVServer:
                 raise _Rejected(
                     ErrorCode.NOT_SERVING, "this agent pushes no KV (data_plane is not 'push')"
                 )
-            self._grants.authenticate(LeaseAccess(*ask.lease))
+            # The lease, its secret and prompt, and the blocks at its positions, as a pull's.
+            with self._grants.reading(LeaseAccess(*ask.lease), ask.block_ids):
+                pass
             self._push_asks(ask)
             header = PullResponseHeader(ErrorCode.OK, 0)
         except Exception as exc:
