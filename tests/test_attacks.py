@@ -86,7 +86,7 @@ SHORT_LEASE_S = 2.0
 SETTLE_S = 10.0
 REMOTE_DECODE = {"do_remote_decode": True}
 NOTIFY = "/kvtransfer.v1.UcxConnectorNotify"
-PLANES = ("rma", "tagged")
+PLANES = ("rma", "tagged", "push")
 
 # Every decode below gets a prompt of its own: a prompt the decode engine has in its prefix cache
 # would need no pull, and the pull is what is attacked. The tag leads, so no two prompts share a
@@ -304,7 +304,11 @@ def lease_lost(lease: str) -> Refusal:
 
 
 def per_plane(plane: str, *, tagged: Refusal, rma: Refusal) -> Refusal:
-    """The plane's refusal of one attack."""
+    """The plane's refusal of one attack. Push: the producer's server refuses the decode's ask
+    to be written, with the check (and the words) a tagged pull meets."""
+    if plane == "push":
+        assert tagged.by_producer, tagged
+        return producer_refused(tagged.reason, "push ask request")
     return {"tagged": tagged, "rma": rma}[plane]
 
 
@@ -863,7 +867,7 @@ def test_raw_ucx_pulls_need_the_lease_and_its_secret(pair, plane):
     with KVTransferAgent(config) as reader:
         reader.register_kv_caches(legit)
         honest = reader.connect(
-            worker.agent_address_bytes(), layouts=layouts, one_sided=plane == "rma"
+            worker.agent_address_bytes(), layouts=layouts, one_sided=plane != "tagged"
         )
         pull(reader, honest, "legit victim", victim_ids, _lease_of(victim)).result(40)
         pull(reader, honest, "legit freed", freed_ids, _lease_of(freed), range(3, 6)).result(40)
@@ -911,7 +915,10 @@ def test_raw_ucx_pulls_need_the_lease_and_its_secret(pair, plane):
         ]
     # RMA: a keys request refused; tagged: a pull (the keys request was answered "tagged
     # only" before any lease check).
-    refused_what = {"rma": "keys request refused by ", "tagged": "pull "}[plane]
+    # A push producer serves one-sided reads as an RMA one does.
+    refused_what = {"rma": "keys request refused by ", "tagged": "pull "}[
+        "tagged" if plane == "tagged" else "rma"
+    ]
     caches = zeros(3 * NUM_BLOCKS)
     agent = KVTransferAgent(config)
     try:

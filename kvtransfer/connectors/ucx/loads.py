@@ -168,6 +168,12 @@ class LoadJob:
             if not _refused_access(exc):
                 # The producer may be gone or restarted: handshake again next time.
                 self._engines.invalidate(engine)
+                if self._push_grants is not None and producer_pushes(engine):
+                    # A pull's failure resets the endpoint it read on; asks use theirs only at
+                    # the start, so a producer that reset its side meanwhile (its writes timed
+                    # out) would leave them broken for the next load: new ones instead.
+                    for peer in engine.peers.values():
+                        self._agent.disconnect(peer)
             raise
         return LoadOutcome(
             len(spec.local_block_ids),

@@ -27,13 +27,16 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.connectors.ucx.liveness import PROBE_INTERVAL_S, ProducerWatch
-from kvtransfer.connectors.ucx.metadata import LoadSpec
+from kvtransfer.connectors.ucx.metadata import BlockRun, LoadSpec
 from kvtransfer.connectors.ucx.plan import PlannedPull
 from kvtransfer.connectors.ucx.remote import RemoteEngine
 from kvtransfer.transport import (
+    EndpointReset,
     KVTransferAgent,
     LeaseAccess,
     LeaseGrants,
+    PeerHandle,
+    PeerUnreachable,
     TransferTimeoutError,
     new_secret,
     secret_digest,
@@ -110,20 +113,42 @@ class PushedLoad:
             self._asked.append(
                 _Asked(lease_id, _pushed_bytes(pull, caches, len(local)), pull.group)
             )
-            self._agent.ask_push(
-                engine.peers[pull.remote_rank],
-                request_id=spec.req_id,
-                lease=spec.lease_at(run),
-                push_lease=LeaseAccess(lease_id, secret, "", 0),
-                layer_names=pull.layer_names,
-                block_ids=spec.kernel_ids(run.remote_block_ids),
-                dest_block_ids=local,
-                heads=pull.remote_heads,
-                dest_heads=pull.local_heads,
-                timeout_s=self._timeout_s,
-                on_wait=watch.check,
-                should_stop=self._stopped,
-            )
+            peer = engine.peers[pull.remote_rank]
+            try:
+                self._ask(peer, spec, run, pull, LeaseAccess(lease_id, secret, "", 0), local, watch)
+            except EndpointReset:
+                raise
+            except PeerUnreachable as exc:
+                # The endpoint asks go on may be one the producer reset since (its writes to
+                # this worker timed out, say): the load runs once more on a new one.
+                self._agent.disconnect(peer)
+                raise EndpointReset(f"{exc} (asking again on a new connection)") from exc
+
+    def _ask(
+        self,
+        peer: PeerHandle,
+        spec: LoadSpec,
+        run: BlockRun,
+        pull: PlannedPull,
+        push_lease: LeaseAccess,
+        local: tuple[int, ...],
+        watch: ProducerWatch,
+    ) -> None:
+        """Ask the producer rank at ``peer`` to write ``pull``'s layers of ``run``."""
+        self._agent.ask_push(
+            peer,
+            request_id=spec.req_id,
+            lease=spec.lease_at(run),
+            push_lease=push_lease,
+            layer_names=pull.layer_names,
+            block_ids=spec.kernel_ids(run.remote_block_ids),
+            dest_block_ids=local,
+            heads=pull.remote_heads,
+            dest_heads=pull.local_heads,
+            timeout_s=self._timeout_s,
+            on_wait=watch.check,
+            should_stop=self._stopped,
+        )
 
     def _wait_landed(self, watch: ProducerWatch) -> None:
         deadline = time.monotonic() + self._timeout_s
