@@ -1,5 +1,5 @@
-"""Issue 10's attacks on the KV of other requests, replayed against real daemons, on both data
-planes.
+"""Issue 10's attacks on the KV of other requests, replayed against real daemons, on the three
+data planes.
 
 A prefill and a decode daemon run as processes (real gRPC on 127.0.0.1, real UCX between their
 workers; the decode runs ``kv_load_failure_policy=fail``), once per data plane
@@ -18,6 +18,10 @@ Where the refusal comes from depends on the plane:
 
 * ``tagged``: every pull is a request the producer's worker checks (lease, secret, prompt
   digest, the blocks at their positions) and refuses with ACCESS_DENIED and its reason.
+* ``push``: the decode asks each producer worker to write a load into its blocks, presenting
+  the lease; the producer's server checks it as it checks a tagged pull (lease, secret, prompt
+  digest, the blocks at their positions) and refuses the ask with ACCESS_DENIED and its reason.
+  A push producer serves one-sided reads too: the raw-UCX test meets RMA's stated limit there.
 * ``rma``: a decode worker asks each producer worker once for its memory keys, presenting the
   lease of the load that needs them; the producer checks that lease as it checks a tagged pull,
   bar the blocks (a refusal is ACCESS_DENIED, as tagged). From then on the decode reads one-sided

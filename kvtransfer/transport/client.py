@@ -502,9 +502,12 @@ class PullClient:
             return
         exchange: _Asked
 
-        def answered() -> None:
+        def answered() -> None:  # loop thread
             self._told.discard(exchange)
             error = exchange.outcome.get("error")
+            if isinstance(error, BaseException) and not self._loop.is_cancellation(error):
+                # As `_ask` does: the next message to this peer gets a fresh endpoint.
+                self._loop.reset_endpoint(peer.ucx_address)
             if error is None:
                 try:
                     answer = PullResponseHeader.decode(exchange.header)

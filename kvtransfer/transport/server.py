@@ -501,6 +501,10 @@ class KVServer:
                 self._pool.release(buffer)
             elif error is not None:
                 logger.warning("pull response to %s failed: %s", peer_name(address), error)
+                if not loop.is_cancellation(error):
+                    # The endpoint failed (a partition timed it out, its peer reset it): the
+                    # next answer to that peer gets a fresh one instead of the same error.
+                    loop.reset_endpoint(address)
 
         def timed_out() -> None:
             state["failed"] = True
