@@ -139,11 +139,16 @@ def daemon(
 
 @contextlib.contextmanager
 def setups(
-    model: str, num_kv_blocks: int, log_dir: Path, router_flags: Sequence[str] = ()
+    model: str,
+    num_kv_blocks: int,
+    log_dir: Path,
+    router_flags: Sequence[str] = (),
+    data_plane: str = "rma",
 ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
-    """(the colocated daemon, the router in front of a prefill and a decode daemon); every
-    process started is stopped on the way out, whatever happened."""
-    tag = model.replace(":", "-")
+    """(the colocated daemon, the router in front of a prefill and a decode daemon on
+    ``data_plane``); every process started is stopped on the way out, whatever happened."""
+    tag = f"{model.replace(':', '-')}-{data_plane}"
+    ucx = {"kv_port": 0, "kv_connector_extra_config": {"data_plane": data_plane}}
     started: list[ServiceProcess] = []
 
     def start(role: str, name: str, kv: dict[str, Any]) -> str:
@@ -152,8 +157,8 @@ def setups(
 
     try:
         start("decode", "colocated", NOOP_CONNECTOR)
-        flags = ["--port", "0", "--prefill", start("prefill", "prefill", {"kv_port": 0})]
-        flags += ["--decode", start("decode", "decode", {"kv_port": 0}), *router_flags]
+        flags = ["--port", "0", "--prefill", start("prefill", "prefill", ucx)]
+        flags += ["--decode", start("decode", "decode", ucx), *router_flags]
         name = f"router-{tag}"
         started.append(ServiceProcess.start(name, router_command(*flags), log_dir / f"{name}.log"))
         yield started[0], started[-1]
@@ -350,6 +355,7 @@ def run_model(
     rng: random.Random,
     log_dir: Path,
     router_flags: Sequence[str] = (),
+    data_plane: str = "rma",
 ) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """Every length on one set of processes; colocated and P/D requests alternate, so that
     both see the same background load."""
@@ -368,7 +374,7 @@ def run_model(
         return rows, skipped
     print(f"{model}: starting the daemons and the router ...", file=sys.stderr, flush=True)
     with (
-        setups(model, num_kv_blocks, log_dir, router_flags) as (colocated, router),
+        setups(model, num_kv_blocks, log_dir, router_flags, data_plane) as (colocated, router),
         GenerationClient(colocated.address) as client,
     ):
         senders = (
@@ -390,7 +396,7 @@ def run_model(
             except CaseSkipped as exc:
                 skipped[length] = str(exc)
                 continue
-            rows.append(summarize(model, length, *samples))
+            rows.append({**summarize(model, length, *samples), "data_plane": data_plane})
     return rows, skipped
 
 
@@ -432,6 +438,7 @@ def summarize(model: str, length: int, c: list[Sample], p: list[Sample]) -> dict
 
 COLUMNS = (
     ("model", "{:<14}"),
+    ("data_plane", "{:>10}"),
     ("prompt_tokens", "{:>13}"),
     ("colocated_ttft_ms", "{:>17.1f}"),
     ("pd_ttft_ms", "{:>10.1f}"),
@@ -467,7 +474,7 @@ def print_breakdown(row: dict[str, Any]) -> None:
     """Where each setup's first token spent its time, segment by segment (medians; they add
     up to about the TTFT), and which segments make the difference."""
     print(
-        f"\n{row['model']}, {row['prompt_tokens']} tokens: TTFT colocated "
+        f"\n{row['model']} ({row['data_plane']}), {row['prompt_tokens']} tokens: TTFT colocated "
         f"{row['colocated_ttft_ms']:.2f} ms, P/D {row['pd_ttft_ms']:.2f} ms "
         f"(goal <= {row['ttft_goal_ms']:.2f})"
     )
@@ -488,6 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=None, help="requests per case (default 7)")
     parser.add_argument("--seed", type=int, default=0, help="of the random prompts")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--data-planes",
+        nargs="+",
+        choices=("rma", "tagged", "push"),
+        default=["rma"],
+        help="the P/D pair's data plane(s): one set of processes each, in one table "
+        "(e.g. --data-planes rma push: push against streamed pull)",
+    )
     parser.add_argument(
         "--no-kv-stream",
         action="store_true",
@@ -512,11 +527,15 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models:
             router_flags = ["--no-kv-stream"] if args.no_kv_stream else []
             router_flags += args.router_arg
-            model_rows, model_skipped = run_model(model, lengths, n, rng, log_dir, router_flags)
-            rows += model_rows
-            skipped += [
-                f"{model} {length} tokens: {why}" for length, why in sorted(model_skipped.items())
-            ]
+            for plane in args.data_planes:
+                model_rows, model_skipped = run_model(
+                    model, lengths, n, rng, log_dir, router_flags, plane
+                )
+                rows += model_rows
+                skipped += [
+                    f"{model} ({plane}) {length} tokens: {why}"
+                    for length, why in sorted(model_skipped.items())
+                ]
     except KeyboardInterrupt:
         print(f"interrupted; logs kept in {log_dir}", file=sys.stderr)
         return 130
