@@ -21,13 +21,17 @@ from kvtransfer.transport import (
 )
 from kvtransfer.transport.buffers import BufferPool, gather_into, row_view, scatter_from
 from kvtransfer.transport.messages import (
+    KIND_PUSH_ASK,
     PROTOCOL_VERSION,
     REQUEST_TAG,
     RESPONSE_HEADER_BYTES,
     LayerRequest,
     PullRequestMessage,
     PullResponseHeader,
+    PushAskMessage,
     WireFormatError,
+    _decode_request,
+    _encode_request,
     decode_address,
     encode_address,
     pack_block_ids,
@@ -440,3 +444,52 @@ def test_importing_the_transport_does_not_initialise_ucx():
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [False, False]
+
+
+def _push_ask(**changes) -> PushAskMessage:
+    fields = {
+        "reply_tag": 7,
+        "reply_address": b"reply",
+        "request_id": "r",
+        "lease": ("r", "secret", "digest", 0),
+        "push_lease": ("r/push/0", "other", "", 0),
+        "consumer": encode_address(b"ucx-address"),
+        "layouts": {"l0": KVLayout(8, 2, 4, 16, "float32").as_dict()},
+        "layers": ("l0",),
+        "block_ids": (3, 1),
+        "dest_block_ids": (5, 6),
+        "heads": (0, 1),
+        "dest_heads": None,
+    }
+    return PushAskMessage(**{**fields, **changes})
+
+
+def test_push_ask_round_trips():
+    ask = _push_ask()
+    assert PushAskMessage.decode(ask.encode()) == ask
+
+
+def _ask_body(mutate) -> bytes:
+    """A push ask whose JSON body ``mutate`` changed (the envelope kept consistent)."""
+    _, _, body, packed = _decode_request(_push_ask().encode(), KIND_PUSH_ASK)
+    mutate(body)
+    return _encode_request(KIND_PUSH_ASK, 7, b"reply", body, block_ids=packed)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda b: b.pop("push_lease"), "must present the request's lease and a push lease"),
+        (lambda b: b.update(consumer="not base64!"), "consumer address is not base64"),
+        (lambda b: b.update(layers=["l9"]), "must name layers of its layouts"),
+        (lambda b: b.update(layers=["l0", "l0"]), "repeat a layer"),
+        (lambda b: b.update(layouts={}), "must map 1 to"),
+        (lambda b: b.update(dest_block_ids=[]), "dest_block_ids must be 1 to"),
+        (lambda b: b.update(dest_block_ids=[-1]), "dest_block_ids must be 1 to"),
+        (lambda b: b.update(dest_heads=[0]), "bad head range"),
+    ],
+)
+def test_malformed_push_asks_are_bad_requests(mutate, match):
+    with pytest.raises(WireFormatError, match=match) as refused:
+        PushAskMessage.decode(_ask_body(mutate))
+    assert refused.value.code == ErrorCode.BAD_REQUEST

