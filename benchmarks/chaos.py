@@ -292,7 +292,10 @@ class Services:
         kv: dict[str, Any] = {
             "kv_ip": host,
             "kv_port": p.ports["prefill_kv"] if role == "prefill" else 0,
-            "kv_connector_extra_config": {"kv_lease_s": args.kv_lease_s},
+            "kv_connector_extra_config": {
+                "kv_lease_s": args.kv_lease_s,
+                "data_plane": args.data_plane,
+            },
         }
         return daemon_command(
             role,
@@ -1325,6 +1328,12 @@ def main(argv: list[str] | None = None) -> int:
         "--netns",
         action="store_true",
         help="each service in its own network namespace (root); adds the partition and heal",
+    )
+    parser.add_argument(
+        "--data-plane",
+        choices=("rma", "tagged", "push"),
+        default="rma",
+        help="both daemons' UcxConnector data plane (rma)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, help="daemon and router logs (default: temp)")

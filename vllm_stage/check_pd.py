@@ -415,22 +415,30 @@ def kv_config(
 
 def check_plane_logged(decode: Server) -> None:
     """vLLM's "KV Transfer metrics" log lines of ``decode`` (our stats, summed over its steps):
-    on the rma plane every KV byte it received was read one-sided, on the tagged plane none."""
+    on the rma plane every KV byte it received was read one-sided, on the tagged plane none, on
+    the push plane every one was written by the prefill."""
 
-    def logged() -> tuple[float, float]:
-        received = one_sided = 0.0
+    def logged() -> tuple[float, float, float]:
+        received = one_sided = pushed = 0.0
         for line in decode.log.read_text(errors="replace").splitlines():
             if "KV Transfer metrics" in line:
                 stats = dict(re.findall(r"(\w+)=([\d.]+)", line))
                 received += float(stats.get("bytes_received", 0))
                 one_sided += float(stats.get("bytes_received_one_sided", 0))
-        return received, one_sided
+                pushed += float(stats.get("bytes_received_pushed", 0))
+        return received, one_sided, pushed
 
     wait_for(lambda: logged()[0] > 0, f"{decode.name} to log the KV bytes it received")
-    received, one_sided = logged()
+    received, one_sided, pushed = logged()
     plane = DATA_PLANE["value"]
     if plane == "tagged":
         check(one_sided == 0, f"{decode.name} read none of its {received:.0f} KV bytes one-sided")
+    elif plane == "push":
+        check(
+            pushed == received,
+            f"{decode.name} was written all its {received:.0f} KV bytes by the prefill "
+            f"({pushed:.0f})",
+        )
     else:
         check(
             one_sided == received,
@@ -760,7 +768,7 @@ DATA_PLANES = ("rma", "tagged", "push")
 
 
 def planes(choice: str) -> tuple[str, ...]:
-    """"both": the two pull planes (the stage's default); else the one named."""
+    """ "both": the two pull planes (the stage's default); else the one named."""
     return ("rma", "tagged") if choice == "both" else (choice,)
 
 
