@@ -433,7 +433,7 @@ def test_a_read_the_producer_no_longer_backs_fails(pool, caplog):
         assert run_load(c, spec) == {(0, 0): ({"late"}, {"late"}, set(LOCAL_IDS))}
     if pool.data_plane in ("tagged", "push"):
         # The producer refuses the read (or the ask to push) itself.
-        asked = "push ask request" if pool.data_plane == "push" else "request"
+        asked = "push ask request" if pool.data_plane == "push" else "pull 'late'"
         assert f"{asked} refused by" in caplog.text
         assert (
             "(ACCESS_DENIED): lease 'expired' has ended (its consumer released it): its KV "

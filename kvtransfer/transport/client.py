@@ -506,8 +506,9 @@ class PullClient:
             self._told.discard(exchange)
             error = exchange.outcome.get("error")
             if isinstance(error, BaseException) and not self._loop.is_cancellation(error):
-                # As `_ask` does: the next message to this peer gets a fresh endpoint.
-                self._loop.reset_endpoint(peer.ucx_address)
+                # As `_ask` does: the next message to this peer gets a fresh endpoint. Queued,
+                # not inline: this may run while the loop shuts down (then it is refused).
+                self._reset_peer(peer)
             if error is None:
                 try:
                     answer = PullResponseHeader.decode(exchange.header)

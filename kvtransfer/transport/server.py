@@ -21,6 +21,7 @@ blocking the handler threads) until the grant comes or ``grant_wait_s`` passes. 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -504,7 +505,9 @@ class KVServer:
                 if not loop.is_cancellation(error):
                     # The endpoint failed (a partition timed it out, its peer reset it): the
                     # next answer to that peer gets a fresh one instead of the same error.
-                    loop.reset_endpoint(address)
+                    # Queued, not inline: refused once the loop shuts down.
+                    with contextlib.suppress(TransportClosed):
+                        loop.call(lambda: loop.reset_endpoint(address))
 
         def timed_out() -> None:
             state["failed"] = True
