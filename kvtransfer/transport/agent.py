@@ -416,18 +416,10 @@ class KVTransferAgent:
             raise ValueError(f"peer must be a PeerHandle from connect(), got {peer!r}")
         if not isinstance(spec, PullSpec):
             raise ValueError(f"spec must be a PullSpec, got {type(spec).__name__}")
-        timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        _positive("timeout_s", timeout, integer=False)
+        control = self._control(timeout_s, on_wait, should_stop)
         caches = self._caches
         plans = plan_pull(spec, caches, peer.layouts, self._layouts)
         if peer.one_sided and self.config.data_plane == "rma" and spec.num_blocks:
-            control = ReadControl(
-                cancelled=should_stop or (lambda: False),
-                deadline=time.monotonic() + timeout,
-                timeout_s=timeout,
-                on_wait=on_wait,
-                grant_wait_s=self.config.grant_wait_s,
-            )
             try:
                 rma = self._rma_peer(peer, spec, control)
             except TransportError as exc:
@@ -437,7 +429,7 @@ class KVTransferAgent:
                 return self._client.read_one_sided(
                     peer, rma, self._reader, spec, plans, self._memory, control
                 )
-        return self._client.submit(peer, spec, plans, caches, timeout)
+        return self._client.submit(peer, spec, plans, caches, control.timeout_s)
 
     def _rma_peer(self, peer: PeerHandle, spec: PullSpec, control: ReadControl) -> RmaPeer | None:
         """``peer``'s keys, fetched once (presenting this pull's lease); None: tagged only."""
@@ -564,15 +556,7 @@ class KVTransferAgent:
         if not isinstance(lease, LeaseAccess):
             raise ValueError(f"lease must be a LeaseAccess, got {lease!r}")
         name = lease.lease_id if request_id is None else request_id
-        timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        _positive("timeout_s", timeout, integer=False)
-        control = ReadControl(
-            cancelled=should_stop or (lambda: False),
-            deadline=time.monotonic() + timeout,
-            timeout_s=timeout,
-            on_wait=on_wait,
-            grant_wait_s=self.config.grant_wait_s,
-        )
+        control = self._control(timeout_s, on_wait, should_stop)
         rma = self._push_peer(peer, lease, name, control)
         self._until_granted(
             control, name, lambda: self._client.notify_push(peer, lease, "begin", (), control)
@@ -589,16 +573,8 @@ class KVTransferAgent:
         self._check_open()
         if spec.lease is None or spec.lease.lease_id != session.lease.lease_id:
             raise ValueError("a session's writes present its own push lease")
-        timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        _positive("timeout_s", timeout, integer=False)
+        control = self._control(timeout_s, session.on_wait, session.should_stop)
         plans = plan_pull(spec, self._caches, session.peer.layouts, self._layouts)
-        control = ReadControl(
-            cancelled=session.should_stop or (lambda: False),
-            deadline=time.monotonic() + timeout,
-            timeout_s=timeout,
-            on_wait=session.on_wait,
-            grant_wait_s=self.config.grant_wait_s,
-        )
         handle = self._client.read_one_sided(
             session.peer, session.rma, self._reader, spec, plans, self._memory, control, write=True
         )
@@ -653,15 +629,7 @@ class KVTransferAgent:
             lease=lease,
         )
         plan_pull(check, self._caches, peer.layouts, self._layouts)
-        timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        _positive("timeout_s", timeout, integer=False)
-        control = ReadControl(
-            cancelled=should_stop or (lambda: False),
-            deadline=time.monotonic() + timeout,
-            timeout_s=timeout,
-            on_wait=on_wait,
-            grant_wait_s=self.config.grant_wait_s,
-        )
+        control = self._control(timeout_s, on_wait, should_stop)
         layouts = {name: layout.as_dict() for name, layout in self._layouts.items()}
         address = self._address
 
@@ -682,6 +650,24 @@ class KVTransferAgent:
             ).encode()
 
         self._client.ask(peer, message, control, "push ask")
+
+    def _control(
+        self,
+        timeout_s: float | None,
+        on_wait: Callable[[], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> ReadControl:
+        """The bounds of one operation: its deadline (``timeout_s``, else the agent's, checked
+        now), its liveness probe and its cancel flag."""
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        _positive("timeout_s", timeout, integer=False)
+        return ReadControl(
+            cancelled=should_stop or (lambda: False),
+            deadline=time.monotonic() + timeout,
+            timeout_s=timeout,
+            on_wait=on_wait,
+            grant_wait_s=self.config.grant_wait_s,
+        )
 
     def _until_granted(self, control: ReadControl, request_id: str, ask: Callable[[], T]) -> T:
         """``ask()``, asked again while the consumer answers LEASE_NOT_GRANTED (its workers
