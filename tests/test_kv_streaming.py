@@ -1,13 +1,16 @@
 """Layer-wise KV streaming through the router, with real daemons on ``builtin:small`` (a prefill
 long enough to act on while it computes): the decode daemon is called as soon as the prefill
 announces its params, loads the KV layer by layer while the prefill computes, gets the first
-token through Continue and equals a colocated run; a prefill killed mid-stream gives the decode
-its ``kv_load_failure_policy``; a client leaving mid-stream leaves no block held anywhere.
+token through Continue and equals a colocated run; on the push data plane the prefill writes
+each layer into the decode's blocks as it computes it, with the same result; a prefill killed
+mid-stream gives the decode its ``kv_load_failure_policy``; a client leaving mid-stream leaves
+no block held anywhere.
 
 "Layer by layer while the prefill computes" is seen, not inferred from reported phases: both
 daemons run `serve_helpers.layer_times.TimedUcxConnector`, which writes down when the prefill
-wrote each layer's KV and when each of the decode's pulls landed (one clock), and holds the
-prefill's forward before its last layer until a layer has landed on the decode."""
+wrote each layer's KV and when each of the decode's pulls (or the prefill's pushes) landed (one
+clock), and holds the prefill's forward before its last layer until a layer has landed on the
+decode."""
 
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ def test_the_decode_loads_while_the_prefill_computes_and_equals_colocated(pd, ex
     held = [e["released_by"] for e in read_events(pd.prefill_times, since) if e["event"] == "held"]
     # Released by a layer landing on the decode, not by the hold's bound (a decode that loads
     # only once the whole prompt is computed cannot release it).
-    assert held == ["pull"], (held, status, body)
+    assert held == ["transfer"], (held, status, body)
     assert status == 200, body
     info = body["kvtransfer"]
     assert info["token_ids"] == expected
@@ -126,6 +129,74 @@ def test_the_decode_loads_while_the_prefill_computes_and_equals_colocated(pd, ex
     # its last layer), the first layer first.
     early = [layer for layer in layers if landed[layer] < saved[layers[-1]]]
     assert early and early[0] == layers[0], timeline
+
+
+@pytest.fixture(scope="module")
+def pd_push(tmp_path_factory):
+    """`pd` on the push data plane: the decode asks, the prefill writes each layer."""
+    logs = tmp_path_factory.mktemp("stream-push")
+    times = {role: logs / f"{role}-times.jsonl" for role in ("prefill", "decode")}
+    hold = logs / "hold"
+    extra = {"kv_stream_min_tokens": 0, "data_plane": "push"}
+    kv = {"kv_connector_extra_config": extra, **timed_kv_config()}
+    prefill = start_daemon(
+        "prefill", logs, *MODEL, "--engine-id", "p", kv=kv, env=timed_env(times["prefill"], hold)
+    )
+    decode = start_daemon(
+        "decode", logs, *MODEL, "--engine-id", "d", kv=kv, env=timed_env(times["decode"])
+    )
+    router = start_router(logs, [prefill], [decode])
+    with running(router, decode, prefill):
+        yield PD(router.address, prefill, decode, times["prefill"], times["decode"], hold)
+
+
+def test_the_prefill_pushes_each_layer_while_it_computes_and_equals_colocated(pd_push, expected):
+    pd = pd_push
+    since = time.monotonic()
+    # The prefill's forward stops before its last layer until one of its pushes landed on the
+    # decode: only a push written layer by layer while the prefill computes can release it.
+    arm_hold(pd.hold, pd.prefill_times, since)
+    try:
+        status, body = _complete(pd.url)
+    finally:
+        pd.hold.unlink(missing_ok=True)
+    produced = read_events(pd.prefill_times, since)
+    held = [e["released_by"] for e in produced if e["event"] == "held"]
+    assert held == ["transfer"], (held, status, body)
+    assert status == 200, body
+    info = body["kvtransfer"]
+    assert info["token_ids"] == expected
+    assert info["num_recomputed_tokens"] == 0
+    wait_until(
+        lambda: used_blocks(pd.prefill) == used_blocks(pd.decode) == 0,
+        "both sides free",
+        RELEASED_WITHIN_S,
+    )
+    forward = produced[: next(i for i, e in enumerate(produced) if e["event"] == "forward_done")]
+    saved = {e["layer"]: e["t"] for e in forward if e["event"] == "saved"}
+    layers = list(saved)
+    pushes = [e for e in produced if e["event"] == "pushed"]
+    landed = {layer: e["t"] for e in pushes for layer in e["layers"]}
+    # (The prefill's log holds its pushes too: its pusher threads write them.)
+    timeline = sorted(
+        (
+            (e["t"] - since, e["event"], e.get("layer") or e.get("layers"))
+            for e in produced
+            if e["t"] <= saved[layers[-1]] or e["event"] == "pushed"
+        ),
+        key=lambda entry: entry[0],
+    )
+    assert len(layers) > 1 and sorted(landed) == sorted(layers), timeline
+    # Each layer written once, never before the prefill computed it ...
+    assert sum(len(e["layers"]) for e in pushes) == len(layers), timeline
+    assert [layer for layer in layers if landed[layer] < saved[layer]] == [], timeline
+    # ... and the first ones in the decode's blocks while the prefill still computed.
+    early = [layer for layer in layers if landed[layer] < saved[layers[-1]]]
+    assert early and early[0] == layers[0], timeline
+    # The decode pulled nothing: every byte it received was written by the prefill.
+    counters = admin(pd.decode.address, "status").counters
+    assert counters["kv_bytes_received_pushed"] == counters["kv_bytes_received"] > 0, counters
+    assert not [e for e in read_events(pd.decode_times, since) if e["event"] == "pulled"]
 
 
 def test_a_client_leaving_mid_stream_leaves_nothing_held(pd):

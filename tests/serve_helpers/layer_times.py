@@ -11,7 +11,9 @@ Every worker appends one JSON line per event to the file named by ``KVT_LAYER_TI
 * ``{"event": "pulled", "layers": [...], "t": ...}``: a pull this worker started completed
   (its blocks are in this worker's cache). Written by a thread waiting on the pull's handle, so
   never earlier than the pull completed;
-* ``{"event": "held", "released_by": "pull" | "bound", "t": ...}``: see below.
+* ``{"event": "pushed", "layers": [...], "t": ...}``: a write of a push this worker (a
+  producer) made completed: flushed, so the layers are in the consumer's blocks;
+* ``{"event": "held", "released_by": "transfer" | "bound", "t": ...}``: see below.
 
 ``t`` is `time.monotonic`: CLOCK_MONOTONIC, one clock for every process of the machine, so the
 times of the prefill and the decode daemon compare.
@@ -20,8 +22,9 @@ Apart from that one hold, nothing here changes what the connector does; it only 
 hold makes "a layer landed on the decode while the prefill was still computing" a certainty
 instead of a race: with ``KVT_HOLD_LAST_LAYER`` naming a file, a worker that is about to mark
 its last layer computed while that file exists takes the file (once) and waits, before the
-layer is marked, until the consumer's event file it names shows a pull completed after the time
-it names (`arm_hold`), or ``HOLD_BOUND_S`` passed. A consumer that only loads once the whole
+layer is marked, until the event file it names shows a pull (or push) completed after the time
+it names (`arm_hold`: the consumer's file, or the producer's own for pushes), or
+``HOLD_BOUND_S`` passed. A consumer that only loads once the whole
 prompt is computed cannot release it: the hold then ends by its bound, and says so.
 """
 
@@ -64,7 +67,7 @@ def timed_env(log: Path, hold: Path | None = None) -> dict[str, str]:
 
 def arm_hold(hold: Path, consumer_log: Path, since: float) -> None:
     """The next forward of the daemon started with ``hold`` waits at its last layer for a pull
-    completed in ``consumer_log`` at or after ``since`` (a `time.monotonic` time)."""
+    (or push) completed in ``consumer_log`` at or after ``since`` (a `time.monotonic` time)."""
     staged = hold.with_name(hold.name + ".new")
     staged.write_text(json.dumps({"consumer_log": str(consumer_log), "since": since}))
     os.replace(staged, hold)  # whole or absent for the daemon reading it
@@ -124,6 +127,16 @@ class TimedUcxConnector(UcxConnector):
 
         # The worker's loads call agent.pull: this instance attribute is what they call.
         agent.pull = timed_pull
+        write = agent._write
+
+        def timed_write(session: Any, spec: Any, timeout_s: Any) -> Any:
+            handle = write(session, spec, timeout_s)  # done: a push's write runs here
+            if handle.exception() is None:
+                times.write("pushed", layers=list(spec.layer_names))
+            return handle
+
+        # Push sessions call agent._write for each write (a producer's pusher threads).
+        agent._write = timed_write
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
         if self._hold is not None and layer_name == self._last_layer:
@@ -150,11 +163,11 @@ class TimedUcxConnector(UcxConnector):
         consumer_log, since = Path(armed["consumer_log"]), armed["since"]
 
         def pulled() -> bool:
-            return any(e["event"] == "pulled" for e in read_events(consumer_log, since))
+            return any(e["event"] in ("pulled", "pushed") for e in read_events(consumer_log, since))
 
         deadline = time.monotonic() + HOLD_BOUND_S
         # Polls another process's file: this daemon has no other way to hear of the pull.
         while not pulled() and time.monotonic() < deadline:
             time.sleep(0.01)
         if self._times is not None:
-            self._times.write("held", released_by="pull" if pulled() else "bound")
+            self._times.write("held", released_by="transfer" if pulled() else "bound")
