@@ -1,6 +1,7 @@
 """P/D latency: what disaggregation costs a single request, against a colocated daemon.
 
-    .venv/bin/python benchmarks/pd_latency.py [--quick] [--json out.json]
+    .venv/bin/python benchmarks/pd_latency.py [--quick] [--data-planes rma push] [--netns]
+        [--json out.json]
 
 For each model (``builtin`` and ``builtin:small`` by default; the processes are restarted per
 model) two setups run as real processes on 127.0.0.1, every port picked by the OS (``--port 0``):
@@ -12,6 +13,11 @@ model) two setups run as real processes on 127.0.0.1, every port picked by the O
   ``kvtransfer-decode`` default to) behind the router; ``/v1/completions`` with ``stream`` and a
   token-id prompt. The router streams the prefill's first token at once, then the decode
   daemon pulls the prompt's KV and continues after it.
+
+``--data-planes``: the P/D pair once per plane named (fresh processes each, the colocated
+baseline measured again beside each), one table. ``--netns`` (root): the prefill, the decode and
+the router each in a network namespace of its own (the test tier's hosts, as ``chaos.py
+--netns``), so the KV crosses TCP as between hosts; the colocated daemon stays here.
 
 One request at a time, colocated and P/D alternating so that both see the same background load
 (an idle daemon costs no CPU); run it on an otherwise idle machine all the same. Every request
@@ -60,6 +66,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
+from chaos import Placement, make_namespaces
 from plots import write_png
 
 from kvtransfer.clients.generation import GenerationClient, generate_request
@@ -119,12 +126,22 @@ class Sample:
 
 
 def daemon(
-    role: str, model: str, name: str, kv: dict[str, Any], num_kv_blocks: int, log_dir: Path
+    role: str,
+    model: str,
+    name: str,
+    kv: dict[str, Any],
+    num_kv_blocks: int,
+    log_dir: Path,
+    where: tuple[list[str], str] = ([], "127.0.0.1"),
 ) -> ServiceProcess:
-    argv = daemon_command(
+    """``where``: the command prefix that puts it in its namespace, and its address there."""
+    prefix, host = where
+    argv = prefix + daemon_command(
         role,
         "--model",
         model,
+        "--host",
+        host,
         "--port",
         "0",
         "--block-size",
@@ -144,23 +161,38 @@ def setups(
     log_dir: Path,
     router_flags: Sequence[str] = (),
     data_plane: str = "rma",
+    placement: Placement | None = None,
 ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """(the colocated daemon, the router in front of a prefill and a decode daemon on
-    ``data_plane``); every process started is stopped on the way out, whatever happened."""
+    ``data_plane``); every process started is stopped on the way out, whatever happened.
+    ``placement``: the prefill, the decode and the router each in its network namespace (the
+    colocated daemon stays here, on 127.0.0.1)."""
     tag = f"{model.replace(':', '-')}-{data_plane}"
-    ucx = {"kv_port": 0, "kv_connector_extra_config": {"data_plane": data_plane}}
     started: list[ServiceProcess] = []
 
-    def start(role: str, name: str, kv: dict[str, Any]) -> str:
-        started.append(daemon(role, model, f"{name}-{tag}", kv, num_kv_blocks, log_dir))
+    def where(role: str) -> tuple[list[str], str]:
+        if placement is None:
+            return [], "127.0.0.1"
+        return placement.wrap[role], placement.hosts[role]
+
+    def start(role: str, name: str, kv: dict[str, Any], placed: str | None = None) -> str:
+        at = where(placed) if placed else ([], "127.0.0.1")
+        started.append(daemon(role, model, f"{name}-{tag}", kv, num_kv_blocks, log_dir, at))
         return started[-1].address
+
+    def ucx(role: str) -> dict[str, Any]:
+        extra = {"data_plane": data_plane}
+        return {"kv_ip": where(role)[1], "kv_port": 0, "kv_connector_extra_config": extra}
 
     try:
         start("decode", "colocated", NOOP_CONNECTOR)
-        flags = ["--port", "0", "--prefill", start("prefill", "prefill", ucx)]
-        flags += ["--decode", start("decode", "decode", ucx), *router_flags]
+        prefix, host = where("router")
+        flags = ["--host", host, "--port", "0"]
+        flags += ["--prefill", start("prefill", "prefill", ucx("prefill"), "prefill")]
+        flags += ["--decode", start("decode", "decode", ucx("decode"), "decode"), *router_flags]
         name = f"router-{tag}"
-        started.append(ServiceProcess.start(name, router_command(*flags), log_dir / f"{name}.log"))
+        argv = prefix + router_command(*flags)
+        started.append(ServiceProcess.start(name, argv, log_dir / f"{name}.log"))
         yield started[0], started[-1]
     finally:
         for process in reversed(started):
@@ -356,6 +388,7 @@ def run_model(
     log_dir: Path,
     router_flags: Sequence[str] = (),
     data_plane: str = "rma",
+    placement: Placement | None = None,
 ) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """Every length on one set of processes; colocated and P/D requests alternate, so that
     both see the same background load."""
@@ -374,7 +407,10 @@ def run_model(
         return rows, skipped
     print(f"{model}: starting the daemons and the router ...", file=sys.stderr, flush=True)
     with (
-        setups(model, num_kv_blocks, log_dir, router_flags, data_plane) as (colocated, router),
+        setups(model, num_kv_blocks, log_dir, router_flags, data_plane, placement) as (
+            colocated,
+            router,
+        ),
         GenerationClient(colocated.address) as client,
     ):
         senders = (
@@ -396,7 +432,10 @@ def run_model(
             except CaseSkipped as exc:
                 skipped[length] = str(exc)
                 continue
-            rows.append({**summarize(model, length, *samples), "data_plane": data_plane})
+            where = "netns" if placement is not None else "local"
+            rows.append(
+                {**summarize(model, length, *samples), "data_plane": data_plane, "hosts": where}
+            )
     return rows, skipped
 
 
@@ -454,6 +493,8 @@ COLUMNS = (
 def print_table(rows: Sequence[dict[str, Any]], skipped: Sequence[str], n: int) -> None:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"medians of {n} requests, max_tokens {MAX_TOKENS}, times in ms; load average {load}")
+    if any(row.get("hosts") == "netns" for row in rows):
+        print("prefill, decode and router each in a network namespace of its own: KV over TCP")
     # Every column but the model's is as wide as its key.
     print(f"{'model':<14} " + " ".join(key for key, _ in COLUMNS[1:]))
     for row in rows:
@@ -504,6 +545,12 @@ def main(argv: list[str] | None = None) -> int:
         "(e.g. --data-planes rma push: push against streamed pull)",
     )
     parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="the prefill, the decode and the router each in its own network namespace (root): "
+        "KV crosses TCP, as between hosts",
+    )
+    parser.add_argument(
         "--no-kv-stream",
         action="store_true",
         help="the router calls decode only once the prefill returned (no layer-wise streaming)",
@@ -523,13 +570,17 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="kvtransfer-pd-latency-"))
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
+    if args.netns and os.geteuid() != 0:
+        parser.error("--netns needs root (ip netns, veth pairs)")
+    namespaces = make_namespaces() if args.netns else None
     try:
+        placement = namespaces.setup() if namespaces is not None else None
         for model in args.models:
             router_flags = ["--no-kv-stream"] if args.no_kv_stream else []
             router_flags += args.router_arg
             for plane in args.data_planes:
                 model_rows, model_skipped = run_model(
-                    model, lengths, n, rng, log_dir, router_flags, plane
+                    model, lengths, n, rng, log_dir, router_flags, plane, placement
                 )
                 rows += model_rows
                 skipped += [
@@ -542,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, ServiceStartError) as exc:
         print(f"failed: {exc}\nlogs kept in {log_dir}", file=sys.stderr)
         return 1
+    finally:
+        if namespaces is not None:
+            namespaces.teardown()
     shutil.rmtree(log_dir, ignore_errors=True)
     print_table(rows, skipped, n)
     if args.json is not None:
