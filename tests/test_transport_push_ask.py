@@ -26,6 +26,7 @@ from kvtransfer.transport import (
     TransportConfig,
     WritesStopped,
     new_secret,
+    pusher,
     secret_digest,
 )
 
@@ -158,3 +159,20 @@ def test_a_lease_ended_mid_push_stops_it_typed(asking):
     with pytest.raises(RemoteTransferError) as late:
         asking.ask(lease, asking.grant_push("req-push-2"))
     assert late.value.code == ErrorCode.ACCESS_DENIED and "aborted" in str(late.value)
+
+
+def test_asks_beyond_the_bound_are_refused_typed(asking, monkeypatch):
+    monkeypatch.setattr(pusher, "MAX_ASKS", 1)
+    names = GROUP.names()
+    lease = asking.lend("req", pending=names)  # the first ask waits for its KV: it stays
+    asking.ask(lease, asking.grant_push("req-push"))
+    with pytest.raises(RemoteTransferError) as refused:
+        asking.ask(lease, asking.grant_push("req-push-2"))
+    assert refused.value.code == ErrorCode.NOT_SERVING
+    assert "too many push asks" in str(refused.value)
+    asking.read_grants.layer_ready(["req"])
+    assert asking.push_grants.wait_landed("req-push", WAIT_S)
+    # Room again once the first push ended (its thread counts it until it sent "landed").
+    wait_until(lambda: asking.producer.push_asks_pending == 0, "the first push done", WAIT_S)
+    asking.ask(lease, asking.grant_push("req-push-3"))
+    assert asking.push_grants.wait_landed("req-push-3", WAIT_S)

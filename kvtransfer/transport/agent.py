@@ -321,7 +321,7 @@ class KVTransferAgent:
             server = self._server
         server.start()
 
-    def _start_pusher(self, grants: LeaseGrants | None) -> Callable[[PushAskMessage], None]:
+    def _start_pusher(self, grants: LeaseGrants | None) -> Callable[[PushAskMessage], bool]:
         if grants is None:  # never: start_server checked
             raise ValueError("pushes need grants")
         self._pusher = Pusher(self, grants, self.config.timeout_s)
@@ -708,6 +708,11 @@ class KVTransferAgent:
         """What UCX said it picked for this process's one-sided reads and writes, per
         operation and memory type (`ucp_rma.picked_protocols`; logged once each)."""
         return picked_protocols()
+
+    @property
+    def push_asks_pending(self) -> int:
+        """Serving pushes: the asks queued or being written now."""
+        return 0 if self._pusher is None else self._pusher.pending
 
     @property
     def push_table(self) -> LeaseTable | None:

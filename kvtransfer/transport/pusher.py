@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 # A push waiting for its layers' KV looks at its deadline and the agent's state this often.
 _READY_POLL_S = 0.05
+# Asks queued or running at once; beyond this they are refused (no unbounded memory, whatever
+# a consumer holding valid leases sends).
+MAX_ASKS = 1024
 
 
 class Pusher:
@@ -59,6 +62,8 @@ class Pusher:
         self._on_done = on_done
         self._queue: queue.SimpleQueue[PushAskMessage | None] = queue.SimpleQueue()
         self._closed = False
+        self._pending = 0  # queued or running
+        self._lock = threading.Lock()
         self.pushes_done = 0
         self.pushes_failed = 0
         self._threads = [
@@ -68,9 +73,21 @@ class Pusher:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, ask: PushAskMessage) -> None:
-        """Queue an ask whose lease the server checked (any thread; never blocks)."""
+    def submit(self, ask: PushAskMessage) -> bool:
+        """Queue an ask whose lease the server checked (any thread; never blocks); False if
+        `MAX_ASKS` are queued or running already (refused)."""
+        with self._lock:
+            if self._closed or self._pending >= MAX_ASKS:
+                return False
+            self._pending += 1
         self._queue.put(ask)
+        return True
+
+    @property
+    def pending(self) -> int:
+        """Asks queued or running now."""
+        with self._lock:
+            return self._pending
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop taking asks; pushes running stop at their next check (told "stopped")."""
@@ -100,10 +117,12 @@ class Pusher:
                     type(exc).__name__,
                     exc,
                 )
-            if error is None:
-                self.pushes_done += 1
-            else:
-                self.pushes_failed += 1
+            with self._lock:
+                self._pending -= 1
+                if error is None:
+                    self.pushes_done += 1
+                else:
+                    self.pushes_failed += 1
             if self._on_done is not None:
                 self._on_done(ask.request_id, error)
 

@@ -110,7 +110,7 @@ class KVServer:
         rma_keys: bytes | None = None,
         push_grants: LeaseGrants | None = None,
         push_keys: bytes | None = None,
-        push_asks: Callable[[PushAskMessage], None] | None = None,
+        push_asks: Callable[[PushAskMessage], bool] | None = None,
     ) -> None:
         self._loop = loop
         # Push data plane: where the asks of consumers to be written to go (None: refused).
@@ -370,7 +370,11 @@ class KVServer:
             # The lease, its secret and prompt, and the blocks at its positions, as a pull's.
             with self._grants.reading(LeaseAccess(*ask.lease), ask.block_ids):
                 pass
-            self._push_asks(ask)
+            if not self._push_asks(ask):
+                raise _Rejected(
+                    ErrorCode.NOT_SERVING,
+                    "too many push asks queued or running on this agent; ask again later",
+                )
             header = PullResponseHeader(ErrorCode.OK, 0)
         except Exception as exc:
             header = _refusal(exc, "push ask")
