@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from kvtransfer.threads import enter_own_thread
 from kvtransfer.transport.access import LeaseAccess, LeaseGrants
-from kvtransfer.transport.errors import TransferTimeoutError
-from kvtransfer.transport.messages import PushAskMessage
+from kvtransfer.transport.errors import InvalidPeerAddress, TransferTimeoutError
+from kvtransfer.transport.messages import PushAskMessage, decode_address, peer_name
 from kvtransfer.transport.spec import KVLayout, PullSpec
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class Pusher:
                 logger.warning(
                     "push of request %r to %s stopped: %s: %s",
                     ask.request_id,
-                    ask.consumer.hex()[:16],
+                    _consumer_name(ask),
                     type(exc).__name__,
                     exc,
                 )
@@ -179,3 +179,11 @@ class Pusher:
                     f"{self._timeout_s:g} s"
                 )
             self._grants.wait_for_change(min(_READY_POLL_S, left))
+
+
+def _consumer_name(ask: PushAskMessage) -> str:
+    """The consumer as other log lines name peers, or what is wrong with its address."""
+    try:
+        return peer_name(decode_address(ask.consumer))
+    except InvalidPeerAddress as exc:
+        return f"an invalid address ({exc})"
