@@ -309,10 +309,13 @@ class LeaseGrants:
             grant = self._grants.get(lease_id)
             return grant is not None and grant.pending.isdisjoint(layer_names)
 
-    def revoke(self, lease_ids: Iterable[str], why: str = "has ended") -> None:
+    def revoke(
+        self, lease_ids: Iterable[str], why: str = "has ended", wait_s: float | None = None
+    ) -> None:
         """End these leases (``why`` completes "lease X ..." in a late pull's refusal); returns
-        once no gather of them is running."""
-        deadline = time.monotonic() + _REVOKE_WAIT_S
+        once no gather (or counted writer) of them is running, or ``wait_s`` (default 30 s)
+        passed."""
+        deadline = time.monotonic() + (_REVOKE_WAIT_S if wait_s is None else wait_s)
         with self._cond:
             ended = [grant for _, grant in self._end(lease_ids, why)]
             self._cond.wait_for(

@@ -91,11 +91,15 @@ class PushedLoad:
             self.end()
 
     def end(self) -> None:
-        """End this attempt's push leases (idempotent); returns once no write of them runs."""
+        """End this attempt's push leases (idempotent); returns once no write of them runs,
+        or a transfer timeout passed: by then a producer configured as this engine (the same
+        ``transfer_timeout_s``) gave its writes up, as its own push deadline passed."""
         lease_ids = [asked.lease_id for asked in self._asked]
         self._asked = []
         if lease_ids:
-            self._grants.revoke(lease_ids, "has ended (the load finished or gave up)")
+            self._grants.revoke(
+                lease_ids, "has ended (the load finished or gave up)", wait_s=self._timeout_s
+            )
 
     def _ask_all(self, engine: RemoteEngine, watch: ProducerWatch) -> None:
         spec = self._spec
