@@ -16,14 +16,14 @@ decode asks, each prefill worker writes with UCX puts over TCP). Checked, per pl
   worker, UCX listens (what it advertises to peers) on each host's KV address only, the decode
   holds a TCP connection from its KV address to every prefill worker's UCX listener, and no
   host has a socket on, or ever looked up a link-layer address for, any unrouted address;
-* (pull planes) a partition of the decode host and then of a prefill host in the middle of a
-  bounded load: while cut off, requests end in typed 5xx answers within the request deadline; with one of
-  three prefills cut off, only requests sent to it may fail, and the other two serve requests
-  sent during the partition; a decode request whose KV is on the cut-off prefill fails typed
+* (pull planes) a partition of the decode host and then of a prefill host in the middle of a bounded
+  load: while cut off, requests end in typed 5xx answers within the request deadline; with one of
+  three prefills cut off, only requests sent to it may fail, and the other two serve requests sent
+  during the partition; a decode request whose KV is on the cut-off prefill fails typed
   (``ProducerUnreachable``, naming it) within the liveness probes' bound, far below the transfer
-  timeout; every request sent a health interval plus a second after the heal succeeds with the
-  right tokens (nothing the partition broke is used again: a connection, an endpoint, a router
-  channel); at the end no daemon holds a KV block;
+  timeout; every request sent a health interval plus a second after the heal succeeds with the right
+  tokens (nothing the partition broke is used again: a connection, an endpoint, a router channel);
+  at the end no daemon holds a KV block;
 * a partition during reads (a prefill, a decode, their own namespaces, policy ``fail`` and
   ``recompute``): the prefill's link shaped so that a long prompt's KV takes seconds to cross,
   and cut (its switch port down) while the decode lists the load as under way and KV the
