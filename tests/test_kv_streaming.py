@@ -14,12 +14,14 @@ decode."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,13 +66,14 @@ class PD:
     hold: Path
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("stream")
+@contextlib.contextmanager
+def _timed_pair(logs: Path, data_plane: str) -> Iterator[PD]:
+    """A prefill and a decode daemon on ``data_plane`` behind a router, every prompt streamed
+    (as start_daemon's default), through the timed UcxConnector."""
     times = {role: logs / f"{role}-times.jsonl" for role in ("prefill", "decode")}
     hold = logs / "hold"
-    # Every prompt streams (as start_daemon's default), through the timed UcxConnector.
-    kv = {"kv_connector_extra_config": {"kv_stream_min_tokens": 0}, **timed_kv_config()}
+    extra = {"kv_stream_min_tokens": 0, "data_plane": data_plane}
+    kv = {"kv_connector_extra_config": extra, **timed_kv_config()}
     prefill = start_daemon(
         "prefill", logs, *MODEL, "--engine-id", "p", kv=kv, env=timed_env(times["prefill"], hold)
     )
@@ -80,6 +83,12 @@ def pd(tmp_path_factory):
     router = start_router(logs, [prefill], [decode])
     with running(router, decode, prefill):
         yield PD(router.address, prefill, decode, times["prefill"], times["decode"], hold)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    with _timed_pair(tmp_path_factory.mktemp("stream"), "rma") as pair:
+        yield pair
 
 
 def test_the_decode_loads_while_the_prefill_computes_and_equals_colocated(pd, expected):
@@ -134,20 +143,8 @@ def test_the_decode_loads_while_the_prefill_computes_and_equals_colocated(pd, ex
 @pytest.fixture(scope="module")
 def pd_push(tmp_path_factory):
     """`pd` on the push data plane: the decode asks, the prefill writes each layer."""
-    logs = tmp_path_factory.mktemp("stream-push")
-    times = {role: logs / f"{role}-times.jsonl" for role in ("prefill", "decode")}
-    hold = logs / "hold"
-    extra = {"kv_stream_min_tokens": 0, "data_plane": "push"}
-    kv = {"kv_connector_extra_config": extra, **timed_kv_config()}
-    prefill = start_daemon(
-        "prefill", logs, *MODEL, "--engine-id", "p", kv=kv, env=timed_env(times["prefill"], hold)
-    )
-    decode = start_daemon(
-        "decode", logs, *MODEL, "--engine-id", "d", kv=kv, env=timed_env(times["decode"])
-    )
-    router = start_router(logs, [prefill], [decode])
-    with running(router, decode, prefill):
-        yield PD(router.address, prefill, decode, times["prefill"], times["decode"], hold)
+    with _timed_pair(tmp_path_factory.mktemp("stream-push"), "push") as pair:
+        yield pair
 
 
 def test_the_prefill_pushes_each_layer_while_it_computes_and_equals_colocated(pd_push, expected):
