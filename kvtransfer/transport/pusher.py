@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtransfer.threads import enter_own_thread
@@ -54,12 +54,10 @@ class Pusher:
         grants: LeaseGrants,
         timeout_s: float,
         threads: int = 4,
-        on_done: Callable[[str, BaseException | None], None] | None = None,
     ) -> None:
         self._agent = agent
         self._grants = grants
         self._timeout_s = timeout_s
-        self._on_done = on_done
         self._queue: queue.SimpleQueue[PushAskMessage | None] = queue.SimpleQueue()
         self._closed = False
         self._pending = 0  # queued or running
@@ -123,8 +121,6 @@ class Pusher:
                     self.pushes_done += 1
                 else:
                     self.pushes_failed += 1
-            if self._on_done is not None:
-                self._on_done(ask.request_id, error)
 
     def _push(self, ask: PushAskMessage) -> None:
         deadline = time.monotonic() + self._timeout_s

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -183,5 +183,4 @@ def _pushed_bytes(pull: PlannedPull, caches: Mapping[str, torch.Tensor], num_blo
 
 def producer_pushes(engine: RemoteEngine) -> bool:
     """Whether every rank of ``engine`` offered pushes in its handshake."""
-    metadata: Sequence = list(engine.metadata.values())
-    return bool(metadata) and all(md.data_plane == "push" for md in metadata)
+    return bool(engine.metadata) and all(md.data_plane == "push" for md in engine.metadata.values())
