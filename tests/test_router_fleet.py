@@ -192,6 +192,13 @@ def test_workers_are_added_and_removed_while_requests_run():
                     "in_flight": 0,
                     "picks": 0,
                     "load": None,
+                    # Nothing measured yet: no call was routed to it.
+                    "service": {
+                        "prompt_tokens_per_s": None,
+                        "queued_prompt_tokens": 0,
+                        "decoding": 0,
+                        "inter_token_s_by_batch": {},
+                    },
                 }
                 assert (await route_of(c))["prefill"] == p0.address
                 for address, role, message in [

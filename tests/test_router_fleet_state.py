@@ -197,6 +197,12 @@ def instance(address: str, role: str, **fields: Any) -> dict[str, Any]:
         "in_flight": 0,
         "picks": 0,
         "load": None,
+        "service": {
+            "prompt_tokens_per_s": None,
+            "queued_prompt_tokens": 0,
+            "decoding": 0,
+            "inter_token_s_by_batch": {},
+        },
         "consecutive_failures": 0,
         "load_problem": None,
         "uptime_s": None,

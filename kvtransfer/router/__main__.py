@@ -187,6 +187,20 @@ def _parser() -> argparse.ArgumentParser:
         "decode daemon alone (0: always prefill then decode; default 0)",
     )
     parser.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=0.0,
+        help="time-to-first-token target; with --slo-itl-ms the router routes each request P/D "
+        "or to a decode alone, whichever it predicts meets both (needs the prompt's token ids; "
+        "default 0: none)",
+    )
+    parser.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=0.0,
+        help="mean inter-token latency target, with --slo-ttft-ms (default 0: none)",
+    )
+    parser.add_argument(
         "--tokenizer",
         metavar="MODEL",
         help="the daemons' --model (builtin[:preset] or a model directory): the router then "
@@ -295,6 +309,8 @@ def config_from_args(
         max_queued_requests=args.max_queued_requests,
         dns_interval_s=args.dns_interval_s,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
         tokenizer=args.tokenizer,
         chat_template=args.chat_template,
         kv_events_port=args.kv_events_port,

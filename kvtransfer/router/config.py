@@ -151,6 +151,9 @@ class RouterConfig:
     requests run at once (0: no limit), ``max_queued_requests`` more wait for a slot; beyond
     that, 429. ``disagg_min_prompt_tokens``: a prompt whose token ids are known and whose
     uncached part is shorter runs on a decode daemon alone (0: always disaggregate).
+    ``slo_ttft_ms`` and ``slo_itl_ms`` (both or neither; 0: none): per-request targets; with
+    them the router picks P/D or the decode alone per request, the route predicted to meet both
+    (`kvtransfer.router.routing.disagg`).
     ``admin_token`` turns on the admin API (``/workers``). ``release_timeout_s`` is the
     deadline of a ``ReleaseKV`` call. ``max_request_bytes`` is the largest HTTP body accepted
     (413 above it); give the daemons the same value (`kvtransfer.clients.limits`).
@@ -198,6 +201,8 @@ class RouterConfig:
     max_queued_requests: int = 1024
     dns_interval_s: float = 5.0
     disagg_min_prompt_tokens: int = 0
+    slo_ttft_ms: float = 0.0
+    slo_itl_ms: float = 0.0
     tokenizer: str | None = None
     chat_template: str | None = None
     kv_events_port: int | None = None
@@ -258,6 +263,14 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0 (0: none), got {value!r}")
+        if (self.slo_ttft_ms > 0) != (self.slo_itl_ms > 0):
+            raise ValueError(
+                "the SLO targets go together: give both --slo-ttft-ms and --slo-itl-ms, or neither"
+            )
         for role in ("prefill", "decode"):
             check_policy_name(self.policy_for(role))
         check_max_request_bytes(self.max_request_bytes)

@@ -1,6 +1,7 @@
 """What both P/D flows (kvtransfer daemons over gRPC, vLLM servers over HTTP) decide alike:
-whether a prompt skips the prefill (conditional disaggregation, `goes_alone`) and how long to
-wait before a retry on another instance (`retry_pause`)."""
+whether a request is disaggregated or runs on a decode alone (`route_decision`, the fleet's
+view handed to `routing.disagg.decide`) and how long to wait before a retry on another instance
+(`retry_pause`)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,27 @@ import random
 import time
 
 from kvtransfer.router.fleet.fleet import Fleet
-from kvtransfer.router.routing.policy import RouteContext, UncachedEstimator, whole_prompt_uncached
+from kvtransfer.router.routing.disagg import DisaggRule, RouteDecision, decide
+from kvtransfer.router.routing.policy import RouteContext
 
 # Back-off before retry n: RETRY_BACKOFF_S * 2**(n-1), at most RETRY_MAX_BACKOFF_S, +-20%.
 RETRY_BACKOFF_S = 0.05
 RETRY_MAX_BACKOFF_S = 1.0
 
 
-def goes_alone(fleet: Fleet, threshold: int, route: RouteContext) -> bool:
-    """Conditional disaggregation: a known prompt with fewer uncached tokens than
-    ``threshold`` (``disagg_min_prompt_tokens``; 0: never) is not worth a prefill and a KV
-    transfer."""
-    if threshold <= 0 or route.token_ids is None:
-        return False
-    candidates = [i for i in fleet.instances("decode") if i.pickable()]
-    policy = fleet.policies["decode"]
-    if isinstance(policy, UncachedEstimator):
-        uncached = policy.uncached_tokens(candidates, route)
-    else:
-        uncached = whole_prompt_uncached(candidates, route)
-    return uncached < threshold
+def route_decision(
+    fleet: Fleet, rule: DisaggRule, route: RouteContext, max_tokens: int
+) -> RouteDecision:
+    """P/D or a decode alone for one request, from the fleet's pickable instances now."""
+    pickable = [i for i in fleet.instances() if i.pickable()]
+    return decide(
+        rule,
+        route,
+        max_tokens,
+        [i for i in pickable if i.role == "prefill"],
+        [i for i in pickable if i.role == "decode" and not i.aggregated],
+        fleet.policies["decode"],
+    )
 
 
 async def retry_pause(attempt: int, deadline: float) -> None:

@@ -122,6 +122,13 @@ class RouterMetrics:
             ["mode"],
             registry=self.registry,
         )
+        self._decisions = Counter(
+            "kvtransfer_router_route_decisions",
+            "Route decisions (kvtransfer.router.routing.disagg): disaggregated or decode_only, "
+            "by reason (a threshold, the SLO predictions, or why neither applied)",
+            ["mode", "reason"],
+            registry=self.registry,
+        )
         self._fleet_changes = Counter(
             "kvtransfer_router_fleet_changes",
             "Instances added to or removed from the fleet, by role, change and source (static, "
@@ -216,6 +223,9 @@ class RouterMetrics:
 
     def route_mode(self, mode: str) -> None:
         self._routes.labels(mode=mode).inc()
+
+    def route_decision(self, mode: str, reason: str) -> None:
+        self._decisions.labels(mode=mode, reason=reason).inc()
 
     def instance_breaker(self, role: str, address: str, state: str) -> None:
         self._breaker_transitions.labels(role=role, address=address, state=state).inc()

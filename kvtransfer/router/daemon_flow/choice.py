@@ -3,9 +3,11 @@
 Life cycle of a choice (step 4 of a request, see `kvtransfer.router.web.app`):
 
 1. Route: the choice's `RouteContext` holds its id and, when the router knows them, its
-   prompt's token ids. With ``disagg_min_prompt_tokens`` N > 0 and the token ids known, a
-   prompt whose uncached part is below N (the decode policy's estimate when it makes one,
-   `policy.UncachedEstimator`; else the whole prompt) runs on a decode instance alone (step 7).
+   prompt's token ids. `disagg.decide` chooses P/D or a decode instance alone (step 7): by
+   ``disagg_min_prompt_tokens`` (a prompt whose uncached part is below it goes alone), and with
+   SLO targets by the route predicted to meet them, from what the router measured of each
+   instance (`fleet.service`: every call below feeds it). The decision and its reason go into
+   the metrics and the answer's ``kvtransfer`` object.
 2. Pick (`fleet.Fleet.pick`, each role's policy over its healthy instances whose breaker lets
    calls through): the decode instance first, among the decode daemons and the aggregated
    instances (only the latter when no prefill may be picked). With none the choice fails 503
@@ -58,6 +60,7 @@ Life cycle of a choice (step 4 of a request, see `kvtransfer.router.web.app`):
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -71,9 +74,11 @@ from kvtransfer.router.daemon_flow.report import ChoiceReport
 from kvtransfer.router.daemon_flow.upstream import PrefillResult, Upstream
 from kvtransfer.router.errors import UpstreamError
 from kvtransfer.router.fleet.instance import Instance
-from kvtransfer.router.flow_rules import goes_alone
+from kvtransfer.router.fleet.service import PromptTicket, ServiceStats
+from kvtransfer.router.flow_rules import route_decision
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
+from kvtransfer.router.routing.disagg import DisaggRule
 from kvtransfer.router.tracing import TraceExporter
 from kvtransfer.timeline import BOOK, now_ns
 
@@ -108,6 +113,7 @@ class ChoiceRunner:
         self.leases = Leases(config.max_retries, metrics)
         self.kv = KvReleases(upstream, config.release_timeout_s, metrics)
         self.report = ChoiceReport(metrics, traces)
+        self.rule = DisaggRule.of(config)
 
     @property
     def releases(self) -> set[asyncio.Task[None]]:
@@ -127,7 +133,10 @@ class ChoiceRunner:
         early (the client left, a sibling failed) cancels its calls and releases its KV."""
         upstream = self._require_upstream()
         fleet = upstream.fleet
-        alone = self._goes_alone(upstream, exchange)
+        decision = route_decision(fleet, self.rule, exchange.context, exchange.choice.max_tokens)
+        exchange.decision = decision
+        self.metrics.route_decision(decision.mode, decision.reason)
+        alone = decision.alone
         lease: Lease | None = None
         can_prefill = fleet.any_pickable("prefill")
         if not alone and (exchange.choice.max_tokens > 1 or not can_prefill):
@@ -238,34 +247,64 @@ class ChoiceRunner:
         """Step 7: the whole choice on one decode instance (``lease``'s, else one picked now),
         retried before its first message."""
         leg = DecodeLeg(upstream, exchange, lease or self.leases.take(upstream, "decode", exchange))
+        tokens = _uncached_estimate(exchange)
+        ticket = leg.instance.service.prompt_started(tokens)
         try:
             leg.start_alone()
             exchange.route = {"decode": leg.address}
-            why = "an aggregated instance" if leg.instance.aggregated else "short uncached prompt"
+            why = "an aggregated instance"
+            if not leg.instance.aggregated and exchange.decision is not None:
+                why = exchange.decision.reason
             exchange.log.info("decoding alone on %s (%s)", leg.address, why)
             while True:
                 try:
-                    async with aclosing(self._follow(exchange, Decoded(), leg)) as deltas:
+                    follow = self._follow(exchange, Decoded(), leg, ticket)
+                    async with aclosing(follow) as deltas:
                         async for delta in deltas:
                             yield delta
                     return
                 except UpstreamError as exc:
                     if leg.answered:
                         raise
+                    leg.instance.service.prompt_abandoned(ticket)
                     leg.restart(await self.leases.retry(upstream, exchange, leg.tried, exc))
+                    ticket = leg.instance.service.prompt_started(tokens)
                     exchange.route = {"decode": leg.address}
         finally:
+            leg.instance.service.prompt_abandoned(ticket)
             await leg.close()
 
     async def _follow(
-        self, exchange: Exchange, decoded: Decoded, leg: DecodeLeg
+        self,
+        exchange: Exchange,
+        decoded: Decoded,
+        leg: DecodeLeg,
+        prompt: PromptTicket | None = None,
     ) -> AsyncIterator[Delta]:
-        """The decode stream's deltas, the last one with the finish reason."""
-        async for reply in leg.messages():
-            if not decoded.absorb(reply):
-                continue
-            if decoded.final is None and (reply.text or reply.token_ids):
-                yield message_delta(exchange, reply)
+        """The decode stream's deltas, the last one with the finish reason. Its instance's
+        `ServiceStats` get the gaps between its tokens and, for a decode alone (``prompt``),
+        the prompt's compute time up to its first token."""
+        service = leg.instance.service
+        last_tokens_at: float | None = None
+        try:
+            async for reply in leg.messages():
+                if not decoded.absorb(reply):
+                    continue
+                if reply.token_ids:
+                    now = time.monotonic()
+                    if last_tokens_at is None:
+                        # Its first tokens: the gap before them is the prompt or the KV load.
+                        if prompt is not None:
+                            service.prompt_done(prompt)
+                        service.decoding += 1
+                    else:
+                        service.token_gap(now - last_tokens_at, len(reply.token_ids))
+                    last_tokens_at = now
+                if decoded.final is None and (reply.text or reply.token_ids):
+                    yield message_delta(exchange, reply)
+        finally:
+            if last_tokens_at is not None:
+                service.decoding -= 1
         failure = decoded.failure(leg.address)
         if failure is not None:
             # An error finish on a P/D decode is mostly its KV load failing (the producer's
@@ -284,9 +323,6 @@ class ChoiceRunner:
         if self.upstream is None:
             raise RuntimeError("the router is closed (no gRPC channels)")
         return self.upstream
-
-    def _goes_alone(self, upstream: Upstream, exchange: Exchange) -> bool:
-        return goes_alone(upstream.fleet, self.config.disagg_min_prompt_tokens, exchange.context)
 
     async def _prefill(
         self, upstream: Upstream, exchange: Exchange, leg: DecodeLeg | None
@@ -314,6 +350,7 @@ class ChoiceRunner:
         )
         on_params = leg.start_early if leg is not None and streams else None
         called = now_ns()
+        ticket = lease.instance.service.prompt_started(_uncached_estimate(exchange))
         call = asyncio.ensure_future(
             upstream.run_prefill(
                 lease.instance,
@@ -326,6 +363,9 @@ class ChoiceRunner:
         # Bound now: the loop below leases decodes, and the prefill's lease must end with its
         # call, not whichever lease a name pointed at by then.
         call.add_done_callback(lambda _, prefill_lease=lease: prefill_lease.end())
+        call.add_done_callback(
+            lambda done, service=lease.instance.service: _prompt_ended(service, ticket, done)
+        )
         call.add_done_callback(
             lambda _, rid=exchange.request_id, address=lease.instance.address: BOOK.record(
                 rid, "prefill_call", called, now_ns(), instance=address, kv_stream=streams
@@ -357,6 +397,26 @@ class ChoiceRunner:
         except asyncio.CancelledError:
             self.kv.abandon(exchange, lease, call, "client_gone")
             raise
+
+
+def _uncached_estimate(exchange: Exchange) -> int:
+    """The prompt tokens the decision expected to be computed (0: not known)."""
+    decision = exchange.decision
+    if decision is not None and decision.uncached_tokens is not None:
+        return decision.uncached_tokens
+    return len(exchange.context.token_ids or ())
+
+
+def _prompt_ended(service: ServiceStats, ticket: PromptTicket, call: asyncio.Future[Any]) -> None:
+    """A prefill call ended: a rate sample from what it computed when it succeeded."""
+    if call.cancelled() or call.exception() is not None:
+        service.prompt_abandoned(ticket)
+        return
+    final = call.result().final
+    computed = None
+    if final.num_prompt_tokens:
+        computed = final.num_prompt_tokens - int(final.metrics.num_cached_tokens)
+    service.prompt_done(ticket, computed)
 
 
 class _DecodeEndedFirst(Exception):

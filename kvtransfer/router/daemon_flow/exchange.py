@@ -10,6 +10,7 @@ from typing import Any
 
 from kvtransfer.router.errors import UpstreamError
 from kvtransfer.router.openai.requests import Choice
+from kvtransfer.router.routing.disagg import RouteDecision
 from kvtransfer.router.routing.policy import RouteContext
 from kvtransfer.v1 import generation_pb2
 
@@ -50,6 +51,8 @@ class Exchange:
     decoded: bool = False
     # The client's W3C trace context (its ``traceparent`` header): the trace's parent.
     traceparent: str | None = None
+    # P/D or the decode alone, and why (`routing.disagg.decide`); None until decided.
+    decision: RouteDecision | None = None
 
 
 @dataclass

@@ -115,6 +115,9 @@ def _kvtransfer_info(exchange: Exchange, decoded: Decoded, spans: Sequence[Span]
             "decode" if decoded.prefill is None else "prefill"
         ),
         "phases": decoded.phases(),
+        # P/D or the decode alone, the rule's reason and its predictions (an aggregated
+        # instance the decode policy picked runs alone whatever was decided).
+        "route_decision": None if exchange.decision is None else exchange.decision.describe(),
         # Where each millisecond went: every span, in ms from the request's arrival here
         # (that instant as wall-clock ns, to line a client's own times up with them).
         "timeline": relative(spans, origin),

@@ -10,6 +10,7 @@ import grpc
 
 from kvtransfer.control.placement import Placement
 from kvtransfer.router.fleet.breaker import CircuitBreaker
+from kvtransfer.router.fleet.service import ServiceStats
 from kvtransfer.router.fleet.vllm_endpoint import VllmEndpoint
 from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.routing.policy import InstanceLoad
@@ -65,6 +66,8 @@ class Instance:
         self.in_flight = 0
         self.picks = 0
         self.load: InstanceLoad | None = None
+        # Its speed as measured from the calls routed here (the SLO rule predicts from it).
+        self.service = ServiceStats()
         # Where it computes, from its GetStatus (None: not reported, or not yet).
         self.placement: Placement | None = None
         self.removed = False
@@ -146,6 +149,7 @@ class Instance:
             "pickable": self.pickable(),
             "in_flight": self.in_flight,
             "picks": self.picks,
+            "service": self.service.describe(),
             "load": None
             if load is None
             else {

@@ -16,6 +16,7 @@ from kvtransfer.router.errors import FAILED_ANSWER, FailedAnswer
 from kvtransfer.router.fleet.instance import Instance
 from kvtransfer.router.fleet.vllm_endpoint import VllmEndpoint, read_at_most
 from kvtransfer.router.openai.requests import InvalidRequest, parse_json_body
+from kvtransfer.router.routing.disagg import RouteDecision
 from kvtransfer.router.vllm_flow.failures import AnswerTooLarge, unusable_answer
 from kvtransfer.router.vllm_flow.request import VllmCall
 
@@ -115,9 +116,23 @@ async def read_or_empty(response: aiohttp.ClientResponse) -> bytes:
     return f"(a body over {ERROR_BYTES} bytes)".encode() if raw is None else raw
 
 
+# vLLM's answer is passed through as it came, so the route decision travels in a header:
+# "MODE; reason=REASON; uncached_tokens=N".
+ROUTE_HEADER = "x-kvtransfer-route"
+
+
+def route_header(decision: RouteDecision) -> str:
+    value = f"{decision.mode}; reason={decision.reason}"
+    if decision.uncached_tokens is not None:
+        value += f"; uncached_tokens={decision.uncached_tokens}"
+    return value
+
+
 def answer_headers(call: VllmCall, upstream: Mapping[str, str]) -> dict[str, str]:
     headers = {name: upstream[name] for name in PASSED_HEADERS if name in upstream}
     headers["x-request-id"] = call.request_id
+    if call.decision is not None:
+        headers[ROUTE_HEADER] = route_header(call.decision)
     # Reverse proxies (nginx) would otherwise buffer a stream and defeat it.
     headers["X-Accel-Buffering"] = "no"
     return headers

@@ -11,12 +11,15 @@ Life cycle of a request (after the app's steps 1-3: the id, the body's size, JSO
 checked, admission):
 
 1. Route: the prompt's token ids when the router knows them (its tokenizer and request parser
-   understood the body), for ``cache_aware`` and ``disagg_min_prompt_tokens``.
+   understood the body), for ``cache_aware`` and `disagg.decide` (P/D or the decode alone: by
+   ``disagg_min_prompt_tokens``, or with SLO targets by the route predicted to meet them, from
+   the prefill calls' durations and the gaps between the decodes' streamed events this router
+   timed). The decision goes into the metrics and the answer's ``x-kvtransfer-route`` header.
 2. Pick the decode instance first (the decode policy weighs aggregated instances, ``kv_both``
    servers listed with ``--aggregated``, with the others; with no prefill to pick, only they
    can serve): with none, 503 before any prefill holds KV for nobody. An aggregated instance,
-   or a prompt with fewer uncached tokens than ``disagg_min_prompt_tokens``, goes to it alone
-   (step 5 without params). Otherwise a prefill instance is picked too.
+   or a request decided to go alone, goes to it alone (step 5 without params). Otherwise a
+   prefill instance is picked too.
 3. Prefill: the client's path and body with ``max_tokens`` 1, ``stream`` false, no
    ``max_completion_tokens``, ``min_tokens``, ``stream_options`` or log-probability options, and
    ``kv_transfer_params`` ``{"do_remote_decode": true, "do_remote_prefill": false}``; header
@@ -66,11 +69,14 @@ from kvtransfer.router.errors import (
 )
 from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.fleet.instance import Instance
-from kvtransfer.router.flow_rules import goes_alone, retry_pause
+from kvtransfer.router.fleet.service import PromptTicket, ServiceStats
+from kvtransfer.router.flow_rules import retry_pause, route_decision
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai.requests import error_body
+from kvtransfer.router.routing.disagg import DisaggRule
 from kvtransfer.router.vllm_flow.answers import (
+    ROUTE_HEADER,
     TAIL_BYTES,
     answer_headers,
     closing_bytes,
@@ -80,6 +86,7 @@ from kvtransfer.router.vllm_flow.answers import (
     read_bounded,
     read_or_empty,
     reported_cached_tokens,
+    route_header,
     streamed_cached_tokens,
 )
 from kvtransfer.router.vllm_flow.calls import VllmCalls
@@ -107,6 +114,8 @@ _PREFILL_DROPS = (
     "echo",
 )
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+# vLLM's completions default when a body gives no max_tokens.
+VLLM_DEFAULT_MAX_TOKENS = 16
 # The most of a JSON answer (a decode's, an error) the router holds in memory to pass on: far
 # above one sample's answer (100,000 tokens with 20 log-probabilities each fit), far below
 # what would hurt the router with many at once.
@@ -123,6 +132,7 @@ class VllmProxy:
         self.metrics = metrics
         self.fleet = fleet
         self.calls = VllmCalls(config, fleet)
+        self.rule = DisaggRule.of(config)
 
     async def serve(self, call: VllmCall) -> web.StreamResponse:
         """The client's answer: the decode's, passed through; raises `UpstreamError` when no
@@ -132,13 +142,16 @@ class VllmProxy:
         if not can_prefill and not fleet.any_pickable(AGGREGATED):
             fleet.require_pickable("decode")
             fleet.require_pickable("prefill")
+        decision = route_decision(fleet, self.rule, call.route, _max_tokens(call.body))
+        call.decision = decision
+        self.metrics.route_decision(decision.mode, decision.reason)
         decode = fleet.pick("decode", call.route, aggregated=None if can_prefill else True)
         tried = [decode]
         try:
             params: dict[str, Any] | None = None
             if decode.aggregated:
                 self.metrics.route_mode("aggregated")
-            elif goes_alone(fleet, self.config.disagg_min_prompt_tokens, call.route):
+            elif decision.alone:
                 self.metrics.route_mode("decode_only")
             else:
                 self.metrics.route_mode("disaggregated")
@@ -165,8 +178,16 @@ class VllmProxy:
         try:
             while True:
                 instance = tried[-1]
+                ticket = instance.service.prompt_started(_uncached(call))
                 try:
-                    status, raw, headers = await self.calls.prefill(call, instance, body)
+                    try:
+                        status, raw, headers = await self.calls.prefill(call, instance, body)
+                        if status == 200:
+                            # vLLM's answer does not say how many tokens it computed: the
+                            # estimate stands.
+                            instance.service.prompt_done(ticket)
+                    finally:
+                        instance.service.prompt_abandoned(ticket)  # failed: no sample
                     if 400 <= status < 500:
                         return passed_through(instance, call.request_id, status, raw, headers)
                     if status != 200:
@@ -190,6 +211,22 @@ class VllmProxy:
         body = dict(call.body)
         if params is not None:
             body["kv_transfer_params"] = params
+        # A decode alone computes the prompt: timed up to its first streamed event.
+        ticket = instance.service.prompt_started(_uncached(call)) if params is None else None
+        try:
+            return await self._decode_answer(call, instance, params, body, ticket)
+        finally:
+            if ticket is not None:
+                instance.service.prompt_abandoned(ticket)
+
+    async def _decode_answer(
+        self,
+        call: VllmCall,
+        instance: Instance,
+        params: dict[str, Any] | None,
+        body: dict[str, Any],
+        ticket: PromptTicket | None,
+    ) -> web.StreamResponse:
         upstream = await self.calls.decode(call, instance, body)
         async with upstream:
             status = upstream.status
@@ -210,22 +247,44 @@ class VllmProxy:
                     self.metrics.first_token(time.monotonic() - call.started)
                     if self._decode_predicted(call, params):
                         self._prediction(call, "decode", reported_cached_tokens(raw))
-                return passed_through(instance, call.request_id, status, raw, upstream.headers)
-            response, tail = await self._stream(call, instance, upstream)
+                answer = passed_through(instance, call.request_id, status, raw, upstream.headers)
+                if call.decision is not None:
+                    answer.headers[ROUTE_HEADER] = route_header(call.decision)
+                return answer
+            response, tail = await self._stream(call, instance, upstream, ticket)
             if tail is not None and self._decode_predicted(call, params):
                 self._prediction(call, "decode", streamed_cached_tokens(tail))
             return response
 
     async def _stream(
-        self, call: VllmCall, instance: Instance, upstream: aiohttp.ClientResponse
+        self,
+        call: VllmCall,
+        instance: Instance,
+        upstream: aiohttp.ClientResponse,
+        ticket: PromptTicket | None,
     ) -> tuple[web.StreamResponse, bytes | None]:
         """vLLM's events as they come, and the stream's last bytes when it ended with
         ``[DONE]``; the client's response opens at the first byte, so a decode that fails
-        before it is still retried."""
+        before it is still retried. The gaps between events feed the instance's
+        `ServiceStats` (and its first event ends ``ticket``'s prompt)."""
+        timer = _EventTimer(instance.service, ticket)
+        try:
+            return await self._relay(call, instance, upstream, timer)
+        finally:
+            timer.close()
+
+    async def _relay(
+        self,
+        call: VllmCall,
+        instance: Instance,
+        upstream: aiohttp.ClientResponse,
+        timer: _EventTimer,
+    ) -> tuple[web.StreamResponse, bytes | None]:
         response: web.StreamResponse | None = None
         tail = b""
         try:
             async for chunk in upstream.content.iter_any():
+                timer.chunk(chunk)
                 tail = (tail + chunk[-TAIL_BYTES:])[-TAIL_BYTES:]
                 if response is None:
                     response = web.StreamResponse(headers=answer_headers(call, upstream.headers))
@@ -302,3 +361,47 @@ class VllmProxy:
         self.metrics.upstream_error(exc.role, exc.reason)
         self.metrics.retry(exc.role, exc.reason)
         tried.append(instance)
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The request's output bound as the decision reads it (vLLM's own default when unset)."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return VLLM_DEFAULT_MAX_TOKENS
+
+
+def _uncached(call: VllmCall) -> int:
+    decision = call.decision
+    if decision is not None and decision.uncached_tokens is not None:
+        return decision.uncached_tokens
+    return len(call.route.token_ids or ())
+
+
+class _EventTimer:
+    """Times one decode stream's server-sent events for its instance's `ServiceStats`: each
+    ``data:`` event but ``[DONE]`` counts as one token (vLLM streams a token per event)."""
+
+    def __init__(self, service: ServiceStats, ticket: PromptTicket | None) -> None:
+        self._service = service
+        self._ticket = ticket
+        self._last: float | None = None
+
+    def chunk(self, chunk: bytes) -> None:
+        events = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+        if events <= 0:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            if self._ticket is not None:
+                self._service.prompt_done(self._ticket)
+            self._service.decoding += 1
+        else:
+            self._service.token_gap(now - self._last, events)
+        self._last = now
+
+    def close(self) -> None:
+        if self._last is not None:
+            self._service.decoding -= 1
+            self._last = None

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtransfer.router.openai.requests import InvalidRequest
+from kvtransfer.router.routing.disagg import RouteDecision
 from kvtransfer.router.routing.policy import RouteContext
 
 
@@ -60,6 +61,8 @@ class VllmCall:
     started: float
     deadline: float
     log: logging.LoggerAdapter[logging.Logger]
+    # P/D or the decode alone, and why (`routing.disagg.decide`); None until decided.
+    decision: RouteDecision | None = None
 
     @property
     def path(self) -> str:

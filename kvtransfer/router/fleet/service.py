@@ -1,0 +1,120 @@
+"""`ServiceStats`: what the router measured of one instance's speed, from the calls it routed
+there. The SLO rule (`kvtransfer.router.routing.disagg`) predicts a route's TTFT and
+inter-token latency from it.
+
+Measured on the router's side, so it is the same for kvtransfer daemons and vLLM servers and
+needs nothing from their reports:
+
+- **prompt rate** (tokens/s): each prompt computation (a prefill call; a decode-alone request
+  up to its first token) gives a sample, its computed tokens over its service time. Calls are
+  treated as served one after another (FIFO): a call's service time starts at its own start or
+  at the end of the instance's previous prompt, whichever is later, so time spent queued
+  behind another prompt is not counted as slowness.
+- **queued prompt tokens**: the tokens of prompt computations in flight on it.
+- **inter-token latency by batch**: every gap between two streamed deltas of a decode, per
+  token, filed under the number of requests decoding on the instance at that moment.
+
+Each figure is an exponentially weighted mean (`EWMA_WEIGHT` for the newest sample), so it
+follows a change of load within a few requests. Nothing here blocks or locks: it runs on the
+router's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+EWMA_WEIGHT = 0.2
+# Batches above this share one bucket: a CPU engine's step time has flattened by then.
+MAX_BATCH_BUCKET = 32
+
+
+def _blend(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * sample
+
+
+@dataclass
+class PromptTicket:
+    """One prompt computation in flight on an instance."""
+
+    tokens: int
+    started: float
+    done: bool = False
+
+
+class ServiceStats:
+    """One instance's measured prompt rate, queued prompt tokens and inter-token latency."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens_per_s: float | None = None
+        self.queued_prompt_tokens = 0
+        self.decoding = 0
+        self._itl_by_batch: dict[int, float] = {}
+        self._last_prompt_end = float("-inf")
+
+    def prompt_started(self, tokens: int) -> PromptTicket:
+        """A prompt of ``tokens`` uncached tokens (0: not known) starts computing here."""
+        tokens = max(0, tokens)
+        self.queued_prompt_tokens += tokens
+        return PromptTicket(tokens, time.monotonic())
+
+    def prompt_done(self, ticket: PromptTicket, computed_tokens: int | None = None) -> None:
+        """The prompt of ``ticket`` ended; ``computed_tokens``, when the engine said how many it
+        computed, replaces the estimate in the sample. Idempotent: a failed call may end twice.
+        """
+        if ticket.done:
+            return
+        ticket.done = True
+        self.queued_prompt_tokens = max(0, self.queued_prompt_tokens - ticket.tokens)
+        now = time.monotonic()
+        tokens = ticket.tokens if computed_tokens is None else computed_tokens
+        served = now - max(ticket.started, self._last_prompt_end)
+        self._last_prompt_end = now
+        if tokens > 0 and served > 0:
+            self.prompt_tokens_per_s = _blend(self.prompt_tokens_per_s, tokens / served)
+
+    def prompt_abandoned(self, ticket: PromptTicket) -> None:
+        """The prompt of ``ticket`` ended without a result (failed, cancelled): no sample."""
+        if not ticket.done:
+            ticket.done = True
+            self.queued_prompt_tokens = max(0, self.queued_prompt_tokens - ticket.tokens)
+
+    def token_gap(self, seconds: float, tokens: int) -> None:
+        """``tokens`` tokens arrived ``seconds`` after the previous ones of the same stream."""
+        if tokens <= 0 or seconds < 0:
+            return
+        bucket = min(max(1, self.decoding), MAX_BATCH_BUCKET)
+        self._itl_by_batch[bucket] = _blend(self._itl_by_batch.get(bucket), seconds / tokens)
+
+    def inter_token_s(self, batch: int) -> float | None:
+        """The expected gap between tokens with ``batch`` requests decoding here: the bucket's
+        mean when measured, else a straight line through the nearest measured buckets (flat
+        beyond the largest or below the smallest), ``None`` before any was measured."""
+        known = self._itl_by_batch
+        if not known:
+            return None
+        batch = min(max(1, batch), MAX_BATCH_BUCKET)
+        if batch in known:
+            return known[batch]
+        below = [b for b in known if b < batch]
+        above = [b for b in known if b > batch]
+        if below and above:
+            lo, hi = max(below), min(above)
+            share = (batch - lo) / (hi - lo)
+            return known[lo] + share * (known[hi] - known[lo])
+        if below and len(below) >= 2:
+            # Extrapolate the last measured slope upwards (never downwards: more requests in a
+            # batch do not make a step faster).
+            b1, b2 = sorted(below)[-2:]
+            slope = max(0.0, (known[b2] - known[b1]) / (b2 - b1))
+            return known[b2] + slope * (batch - b2)
+        return known[max(below)] if below else known[min(above)]
+
+    def describe(self) -> dict[str, object]:
+        """What ``GET /workers`` and the fleet page show of it."""
+        return {
+            "prompt_tokens_per_s": self.prompt_tokens_per_s,
+            "queued_prompt_tokens": self.queued_prompt_tokens,
+            "decoding": self.decoding,
+            "inter_token_s_by_batch": dict(sorted(self._itl_by_batch.items())),
+        }

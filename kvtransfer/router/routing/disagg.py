@@ -1,0 +1,228 @@
+"""Whether a request is worth disaggregating: `decide` picks, per request, between P/D (a
+prefill computes the prompt, a decode pulls its KV and decodes) and the decode instance alone
+(it computes the prompt itself, as a colocated engine would). Both flows (kvtransfer daemons,
+vLLM servers) ask it before they pick instances; an aggregated instance the decode policy picks
+afterwards runs the request alone whatever was decided.
+
+Two rules, one decision:
+
+- **Threshold** (``--disagg-min-prompt-tokens N``, no SLOs given): a prompt with fewer than N
+  uncached tokens goes alone; every other one is disaggregated (N = 0: always).
+- **SLO** (``--slo-ttft-ms`` and ``--slo-itl-ms``): the route predicted to meet both targets,
+  from what the router measured of each instance (`kvtransfer.router.fleet.service`):
+
+  * P/D: TTFT = (the prefill's queued prompt tokens + this prompt's uncached tokens) / its
+    prompt rate (the first token comes from the prefill), the best pickable prefill;
+    inter-token latency = the decode's measured gap at its batch + 1.
+  * Alone on a decode: TTFT the same way on the decode (its own prompt rate, else the
+    prefills': the same hardware is assumed); its own gap at batch + 1; and its prompt stalls
+    every request decoding there by the prompt's compute time, spread over this request's
+    ``max_tokens`` (the stand-in for their remaining output): their gap after it must stay
+    within the target too.
+
+  P/D is kept when it meets both (it keeps prefills off the decodes, which is what
+  disaggregation is for); else alone when that meets both; when neither does, the lower
+  predicted TTFT, unless going alone would push the decodes' gap past the target. A prompt
+  below the threshold still goes alone first (a floor), and so does everything while the
+  router has measured too little to predict (``no_profile``: the threshold rule decides).
+
+The static threshold is thus the SLO rule with no targets. Each decision names its reason
+(`RouteDecision.reason`, a metric label) and carries its predictions into the answer's
+``kvtransfer`` object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from kvtransfer.router.routing.policy import (
+    Candidate,
+    Policy,
+    RouteContext,
+    UncachedEstimator,
+    whole_prompt_uncached,
+)
+
+if TYPE_CHECKING:
+    from kvtransfer.router.config import RouterConfig
+
+DISAGGREGATED = "disaggregated"
+DECODE_ONLY = "decode_only"
+
+# Reasons (the ``reason`` label of kvtransfer_router_route_decisions_total).
+ALWAYS = "always_disaggregate"  # no threshold, no SLO
+TOKENS_UNKNOWN = "prompt_tokens_unknown"  # a chat, or a text prompt without --tokenizer
+BELOW_THRESHOLD = "below_threshold"
+AT_THRESHOLD = "at_or_above_threshold"
+NO_PROFILE = "no_profile"  # SLOs given, but too little measured yet
+PD_MEETS = "pd_meets_slo"
+ALONE_MEETS = "alone_meets_slo"  # P/D predicted to miss, alone to meet
+NEITHER_PD = "neither_meets_pd"
+NEITHER_ALONE = "neither_meets_alone"
+NO_PREFILL = "no_prefill_pickable"
+REASONS = (
+    ALWAYS,
+    TOKENS_UNKNOWN,
+    BELOW_THRESHOLD,
+    AT_THRESHOLD,
+    NO_PROFILE,
+    PD_MEETS,
+    ALONE_MEETS,
+    NEITHER_PD,
+    NEITHER_ALONE,
+    NO_PREFILL,
+)
+
+
+class ServiceView(Protocol):
+    """What the rule reads of an instance's measured speed (`fleet.service.ServiceStats`)."""
+
+    prompt_tokens_per_s: float | None
+    queued_prompt_tokens: int
+    decoding: int
+
+    def inter_token_s(self, batch: int) -> float | None: ...
+
+
+class SloCandidate(Candidate, Protocol):
+    """A pickable instance as the rule sees it: a policy's `Candidate` with its speed."""
+
+    service: ServiceView
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    """Per-request targets: time to first token and mean inter-token latency, in seconds."""
+
+    ttft_s: float
+    itl_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "itl_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"SLO {name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DisaggRule:
+    """``threshold``: ``disagg_min_prompt_tokens`` (0: none); ``slo``: targets, or ``None``."""
+
+    threshold: int = 0
+    slo: SloTargets | None = None
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> DisaggRule:
+        slo = None
+        if config.slo_ttft_ms > 0:
+            slo = SloTargets(config.slo_ttft_ms / 1e3, config.slo_itl_ms / 1e3)
+        return cls(config.disagg_min_prompt_tokens, slo)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """P/D (``disaggregated``) or the decode alone (``decode_only``), and why."""
+
+    mode: str
+    reason: str
+    uncached_tokens: int | None = None
+    # Predicted seconds: ttft_pd_s, itl_pd_s, ttft_alone_s, itl_alone_s, itl_others_s.
+    predicted: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def alone(self) -> bool:
+        return self.mode == DECODE_ONLY
+
+    def describe(self) -> dict[str, object]:
+        """The ``route_decision`` of the answer's ``kvtransfer`` object."""
+        return {
+            "mode": self.mode,
+            "reason": self.reason,
+            "uncached_tokens": self.uncached_tokens,
+            "predicted": {name: round(value, 6) for name, value in self.predicted.items()},
+        }
+
+
+def decide(
+    rule: DisaggRule,
+    route: RouteContext,
+    max_tokens: int,
+    prefills: Sequence[SloCandidate],
+    decodes: Sequence[SloCandidate],
+    decode_policy: Policy,
+) -> RouteDecision:
+    """The route of one request (see the module's docstring): ``prefills`` and ``decodes``
+    are the pickable instances of each role (decode daemons only: an aggregated instance never
+    takes KV), ``decode_policy`` the one whose prefix index, when it keeps one, says how much of
+    the prompt is cached."""
+    if rule.threshold <= 0 and rule.slo is None:
+        return RouteDecision(DISAGGREGATED, ALWAYS)
+    if route.token_ids is None:
+        return RouteDecision(DISAGGREGATED, TOKENS_UNKNOWN)
+    if isinstance(decode_policy, UncachedEstimator) and decodes:
+        uncached = decode_policy.uncached_tokens(decodes, route)
+    else:
+        uncached = whole_prompt_uncached(decodes, route)
+    if uncached < rule.threshold:
+        return RouteDecision(DECODE_ONLY, BELOW_THRESHOLD, uncached)
+    if rule.slo is None:
+        return RouteDecision(DISAGGREGATED, AT_THRESHOLD, uncached)
+    if not prefills:
+        return RouteDecision(DECODE_ONLY, NO_PREFILL, uncached)
+    return _by_slo(rule.slo, prefills, decodes, uncached, max(1, max_tokens))
+
+
+def _prompt_s(instance: SloCandidate, tokens: int, rate: float) -> float:
+    return (instance.service.queued_prompt_tokens + tokens) / rate
+
+
+def _by_slo(
+    slo: SloTargets,
+    prefills: Sequence[SloCandidate],
+    decodes: Sequence[SloCandidate],
+    uncached: int,
+    max_tokens: int,
+) -> RouteDecision:
+    rates = [p.service.prompt_tokens_per_s for p in prefills]
+    known = [(p, r) for p, r in zip(prefills, rates, strict=True) if r]
+    if not known or not decodes:
+        return RouteDecision(DISAGGREGATED, NO_PROFILE, uncached)
+    prefill_rate = max(r for _, r in known)
+    ttft_pd = min(_prompt_s(p, uncached, r) for p, r in known)
+    predicted = {"ttft_pd_s": ttft_pd}
+    # The decode's own gap at one more request; unmeasured counts as meeting the target (an
+    # instance that never decoded is idle or new).
+    itl_pd = min(_gap(d, d.service.decoding + 1) for d in decodes)
+    predicted["itl_pd_s"] = itl_pd
+    pd_ok = ttft_pd <= slo.ttft_s and itl_pd <= slo.itl_s
+
+    best: tuple[float, float, float] | None = None
+    for d in decodes:
+        rate = d.service.prompt_tokens_per_s or prefill_rate
+        ttft = _prompt_s(d, uncached, rate)
+        own = _gap(d, d.service.decoding + 1)
+        # Its prompt stalls the requests decoding there for its whole compute time.
+        others = 0.0
+        if d.service.decoding:
+            others = _gap(d, d.service.decoding) + (uncached / rate) / max_tokens
+        if best is None or ttft < best[0]:
+            best = (ttft, own, others)
+    if best is None:  # decodes is not empty; narrows the type
+        raise RuntimeError("unreachable: no decode to go alone on")
+    ttft_alone, itl_alone, itl_others = best
+    predicted.update(ttft_alone_s=ttft_alone, itl_alone_s=itl_alone, itl_others_s=itl_others)
+    alone_ok = ttft_alone <= slo.ttft_s and itl_alone <= slo.itl_s and itl_others <= slo.itl_s
+    if pd_ok:
+        return RouteDecision(DISAGGREGATED, PD_MEETS, uncached, predicted)
+    if alone_ok:
+        return RouteDecision(DECODE_ONLY, ALONE_MEETS, uncached, predicted)
+    if ttft_alone < ttft_pd and itl_others <= slo.itl_s:
+        return RouteDecision(DECODE_ONLY, NEITHER_ALONE, uncached, predicted)
+    return RouteDecision(DISAGGREGATED, NEITHER_PD, uncached, predicted)
+
+
+def _gap(instance: SloCandidate, batch: int) -> float:
+    gap = instance.service.inter_token_s(batch)
+    return 0.0 if gap is None else gap
