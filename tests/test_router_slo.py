@@ -1,0 +1,281 @@
+"""The router's route decision (`routing.disagg`) and what it predicts from (`fleet.service`):
+the measured-speed bookkeeping and each rule's reasons, one layer at a time; then with real
+daemons, every route taken when its condition holds, with tokens equal to colocated."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks, running, start_daemon
+
+from kvtransfer.router.config import RouterConfig
+from kvtransfer.router.fleet.service import ServiceStats
+from kvtransfer.router.routing.disagg import (
+    ALONE_MEETS,
+    ALWAYS,
+    AT_THRESHOLD,
+    BELOW_THRESHOLD,
+    DECODE_ONLY,
+    DISAGGREGATED,
+    NEITHER_ALONE,
+    NEITHER_PD,
+    NO_PREFILL,
+    NO_PROFILE,
+    PD_MEETS,
+    TOKENS_UNKNOWN,
+    DisaggRule,
+    SloTargets,
+    decide,
+)
+from kvtransfer.router.routing.policy import InstanceLoad, RoundRobin, RouteContext
+from kvtransfer.router.server import RouterServer
+
+MAX_TOKENS = 10
+SLO = SloTargets(ttft_s=1.0, itl_s=0.1)
+
+
+@dataclass
+class _Instance:
+    address: str
+    in_flight: int = 0
+    load: InstanceLoad | None = None
+    service: ServiceStats = field(default_factory=ServiceStats)
+
+
+def _measured(
+    rate: float | None, itl: dict[int, float] | None = None, queued: int = 0
+) -> _Instance:
+    instance = _Instance(f"127.0.0.1:{id(rate) % 60000 + 1}")
+    instance.service.prompt_tokens_per_s = rate
+    instance.service.queued_prompt_tokens = queued
+    for batch, gap in (itl or {}).items():
+        instance.service.decoding = batch
+        instance.service.token_gap(gap, 1)
+    instance.service.decoding = 0
+    return instance
+
+
+def _decide(rule: DisaggRule, prompt_tokens: int | None, prefills, decodes, max_tokens=64):
+    ids = None if prompt_tokens is None else tuple(range(prompt_tokens))
+    return decide(rule, RouteContext("r", ids), max_tokens, prefills, decodes, RoundRobin())
+
+
+# ---------------------------------------------------------------------- the bookkeeping
+
+
+@pytest.mark.unit
+def test_prompt_rate_counts_service_time_not_the_queue_behind_another_prompt(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    stats = ServiceStats()
+    first, second = stats.prompt_started(1000), stats.prompt_started(500)
+    assert stats.queued_prompt_tokens == 1500
+    clock[0] = 101.0
+    stats.prompt_done(first)
+    assert stats.prompt_tokens_per_s == 1000.0
+    # Served after the first one ended: 0.5 s of its own, not the 1.5 s since it started.
+    clock[0] = 101.5
+    stats.prompt_done(second, computed_tokens=250)
+    assert stats.prompt_tokens_per_s == pytest.approx(0.8 * 1000 + 0.2 * 500)
+    assert stats.queued_prompt_tokens == 0
+    # Ending twice, or abandoning an ended prompt, changes nothing.
+    stats.prompt_done(second)
+    stats.prompt_abandoned(first)
+    assert stats.queued_prompt_tokens == 0
+    failed = stats.prompt_started(300)
+    stats.prompt_abandoned(failed)
+    assert (stats.queued_prompt_tokens, stats.prompt_tokens_per_s) == (0, pytest.approx(900))
+
+
+@pytest.mark.unit
+def test_inter_token_latency_is_kept_per_batch_and_interpolated():
+    stats = ServiceStats()
+    assert stats.inter_token_s(1) is None
+    stats.decoding = 1
+    stats.token_gap(0.2, 2)  # two tokens in one delta: 0.1 s each
+    assert stats.inter_token_s(1) == pytest.approx(0.1)
+    # One bucket: flat everywhere.
+    assert stats.inter_token_s(8) == pytest.approx(0.1)
+    stats.decoding = 3
+    stats.token_gap(0.3, 1)
+    assert stats.inter_token_s(2) == pytest.approx(0.2)  # between the buckets
+    assert stats.inter_token_s(5) == pytest.approx(0.5)  # the last slope, upwards
+    assert stats.inter_token_s(0) == pytest.approx(0.1)  # batches start at 1
+    stats.token_gap(-1.0, 1)
+    stats.token_gap(1.0, 0)
+    assert stats.describe()["inter_token_s_by_batch"] == {1: 0.1, 3: 0.3}
+
+
+# ---------------------------------------------------------------------- the rules
+
+
+@pytest.mark.unit
+def test_without_slos_the_threshold_decides_and_zero_always_disaggregates():
+    p, d = _measured(1000.0), _measured(1000.0)
+    assert _decide(DisaggRule(), 5, [p], [d]).reason == ALWAYS
+    rule = DisaggRule(threshold=8)
+    below = _decide(rule, 7, [p], [d])
+    assert (below.mode, below.reason, below.uncached_tokens) == (DECODE_ONLY, BELOW_THRESHOLD, 7)
+    at = _decide(rule, 8, [p], [d])
+    assert (at.mode, at.reason) == (DISAGGREGATED, AT_THRESHOLD)
+    unknown = _decide(rule, None, [p], [d])
+    assert (unknown.mode, unknown.reason, unknown.uncached_tokens) == (
+        DISAGGREGATED,
+        TOKENS_UNKNOWN,
+        None,
+    )
+
+
+@pytest.mark.unit
+def test_each_slo_reason_when_its_condition_holds():
+    rule = DisaggRule(slo=SLO)
+    # Nothing measured: disaggregate, saying why.
+    assert _decide(rule, 100, [_measured(None)], [_measured(None)]).reason == NO_PROFILE
+    assert _decide(rule, 100, [], [_measured(None)]).reason == NO_PREFILL
+    # An idle prefill at 1000 tokens/s computes 500 tokens in 0.5 s <= 1 s: P/D.
+    decision = _decide(rule, 500, [_measured(1000.0)], [_measured(None, {1: 0.05})])
+    assert (decision.mode, decision.reason) == (DISAGGREGATED, PD_MEETS)
+    assert decision.predicted["ttft_pd_s"] == pytest.approx(0.5)
+    assert decision.predicted["itl_pd_s"] == pytest.approx(0.05)
+    # The prefill has 2000 tokens queued (2.5 s); the idle decode computes 500 at the
+    # prefill's rate, 0.5 s: alone.
+    busy = _measured(1000.0, queued=2000)
+    decision = _decide(rule, 500, [busy], [_measured(None, {1: 0.05})])
+    assert (decision.mode, decision.reason) == (DECODE_ONLY, ALONE_MEETS)
+    assert decision.predicted["ttft_alone_s"] == pytest.approx(0.5)
+    # The decode's own measured rate wins over the prefill's.
+    slow = _measured(250.0, {1: 0.05})
+    decision = _decide(rule, 500, [busy], [slow])
+    assert decision.predicted["ttft_alone_s"] == pytest.approx(2.0)
+    assert decision.reason == NEITHER_ALONE  # both miss; alone misses by less, harms nobody
+    slower = _measured(200.0, {1: 0.05})  # 2.5 s: no better than the prefill's queue
+    assert _decide(rule, 500, [busy], [slower]).reason == NEITHER_PD
+    # Requests decoding there would stall: 500 tokens at 1000/s = 0.5 s over 4 tokens each.
+    crowded = _measured(1000.0, {1: 0.05, 2: 0.06})
+    crowded.service.decoding = 2
+    decision = _decide(rule, 500, [_measured(1000.0, queued=5000)], [crowded], max_tokens=4)
+    assert decision.predicted["itl_others_s"] == pytest.approx(0.06 + 0.5 / 4)
+    assert (decision.mode, decision.reason) == (DISAGGREGATED, NEITHER_PD)
+    # A decode whose own gap already misses the target: P/D is not predicted to meet it.
+    laggard = _measured(1000.0, {1: 0.5})
+    decision = _decide(rule, 10, [_measured(1000.0)], [laggard])
+    assert decision.predicted["itl_pd_s"] == pytest.approx(0.5)
+    # Alone is no faster to the first token and has the same gap: stay P/D.
+    assert decision.reason == NEITHER_PD
+    # A prompt below the threshold goes alone before any prediction.
+    floor = DisaggRule(threshold=64, slo=SLO)
+    assert _decide(floor, 10, [busy], [crowded]).reason == BELOW_THRESHOLD
+
+
+@pytest.mark.unit
+def test_slo_targets_are_checked():
+    with pytest.raises(ValueError, match="SLO itl_s must be > 0"):
+        SloTargets(1.0, 0.0)
+    base = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
+    for extra, message in [
+        ({"slo_ttft_ms": 100}, "the SLO targets go together"),
+        ({"slo_itl_ms": 50}, "the SLO targets go together"),
+        ({"slo_ttft_ms": -1, "slo_itl_ms": 5}, "slo_ttft_ms must be a number >= 0"),
+        ({"slo_ttft_ms": True, "slo_itl_ms": 5}, "slo_ttft_ms must be a number >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RouterConfig(**base, **extra)
+    rule = DisaggRule.of(RouterConfig(**base, slo_ttft_ms=500, slo_itl_ms=40))
+    assert rule.slo == SloTargets(0.5, 0.04)
+
+
+# ---------------------------------------------------------------------- with real daemons
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("slo")
+    prefill = start_daemon("prefill", logs, "--engine-id", "p")
+    decode = start_daemon("decode", logs, "--engine-id", "d")
+    with running(decode, prefill):
+        yield prefill, decode
+    assert exit_used_blocks(prefill) == exit_used_blocks(decode) == 0
+
+
+@pytest.mark.integration
+def test_each_route_is_taken_when_its_condition_holds_and_equals_colocated(daemons):
+    prefill, decode = daemons
+    prompt = list(PROMPTS[2].encode())
+    (expected,) = colocated([prompt], MAX_TOKENS)
+
+    async def scenario() -> None:
+        config = RouterConfig(
+            (prefill.address,),
+            (decode.address,),
+            slo_ttft_ms=60_000,
+            slo_itl_ms=10_000,
+            kv_stream="always",
+            shutdown_timeout_s=5.0,
+        )
+        async with (
+            RouterServer(config) as router,
+            aiohttp.ClientSession(base_url=router.url) as http,
+        ):
+            fleet = router.handlers.fleet
+            p, d = fleet.get(prefill.address), fleet.get(decode.address)
+
+            async def routed(stream: bool = False) -> dict[str, Any]:
+                body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": stream}
+                async with http.post("/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+                    if stream:
+                        events = (await response.text()).split("\n\n")
+                        info = json.loads(events[-3].removeprefix("data: "))["kvtransfer"]
+                    else:
+                        info = (await response.json())["kvtransfer"]
+                assert info["token_ids"] == expected
+                return info
+
+            # Nothing measured yet: disaggregated, and the calls are measured.
+            first = await routed()
+            assert first["route_decision"]["reason"] == NO_PROFILE
+            assert first["prefill"] == prefill.address
+            assert p.service.prompt_tokens_per_s and p.service.prompt_tokens_per_s > 0
+            assert d.service.inter_token_s(1) is not None
+            assert (p.service.queued_prompt_tokens, d.service.decoding) == (0, 0)
+            # Measured, and generous targets: P/D meets them.
+            second = await routed(stream=True)
+            assert second["route_decision"]["reason"] == PD_MEETS
+            assert second["route_decision"]["uncached_tokens"] == len(prompt)
+            assert second["prefill"] == prefill.address
+            # A prefill with a backlog far past the TTFT target: the decode alone.
+            p.service.queued_prompt_tokens = 10**12
+            alone = await routed()
+            assert alone["route_decision"]["reason"] == ALONE_MEETS, alone["route_decision"]
+            assert "prefill" not in alone and alone["decode"] == decode.address
+            assert alone["kv_blocks_received"] == 0
+            assert d.service.prompt_tokens_per_s and d.service.prompt_tokens_per_s > 0
+            # ... unless the decode's running requests would be stalled past the gap target.
+            d.service.decoding = 3
+            d.service.token_gap(20.0, 1)
+            stalled = await routed(stream=True)
+            assert stalled["route_decision"]["reason"] == NEITHER_PD, stalled["route_decision"]
+            assert stalled["prefill"] == prefill.address
+            p.service.queued_prompt_tokens = 0
+            d.service.decoding = 0
+            async with http.get("/metrics") as response:
+                metrics = await response.text()
+            for mode, reason in [
+                (DISAGGREGATED, NO_PROFILE),
+                (DISAGGREGATED, PD_MEETS),
+                (DECODE_ONLY, ALONE_MEETS),
+                (DISAGGREGATED, NEITHER_PD),
+            ]:
+                line = (
+                    f'kvtransfer_router_route_decisions_total{{mode="{mode}",reason="{reason}"}} '
+                    "1.0"
+                )
+                assert line in metrics.splitlines(), line
+
+    asyncio.run(asyncio.wait_for(scenario(), 300))
