@@ -24,6 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
         "kvtransfer.timeline",
         "kvtransfer.models",
         "kvtransfer.threads",
+        # The ratio model: pure arithmetic on a measured profile (the plan command's).
+        "kvtransfer.planning",
     ),
     # The picture draws what answers carry: it reads the timeline's types, nothing else.
     ("kvtransfer.connector", "kvtransfer.timeline_picture"),

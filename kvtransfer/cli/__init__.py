@@ -1,5 +1,5 @@
 """The ``kvtransfer`` command line: ``demo``, ``generate``, ``admin``, ``model init``,
-``connectors list``."""
+``connectors list``, ``plan``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtransfer.cli.admin import add_admin_parser, run_admin
+from kvtransfer.cli.plan import add_plan_parser, run_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _add_generate_parser(commands)
     add_admin_parser(commands)
+    add_plan_parser(commands)
 
     model = commands.add_parser("model", help="built-in model checkpoints")
     model_cmds = model.add_subparsers(dest="model_command", required=True)
@@ -45,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "model":
             return _model_init(args.directory, args.preset)
+        if args.command == "plan":
+            return run_plan(args)
     except (ValueError, FileNotFoundError) as exc:  # bad input: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
