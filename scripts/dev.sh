@@ -9,6 +9,18 @@ cd "$root"
 venv="$root/.venv"
 py="${PYTHON:-python3}"
 
+# pip, its output kept in a log and shown only when it fails: a newcomer's first screen is then
+# the demo, not pip's and setuptools' notices (or warnings a machine's own pip config causes).
+quiet_pip() {
+  local python="$1" log="$root/.dev-install.log"
+  shift
+  if ! "$python" -m pip "$@" >>"$log" 2>&1; then
+    echo "[dev] FAILED: pip $* (its output, from $log:)" >&2
+    tail -n 60 "$log" >&2
+    exit 1
+  fi
+}
+
 ensure_venv() {
   local stamp="$venv/.installed"
   if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
@@ -16,12 +28,10 @@ ensure_venv() {
   fi
   echo "[dev] installing kvtransfer into $venv (first run only)..." >&2
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip >&2
+  quiet_pip "$venv/bin/python" install -q --upgrade pip
   # The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
-  "$venv/bin/python" -m pip install -q "torch==2.13.0" >&2
-  # pip shows a build backend's warnings even with -q: setuptools' notice about editable
-  # installs is the one left (pyproject.toml's license is an SPDX string), silenced here.
-  PYTHONWARNINGS="ignore:Editable installation" "$venv/bin/python" -m pip install -q -e ".[test]" >&2
+  quiet_pip "$venv/bin/python" install -q "torch==2.13.0"
+  quiet_pip "$venv/bin/python" install -q -e ".[test]"
   touch "$stamp"
 }
 
@@ -80,11 +90,8 @@ ensure_aiperf() {
   fi
   echo "[dev] installing aiperf into $aiperf (first run only)..." >&2
   [ -x "$aiperf/bin/python" ] || "$py" -m venv "$aiperf"
-  "$aiperf/bin/python" -m pip install -q --upgrade pip >&2
-  if ! "$aiperf/bin/python" -m pip install -q "aiperf==0.13.0" >&2; then
-    echo "[dev] FAILED to install aiperf==0.13.0 into $aiperf" >&2
-    exit 1
-  fi
+  quiet_pip "$aiperf/bin/python" install -q --upgrade pip
+  quiet_pip "$aiperf/bin/python" install -q "aiperf==0.13.0"
   touch "$aiperf/.installed"
 }
 
