@@ -21,6 +21,7 @@ from router_helpers.fake_vllm import (
     SSE_DONE,
     VllmBehaviour,
     decode_cut,
+    decode_paced,
     decode_reporting,
     decode_truncated,
     prefill_reporting,
@@ -543,3 +544,42 @@ def test_a_streams_usage_chunk_is_read_from_its_last_bytes(tail: bytes, count: o
 )
 def test_a_decodes_reported_hit_is_read_within_a_bound(raw: bytes, count: object) -> None:
     assert reported_cached_tokens(raw) == count
+
+
+def test_slo_routing_measures_the_servers_and_says_its_decision_in_a_header() -> None:
+    """With SLO targets the vLLM flow decides as the daemon flow does, from the prefill calls'
+    durations and the gaps between the decode's events it timed, and names the decision in
+    ``x-kvtransfer-route`` (vLLM's answer is passed through as it came)."""
+
+    async def scenario() -> None:
+        paced = VllmBehaviour(completions=decode_paced(0.05))
+        async with vllm_cluster([prefill()], [paced], slo_ttft_ms=60_000, slo_itl_ms=60_000) as c:
+            body = {**BODY, "prompt": list(range(1, 20)), "stream": True}
+            code, _, headers = await c.post(body)
+            assert code == 200
+            assert headers["x-kvtransfer-route"] == (
+                "disaggregated; reason=no_profile; uncached_tokens=19"
+            )
+            workers = await c.workers()
+            measured_prefill = workers[c.prefills[0].address]["service"]
+            assert measured_prefill["prompt_tokens_per_s"] > 0
+            assert measured_prefill["queued_prompt_tokens"] == 0
+            measured_decode = workers[c.decodes[0].address]["service"]
+            assert measured_decode["decoding"] == 0
+            (gap,) = measured_decode["inter_token_s_by_batch"].values()
+            assert gap >= 0.05, measured_decode
+            code, _, headers = await c.post({**body, "stream": False})
+            assert code == 200
+            assert headers["x-kvtransfer-route"].startswith("disaggregated; reason=pd_meets_slo")
+            # A text prompt's tokens are unknown without a tokenizer: P/D, saying why.
+            code, _, headers = await c.post(BODY)
+            assert headers["x-kvtransfer-route"] == "disaggregated; reason=prompt_tokens_unknown"
+            metrics = await c.metrics_text()
+            for reason in ("no_profile", "pd_meets_slo", "prompt_tokens_unknown"):
+                line = (
+                    "kvtransfer_router_route_decisions_total"
+                    f'{{mode="disaggregated",reason="{reason}"}} 1.0'
+                )
+                assert line in metrics.splitlines(), line
+
+    run(scenario)

@@ -92,6 +92,24 @@ async def decode_ok(request: web.Request, body: dict[str, Any]) -> web.StreamRes
     return response
 
 
+def decode_paced(gap_s: float) -> Handler:
+    """`decode_ok`'s events ``gap_s`` apart, as a decode stepping at that pace sends them."""
+
+    async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if body.get("stream") is not True:
+            return web.json_response(DECODE_JSON)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in SSE_CHUNKS:
+            await response.write(chunk)
+            await asyncio.sleep(gap_s)
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
+    return handler
+
+
 def decode_cut(cut: asyncio.Event) -> Handler:
     """One event, then, once ``cut`` is set, the connection dies (a decode that crashed
     mid-stream); the test sets it when the event reached its client, so the router had
