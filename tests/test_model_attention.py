@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -29,7 +30,8 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) ->
     return out
 
 
-def test_mixed_batch_matches_dense_attention_per_sequence():
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["padded", "per-sequence"])
+def test_mixed_batch_matches_dense_attention_per_sequence(per_sequence):
     gen = torch.Generator().manual_seed(0)
     # (context length after the step, tokens computed before it, block table)
     layout = [(9, 0, [7, 2, 11]), (10, 9, [3, 0, 5]), (13, 5, [1, 4, 8, 6]), (6, 2, [10, 9])]
@@ -48,6 +50,9 @@ def test_mixed_batch_matches_dense_attention_per_sequence():
     new_v = torch.cat([v[done:] for (_, done, _), v in zip(layout, full_v, strict=True)])
 
     plan = PagedAttentionPlan.build(step.attn_metadata, new_k.shape[0], torch.device("cpu"))
+    # 16 padded blocks for 12 read: gathered padded, unless forced one sequence at a time.
+    assert not plan.per_sequence
+    plan = dataclasses.replace(plan, per_sequence=per_sequence)
     out = paged_attention(torch.cat(queries), new_k, new_v, cache, plan, DIM**-0.5)
 
     expected = torch.cat(
@@ -61,6 +66,27 @@ def test_mixed_batch_matches_dense_attention_per_sequence():
     slots = step.attn_metadata.slot_mapping
     torch.testing.assert_close(cache[slots // BLOCK, 0, :, slots % BLOCK], new_k)
     torch.testing.assert_close(cache[slots // BLOCK, 1, :, slots % BLOCK], new_v)
+
+
+def test_a_batch_mixing_short_and_long_contexts_is_attended_one_sequence_at_a_time():
+    # Decodes of 1, 1 and 12 blocks: 36 padded slots' blocks for 14 read.
+    chunks = [
+        SeqChunk([0] * 2, 1, [1]),
+        SeqChunk([0] * 3, 2, [2]),
+        SeqChunk([0] * 48, 47, list(range(3, 15))),
+    ]
+    step = paged_step(chunks, BLOCK)
+    plan = PagedAttentionPlan.build(step.attn_metadata, 3, torch.device("cpu"))
+    assert plan.per_sequence
+    assert (plan.seq_blocks, plan.query_starts) == ((1, 1, 12), (0, 1, 2, 3))
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(16, 2, KV_HEADS, BLOCK, DIM, generator=gen)
+    query = torch.randn(3, HEADS, DIM, generator=gen)
+    new_kv = torch.randn(3, KV_HEADS, DIM, generator=gen)
+    padded = paged_attention(
+        query, new_kv, new_kv, cache.clone(), dataclasses.replace(plan, per_sequence=False), 0.3
+    )
+    torch.testing.assert_close(paged_attention(query, new_kv, new_kv, cache, plan, 0.3), padded)
 
 
 def test_write_kv_touches_only_the_given_slots():
