@@ -164,6 +164,13 @@ def test_prefill_then_decode_json_body(caplog):
                 "kv_bytes_received": DECODE_METRICS.kv_bytes_received,
                 "num_recomputed_tokens": 0,
                 "predicted_cached_tokens": None,  # round robin keeps no prefix index
+                # No threshold, no SLO targets: every request is disaggregated.
+                "route_decision": {
+                    "mode": "disaggregated",
+                    "reason": "always_disaggregate",
+                    "uncached_tokens": None,
+                    "predicted": {},
+                },
             }
             assert c.prefill.cancelled == c.decode.cancelled == []
             return request_id

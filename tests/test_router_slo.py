@@ -162,6 +162,12 @@ def test_each_slo_reason_when_its_condition_holds():
     decision = _decide(rule, 500, [_measured(1000.0, queued=5000)], [crowded], max_tokens=4)
     assert decision.predicted["itl_others_s"] == pytest.approx(0.06 + 0.5 / 4)
     assert (decision.mode, decision.reason) == (DISAGGREGATED, NEITHER_PD)
+    # Requests routed there and not decoding yet (their prefill or KV load runs) count too.
+    waiting = _measured(1000.0, {1: 0.05, 2: 0.06})
+    waiting.in_flight = 2
+    decision = _decide(rule, 500, [_measured(1000.0, queued=5000)], [waiting], max_tokens=4)
+    assert decision.predicted["itl_others_s"] == pytest.approx(0.06 + 0.5 / 4)
+    assert decision.predicted["itl_alone_s"] == pytest.approx(0.07)  # extrapolated to 3
     # A decode whose own gap already misses the target: P/D is not predicted to meet it.
     laggard = _measured(1000.0, {1: 0.5})
     decision = _decide(rule, 10, [_measured(1000.0)], [laggard])

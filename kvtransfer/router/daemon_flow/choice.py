@@ -139,7 +139,9 @@ class ChoiceRunner:
         alone = decision.alone
         lease: Lease | None = None
         can_prefill = fleet.any_pickable("prefill")
-        if not alone and (exchange.choice.max_tokens > 1 or not can_prefill):
+        # With no prefill pickable the decision is "alone", but only aggregated instances may
+        # take it (a decode daemon's policy weighs them with the KV it will pull).
+        if not can_prefill or (not alone and exchange.choice.max_tokens > 1):
             if not can_prefill and not fleet.any_pickable(AGGREGATED):
                 fleet.require_pickable("decode")  # with neither role up, name the decode
                 fleet.require_pickable("prefill")

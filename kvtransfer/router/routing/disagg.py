@@ -18,7 +18,8 @@ Two rules, one decision:
     prefills': the same hardware is assumed); its own gap at batch + 1; and its prompt stalls
     every request decoding there by the prompt's compute time, spread over this request's
     ``max_tokens`` (the stand-in for their remaining output): their gap after it must stay
-    within the target too.
+    within the target too. The batch counts the requests decoding there and those routed
+    there still waiting for their prefill or KV (they will be decoding during the stall).
 
   P/D is kept when it meets both (it keeps prefills off the decodes, which is what
   disaggregation is for); else alone when that meets both; when neither does, the lower
@@ -156,7 +157,11 @@ def decide(
     """The route of one request (see the module's docstring): ``prefills`` and ``decodes``
     are the pickable instances of each role (decode daemons only: an aggregated instance never
     takes KV), ``decode_policy`` the one whose prefix index, when it keeps one, says how much of
-    the prompt is cached."""
+    the prompt is cached. With no prefill pickable, every request goes alone."""
+    if not prefills:
+        # Nothing to disaggregate with: the decode policy's pick (an aggregated instance, or a
+        # decode daemon) computes the prompt itself.
+        return RouteDecision(DECODE_ONLY, NO_PREFILL)
     if rule.threshold <= 0 and rule.slo is None:
         return RouteDecision(DISAGGREGATED, ALWAYS)
     if route.token_ids is None:
@@ -169,8 +174,6 @@ def decide(
         return RouteDecision(DECODE_ONLY, BELOW_THRESHOLD, uncached)
     if rule.slo is None:
         return RouteDecision(DISAGGREGATED, AT_THRESHOLD, uncached)
-    if not prefills:
-        return RouteDecision(DECODE_ONLY, NO_PREFILL, uncached)
     return _by_slo(rule.slo, prefills, decodes, uncached, max(1, max_tokens))
 
 
@@ -202,11 +205,13 @@ def _by_slo(
     for d in decodes:
         rate = d.service.prompt_tokens_per_s or prefill_rate
         ttft = _prompt_s(d, uncached, rate)
-        own = _gap(d, d.service.decoding + 1)
-        # Its prompt stalls the requests decoding there for its whole compute time.
+        # Its prompt stalls, for its whole compute time, every request decoding there by then:
+        # those decoding now, and those routed there still waiting for a prefill or their KV.
+        batch = max(d.service.decoding, d.in_flight)
+        own = _gap(d, batch + 1)
         others = 0.0
-        if d.service.decoding:
-            others = _gap(d, d.service.decoding) + (uncached / rate) / max_tokens
+        if batch:
+            others = _gap(d, batch) + (uncached / rate) / max_tokens
         if best is None or ttft < best[0]:
             best = (ttft, own, others)
     if best is None:  # decodes is not empty; narrows the type
