@@ -61,9 +61,12 @@ def _measured(
     return instance
 
 
-def _decide(rule: DisaggRule, prompt_tokens: int | None, prefills, decodes, max_tokens=64):
+def _decide(
+    rule: DisaggRule, prompt_tokens: int | None, prefills, decodes, max_tokens=64, arrivals=0.0
+):
     ids = None if prompt_tokens is None else tuple(range(prompt_tokens))
-    return decide(rule, RouteContext("r", ids), max_tokens, prefills, decodes, RoundRobin())
+    route = RouteContext("r", ids)
+    return decide(rule, route, max_tokens, prefills, decodes, RoundRobin(), arrivals)
 
 
 # ---------------------------------------------------------------------- the bookkeeping
@@ -168,6 +171,18 @@ def test_each_slo_reason_when_its_condition_holds():
     decision = _decide(rule, 500, [_measured(1000.0, queued=5000)], [waiting], max_tokens=4)
     assert decision.predicted["itl_others_s"] == pytest.approx(0.06 + 0.5 / 4)
     assert decision.predicted["itl_alone_s"] == pytest.approx(0.07)  # extrapolated to 3
+    # An idle decode, but requests arrive at 1/s: during a 0.8 s stall 0.8 are expected, so
+    # their gap counts (0.05 + 0.8 / 4), and alone misses; at 0.5/s (0.4 expected) it meets.
+    idle = _measured(None, {1: 0.05})
+    busy_prefill = [_measured(1000.0, queued=5000)]
+    decision = _decide(rule, 800, busy_prefill, [idle], max_tokens=4, arrivals=1.0)
+    assert decision.predicted["itl_others_s"] == pytest.approx(0.05 + 0.8 / 4)
+    assert (decision.mode, decision.reason) == (DISAGGREGATED, NEITHER_PD)
+    decision = _decide(rule, 800, busy_prefill, [idle], max_tokens=4, arrivals=0.5)
+    assert (decision.reason, decision.predicted["itl_others_s"]) == (ALONE_MEETS, 0.0)
+    # The arrivals split over the decodes: two idle ones halve each one's share.
+    decision = _decide(rule, 800, busy_prefill, [idle, _measured(None)], 4, arrivals=1.2)
+    assert decision.reason == ALONE_MEETS
     # A decode whose own gap already misses the target: P/D is not predicted to meet it.
     laggard = _measured(1000.0, {1: 0.5})
     decision = _decide(rule, 10, [_measured(1000.0)], [laggard])

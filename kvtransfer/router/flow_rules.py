@@ -1,7 +1,7 @@
 """What both P/D flows (kvtransfer daemons over gRPC, vLLM servers over HTTP) decide alike:
-whether a request is disaggregated or runs on a decode alone (`route_decision`, the fleet's
-view handed to `routing.disagg.decide`) and how long to wait before a retry on another instance
-(`retry_pause`)."""
+whether a request is disaggregated or runs on a decode alone (`RouteDecider`: the fleet's view
+and the arrival rate handed to `routing.disagg.decide`) and how long to wait before a retry on
+another instance (`retry_pause`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import asyncio
 import random
 import time
 
+from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.fleet.fleet import Fleet
+from kvtransfer.router.fleet.service import ArrivalRate
 from kvtransfer.router.routing.disagg import DisaggRule, RouteDecision, decide
 from kvtransfer.router.routing.policy import RouteContext
 
@@ -18,19 +20,26 @@ RETRY_BACKOFF_S = 0.05
 RETRY_MAX_BACKOFF_S = 1.0
 
 
-def route_decision(
-    fleet: Fleet, rule: DisaggRule, route: RouteContext, max_tokens: int
-) -> RouteDecision:
-    """P/D or a decode alone for one request, from the fleet's pickable instances now."""
-    pickable = [i for i in fleet.instances() if i.pickable()]
-    return decide(
-        rule,
-        route,
-        max_tokens,
-        [i for i in pickable if i.role == "prefill"],
-        [i for i in pickable if i.role == "decode" and not i.aggregated],
-        fleet.policies["decode"],
-    )
+class RouteDecider:
+    """One flow's route decisions: its rule (from the config) and the arrival rate it saw."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.rule = DisaggRule.of(config)
+        self.arrivals = ArrivalRate()
+
+    def decide(self, fleet: Fleet, route: RouteContext, max_tokens: int) -> RouteDecision:
+        """P/D or a decode alone for one request, from the fleet's pickable instances now."""
+        self.arrivals.arrived()
+        pickable = [i for i in fleet.instances() if i.pickable()]
+        return decide(
+            self.rule,
+            route,
+            max_tokens,
+            [i for i in pickable if i.role == "prefill"],
+            [i for i in pickable if i.role == "decode" and not i.aggregated],
+            fleet.policies["decode"],
+            self.arrivals.per_s,
+        )
 
 
 async def retry_pause(attempt: int, deadline: float) -> None:

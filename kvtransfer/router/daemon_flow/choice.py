@@ -75,10 +75,9 @@ from kvtransfer.router.daemon_flow.upstream import PrefillResult, Upstream
 from kvtransfer.router.errors import UpstreamError
 from kvtransfer.router.fleet.instance import Instance
 from kvtransfer.router.fleet.service import PromptTicket, ServiceStats
-from kvtransfer.router.flow_rules import route_decision
+from kvtransfer.router.flow_rules import RouteDecider
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
-from kvtransfer.router.routing.disagg import DisaggRule
 from kvtransfer.router.tracing import TraceExporter
 from kvtransfer.timeline import BOOK, now_ns
 
@@ -113,7 +112,7 @@ class ChoiceRunner:
         self.leases = Leases(config.max_retries, metrics)
         self.kv = KvReleases(upstream, config.release_timeout_s, metrics)
         self.report = ChoiceReport(metrics, traces)
-        self.rule = DisaggRule.of(config)
+        self.decider = RouteDecider(config)
 
     @property
     def releases(self) -> set[asyncio.Task[None]]:
@@ -133,7 +132,7 @@ class ChoiceRunner:
         early (the client left, a sibling failed) cancels its calls and releases its KV."""
         upstream = self._require_upstream()
         fleet = upstream.fleet
-        decision = route_decision(fleet, self.rule, exchange.context, exchange.choice.max_tokens)
+        decision = self.decider.decide(fleet, exchange.context, exchange.choice.max_tokens)
         exchange.decision = decision
         self.metrics.route_decision(decision.mode, decision.reason)
         alone = decision.alone

@@ -118,3 +118,22 @@ class ServiceStats:
             "decoding": self.decoding,
             "inter_token_s_by_batch": dict(sorted(self._itl_by_batch.items())),
         }
+
+
+class ArrivalRate:
+    """Requests per second arriving at the router: the inverse of an exponentially weighted
+    mean gap between arrivals (0 before the second one)."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self._gap_s: float | None = None
+
+    def arrived(self) -> None:
+        now = time.monotonic()
+        if self._last is not None:
+            self._gap_s = _blend(self._gap_s, now - self._last)
+        self._last = now
+
+    @property
+    def per_s(self) -> float:
+        return 1.0 / self._gap_s if self._gap_s else 0.0

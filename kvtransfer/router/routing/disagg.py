@@ -18,8 +18,9 @@ Two rules, one decision:
     prefills': the same hardware is assumed); its own gap at batch + 1; and its prompt stalls
     every request decoding there by the prompt's compute time, spread over this request's
     ``max_tokens`` (the stand-in for their remaining output): their gap after it must stay
-    within the target too. The batch counts the requests decoding there and those routed
-    there still waiting for their prefill or KV (they will be decoding during the stall).
+    within the target too. Those requests are the ones decoding there, those routed there
+    still waiting for their prefill or KV, and those the router's arrival rate (its share per
+    decode) brings during the stall; when that makes half a request or more, their gap counts.
 
   P/D is kept when it meets both (it keeps prefills off the decodes, which is what
   disaggregation is for); else alone when that meets both; when neither does, the lower
@@ -51,6 +52,10 @@ if TYPE_CHECKING:
 
 DISAGGREGATED = "disaggregated"
 DECODE_ONLY = "decode_only"
+
+# Requests expected to decode on a decode during an alone prompt's stall from which on their gap
+# after the stall must meet the target too.
+EXPECTED_VICTIMS = 0.5
 
 # Reasons (the ``reason`` label of kvtransfer_router_route_decisions_total).
 ALWAYS = "always_disaggregate"  # no threshold, no SLO
@@ -153,11 +158,14 @@ def decide(
     prefills: Sequence[SloCandidate],
     decodes: Sequence[SloCandidate],
     decode_policy: Policy,
+    arrivals_per_s: float = 0.0,
 ) -> RouteDecision:
     """The route of one request (see the module's docstring): ``prefills`` and ``decodes``
     are the pickable instances of each role (decode daemons only: an aggregated instance never
     takes KV), ``decode_policy`` the one whose prefix index, when it keeps one, says how much of
-    the prompt is cached. With no prefill pickable, every request goes alone."""
+    the prompt is cached; ``arrivals_per_s`` the router's request rate (its share per decode
+    arrives during a decode-alone prompt's stall). With no prefill pickable, every request goes
+    alone."""
     if not prefills:
         # Nothing to disaggregate with: the decode policy's pick (an aggregated instance, or a
         # decode daemon) computes the prompt itself.
@@ -174,7 +182,8 @@ def decide(
         return RouteDecision(DECODE_ONLY, BELOW_THRESHOLD, uncached)
     if rule.slo is None:
         return RouteDecision(DISAGGREGATED, AT_THRESHOLD, uncached)
-    return _by_slo(rule.slo, prefills, decodes, uncached, max(1, max_tokens))
+    arrivals = arrivals_per_s / max(1, len(decodes))
+    return _by_slo(rule.slo, prefills, decodes, uncached, max(1, max_tokens), arrivals)
 
 
 def _prompt_s(instance: SloCandidate, tokens: int, rate: float) -> float:
@@ -187,6 +196,7 @@ def _by_slo(
     decodes: Sequence[SloCandidate],
     uncached: int,
     max_tokens: int,
+    arrivals_per_s: float,
 ) -> RouteDecision:
     rates = [p.service.prompt_tokens_per_s for p in prefills]
     known = [(p, r) for p, r in zip(prefills, rates, strict=True) if r]
@@ -206,12 +216,14 @@ def _by_slo(
         rate = d.service.prompt_tokens_per_s or prefill_rate
         ttft = _prompt_s(d, uncached, rate)
         # Its prompt stalls, for its whole compute time, every request decoding there by then:
-        # those decoding now, and those routed there still waiting for a prefill or their KV.
+        # those decoding now, those routed there still waiting for a prefill or their KV, and
+        # those arriving meanwhile (a long prompt alone on an idle decode still stalls them).
+        stall = uncached / rate
         batch = max(d.service.decoding, d.in_flight)
         own = _gap(d, batch + 1)
         others = 0.0
-        if batch:
-            others = _gap(d, batch) + (uncached / rate) / max_tokens
+        if batch + arrivals_per_s * stall >= EXPECTED_VICTIMS:
+            others = _gap(d, max(1, batch)) + stall / max_tokens
         if best is None or ttft < best[0]:
             best = (ttft, own, others)
     if best is None:  # decodes is not empty; narrows the type

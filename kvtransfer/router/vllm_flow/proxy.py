@@ -70,11 +70,10 @@ from kvtransfer.router.errors import (
 from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.fleet.instance import Instance
 from kvtransfer.router.fleet.service import PromptTicket, ServiceStats
-from kvtransfer.router.flow_rules import retry_pause, route_decision
+from kvtransfer.router.flow_rules import RouteDecider, retry_pause
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai.requests import error_body
-from kvtransfer.router.routing.disagg import DisaggRule
 from kvtransfer.router.vllm_flow.answers import (
     ROUTE_HEADER,
     TAIL_BYTES,
@@ -132,7 +131,7 @@ class VllmProxy:
         self.metrics = metrics
         self.fleet = fleet
         self.calls = VllmCalls(config, fleet)
-        self.rule = DisaggRule.of(config)
+        self.decider = RouteDecider(config)
 
     async def serve(self, call: VllmCall) -> web.StreamResponse:
         """The client's answer: the decode's, passed through; raises `UpstreamError` when no
@@ -142,7 +141,7 @@ class VllmProxy:
         if not can_prefill and not fleet.any_pickable(AGGREGATED):
             fleet.require_pickable("decode")
             fleet.require_pickable("prefill")
-        decision = route_decision(fleet, self.rule, call.route, _max_tokens(call.body))
+        decision = self.decider.decide(fleet, call.route, _max_tokens(call.body))
         call.decision = decision
         self.metrics.route_decision(decision.mode, decision.reason)
         decode = fleet.pick("decode", call.route, aggregated=None if can_prefill else True)
