@@ -90,15 +90,19 @@ under .vllm-venv, the script uses its own Python). The model is the vLLM stage's
 (``.vllm-stage/tiny-llama``, ``vllm_stage/run.sh`` builds it: 4 layers, hidden 256, a BPE
 vocabulary of 1024, 2048 positions), served with ``--max-model-len 2048``: the default mix fits
 (1536 + 64 tokens), so it is the same; aiperf makes its prompts with that model's tokenizer, the
-lone requests are random token ids. Its defaults differ: rates 0.5 1 2 4 req/s, SLOs TTFT
-1000 ms and ITL 50 ms. vLLM's own scheduler defaults on CPU are kept (up to 2048 tokens a step,
-128 sequences, prefix caching on, block size 32); ``--vllm-server-arg`` adds a flag to every
-server. Every router gets ``--tokenizer`` (the model directory) as for ours: the SLO mode needs
-the prompt's token ids (``--no-router-tokenizer``: none, and the SLO mode's decisions are then
-all ``prompt_tokens_unknown``, P/D). ``cached_pct`` counts the servers' own prefix-cache hits
+lone requests are random token ids. Its defaults differ: rates 0.5 1 2 4 req/s (measured on
+2 cores: ``vllm-pd-ours`` saturates near 7 req/s, ``vllm-agg`` above 8, ``vllm-pd-nixl``, whose
+UCX progress thread busy-polls on its engine's core, near 1.5), SLOs TTFT 750 ms and ITL 20 ms
+(lone 1536-token prompts: TTFT 330-460 ms, ITL 8-11 ms; NIXL's 1.2 s and 22 ms).
+``--quick`` runs all four in about 6 minutes. vLLM's own scheduler defaults on CPU are kept
+(up to 2048 tokens a step, 128 sequences, prefix caching on, block size 32);
+``--vllm-server-arg`` adds a flag to every server. Every router gets ``--tokenizer`` (the
+model directory) as for ours: the SLO mode needs the prompt's token ids
+(``--no-router-tokenizer``: none, and the SLO mode's decisions are then all
+``prompt_tokens_unknown``, P/D). ``cached_pct`` counts the servers' own prefix-cache hits
 (``vllm:prefix_cache_hits_total``; vLLM's usage has no cached tokens without
 ``--enable-prompt-tokens-details``), and the leak check is each server's
-``vllm:kv_cache_usage_perc`` back to 0 within 30 s of the last request.
+``vllm:kv_cache_usage_perc`` back to 0 within 30 s of the last request, read before they stop.
 """
 
 from __future__ import annotations
