@@ -131,7 +131,7 @@ from urllib.parse import urlsplit
 import goodput_vllm
 from goodput_vllm import VLLM_CONFIGS, VLLM_DEFAULT_RATES, VLLM_DEFAULT_SLO, VllmConfig, VllmError
 from load import DEFAULT_AIPERF
-from pd_latency import NOOP_CONNECTOR
+from pd_latency import NOOP_CONNECTOR, BenchError, sse_chunks
 
 from kvtransfer.engine.model.builtin import init_model_dir
 from kvtransfer.engine.model.loader import load_model_config
@@ -170,10 +170,6 @@ ROUTE_METRICS = {
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 # The router's flags of the SLO-aware mode: checked in its --help before anything starts.
 SLO_FLAGS = ("--slo-ttft-ms", "--slo-itl-ms")
-
-
-class BenchError(RuntimeError):
-    """Something that fails the run; the message says what."""
 
 
 @dataclass(frozen=True)
@@ -343,16 +339,7 @@ def lone_request(
         if response.status != 200:
             text = response.read().decode(errors="replace")[:500]
             raise BenchError(f"router answered {response.status}: {text}")
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise BenchError(f"router stream error: {chunk['error']}")
+        for chunk in sse_chunks(response):
             if chunk["choices"] and (vocab_size is not None or chunk["choices"][0].get("text")):
                 arrivals.append(time.perf_counter())
     finally:

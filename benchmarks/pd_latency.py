@@ -59,7 +59,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,21 @@ class CaseSkipped(Exception):
 
 class BenchError(RuntimeError):
     """A request failed in a way that says the setup is broken."""
+
+
+def sse_chunks(response: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI event stream, up to ``[DONE]``; an error chunk raises."""
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise BenchError(f"router stream error: {chunk['error']}")
+        yield chunk
 
 
 @dataclass
@@ -318,16 +333,7 @@ def pd_request(router_url: str, prompt: list[int]) -> Sample | None:
             if response.status in (400, 413):
                 raise CaseSkipped(f"router answered {response.status}: {text}")
             raise BenchError(f"router answered {response.status}: {text}")
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise BenchError(f"router stream error: {chunk['error']}")
+        for chunk in sse_chunks(response):
             if chunk["choices"][0].get("text"):
                 chunks.append(time.perf_counter())
                 first_ns = first_ns or time.time_ns()
