@@ -57,7 +57,10 @@ def test_a_producer_sleeps_and_wakes_and_serves_only_its_new_registration(data_p
         kv_role="kv_producer",
         engine_id="sleeper",
         kv_port=_free_port(),
-        kv_connector_extra_config={"kv_lease_s": 0.3, "data_plane": data_plane},
+        # Short, so the sleep's drain does not wait long for the unpulled request's lease; not
+        # shorter: the first load (handshake, UCX connect) must keep it alive in time, which
+        # took over 0.3 s once in CI with both cores busy (the lease expired, the load failed).
+        kv_connector_extra_config={"kv_lease_s": 3.0, "data_plane": data_plane},
     )
     consumer_kv = kv_config("kv_consumer", "sleep-decode", data_plane=data_plane)
     with LLM(engine_config(producer_kv)) as producer, LLM(engine_config(consumer_kv)) as decode:
