@@ -15,7 +15,8 @@ import pytest
 from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks, running, start_daemon
 
 from kvtransfer.router.config import RouterConfig
-from kvtransfer.router.fleet.service import ServiceStats
+from kvtransfer.router.fleet.service import ServerTiming, ServiceStats
+from kvtransfer.router.fleet.vllm_endpoint import parse_vllm_metrics
 from kvtransfer.router.routing.disagg import (
     ALONE_MEETS,
     ALWAYS,
@@ -113,6 +114,54 @@ def test_inter_token_latency_is_kept_per_batch_and_interpolated():
     stats.token_gap(-1.0, 1)
     stats.token_gap(1.0, 0)
     assert stats.describe()["inter_token_s_by_batch"] == {1: 0.1, 3: 0.3}
+
+
+@pytest.mark.unit
+def test_a_servers_own_timing_replaces_the_routers_once_it_shows_tokens():
+    stats = ServiceStats()
+    stats.decoding = 1
+    stats.token_gap(0.5, 1)  # the router's own timing, until the server's shows gaps
+    stats.server_timing(ServerTiming(itl_sum_s=10.0, itl_count=100, running=2))
+    assert (stats.itl_source, stats.server_running, stats.batch) == ("router", 2, 2)
+    stats.server_timing(ServerTiming(itl_sum_s=10.0, itl_count=100, running=4))
+    assert stats.itl_source == "router"  # no token between the readings: no sample
+    # 40 gaps in 2 s between readings, at 4 then 2 running: 50 ms at batch 3.
+    stats.server_timing(ServerTiming(itl_sum_s=12.0, itl_count=140, running=2))
+    assert stats.itl_source == "vllm"
+    assert stats.describe()["inter_token_s_by_batch"] == {1: 0.5, 3: pytest.approx(0.05)}
+    stats.token_gap(9.0, 1)  # the router's timing is no longer filed
+    assert stats.inter_token_s(3) == pytest.approx(0.05)
+    # A restarted server's counters start over: no sample from the drop, the next one counts.
+    stats.server_timing(ServerTiming(itl_sum_s=1.0, itl_count=10, running=0))
+    assert stats.inter_token_s(3) == pytest.approx(0.05)
+    assert (stats.server_running, stats.batch) == (0, 1)
+    stats.server_timing(ServerTiming(itl_sum_s=1.5, itl_count=20, running=0))
+    assert stats.inter_token_s(1) == pytest.approx(0.8 * 0.5 + 0.2 * 0.05)
+
+
+@pytest.mark.unit
+def test_vllms_metrics_give_load_and_timing_summed_over_its_engines():
+    text = "\n".join(
+        f'{name}{{engine="{engine}",model_name="m"}} {value}'
+        for engine in (0, 1)
+        for name, value in (
+            ("vllm:num_requests_running", 2),
+            ("vllm:num_requests_waiting", 1),
+            ("vllm:kv_cache_usage_perc", 0.25),
+            ("vllm:inter_token_latency_seconds_sum", 1.5),
+            ("vllm:inter_token_latency_seconds_count", 30),
+        )
+    )
+    load, timing = parse_vllm_metrics(text + "\n")
+    assert load is not None and (load.running, load.waiting) == (4, 2)
+    assert timing == ServerTiming(itl_sum_s=3.0, itl_count=60, running=4)
+    # Gauges without the histogram: a load, no timing; a NaN sum: no timing either.
+    gauges_only = "vllm:num_requests_running 3\n"
+    assert parse_vllm_metrics(gauges_only)[1] is None
+    nan_sum = gauges_only + "vllm:inter_token_latency_seconds_sum NaN\n"
+    nan_sum += "vllm:inter_token_latency_seconds_count 3\n"
+    assert parse_vllm_metrics(nan_sum)[1] is None
+    assert parse_vllm_metrics("not prometheus {{{") == (None, None)
 
 
 # ---------------------------------------------------------------------- the rules

@@ -27,13 +27,14 @@ from router_helpers.fake_vllm import (
     prefill_reporting,
     prefill_without_params,
     status,
+    vllm_itl_histogram,
     vllm_metrics,
 )
 from router_helpers.vllm_cluster import VllmCluster, decode, prefill, vllm_cluster
 from waiting import wait_until_async
 
 from kvtransfer.router import RouterConfig
-from kvtransfer.router.fleet.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
+from kvtransfer.router.fleet.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_metrics
 from kvtransfer.router.vllm_flow.answers import (
     ends_done,
     reported_cached_tokens,
@@ -448,12 +449,15 @@ def test_a_short_known_prompt_skips_the_prefill() -> None:
 
 
 def test_vllm_load_text_parses_to_sums_and_mean_usage() -> None:
-    load = parse_vllm_load(vllm_metrics(running=5, waiting=1, kv_usage=0.5))
-    assert load is not None
+    load, timing = parse_vllm_metrics(vllm_metrics(running=5, waiting=1, kv_usage=0.5))
+    assert load is not None and timing is None  # gauges, no inter-token histogram
     assert (load.running, load.waiting) == (5, 1)
     assert load.kv_usage == 0.5
-    assert parse_vllm_load("# nothing of vLLM's\nprocess_cpu_seconds_total 3\n") is None
-    assert parse_vllm_load("not prometheus {{{") is None
+    assert parse_vllm_metrics("# nothing of vLLM's\nprocess_cpu_seconds_total 3\n") == (
+        None,
+        None,
+    )
+    assert parse_vllm_metrics("not prometheus {{{") == (None, None)
 
 
 def test_tls_is_refused_for_vllm_servers(tmp_path: Any) -> None:
@@ -544,6 +548,48 @@ def test_a_streams_usage_chunk_is_read_from_its_last_bytes(tail: bytes, count: o
 )
 def test_a_decodes_reported_hit_is_read_within_a_bound(raw: bytes, count: object) -> None:
     assert reported_cached_tokens(raw) == count
+
+
+def test_slo_routing_reads_the_gaps_and_the_batch_from_vllms_own_metrics() -> None:
+    """A decode whose /metrics has vLLM's inter-token histogram: between two health checks
+    the change of its sum over the change of its count is the gap the rule predicts from,
+    filed under vLLM's running count, which is the batch when larger than the router's."""
+
+    async def scenario() -> None:
+        gauges = vllm_metrics(running=2, waiting=0, kv_usage=0.1)
+        decode = VllmBehaviour(metrics=gauges + vllm_itl_histogram(1.0, 10))
+        async with vllm_cluster(
+            [prefill()], [decode], slo_ttft_ms=60_000, slo_itl_ms=60_000, health_interval_s=0.1
+        ) as c:
+
+            async def service() -> dict[str, Any]:
+                return (await c.workers())[c.decodes[0].address]["service"]
+
+            async def read_once() -> bool:
+                return (await service())["server_running"] == 2
+
+            await wait_until_async(read_once, "vLLM's running count read", WAIT_S)
+            assert (await service())["itl_source"] == "router"
+            # 20 more gaps taking 0.6 s: 30 ms each, at 2 running.
+            decode.metrics = gauges + vllm_itl_histogram(1.6, 30)
+
+            async def gaps_read() -> bool:
+                return (await service())["itl_source"] == "vllm"
+
+            await wait_until_async(gaps_read, "vLLM's inter-token gaps read", WAIT_S)
+            measured = await service()
+            assert measured["inter_token_s_by_batch"] == {"2": pytest.approx(0.03)}
+            assert measured["decoding"] == 0  # the router's own count: nothing routed yet
+            # A prompt the prefill's rate is known for: the prediction is vLLM's gap, at
+            # vLLM's batch plus this request.
+            body = {**BODY, "prompt": list(range(1, 20))}
+            assert (await c.post(body))[0] == 200  # measures the prefill's rate
+            code, _, headers = await c.post(body)
+            assert code == 200
+            assert headers["x-kvtransfer-route"].startswith("disaggregated; reason=pd_meets_slo")
+            assert "itl_pd_s=0.03" in headers["x-kvtransfer-route"], headers
+
+    run(scenario)
 
 
 def test_slo_routing_measures_the_servers_and_says_its_decision_in_a_header() -> None:

@@ -33,7 +33,7 @@ from router_helpers.vllm_cluster import VllmCluster, decode, prefill, vllm_clust
 from waiting import wait_until_async
 
 from kvtransfer.router.fleet import vllm_endpoint
-from kvtransfer.router.fleet.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_load
+from kvtransfer.router.fleet.vllm_endpoint import KV_USAGE_SCALE, parse_vllm_metrics
 from kvtransfer.router.vllm_flow import proxy as vllm_proxy
 
 pytestmark = pytest.mark.integration
@@ -114,9 +114,14 @@ def test_absurd_metrics_values_never_raise_nor_give_an_absurd_load(value: str) -
         f"vllm:num_requests_waiting {value}\n"
         "vllm:num_requests_waiting 2\n"
         f"vllm:kv_cache_usage_perc {value}\n"
+        f"vllm:inter_token_latency_seconds_sum {value}\n"
+        f"vllm:inter_token_latency_seconds_count {value}\n"
     )
-    load = parse_vllm_load(text)
+    load, timing = parse_vllm_metrics(text)
     assert load is not None
+    if timing is not None:  # a gap total the rule may divide: finite, counts bounded
+        assert math.isfinite(timing.itl_sum_s) and timing.itl_sum_s >= 0
+        assert 0 <= timing.itl_count < 2**31 and 0 <= timing.running < 2**31
     for count in (load.running, load.waiting):
         assert 0 <= count < 2**31
     assert 0 <= load.kv_blocks_used <= load.kv_blocks_total <= KV_USAGE_SCALE

@@ -212,3 +212,22 @@ def vllm_metrics(running: float, waiting: float, kv_usage: float) -> str:
             share = value if name.endswith("perc") else value / 2
             lines.append(f'{name}{{engine="{engine}",model_name="tiny"}} {share}')
     return "\n".join(lines) + "\n"
+
+
+def vllm_itl_histogram(sum_s: float, count: int) -> str:
+    """vLLM's ``vllm:inter_token_latency_seconds`` histogram as its /metrics writes it (every
+    gap in the one bucket that holds them all)."""
+    name = "vllm:inter_token_latency_seconds"
+    labels = 'engine="0",model_name="tiny"'
+    return (
+        "\n".join(
+            (
+                f"# HELP {name} Histogram of inter-token latency in seconds.",
+                f"# TYPE {name} histogram",
+                f'{name}_bucket{{{labels},le="+Inf"}} {count}',
+                f"{name}_count{{{labels}}} {count}",
+                f"{name}_sum{{{labels}}} {sum_s}",
+            )
+        )
+        + "\n"
+    )

@@ -90,7 +90,9 @@ class HealthChecker:
     async def probe(self, instance: Instance) -> str:
         before = instance.in_flight
         if isinstance(instance.channel, VllmEndpoint):
-            state, load = await instance.channel.check(self._timeout_s)
+            state, load, timing = await instance.channel.check(self._timeout_s)
+            if timing is not None:
+                instance.service.server_timing(timing)
             if load is not None:
                 in_flight = max(before, instance.in_flight)
                 load = dataclasses.replace(load, router_in_flight=in_flight)

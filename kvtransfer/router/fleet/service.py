@@ -14,6 +14,15 @@ needs nothing from their reports:
 - **inter-token latency by batch**: every gap between two streamed deltas of a decode, per
   token, filed under the number of requests decoding on the instance at that moment.
 
+A vLLM server (``--engine vllm``) also says, in its ``/metrics``, how many requests it runs and
+the sum and count of the gaps between tokens it measured itself (`ServerTiming`, read at every
+health check). From the first reading that shows tokens decoded, the gaps come from there: the
+engine's own clock leaves out the network, SSE framing and the router's event loop, and counts
+requests other clients sent. Its running count, when larger than the router's, is the batch
+the rule predicts from. The prompt rate stays the router's: vLLM's prefill-time histogram
+overlaps prompts computed in one step, and its prompt-token counters on a decode count the KV
+a prefill sent.
+
 Each figure is an exponentially weighted mean (`EWMA_WEIGHT` for the newest sample), so it
 follows a change of load within a few requests. Nothing here blocks or locks: it runs on the
 router's event loop.
@@ -27,6 +36,16 @@ from dataclasses import dataclass
 EWMA_WEIGHT = 0.2
 # Batches above this share one bucket: a CPU engine's step time has flattened by then.
 MAX_BATCH_BUCKET = 32
+
+
+@dataclass(frozen=True)
+class ServerTiming:
+    """One reading of a vLLM server's own counters: requests running now, and the running
+    totals of ``vllm:inter_token_latency_seconds`` (sum of gaps, number of gaps)."""
+
+    itl_sum_s: float
+    itl_count: int
+    running: int
 
 
 def _blend(old: float | None, sample: float) -> float:
@@ -49,8 +68,17 @@ class ServiceStats:
         self.prompt_tokens_per_s: float | None = None
         self.queued_prompt_tokens = 0
         self.decoding = 0
+        # What the server itself said at the last health check (vLLM's /metrics), if anything.
+        self.server_running = 0
+        self.itl_source = "router"
         self._itl_by_batch: dict[int, float] = {}
         self._last_prompt_end = float("-inf")
+        self._server: ServerTiming | None = None
+
+    @property
+    def batch(self) -> int:
+        """Requests decoding here: the router's count, or the server's when it said more."""
+        return max(self.decoding, self.server_running)
 
     def prompt_started(self, tokens: int) -> PromptTicket:
         """A prompt of ``tokens`` uncached tokens (0: not known) starts computing here."""
@@ -80,11 +108,31 @@ class ServiceStats:
             self.queued_prompt_tokens = max(0, self.queued_prompt_tokens - ticket.tokens)
 
     def token_gap(self, seconds: float, tokens: int) -> None:
-        """``tokens`` tokens arrived ``seconds`` after the previous ones of the same stream."""
-        if tokens <= 0 or seconds < 0:
+        """``tokens`` tokens arrived ``seconds`` after the previous ones of the same stream
+        (not filed once the server's own timing is: see the module's docstring)."""
+        if tokens <= 0 or seconds < 0 or self.itl_source != "router":
             return
-        bucket = min(max(1, self.decoding), MAX_BATCH_BUCKET)
-        self._itl_by_batch[bucket] = _blend(self._itl_by_batch.get(bucket), seconds / tokens)
+        self._file_gap(self.decoding, seconds / tokens)
+
+    def server_timing(self, timing: ServerTiming) -> None:
+        """A health check's reading of the server's counters. Between two readings, the
+        change of the gaps' sum over the change of their count is the mean gap the engine
+        measured meanwhile, filed under the mean of the two running counts. Counters that went
+        down (the server restarted) start afresh."""
+        previous, self._server = self._server, timing
+        self.server_running = timing.running
+        if previous is None:
+            return
+        gaps = timing.itl_count - previous.itl_count
+        seconds = timing.itl_sum_s - previous.itl_sum_s
+        if gaps <= 0 or seconds < 0:
+            return
+        self._file_gap(round((previous.running + timing.running) / 2), seconds / gaps)
+        self.itl_source = "vllm"
+
+    def _file_gap(self, batch: int, gap_s: float) -> None:
+        bucket = min(max(1, batch), MAX_BATCH_BUCKET)
+        self._itl_by_batch[bucket] = _blend(self._itl_by_batch.get(bucket), gap_s)
 
     def inter_token_s(self, batch: int) -> float | None:
         """The expected gap between tokens with ``batch`` requests decoding here: the bucket's
@@ -116,6 +164,8 @@ class ServiceStats:
             "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "queued_prompt_tokens": self.queued_prompt_tokens,
             "decoding": self.decoding,
+            "server_running": self.server_running,
+            "itl_source": self.itl_source,
             "inter_token_s_by_batch": dict(sorted(self._itl_by_batch.items())),
         }
 

@@ -9,6 +9,10 @@ in blocks: the load reports it per `KV_USAGE_SCALE` "blocks", so the policies' s
 use is right. A sample that is not a finite, non-negative number is left out (a gauge of
 requests cannot be NaN or below 0), and counts are capped at `MAX_COUNT`.
 
+The same text gives the SLO rule vLLM's own timing (`ServerTiming`): the running count and the
+``vllm:inter_token_latency_seconds`` histogram's sum and count, which the instance's
+`ServiceStats` turns into gaps between tokens as the engine measured them.
+
 A redirect is not followed: whatever answers at its target (a login page, another server) does
 not vouch for this instance, so a 3xx is ``NOT_SERVING (HTTP 3xx)``. ``/metrics`` is read up to
 `MAX_METRICS_BYTES`; a larger or undecodable answer gives no load.
@@ -22,6 +26,7 @@ import math
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtransfer.router.fleet.service import ServerTiming
 from kvtransfer.router.routing.policy import InstanceLoad
 
 SERVING = "SERVING"
@@ -36,6 +41,9 @@ _HEALTH_BYTES = 2**16
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
+_ITL_SUM = "vllm:inter_token_latency_seconds_sum"
+_ITL_COUNT = "vllm:inter_token_latency_seconds_count"
+_SUMMED = (_RUNNING, _WAITING, _KV_USAGE, _ITL_SUM, _ITL_COUNT)
 
 
 class VllmEndpoint:
@@ -52,24 +60,25 @@ class VllmEndpoint:
     async def close(self) -> None:
         """Nothing of its own to close: the session is the fleet's."""
 
-    async def check(self, timeout_s: float) -> tuple[str, InstanceLoad | None]:
-        """Its health state, and its load when ``/metrics`` answered with vLLM's gauges."""
+    async def check(self, timeout_s: float) -> tuple[str, InstanceLoad | None, ServerTiming | None]:
+        """Its health state; its load and timing when ``/metrics`` answered with vLLM's."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         health, metrics = await asyncio.gather(
             self._get("/health", timeout, _HEALTH_BYTES),
             self._get("/metrics", timeout, MAX_METRICS_BYTES),
             return_exceptions=True,
         )
-        load = None
+        load = timing = None
         if isinstance(metrics, tuple) and metrics[0] == 200 and metrics[1] is not None:
             # Prometheus' text format is UTF-8; a bad byte spoils at most its own line.
-            load = parse_vllm_load(metrics[1].decode(errors="replace"))
+            load, timing = parse_vllm_metrics(metrics[1].decode(errors="replace"))
         if isinstance(health, BaseException):
             if not isinstance(health, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
                 raise health
-            return f"UNREACHABLE ({type(health).__name__})", load
+            return f"UNREACHABLE ({type(health).__name__})", load, timing
         status = health[0]
-        return (SERVING if status == 200 else f"NOT_SERVING (HTTP {status})"), load
+        state = SERVING if status == 200 else f"NOT_SERVING (HTTP {status})"
+        return state, load, timing
 
     async def _get(
         self, path: str, timeout: aiohttp.ClientTimeout, limit: int
@@ -81,33 +90,41 @@ class VllmEndpoint:
             return response.status, await read_at_most(response, limit)
 
 
-def parse_vllm_load(text: str) -> InstanceLoad | None:
-    """The load in vLLM's ``/metrics`` text; ``None`` when it has neither request gauge (not a
-    vLLM server, or one too old to export them)."""
+def parse_vllm_metrics(text: str) -> tuple[InstanceLoad | None, ServerTiming | None]:
+    """The load and the timing in vLLM's ``/metrics`` text; each ``None`` when the text lacks
+    what it needs (not a vLLM server, or one too old to export it)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError:
-        return None
+        return None, None
     for family in families:
         for sample in family.samples:
             value = sample.value
-            if sample.name in (_RUNNING, _WAITING, _KV_USAGE) and 0 <= value < math.inf:
+            if sample.name in _SUMMED and 0 <= value < math.inf:
                 sums[sample.name] = sums.get(sample.name, 0.0) + value
                 counts[sample.name] = counts.get(sample.name, 0) + 1
+    timing = None
+    if _ITL_SUM in sums and _ITL_COUNT in sums and math.isfinite(sums[_ITL_SUM]):
+        timing = ServerTiming(
+            itl_sum_s=sums[_ITL_SUM],
+            itl_count=_count(sums[_ITL_COUNT]),
+            running=_count(sums.get(_RUNNING, 0.0)),
+        )
     if _RUNNING not in sums and _WAITING not in sums:
-        return None
+        return None, timing
     # Requests add up over a data-parallel server's engines; their KV pools are alike, so the
     # share in use is their mean.
     usage = sums.get(_KV_USAGE, 0.0) / counts.get(_KV_USAGE, 1)
     usage = min(1.0, max(0.0, usage)) if math.isfinite(usage) else 1.0
-    return InstanceLoad(
+    load = InstanceLoad(
         running=_count(sums.get(_RUNNING, 0.0)),
         waiting=_count(sums.get(_WAITING, 0.0)),
         kv_blocks_used=round(usage * KV_USAGE_SCALE) if _KV_USAGE in sums else 0,
         kv_blocks_total=KV_USAGE_SCALE if _KV_USAGE in sums else 0,
     )
+    return load, timing
 
 
 def _count(value: float) -> int:

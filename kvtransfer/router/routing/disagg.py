@@ -87,7 +87,9 @@ class ServiceView(Protocol):
 
     prompt_tokens_per_s: float | None
     queued_prompt_tokens: int
-    decoding: int
+
+    @property
+    def batch(self) -> int: ...
 
     def inter_token_s(self, batch: int) -> float | None: ...
 
@@ -207,7 +209,7 @@ def _by_slo(
     predicted = {"ttft_pd_s": ttft_pd}
     # The decode's own gap at one more request; unmeasured counts as meeting the target (an
     # instance that never decoded is idle or new).
-    itl_pd = min(_gap(d, d.service.decoding + 1) for d in decodes)
+    itl_pd = min(_gap(d, d.service.batch + 1) for d in decodes)
     predicted["itl_pd_s"] = itl_pd
     pd_ok = ttft_pd <= slo.ttft_s and itl_pd <= slo.itl_s
 
@@ -219,7 +221,7 @@ def _by_slo(
         # those decoding now, those routed there still waiting for a prefill or their KV, and
         # those arriving meanwhile (a long prompt alone on an idle decode still stalls them).
         stall = uncached / rate
-        batch = max(d.service.decoding, d.in_flight)
+        batch = max(d.service.batch, d.in_flight)
         own = _gap(d, batch + 1)
         others = 0.0
         if batch + arrivals_per_s * stall >= EXPECTED_VICTIMS:

@@ -125,6 +125,8 @@ def route_header(decision: RouteDecision) -> str:
     value = f"{decision.mode}; reason={decision.reason}"
     if decision.uncached_tokens is not None:
         value += f"; uncached_tokens={decision.uncached_tokens}"
+    for name, seconds in decision.predicted.items():
+        value += f"; {name}={seconds:.6g}"
     return value
 
 
