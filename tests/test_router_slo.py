@@ -117,6 +117,39 @@ def test_inter_token_latency_is_kept_per_batch_and_interpolated():
 
 
 @pytest.mark.unit
+def test_gaps_while_a_prompt_computes_are_stalls_kept_apart_from_the_steps(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    stats = ServiceStats()
+    stats.decoding = 2
+    stats.token_gap(0.05, 1)
+    ticket = stats.prompt_started(400)
+    clock[0] = 101.0
+    stats.token_gap(0.9, 1)  # during the prompt: a stall, not the pace of a step
+    assert stats.stall_s(10.0) == 0.0  # queued, but no rate known to time it by
+    stats.prompt_tokens_per_s = 800.0
+    assert stats.stall_s(10.0) == pytest.approx(0.5)  # 400 tokens queued at 800/s
+    clock[0] = 102.0
+    stats.prompt_done(ticket)
+    stats.token_gap(0.7, 1)  # began before the prompt ended
+    clock[0] = 102.5
+    stats.token_gap(0.05, 1)
+    assert stats.describe()["inter_token_s_by_batch"] == {2: pytest.approx(0.05)}
+    # Its 2 s of service are the stall, remembered for a window that reaches back to it.
+    assert stats.stall_s(1.0) == pytest.approx(2.0)
+    clock[0] = 104.0
+    assert stats.stall_s(1.0) == 0.0
+    assert stats.stall_s(5.0) == pytest.approx(2.0)
+    # An abandoned prompt leaves no stall, but the instance was busy until it was let go.
+    failed = stats.prompt_started(100)
+    clock[0] = 104.2
+    stats.prompt_abandoned(failed)
+    stats.token_gap(0.3, 1)
+    assert stats.describe()["inter_token_s_by_batch"] == {2: pytest.approx(0.05)}
+    assert stats.stall_s(5.0) == pytest.approx(2.0)
+
+
+@pytest.mark.unit
 def test_a_servers_own_timing_replaces_the_routers_once_it_shows_tokens():
     stats = ServiceStats()
     stats.decoding = 1
@@ -185,7 +218,7 @@ def test_without_slos_the_threshold_decides_and_zero_always_disaggregates():
 
 
 @pytest.mark.unit
-def test_each_slo_reason_when_its_condition_holds():
+def test_each_slo_reason_when_its_condition_holds(monkeypatch):
     rule = DisaggRule(slo=SLO)
     # Nothing measured: disaggregate, saying why.
     assert _decide(rule, 100, [_measured(None)], [_measured(None)]).reason == NO_PROFILE
@@ -238,6 +271,27 @@ def test_each_slo_reason_when_its_condition_holds():
     assert decision.predicted["itl_pd_s"] == pytest.approx(0.5)
     # Alone is no faster to the first token and has the same gap: stay P/D.
     assert decision.reason == NEITHER_PD
+    # A decode that computed a prompt alone owes its requests that stall: spread over
+    # max_tokens it is added to P/D's gap and to the others' gap after another alone prompt.
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    stalled = _measured(None, {1: 0.05})
+    ticket = stalled.service.prompt_started(1000)
+    clock[0] = 100.4
+    stalled.service.prompt_done(ticket)
+    stalled.service.prompt_tokens_per_s = 1000.0
+    busy_prefill = [_measured(1000.0, queued=5000)]
+    decision = _decide(rule, 100, busy_prefill, [stalled], max_tokens=10)
+    assert decision.predicted["itl_pd_s"] == pytest.approx(0.05 + 0.4 / 10)
+    # Requests decode there for 10 x 50 ms: a stall 0.6 s ago is behind all of them.
+    clock[0] = 101.0
+    later = _decide(rule, 100, busy_prefill, [stalled], max_tokens=10)
+    assert later.predicted["itl_pd_s"] == pytest.approx(0.05)
+    stalled.service.decoding = 1
+    stalled.service.prompt_started(500)  # queued: 0.5 s at its 1000 tokens/s
+    decision = _decide(rule, 100, busy_prefill, [stalled], max_tokens=10)
+    assert decision.predicted["itl_pd_s"] == pytest.approx(0.05 + 0.5 / 10)
+    assert decision.predicted["itl_others_s"] == pytest.approx(0.05 + 0.5 / 10 + 0.1 / 10)
     # A prompt below the threshold goes alone before any prediction.
     floor = DisaggRule(threshold=64, slo=SLO)
     assert _decide(floor, 10, [busy], [crowded]).reason == BELOW_THRESHOLD
@@ -326,13 +380,14 @@ def test_each_route_is_taken_when_its_condition_holds_and_equals_colocated(daemo
             assert "prefill" not in alone and alone["decode"] == decode.address
             assert alone["kv_blocks_received"] == 0
             assert d.service.prompt_tokens_per_s and d.service.prompt_tokens_per_s > 0
-            # ... unless the decode's running requests would be stalled past the gap target.
+            # ... unless the decode's running requests would be stalled past the gap target:
+            # its queue of prompts of its own takes 200 s, 20 s over each one's 10 tokens.
             d.service.decoding = 3
-            d.service.token_gap(20.0, 1)
+            d.service.queued_prompt_tokens = int(d.service.prompt_tokens_per_s * 200)
             stalled = await routed(stream=True)
             assert stalled["route_decision"]["reason"] == NEITHER_PD, stalled["route_decision"]
             assert stalled["prefill"] == prefill.address
-            p.service.queued_prompt_tokens = 0
+            p.service.queued_prompt_tokens = d.service.queued_prompt_tokens = 0
             d.service.decoding = 0
             async with http.get("/metrics") as response:
                 metrics = await response.text()

@@ -12,7 +12,12 @@ needs nothing from their reports:
   behind another prompt is not counted as slowness.
 - **queued prompt tokens**: the tokens of prompt computations in flight on it.
 - **inter-token latency by batch**: every gap between two streamed deltas of a decode, per
-  token, filed under the number of requests decoding on the instance at that moment.
+  token, filed under the number of requests decoding on the instance at that moment. A gap
+  during which the instance also computed a prompt is not filed: that is a stall, which the
+  next figure keeps apart, not the pace of its steps.
+- **stalls**: the service time of each prompt the instance computed itself (a decode alone),
+  kept for `STALL_MEMORY_S`; the requests decoding there waited that long. The rule adds the
+  recent and the pending ones to the gap it predicts for them.
 
 A vLLM server (``--engine vllm``) also says, in its ``/metrics``, how many requests it runs and
 the sum and count of the gaps between tokens it measured itself (`ServerTiming`, read at every
@@ -31,11 +36,14 @@ router's event loop.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 EWMA_WEIGHT = 0.2
 # Batches above this share one bucket: a CPU engine's step time has flattened by then.
 MAX_BATCH_BUCKET = 32
+# How long a prompt's stall is remembered: longer than any request decodes in a CPU test.
+STALL_MEMORY_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,10 @@ class ServiceStats:
         self.itl_source = "router"
         self._itl_by_batch: dict[int, float] = {}
         self._last_prompt_end = float("-inf")
+        self._prompts_computing = 0
+        self._stalls: deque[tuple[float, float]] = deque()  # (ended at, seconds served)
         self._server: ServerTiming | None = None
+        self._server_read_at = float("-inf")
 
     @property
     def batch(self) -> int:
@@ -84,6 +95,7 @@ class ServiceStats:
         """A prompt of ``tokens`` uncached tokens (0: not known) starts computing here."""
         tokens = max(0, tokens)
         self.queued_prompt_tokens += tokens
+        self._prompts_computing += 1
         return PromptTicket(tokens, time.monotonic())
 
     def prompt_done(self, ticket: PromptTicket, computed_tokens: int | None = None) -> None:
@@ -92,36 +104,58 @@ class ServiceStats:
         """
         if ticket.done:
             return
-        ticket.done = True
-        self.queued_prompt_tokens = max(0, self.queued_prompt_tokens - ticket.tokens)
+        self._end(ticket)
         now = time.monotonic()
         tokens = ticket.tokens if computed_tokens is None else computed_tokens
         served = now - max(ticket.started, self._last_prompt_end)
         self._last_prompt_end = now
+        self._stalls.append((now, served))
         if tokens > 0 and served > 0:
             self.prompt_tokens_per_s = _blend(self.prompt_tokens_per_s, tokens / served)
 
     def prompt_abandoned(self, ticket: PromptTicket) -> None:
         """The prompt of ``ticket`` ended without a result (failed, cancelled): no sample."""
         if not ticket.done:
-            ticket.done = True
-            self.queued_prompt_tokens = max(0, self.queued_prompt_tokens - ticket.tokens)
+            self._end(ticket)
+            self._last_prompt_end = time.monotonic()
+
+    def _end(self, ticket: PromptTicket) -> None:
+        ticket.done = True
+        self.queued_prompt_tokens = max(0, self.queued_prompt_tokens - ticket.tokens)
+        self._prompts_computing = max(0, self._prompts_computing - 1)
+
+    def _computed_a_prompt_since(self, start: float) -> bool:
+        return self._prompts_computing > 0 or self._last_prompt_end > start
+
+    def stall_s(self, within_s: float) -> float:
+        """Seconds this instance spent on its own prompts in the last ``within_s`` seconds,
+        and the seconds the ones still queued here will take (at its measured rate)."""
+        now = time.monotonic()
+        while self._stalls and self._stalls[0][0] < now - STALL_MEMORY_S:
+            self._stalls.popleft()
+        recent = sum(served for ended, served in self._stalls if ended >= now - within_s)
+        rate = self.prompt_tokens_per_s
+        return recent + (self.queued_prompt_tokens / rate if rate else 0.0)
 
     def token_gap(self, seconds: float, tokens: int) -> None:
         """``tokens`` tokens arrived ``seconds`` after the previous ones of the same stream
         (not filed once the server's own timing is: see the module's docstring)."""
         if tokens <= 0 or seconds < 0 or self.itl_source != "router":
             return
+        if self._computed_a_prompt_since(time.monotonic() - seconds):
+            return
         self._file_gap(self.decoding, seconds / tokens)
 
     def server_timing(self, timing: ServerTiming) -> None:
         """A health check's reading of the server's counters. Between two readings, the
         change of the gaps' sum over the change of their count is the mean gap the engine
-        measured meanwhile, filed under the mean of the two running counts. Counters that went
-        down (the server restarted) start afresh."""
+        measured meanwhile, filed under the mean of the two running counts, unless the router
+        had a prompt computed there meanwhile (a stall). Counters that went down (the server
+        restarted) start afresh."""
         previous, self._server = self._server, timing
+        read_before, self._server_read_at = self._server_read_at, time.monotonic()
         self.server_running = timing.running
-        if previous is None:
+        if previous is None or self._computed_a_prompt_since(read_before):
             return
         gaps = timing.itl_count - previous.itl_count
         seconds = timing.itl_sum_s - previous.itl_sum_s

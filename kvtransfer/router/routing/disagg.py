@@ -13,14 +13,16 @@ Two rules, one decision:
 
   * P/D: TTFT = (the prefill's queued prompt tokens + this prompt's uncached tokens) / its
     prompt rate (the first token comes from the prefill), the best pickable prefill;
-    inter-token latency = the decode's measured gap at its batch + 1.
+    inter-token latency = the decode's measured gap at its batch + 1, plus the stalls it
+    owes its requests, spread over ``max_tokens`` (the stand-in for a request's output): the
+    prompts it computed alone within the time a request decodes there, and those queued.
   * Alone on a decode: TTFT the same way on the decode (its own prompt rate, else the
     prefills': the same hardware is assumed); its own gap at batch + 1; and its prompt stalls
-    every request decoding there by the prompt's compute time, spread over this request's
-    ``max_tokens`` (the stand-in for their remaining output): their gap after it must stay
-    within the target too. Those requests are the ones decoding there, those routed there
-    still waiting for their prefill or KV, and those the router's arrival rate (its share per
-    decode) brings during the stall; when that makes half a request or more, their gap counts.
+    every request decoding there by the prompt's compute time: their gap at the batch plus
+    that stall and the ones above, spread over ``max_tokens``, must stay within the target
+    too. Those requests are the ones decoding there, those routed there still waiting for
+    their prefill or KV, and those the router's arrival rate (its share per decode) brings
+    during the stall; when that makes half a request or more, their gap counts.
 
   P/D is kept when it meets both (it keeps prefills off the decodes, which is what
   disaggregation is for); else alone when that meets both; when neither does, the lower
@@ -92,6 +94,8 @@ class ServiceView(Protocol):
     def batch(self) -> int: ...
 
     def inter_token_s(self, batch: int) -> float | None: ...
+
+    def stall_s(self, within_s: float) -> float: ...
 
 
 class SloCandidate(Candidate, Protocol):
@@ -207,9 +211,9 @@ def _by_slo(
     prefill_rate = max(r for _, r in known)
     ttft_pd = min(_prompt_s(p, uncached, r) for p, r in known)
     predicted = {"ttft_pd_s": ttft_pd}
-    # The decode's own gap at one more request; unmeasured counts as meeting the target (an
-    # instance that never decoded is idle or new).
-    itl_pd = min(_gap(d, d.service.batch + 1) for d in decodes)
+    # The decode's own gap at one more request, and the stalls it owes; unmeasured counts as
+    # meeting the target (an instance that never decoded is idle or new).
+    itl_pd = min(_gap(d, d.service.batch + 1) + _owed(d, max_tokens) for d in decodes)
     predicted["itl_pd_s"] = itl_pd
     pd_ok = ttft_pd <= slo.ttft_s and itl_pd <= slo.itl_s
 
@@ -225,7 +229,7 @@ def _by_slo(
         own = _gap(d, batch + 1)
         others = 0.0
         if batch + arrivals_per_s * stall >= EXPECTED_VICTIMS:
-            others = _gap(d, max(1, batch)) + stall / max_tokens
+            others = _gap(d, max(1, batch)) + _owed(d, max_tokens) + stall / max_tokens
         if best is None or ttft < best[0]:
             best = (ttft, own, others)
     if best is None:  # decodes is not empty; narrows the type
@@ -240,6 +244,13 @@ def _by_slo(
     if ttft_alone < ttft_pd and itl_others <= slo.itl_s:
         return RouteDecision(DECODE_ONLY, NEITHER_ALONE, uncached, predicted)
     return RouteDecision(DISAGGREGATED, NEITHER_PD, uncached, predicted)
+
+
+def _owed(decode: SloCandidate, max_tokens: int) -> float:
+    """Per token, the stalls a request decoding on ``decode`` now has met or will meet: its own
+    prompts computed within the time a request decodes there, and those queued there."""
+    decoding_s = max_tokens * _gap(decode, max(1, decode.service.batch))
+    return decode.service.stall_s(decoding_s) / max_tokens
 
 
 def _gap(instance: SloCandidate, batch: int) -> float:
