@@ -86,7 +86,8 @@ def test_prompt_rate_counts_service_time_not_the_queue_behind_another_prompt(mon
     # Served after the first one ended: 0.5 s of its own, not the 1.5 s since it started.
     clock[0] = 101.5
     stats.prompt_done(second, computed_tokens=250)
-    assert stats.prompt_tokens_per_s == pytest.approx(0.8 * 1000 + 0.2 * 500)
+    # Tokens and seconds are averaged apart: (0.8 x 1000 + 0.2 x 250) / (0.8 x 1 + 0.2 x 0.5).
+    assert stats.prompt_tokens_per_s == pytest.approx(850 / 0.9)
     assert stats.queued_prompt_tokens == 0
     # Ending twice, or abandoning an ended prompt, changes nothing.
     stats.prompt_done(second)
@@ -94,7 +95,7 @@ def test_prompt_rate_counts_service_time_not_the_queue_behind_another_prompt(mon
     assert stats.queued_prompt_tokens == 0
     failed = stats.prompt_started(300)
     stats.prompt_abandoned(failed)
-    assert (stats.queued_prompt_tokens, stats.prompt_tokens_per_s) == (0, pytest.approx(900))
+    assert (stats.queued_prompt_tokens, stats.prompt_tokens_per_s) == (0, pytest.approx(850 / 0.9))
 
 
 @pytest.mark.unit

@@ -6,6 +6,7 @@ another instance (`retry_pause`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 
@@ -14,6 +15,8 @@ from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.fleet.service import ArrivalRate
 from kvtransfer.router.routing.disagg import DisaggRule, RouteDecision, decide
 from kvtransfer.router.routing.policy import RouteContext
+
+logger = logging.getLogger(__name__)
 
 # Back-off before retry n: RETRY_BACKOFF_S * 2**(n-1), at most RETRY_MAX_BACKOFF_S, +-20%.
 RETRY_BACKOFF_S = 0.05
@@ -31,7 +34,7 @@ class RouteDecider:
         """P/D or a decode alone for one request, from the fleet's pickable instances now."""
         self.arrivals.arrived()
         pickable = [i for i in fleet.instances() if i.pickable()]
-        return decide(
+        decision = decide(
             self.rule,
             route,
             max_tokens,
@@ -40,6 +43,9 @@ class RouteDecider:
             fleet.policies["decode"],
             self.arrivals.per_s,
         )
+        if decision.predicted:
+            logger.debug("%s: %s", route.request_id, decision.describe())
+        return decision
 
 
 async def retry_pause(attempt: int, deadline: float) -> None:

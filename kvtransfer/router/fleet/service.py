@@ -6,10 +6,14 @@ Measured on the router's side, so it is the same for kvtransfer daemons and vLLM
 needs nothing from their reports:
 
 - **prompt rate** (tokens/s): each prompt computation (a prefill call; a decode-alone request
-  up to its first token) gives a sample, its computed tokens over its service time. Calls are
+  up to its first token) gives a sample, its computed tokens and its service time. Calls are
   treated as served one after another (FIFO): a call's service time starts at its own start or
   at the end of the instance's previous prompt, whichever is later, so time spent queued
-  behind another prompt is not counted as slowness.
+  behind another prompt is not counted as slowness. The rate is the weighted mean of the
+  tokens over the weighted mean of the seconds, not a mean of each sample's ratio: chunked
+  prefill computes a short prompt in the step that also holds a long one's chunk, so the
+  short one's own ratio is far too low and the long one's (its first chunk credited to the
+  other) too high; summed, they are the instance's throughput.
 - **queued prompt tokens**: the tokens of prompt computations in flight on it.
 - **inter-token latency by batch**: every gap between two streamed deltas of a decode, per
   token, filed under the number of requests decoding on the instance at that moment. A gap
@@ -74,6 +78,8 @@ class ServiceStats:
 
     def __init__(self) -> None:
         self.prompt_tokens_per_s: float | None = None
+        self._prompt_tokens: float | None = None  # weighted means of the samples
+        self._prompt_seconds: float | None = None
         self.queued_prompt_tokens = 0
         self.decoding = 0
         # What the server itself said at the last health check (vLLM's /metrics), if anything.
@@ -111,7 +117,9 @@ class ServiceStats:
         self._last_prompt_end = now
         self._stalls.append((now, served))
         if tokens > 0 and served > 0:
-            self.prompt_tokens_per_s = _blend(self.prompt_tokens_per_s, tokens / served)
+            self._prompt_tokens = _blend(self._prompt_tokens, tokens)
+            self._prompt_seconds = _blend(self._prompt_seconds, served)
+            self.prompt_tokens_per_s = self._prompt_tokens / self._prompt_seconds
 
     def prompt_abandoned(self, ticket: PromptTicket) -> None:
         """The prompt of ``ticket`` ended without a result (failed, cancelled): no sample."""
