@@ -248,24 +248,33 @@ def test_each_slo_reason_when_its_condition_holds(monkeypatch):
     decision = _decide(rule, 500, [_measured(1000.0, queued=5000)], [crowded], max_tokens=4)
     assert decision.predicted["itl_others_s"] == pytest.approx(0.06 + 0.5 / 4)
     assert (decision.mode, decision.reason) == (DISAGGREGATED, NEITHER_PD)
-    # Requests routed there and not decoding yet (their prefill or KV load runs) count too.
+    # Requests routed there and not decoding yet count as far as their prefill ends within the
+    # stall: both when the prefills have nothing queued ...
     waiting = _measured(1000.0, {1: 0.05, 2: 0.06})
     waiting.in_flight = 2
-    decision = _decide(rule, 500, [_measured(1000.0, queued=5000)], [waiting], max_tokens=4)
+    decision = _decide(rule, 500, [_measured(1000.0)], [waiting], max_tokens=4)
     assert decision.predicted["itl_others_s"] == pytest.approx(0.06 + 0.5 / 4)
     assert decision.predicted["itl_alone_s"] == pytest.approx(0.07)  # extrapolated to 3
-    # An idle decode, but requests arrive at 1/s: during a 0.8 s stall 0.8 are expected, so
-    # their gap counts (0.05 + 0.8 / 4), and alone misses; at 0.5/s (0.4 expected) it meets.
-    idle = _measured(None, {1: 0.05})
-    busy_prefill = [_measured(1000.0, queued=5000)]
-    decision = _decide(rule, 800, busy_prefill, [idle], max_tokens=4, arrivals=1.0)
+    # ... none behind 5 s of queued prefill: the 0.5 s stall computes a tenth of it (0.2 of them).
+    decision = _decide(rule, 500, [_measured(1000.0, queued=5000)], [waiting], max_tokens=4)
+    assert decision.predicted["itl_others_s"] == 0.0
+    assert decision.predicted["itl_alone_s"] == pytest.approx(0.05)
+    # An idle decode, but requests arrive at 1/s and a slow, idle prefill (100 tokens/s) would
+    # give them their first token within the 0.8 s stall: 0.8 expected, so their gap counts
+    # (0.05 + 0.8 / 4) and alone misses; at 0.5/s (0.4 expected) it meets.
+    idle = _measured(1000.0, {1: 0.05})
+    slow_prefill = [_measured(100.0)]
+    decision = _decide(rule, 800, slow_prefill, [idle], max_tokens=4, arrivals=1.0)
     assert decision.predicted["itl_others_s"] == pytest.approx(0.05 + 0.8 / 4)
     assert (decision.mode, decision.reason) == (DISAGGREGATED, NEITHER_PD)
-    decision = _decide(rule, 800, busy_prefill, [idle], max_tokens=4, arrivals=0.5)
+    decision = _decide(rule, 800, slow_prefill, [idle], max_tokens=4, arrivals=0.5)
     assert (decision.reason, decision.predicted["itl_others_s"]) == (ALONE_MEETS, 0.0)
     # The arrivals split over the decodes: two idle ones halve each one's share.
-    decision = _decide(rule, 800, busy_prefill, [idle, _measured(None)], 4, arrivals=1.2)
+    decision = _decide(rule, 800, slow_prefill, [idle, _measured(None)], 4, arrivals=1.2)
     assert decision.reason == ALONE_MEETS
+    # Arrivals behind a long prefill queue (50 s) do not decode during the stall.
+    decision = _decide(rule, 800, [_measured(100.0, queued=5000)], [idle], 4, arrivals=1.0)
+    assert (decision.reason, decision.predicted["itl_others_s"]) == (ALONE_MEETS, 0.0)
     # A decode whose own gap already misses the target: P/D is not predicted to meet it.
     laggard = _measured(1000.0, {1: 0.5})
     decision = _decide(rule, 10, [_measured(1000.0)], [laggard])

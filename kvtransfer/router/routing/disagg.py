@@ -20,9 +20,11 @@ Two rules, one decision:
     prefills': the same hardware is assumed); its own gap at batch + 1; and its prompt stalls
     every request decoding there by the prompt's compute time: their gap at the batch plus
     that stall and the ones above, spread over ``max_tokens``, must stay within the target
-    too. Those requests are the ones decoding there, those routed there still waiting for
-    their prefill or KV, and those the router's arrival rate (its share per decode) brings
-    during the stall; when that makes half a request or more, their gap counts.
+    too. Those requests are the ones decoding there, and of those routed there still waiting
+    for their prefill or KV and those the router's arrival rate (its share per decode) brings
+    during the stall, the share whose prefill ends within it (the share of the prefills'
+    queued tokens computed meanwhile: under a long prefill queue they are not decoding yet);
+    when that makes half a request or more, their gap counts.
 
   P/D is kept when it meets both (it keeps prefills off the decodes, which is what
   disaggregation is for); else alone when that meets both; when neither does, the lower
@@ -216,20 +218,30 @@ def _by_slo(
     itl_pd = min(_gap(d, d.service.batch + 1) + _owed(d, max_tokens) for d in decodes)
     predicted["itl_pd_s"] = itl_pd
     pd_ok = ttft_pd <= slo.ttft_s and itl_pd <= slo.itl_s
+    # The share of the prefills' queue computed within a time: the requests waiting for a
+    # prefill start decoding in that order, so only that share of them joins a decode's batch.
+    queued = sum(p.service.queued_prompt_tokens for p, _ in known)
+    total_rate = sum(r for _, r in known)
+
+    def prefilled_within(seconds: float) -> float:
+        return min(1.0, seconds * total_rate / queued) if queued else 1.0
 
     best: tuple[float, float, float] | None = None
     for d in decodes:
         rate = d.service.prompt_tokens_per_s or prefill_rate
         ttft = _prompt_s(d, uncached, rate)
         # Its prompt stalls, for its whole compute time, every request decoding there by then:
-        # those decoding now, those routed there still waiting for a prefill or their KV, and
-        # those arriving meanwhile (a long prompt alone on an idle decode still stalls them).
+        # those decoding now, and those routed there (waiting for a prefill or their KV) or
+        # arriving meanwhile whose prefill ends within the stall (a long prompt alone on an
+        # idle decode still stalls them).
         stall = uncached / rate
-        batch = max(d.service.batch, d.in_flight)
-        own = _gap(d, batch + 1)
+        share = prefilled_within(stall)
+        waiting = max(0, d.in_flight - d.service.batch)
+        batch = d.service.batch + (waiting + arrivals_per_s * stall) * share
+        own = _gap(d, round(batch) + 1)
         others = 0.0
-        if batch + arrivals_per_s * stall >= EXPECTED_VICTIMS:
-            others = _gap(d, max(1, batch)) + _owed(d, max_tokens) + stall / max_tokens
+        if batch >= EXPECTED_VICTIMS:
+            others = _gap(d, max(1, round(batch))) + _owed(d, max_tokens) + stall / max_tokens
         if best is None or ttft < best[0]:
             best = (ttft, own, others)
     if best is None:  # decodes is not empty; narrows the type
