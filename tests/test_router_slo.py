@@ -261,11 +261,15 @@ def test_each_slo_reason_when_its_condition_holds(monkeypatch):
     assert decision.predicted["itl_alone_s"] == pytest.approx(0.05)
     # An idle decode, but requests arrive at 1/s and a slow, idle prefill (100 tokens/s) would
     # give them their first token within the 0.8 s stall: 0.8 expected, so their gap counts
-    # (0.05 + 0.8 / 4) and alone misses; at 0.5/s (0.4 expected) it meets.
+    # (0.05 + 0.8 / 4) and alone misses. P/D misses too (8 s to the first token): alone is
+    # expected to cost 0.8 requests against the one P/D loses, so alone; at 2/s (1.6) P/D.
+    # At 0.5/s (0.4 expected) alone meets.
     idle = _measured(1000.0, {1: 0.05})
     slow_prefill = [_measured(100.0)]
     decision = _decide(rule, 800, slow_prefill, [idle], max_tokens=4, arrivals=1.0)
     assert decision.predicted["itl_others_s"] == pytest.approx(0.05 + 0.8 / 4)
+    assert (decision.mode, decision.reason) == (DECODE_ONLY, NEITHER_ALONE)
+    decision = _decide(rule, 800, slow_prefill, [idle], max_tokens=4, arrivals=2.0)
     assert (decision.mode, decision.reason) == (DISAGGREGATED, NEITHER_PD)
     decision = _decide(rule, 800, slow_prefill, [idle], max_tokens=4, arrivals=0.5)
     assert (decision.reason, decision.predicted["itl_others_s"]) == (ALONE_MEETS, 0.0)
@@ -275,6 +279,17 @@ def test_each_slo_reason_when_its_condition_holds(monkeypatch):
     # Arrivals behind a long prefill queue (50 s) do not decode during the stall.
     decision = _decide(rule, 800, [_measured(100.0, queued=5000)], [idle], 4, arrivals=1.0)
     assert (decision.reason, decision.predicted["itl_others_s"]) == (ALONE_MEETS, 0.0)
+    # Five requests decoding at 99 ms, the target 100 ms, behind a 20 s prefill queue: a
+    # prompt alone adding 5 ms to their gap (0.5 s over 100 tokens) pushes about 5 / 20 of
+    # them past the target (their gaps spread over a fifth of it): 1.25 requests, more than
+    # P/D loses, so P/D; adding 2 ms (0.2 s) pushes 0.5 of them: alone.
+    edge = _measured(1000.0, {5: 0.099})
+    edge.service.decoding = 5
+    queue = [_measured(1000.0, queued=20_000)]
+    decision = _decide(rule, 500, queue, [edge], max_tokens=100)
+    assert decision.predicted["itl_others_s"] == pytest.approx(0.104)
+    assert decision.reason == NEITHER_PD
+    assert _decide(rule, 200, queue, [edge], max_tokens=100).reason == NEITHER_ALONE
     # A decode whose own gap already misses the target: P/D is not predicted to meet it.
     laggard = _measured(1000.0, {1: 0.5})
     decision = _decide(rule, 10, [_measured(1000.0)], [laggard])
@@ -390,10 +405,10 @@ def test_each_route_is_taken_when_its_condition_holds_and_equals_colocated(daemo
             assert "prefill" not in alone and alone["decode"] == decode.address
             assert alone["kv_blocks_received"] == 0
             assert d.service.prompt_tokens_per_s and d.service.prompt_tokens_per_s > 0
-            # ... unless the decode's running requests would be stalled past the gap target:
-            # its queue of prompts of its own takes 200 s, 20 s over each one's 10 tokens.
+            # ... unless the decode, with a queue of prompts of its own ten times the
+            # prefill's, would be slower still (both miss: P/D, the sooner first token).
             d.service.decoding = 3
-            d.service.queued_prompt_tokens = int(d.service.prompt_tokens_per_s * 200)
+            d.service.queued_prompt_tokens = 10**13
             stalled = await routed(stream=True)
             assert stalled["route_decision"]["reason"] == NEITHER_PD, stalled["route_decision"]
             assert stalled["prefill"] == prefill.address

@@ -27,8 +27,11 @@ Two rules, one decision:
     when that makes half a request or more, their gap counts.
 
   P/D is kept when it meets both (it keeps prefills off the decodes, which is what
-  disaggregation is for); else alone when that meets both; when neither does, the lower
-  predicted TTFT, unless going alone would push the decodes' gap past the target. A prompt
+  disaggregation is for); else alone when that meets both. When neither does, P/D is
+  predicted to lose this request: alone is taken when it reaches the first token sooner and
+  the requests its stall is expected to push past the gap target number fewer than one (a
+  stall adding d to their mean gap pushes about d / (`GAP_SPREAD` x target) of them past it,
+  those already past it aside). A prompt
   below the threshold still goes alone first (a floor), and so does everything while the
   router has measured too little to predict (``no_profile``: the threshold rule decides).
 
@@ -60,6 +63,9 @@ DECODE_ONLY = "decode_only"
 # Requests expected to decode on a decode during an alone prompt's stall from which on their gap
 # after the stall must meet the target too.
 EXPECTED_VICTIMS = 0.5
+# How far apart the requests' mean gaps on one decode lie, as a share of the gap target: a
+# stall adding d to their gaps pushes about d / (GAP_SPREAD x target) of them past it.
+GAP_SPREAD = 0.2
 
 # Reasons (the ``reason`` label of kvtransfer_router_route_decisions_total).
 ALWAYS = "always_disaggregate"  # no threshold, no SLO
@@ -226,7 +232,7 @@ def _by_slo(
     def prefilled_within(seconds: float) -> float:
         return min(1.0, seconds * total_rate / queued) if queued else 1.0
 
-    best: tuple[float, float, float] | None = None
+    best: tuple[float, float, float, float] | None = None  # ttft, own, others, expected flips
     for d in decodes:
         rate = d.service.prompt_tokens_per_s or prefill_rate
         ttft = _prompt_s(d, uncached, rate)
@@ -239,23 +245,38 @@ def _by_slo(
         waiting = max(0, d.in_flight - d.service.batch)
         batch = d.service.batch + (waiting + arrivals_per_s * stall) * share
         own = _gap(d, round(batch) + 1)
-        others = 0.0
+        others = flips = 0.0
         if batch >= EXPECTED_VICTIMS:
-            others = _gap(d, max(1, round(batch))) + _owed(d, max_tokens) + stall / max_tokens
+            added = stall / max_tokens
+            others = _gap(d, max(1, round(batch))) + _owed(d, max_tokens) + added
+            flips = _expected_flips(batch, others, added, slo.itl_s)
         if best is None or ttft < best[0]:
-            best = (ttft, own, others)
+            best = (ttft, own, others, flips)
     if best is None:  # decodes is not empty; narrows the type
         raise RuntimeError("unreachable: no decode to go alone on")
-    ttft_alone, itl_alone, itl_others = best
+    ttft_alone, itl_alone, itl_others, flips = best
     predicted.update(ttft_alone_s=ttft_alone, itl_alone_s=itl_alone, itl_others_s=itl_others)
     alone_ok = ttft_alone <= slo.ttft_s and itl_alone <= slo.itl_s and itl_others <= slo.itl_s
     if pd_ok:
         return RouteDecision(DISAGGREGATED, PD_MEETS, uncached, predicted)
     if alone_ok:
         return RouteDecision(DECODE_ONLY, ALONE_MEETS, uncached, predicted)
-    if ttft_alone < ttft_pd and itl_others <= slo.itl_s:
+    # Neither meets both: P/D is predicted to lose this request. Alone, when it reaches the
+    # first token sooner, costs the requests its stall pushes past the gap target: it goes
+    # alone when those are expected to be fewer than the one request P/D loses.
+    if ttft_alone < ttft_pd and flips < 1:
         return RouteDecision(DECODE_ONLY, NEITHER_ALONE, uncached, predicted)
     return RouteDecision(DISAGGREGATED, NEITHER_PD, uncached, predicted)
+
+
+def _expected_flips(victims: float, after: float, added: float, target: float) -> float:
+    """How many of ``victims`` requests a stall adding ``added`` seconds to their mean gap
+    (``after``, with it) pushes past ``target``. Their gaps lie about `GAP_SPREAD` x the
+    target around the predicted one, so the share that was within the target and is not
+    after is about ``added`` over that spread."""
+    if after <= target:
+        return 0.0
+    return victims * min(1.0, added / (GAP_SPREAD * target))
 
 
 def _owed(decode: SloCandidate, max_tokens: int) -> float:
