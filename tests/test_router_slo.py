@@ -15,7 +15,12 @@ import pytest
 from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks, running, start_daemon
 
 from kvtransfer.router.config import RouterConfig
-from kvtransfer.router.fleet.service import ServerTiming, ServiceStats
+from kvtransfer.router.fleet.service import (
+    MAX_STALLS,
+    STALL_MEMORY_S,
+    ServerTiming,
+    ServiceStats,
+)
 from kvtransfer.router.fleet.vllm_endpoint import parse_vllm_metrics
 from kvtransfer.router.routing.disagg import (
     ALONE_MEETS,
@@ -148,6 +153,23 @@ def test_gaps_while_a_prompt_computes_are_stalls_kept_apart_from_the_steps(monke
     stats.token_gap(0.3, 1)
     assert stats.describe()["inter_token_s_by_batch"] == {2: pytest.approx(0.05)}
     assert stats.stall_s(5.0) == pytest.approx(2.0)
+
+
+@pytest.mark.unit
+def test_a_prefill_serving_for_days_keeps_a_bounded_memory_of_stalls(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    stats = ServiceStats()
+    for _ in range(3 * MAX_STALLS):  # a prefill: its calls end, nobody asks for its stalls
+        ticket = stats.prompt_started(10)
+        clock[0] += 0.01
+        stats.prompt_done(ticket)
+    assert len(stats._stalls) == MAX_STALLS
+    clock[0] += STALL_MEMORY_S + 1
+    ticket = stats.prompt_started(10)
+    clock[0] += 0.5
+    stats.prompt_done(ticket)
+    assert len(stats._stalls) == 1 and stats.stall_s(STALL_MEMORY_S) == pytest.approx(0.5)
 
 
 @pytest.mark.unit

@@ -48,6 +48,8 @@ EWMA_WEIGHT = 0.2
 MAX_BATCH_BUCKET = 32
 # How long a prompt's stall is remembered: longer than any request decodes in a CPU test.
 STALL_MEMORY_S = 120.0
+# And how many at most: a prefill serving hundreds of requests a second keeps no more.
+MAX_STALLS = 4096
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ class ServiceStats:
         self._itl_by_batch: dict[int, float] = {}
         self._last_prompt_end = float("-inf")
         self._prompts_computing = 0
-        self._stalls: deque[tuple[float, float]] = deque()  # (ended at, seconds served)
+        # (ended at, seconds served); the oldest dropped past MAX_STALLS.
+        self._stalls: deque[tuple[float, float]] = deque(maxlen=MAX_STALLS)
         self._server: ServerTiming | None = None
         self._server_read_at = float("-inf")
 
@@ -115,6 +118,7 @@ class ServiceStats:
         tokens = ticket.tokens if computed_tokens is None else computed_tokens
         served = now - max(ticket.started, self._last_prompt_end)
         self._last_prompt_end = now
+        self._forget_stalls(now)
         self._stalls.append((now, served))
         if tokens > 0 and served > 0:
             self._prompt_tokens = _blend(self._prompt_tokens, tokens)
@@ -139,11 +143,14 @@ class ServiceStats:
         """Seconds this instance spent on its own prompts in the last ``within_s`` seconds,
         and the seconds the ones still queued here will take (at its measured rate)."""
         now = time.monotonic()
-        while self._stalls and self._stalls[0][0] < now - STALL_MEMORY_S:
-            self._stalls.popleft()
+        self._forget_stalls(now)
         recent = sum(served for ended, served in self._stalls if ended >= now - within_s)
         rate = self.prompt_tokens_per_s
         return recent + (self.queued_prompt_tokens / rate if rate else 0.0)
+
+    def _forget_stalls(self, now: float) -> None:
+        while self._stalls and self._stalls[0][0] < now - STALL_MEMORY_S:
+            self._stalls.popleft()
 
     def token_gap(self, seconds: float, tokens: int) -> None:
         """``tokens`` tokens arrived ``seconds`` after the previous ones of the same stream
