@@ -197,6 +197,8 @@ def test_workers_are_added_and_removed_while_requests_run():
                         "prompt_tokens_per_s": None,
                         "queued_prompt_tokens": 0,
                         "decoding": 0,
+                        "server_running": 0,
+                        "itl_source": "router",
                         "inter_token_s_by_batch": {},
                     },
                 }

@@ -201,6 +201,8 @@ def instance(address: str, role: str, **fields: Any) -> dict[str, Any]:
             "prompt_tokens_per_s": None,
             "queued_prompt_tokens": 0,
             "decoding": 0,
+            "server_running": 0,
+            "itl_source": "router",
             "inter_token_s_by_batch": {},
         },
         "consecutive_failures": 0,
