@@ -221,7 +221,8 @@ def _by_slo(
     predicted = {"ttft_pd_s": ttft_pd}
     # The decode's own gap at one more request, and the stalls it owes; unmeasured counts as
     # meeting the target (an instance that never decoded is idle or new).
-    itl_pd = min(_gap(d, d.service.batch + 1) + _owed(d, max_tokens) for d in decodes)
+    owed = [_owed(d, max_tokens) for d in decodes]  # read once: it walks the stall log
+    itl_pd = min(_gap(d, d.service.batch + 1) + o for d, o in zip(decodes, owed, strict=True))
     predicted["itl_pd_s"] = itl_pd
     pd_ok = ttft_pd <= slo.ttft_s and itl_pd <= slo.itl_s
     # The share of the prefills' queue computed within a time: the requests waiting for a
@@ -233,7 +234,7 @@ def _by_slo(
         return min(1.0, seconds * total_rate / queued) if queued else 1.0
 
     best: tuple[float, float, float, float] | None = None  # ttft, own, others, expected flips
-    for d in decodes:
+    for d, owed_d in zip(decodes, owed, strict=True):
         rate = d.service.prompt_tokens_per_s or prefill_rate
         ttft = _prompt_s(d, uncached, rate)
         # Its prompt stalls, for its whole compute time, every request decoding there by then:
@@ -248,7 +249,7 @@ def _by_slo(
         others = flips = 0.0
         if batch >= EXPECTED_VICTIMS:
             added = stall / max_tokens
-            others = _gap(d, max(1, round(batch))) + _owed(d, max_tokens) + added
+            others = _gap(d, max(1, round(batch))) + owed_d + added
             flips = _expected_flips(batch, others, added, slo.itl_s)
         if best is None or ttft < best[0]:
             best = (ttft, own, others, flips)
