@@ -68,11 +68,17 @@ def _measured(
 
 
 def _decide(
-    rule: DisaggRule, prompt_tokens: int | None, prefills, decodes, max_tokens=64, arrivals=0.0
+    rule: DisaggRule,
+    prompt_tokens: int | None,
+    prefills,
+    decodes,
+    max_tokens=64,
+    arrivals=0.0,
+    waiting=None,
 ):
     ids = None if prompt_tokens is None else tuple(range(prompt_tokens))
     route = RouteContext("r", ids)
-    return decide(rule, route, max_tokens, prefills, decodes, RoundRobin(), arrivals)
+    return decide(rule, route, max_tokens, prefills, decodes, RoundRobin(), arrivals, waiting)
 
 
 # ---------------------------------------------------------------------- the bookkeeping
@@ -344,6 +350,45 @@ def test_each_slo_reason_when_its_condition_holds(monkeypatch):
     assert _decide(floor, 10, [busy], [crowded]).reason == BELOW_THRESHOLD
 
 
+@dataclass
+class _Held:
+    """Prompts the router holds back from busy prefills, as `prefill_order` reports them."""
+
+    tokens: tuple[int, ...]
+
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(self.tokens)
+
+    def tokens_ahead(self, tokens: int) -> int:
+        return sum(t for t in self.tokens if t <= tokens)
+
+
+@pytest.mark.unit
+def test_a_pd_prompt_waits_for_the_held_back_prompts_sent_on_before_it():
+    rule = DisaggRule(slo=SLO)
+    decode = _measured(None, {1: 0.05})
+    # 300 tokens queued at the prefill, 100 and 900 held back in the router: a 500-token
+    # prompt follows the 100 (fewer tokens go first), not the 900: (300 + 100 + 500) / 1000.
+    held = _Held((100, 900))
+    decision = _decide(rule, 500, [_measured(1000.0, queued=300)], [decode], waiting=held)
+    assert decision.predicted["ttft_pd_s"] == pytest.approx(0.9)
+    assert decision.reason == PD_MEETS
+    # A 50-token prompt follows none of them.
+    decision = _decide(rule, 50, [_measured(1000.0, queued=300)], [decode], waiting=held)
+    assert decision.predicted["ttft_pd_s"] == pytest.approx(0.35)
+    # Waiting requests count as the prefills' queue where their share prefilled within a
+    # stall is weighed: 0.5 s of stall computes 500 of 1300 tokens, so 2 waiting on the decode
+    # count as 0.77; with nothing held back, all of the 300 queued: both count.
+    waiting = _measured(1000.0, {1: 0.05, 2: 0.06})
+    waiting.in_flight = 2
+    busy = [_measured(1000.0, queued=300)]
+    alone = _decide(rule, 500, busy, [waiting], max_tokens=4, waiting=_Held((1000,)))
+    assert alone.predicted["itl_alone_s"] == pytest.approx(0.06)  # batch 1 + 1
+    alone = _decide(rule, 500, busy, [waiting], max_tokens=4)
+    assert alone.predicted["itl_alone_s"] == pytest.approx(0.07)  # batch 2 + 1
+
+
 @pytest.mark.unit
 def test_slo_targets_are_checked():
     with pytest.raises(ValueError, match="SLO itl_s must be > 0"):
@@ -449,5 +494,72 @@ def test_each_route_is_taken_when_its_condition_holds_and_equals_colocated(daemo
                     "1.0"
                 )
                 assert line in metrics.splitlines(), line
+
+    asyncio.run(asyncio.wait_for(scenario(), 300))
+
+
+@pytest.mark.integration
+def test_held_back_at_busy_prefills_the_shorter_prompt_goes_first_and_equals_colocated(daemons):
+    """Both prefill turns taken (as if two prompts computed there): two requests wait in the
+    router; as turns free, the one with fewer tokens is sent on first, though it came last."""
+    prefill, decode = daemons
+    long_prompt, short_prompt = list(PROMPTS[2].encode()), list(PROMPTS[1].encode())
+    expected = colocated([long_prompt, short_prompt], MAX_TOKENS)
+
+    async def scenario() -> None:
+        config = RouterConfig(
+            (prefill.address,),
+            (decode.address,),
+            slo_ttft_ms=60_000,
+            slo_itl_ms=10_000,
+            shutdown_timeout_s=5.0,
+        )
+        async with (
+            RouterServer(config) as router,
+            aiohttp.ClientSession(base_url=router.url) as http,
+        ):
+            order = router.handlers.runner.decider.order
+            assert order is not None
+
+            async def routed(prompt: list[int]) -> dict[str, Any]:
+                body = {"prompt": prompt, "max_tokens": MAX_TOKENS}
+                async with http.post("/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+                    return (await response.json())["kvtransfer"]
+
+            # One request first, so the prefill's rate is measured (the order then predicts).
+            await routed(short_prompt)
+            held = [asyncio.Event(), asyncio.Event()]
+            entered = asyncio.Event()
+
+            async def hold(event: asyncio.Event) -> None:
+                async with order.turn(1, time.monotonic(), time.monotonic() + 60, 2, lambda n: 0):
+                    if order.inside == 2:
+                        entered.set()
+                    await event.wait()
+
+            holders = [asyncio.create_task(hold(event)) for event in held]
+            await entered.wait()
+            long_answer = asyncio.create_task(routed(long_prompt))
+            while order.waiting < 1:
+                await asyncio.sleep(0.01)
+            short_answer = asyncio.create_task(routed(short_prompt))
+            while order.waiting < 2:
+                await asyncio.sleep(0.01)
+            assert order.waiting_tokens == len(long_prompt) + len(short_prompt)
+            held[0].set()
+            short = await short_answer
+            assert not long_answer.done()  # still waiting: one turn is held
+            held[1].set()
+            longer = await long_answer
+            await asyncio.gather(*holders)
+            assert [longer["token_ids"], short["token_ids"]] == expected
+            assert (order.inside, order.waiting) == (0, 0)
+            async with http.get("/metrics") as response:
+                metrics = await response.text()
+            for how, count in [("at_once", 1), ("in_time", 2)]:
+                line = f'kvtransfer_router_prefill_wait_seconds_count{{order="{how}"}} {count}.0'
+                assert line in metrics.splitlines(), line
+            assert 'kvtransfer_router_prefill_turns{state="waiting"} 0.0' in metrics
 
     asyncio.run(asyncio.wait_for(scenario(), 300))

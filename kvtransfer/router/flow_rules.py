@@ -1,7 +1,8 @@
 """What both P/D flows (kvtransfer daemons over gRPC, vLLM servers over HTTP) decide alike:
 whether a request is disaggregated or runs on a decode alone (`RouteDecider`: the fleet's view
-and the arrival rate handed to `routing.disagg.decide`) and how long to wait before a retry on
-another instance (`retry_pause`)."""
+and the arrival rate handed to `routing.disagg.decide`), when a P/D request is sent on to the
+prefills (`RouteDecider.prefill_turn`, with SLO targets: `routing.prefill_order`) and how long
+to wait before a retry on another instance (`retry_pause`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.fleet.service import ArrivalRate
-from kvtransfer.router.routing.disagg import DisaggRule, RouteDecision, decide
+from kvtransfer.router.metrics import RouterMetrics
+from kvtransfer.router.routing.disagg import DisaggRule, RouteDecision, decide, prefill_s
 from kvtransfer.router.routing.policy import RouteContext
+from kvtransfer.router.routing.prefill_order import AT_ONCE, DEPTH, PrefillOrder
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +29,16 @@ RETRY_MAX_BACKOFF_S = 1.0
 
 
 class RouteDecider:
-    """One flow's route decisions: its rule (from the config) and the arrival rate it saw."""
+    """One flow's route decisions: its rule (from the config), the arrival rate it saw and,
+    with SLO targets, the order of its P/D requests at busy prefills."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
         self.rule = DisaggRule.of(config)
         self.arrivals = ArrivalRate()
+        self.metrics = metrics
+        self.order = None
+        if self.rule.slo is not None:
+            self.order = PrefillOrder(self.rule.slo.ttft_s, metrics.prefill_order_state)
 
     def decide(self, fleet: Fleet, route: RouteContext, max_tokens: int) -> RouteDecision:
         """P/D or a decode alone for one request, from the fleet's pickable instances now."""
@@ -42,10 +52,33 @@ class RouteDecider:
             [i for i in pickable if i.role == "decode" and not i.aggregated],
             fleet.policies["decode"],
             self.arrivals.per_s,
+            self.order,
         )
         if decision.predicted:
             logger.debug("%s: %s", route.request_id, decision.describe())
         return decision
+
+    @asynccontextmanager
+    async def prefill_turn(
+        self, fleet: Fleet, decision: RouteDecision | None, started: float, deadline: float
+    ) -> AsyncIterator[None]:
+        """Hold a P/D request until its turn at the prefills (`routing.prefill_order`; without
+        SLO targets at once), for the block: its prefill, retries included. ``started`` and
+        ``deadline``: the request's (`time.monotonic`)."""
+        if self.order is None:
+            yield
+            return
+        prefills = [i for i in fleet.instances() if i.pickable() and i.role == "prefill"]
+        tokens = 0 if decision is None else decision.uncached_tokens or 0
+        waited = time.monotonic()
+        turn = self.order.turn(
+            tokens, started, deadline, DEPTH * len(prefills), lambda n: prefill_s(prefills, n)
+        )
+        async with turn as how:
+            self.metrics.prefill_order(how, time.monotonic() - waited)
+            if how != AT_ONCE:
+                logger.debug("sent on to a prefill %s, %d tokens", how, tokens)
+            yield
 
 
 async def retry_pause(attempt: int, deadline: float) -> None:

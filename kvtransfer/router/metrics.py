@@ -174,6 +174,29 @@ class RouterMetrics:
             ["trigger", "outcome"],
             registry=self.registry,
         )
+        self._prefill_order = Histogram(
+            "kvtransfer_router_prefill_wait_seconds",
+            "With SLO targets, how long P/D requests waited in the router for a turn at the "
+            "prefills (kvtransfer.router.routing.prefill_order), by how they were sent on: "
+            "at_once, in_time (could still meet the TTFT target) or late",
+            ["order"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill_turns = Gauge(
+            "kvtransfer_router_prefill_turns",
+            "With SLO targets, P/D requests sent on to the prefills and not done, and those "
+            "the router holds back until a turn frees (state: sent, waiting)",
+            ["state"],
+            registry=self.registry,
+        )
+
+    def prefill_order(self, order: str, waited_s: float) -> None:
+        self._prefill_order.labels(order=order).observe(waited_s)
+
+    def prefill_order_state(self, sent: int, waiting: int) -> None:
+        self.prefill_turns.labels(state="sent").set(sent)
+        self.prefill_turns.labels(state="waiting").set(waiting)
 
     def cache_prediction(self, role: str, predicted: int, reported: int) -> None:
         """A choice ended: the cached prompt tokens its ``role``'s policy predicted at the pick

@@ -112,7 +112,7 @@ class ChoiceRunner:
         self.leases = Leases(config.max_retries, metrics)
         self.kv = KvReleases(upstream, config.release_timeout_s, metrics)
         self.report = ChoiceReport(metrics, traces)
-        self.decider = RouteDecider(config)
+        self.decider = RouteDecider(config, metrics)
 
     @property
     def releases(self) -> set[asyncio.Task[None]]:
@@ -328,16 +328,21 @@ class ChoiceRunner:
     async def _prefill(
         self, upstream: Upstream, exchange: Exchange, leg: DecodeLeg | None
     ) -> PrefillResult:
-        """The prefill on the first instance that takes it (step 3)."""
-        lease = self.leases.take(upstream, "prefill", exchange)
-        tried = [lease.instance]
-        while True:
-            try:
-                return await self._prefill_once(upstream, exchange, lease, leg)
-            except UpstreamError as exc:
-                if leg is not None and leg.started_early:
-                    raise  # announced: the decode holds its params and goes on
-                lease = await self.leases.retry(upstream, exchange, tried, exc)
+        """The prefill on the first instance that takes it (step 3), once its turn at the
+        prefills came (with SLO targets, `routing.prefill_order`)."""
+        turn = self.decider.prefill_turn(
+            upstream.fleet, exchange.decision, exchange.started, exchange.deadline
+        )
+        async with turn:
+            lease = self.leases.take(upstream, "prefill", exchange)
+            tried = [lease.instance]
+            while True:
+                try:
+                    return await self._prefill_once(upstream, exchange, lease, leg)
+                except UpstreamError as exc:
+                    if leg is not None and leg.started_early:
+                        raise  # announced: the decode holds its params and goes on
+                    lease = await self.leases.retry(upstream, exchange, tried, exc)
 
     async def _prefill_once(
         self, upstream: Upstream, exchange: Exchange, lease: Lease, leg: DecodeLeg | None

@@ -11,8 +11,9 @@ Two rules, one decision:
 - **SLO** (``--slo-ttft-ms`` and ``--slo-itl-ms``): the route predicted to meet both targets,
   from what the router measured of each instance (`kvtransfer.router.fleet.service`):
 
-  * P/D: TTFT = (the prefill's queued prompt tokens + this prompt's uncached tokens) / its
-    prompt rate (the first token comes from the prefill), the best pickable prefill;
+  * P/D: TTFT = (the prefill's queued prompt tokens + those of the P/D prompts the router
+    holds back that this one would follow (`prefill_order`) + this prompt's uncached tokens) /
+    its prompt rate (the first token comes from the prefill), the best pickable prefill;
     inter-token latency = the decode's measured gap at its batch + 1, plus the stalls it
     owes its requests, spread over ``max_tokens`` (the stand-in for a request's output): the
     prompts it computed alone within the time a request decodes there, and those queued.
@@ -173,13 +174,15 @@ def decide(
     decodes: Sequence[SloCandidate],
     decode_policy: Policy,
     arrivals_per_s: float = 0.0,
+    waiting: WaitingPrompts | None = None,
 ) -> RouteDecision:
     """The route of one request (see the module's docstring): ``prefills`` and ``decodes``
     are the pickable instances of each role (decode daemons only: an aggregated instance never
     takes KV), ``decode_policy`` the one whose prefix index, when it keeps one, says how much of
     the prompt is cached; ``arrivals_per_s`` the router's request rate (its share per decode
-    arrives during a decode-alone prompt's stall). With no prefill pickable, every request goes
-    alone."""
+    arrives during a decode-alone prompt's stall); ``waiting``, the P/D requests the router
+    holds back from busy prefills (`prefill_order`): a P/D prompt waits for those it would
+    follow. With no prefill pickable, every request goes alone."""
     if not prefills:
         # Nothing to disaggregate with: the decode policy's pick (an aggregated instance, or a
         # decode daemon) computes the prompt itself.
@@ -197,7 +200,39 @@ def decide(
     if rule.slo is None:
         return RouteDecision(DISAGGREGATED, AT_THRESHOLD, uncached)
     arrivals = arrivals_per_s / max(1, len(decodes))
-    return _by_slo(rule.slo, prefills, decodes, uncached, max(1, max_tokens), arrivals)
+    return _by_slo(
+        rule.slo, prefills, decodes, uncached, max(1, max_tokens), arrivals, waiting or _NONE
+    )
+
+
+class WaitingPrompts(Protocol):
+    """The P/D prompts the router holds back from busy prefills (`prefill_order`)."""
+
+    @property
+    def waiting_tokens(self) -> int: ...
+
+    def tokens_ahead(self, tokens: int) -> int: ...
+
+
+class _NoneWaiting:
+    waiting_tokens = 0
+
+    def tokens_ahead(self, tokens: int) -> int:
+        return 0
+
+
+_NONE = _NoneWaiting()
+
+
+def prefill_s(prefills: Sequence[SloCandidate], tokens: int) -> float | None:
+    """The time to compute ``tokens`` uncached prompt tokens on the best of ``prefills`` now,
+    each one's queue first (None: no prompt rate measured yet)."""
+    times = [
+        _prompt_s(p, tokens, p.service.prompt_tokens_per_s)
+        for p in prefills
+        if p.service.prompt_tokens_per_s
+    ]
+    return min(times, default=None)
 
 
 def _prompt_s(instance: SloCandidate, tokens: int, rate: float) -> float:
@@ -211,13 +246,16 @@ def _by_slo(
     uncached: int,
     max_tokens: int,
     arrivals_per_s: float,
+    waiting: WaitingPrompts,
 ) -> RouteDecision:
     rates = [p.service.prompt_tokens_per_s for p in prefills]
     known = [(p, r) for p, r in zip(prefills, rates, strict=True) if r]
     if not known or not decodes:
         return RouteDecision(DISAGGREGATED, NO_PROFILE, uncached)
     prefill_rate = max(r for _, r in known)
-    ttft_pd = min(_prompt_s(p, uncached, r) for p, r in known)
+    # A P/D prompt also waits for the held-back ones sent on before it (`prefill_order`).
+    ahead = waiting.tokens_ahead(uncached)
+    ttft_pd = min(_prompt_s(p, ahead + uncached, r) for p, r in known)
     predicted = {"ttft_pd_s": ttft_pd}
     # The decode's own gap at one more request, and the stalls it owes; unmeasured counts as
     # meeting the target (an instance that never decoded is idle or new).
@@ -227,7 +265,7 @@ def _by_slo(
     pd_ok = ttft_pd <= slo.ttft_s and itl_pd <= slo.itl_s
     # The share of the prefills' queue computed within a time: the requests waiting for a
     # prefill start decoding in that order, so only that share of them joins a decode's batch.
-    queued = sum(p.service.queued_prompt_tokens for p, _ in known)
+    queued = sum(p.service.queued_prompt_tokens for p, _ in known) + waiting.waiting_tokens
     total_rate = sum(r for _, r in known)
 
     def prefilled_within(seconds: float) -> float:

@@ -131,7 +131,7 @@ class VllmProxy:
         self.metrics = metrics
         self.fleet = fleet
         self.calls = VllmCalls(config, fleet)
-        self.decider = RouteDecider(config)
+        self.decider = RouteDecider(config, metrics)
 
     async def serve(self, call: VllmCall) -> web.StreamResponse:
         """The client's answer: the decode's, passed through; raises `UpstreamError` when no
@@ -154,7 +154,10 @@ class VllmProxy:
                 self.metrics.route_mode("decode_only")
             else:
                 self.metrics.route_mode("disaggregated")
-                prefilled = await self._prefill(call)
+                # With SLO targets, once its turn at the prefills came (`prefill_order`).
+                turn = self.decider.prefill_turn(fleet, decision, call.started, call.deadline)
+                async with turn:
+                    prefilled = await self._prefill(call)
                 if isinstance(prefilled, web.Response):
                     return prefilled
                 params = prefilled
