@@ -28,7 +28,9 @@ def _rate(tokens_per_s: float, queued: int = 0):
     return lambda tokens: (queued + tokens) / tokens_per_s
 
 
-async def _hold(order: PrefillOrder, name: str, tokens: int, arrived: float, log, release, **kw):
+async def _hold(
+    order: PrefillOrder, name: str, tokens: int | None, arrived: float, log, release, **kw
+):
     """One request: waits for its turn, logs it, holds it until ``release[name]`` is set."""
     predict = kw.get("predict", _rate(100.0))
     turn = order.turn(tokens, arrived, kw.get("deadline", FAR), kw.get("slots", 2), predict)

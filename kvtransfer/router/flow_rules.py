@@ -69,7 +69,7 @@ class RouteDecider:
             yield
             return
         prefills = [i for i in fleet.instances() if i.pickable() and i.role == "prefill"]
-        tokens = 0 if decision is None else decision.uncached_tokens or 0
+        tokens = None if decision is None else decision.uncached_tokens
         waited = time.monotonic()
         turn = self.order.turn(
             tokens, started, deadline, DEPTH * len(prefills), lambda n: prefill_s(prefills, n)
@@ -77,7 +77,7 @@ class RouteDecider:
         async with turn as how:
             self.metrics.prefill_order(how, time.monotonic() - waited)
             if how != AT_ONCE:
-                logger.debug("sent on to a prefill %s, %d tokens", how, tokens)
+                logger.debug("sent on to a prefill %s, %s tokens", how, tokens)
             yield
 
 

@@ -16,6 +16,8 @@ the router. When a turn ends, the waiting request sent next is
 2. else (none can) the one waiting longest: a request already late is still served, in
    arrival order, whenever no request that can be on time waits.
 
+A request whose prompt tokens the router does not know (a chat without ``--tokenizer``) counts
+as in time while its wait alone allows, after every in-time request whose tokens are known.
 With the prefills keeping up nothing waits, and the order is what it was. A request whose
 client leaves while it waits leaves the queue (nothing was sent). Limits: a prompt longer than
 the prefills can compute within the target waits behind every shorter one while the load
@@ -49,7 +51,7 @@ Predictor = Callable[[int], "float | None"]
 
 @dataclass(eq=False)
 class _Waiting:
-    tokens: int
+    tokens: int | None  # None: not known
     arrived: float
     seq: int
     sent: asyncio.Future[str] = field(
@@ -91,31 +93,37 @@ class PrefillOrder:
     def tokens_ahead(self, tokens: int) -> int:
         """The uncached tokens of the waiting requests a new one of ``tokens`` would wait
         behind while it can still be on time: those with no more tokens than it."""
-        return sum(w.tokens for w in self._waiting if w.tokens <= tokens)
+        return sum(w.tokens for w in self._waiting if w.tokens is not None and w.tokens <= tokens)
 
     @property
     def waiting_tokens(self) -> int:
-        """The uncached tokens of every waiting request."""
-        return sum(w.tokens for w in self._waiting)
+        """The uncached tokens of every waiting request (those the router knows)."""
+        return sum(w.tokens or 0 for w in self._waiting)
 
     @asynccontextmanager
     async def turn(
-        self, tokens: int, arrived: float, deadline: float, slots: int, predict: Predictor
+        self,
+        tokens: int | None,
+        arrived: float,
+        deadline: float,
+        slots: int,
+        predict: Predictor,
     ) -> AsyncIterator[str]:
         """Wait for this request's turn at the prefills, and hold it until the block ends.
-        ``tokens``: its uncached prompt tokens; ``arrived`` and ``deadline``: when the router
-        took it and when it must have ended (this clock); ``slots``: requests the prefills take
-        at once now (`DEPTH` x the pickable prefills; 0: no prefill, nothing is held back);
-        ``predict``: see `Predictor`. Yields how it was sent on (`ORDERS`). At its deadline a
-        request waits no longer: it is sent on late, where its call fails at once on that
-        deadline, as any call past it does."""
+        ``tokens``: its uncached prompt tokens (None: not known); ``arrived`` and
+        ``deadline``: when the router took it and when it must have ended (this clock);
+        ``slots``: requests the prefills take at once now (`DEPTH` x the pickable prefills; 0:
+        no prefill, nothing is held back); ``predict``: see `Predictor`. Yields how it was sent
+        on (`ORDERS`). At its deadline a request waits no longer: it is sent on late, where its
+        call fails at once on that deadline, as any call past it does."""
         self._slots, self._predict = slots, predict
         if slots <= 0 or (self._inside < slots and not self._waiting):
             self._inside += 1
             self._changed()
             order = AT_ONCE
         else:
-            order = await self._wait(_Waiting(max(0, tokens), arrived, next(self._seq)), deadline)
+            tokens = None if tokens is None else max(0, tokens)
+            order = await self._wait(_Waiting(tokens, arrived, next(self._seq)), deadline)
         try:
             yield order
         finally:
@@ -167,12 +175,16 @@ class PrefillOrder:
         now = self._clock()
         in_time = []
         for w in self._waiting:
-            seconds = self._predict(w.tokens)
+            seconds = self._predict(w.tokens or 0)
             if seconds is None:
                 # Nothing measured yet: arrival order.
                 return min(self._waiting, key=lambda w: w.seq), IN_TIME
             if now + seconds <= w.arrived + self.ttft_s:
                 in_time.append(w)
         if in_time:
-            return min(in_time, key=lambda w: (w.tokens, w.seq)), IN_TIME
+            return min(in_time, key=_fewest_tokens_first), IN_TIME
         return min(self._waiting, key=lambda w: w.seq), LATE
+
+
+def _fewest_tokens_first(waiting: _Waiting) -> tuple[float, int]:
+    return (float("inf") if waiting.tokens is None else waiting.tokens, waiting.seq)
