@@ -121,6 +121,9 @@ def test_locality_is_shared_by_processes_of_one_namespace():
         (b"XXXX" + bytes(60), "magic"),
         (WorkerAddresses(Locality.unique(), b"a", b"b").pack()[:-1], "declare 1 \\+ 1 bytes"),
     ],
+    # Named: the truncated pack holds a random host id, and every worker of a parallel run
+    # must collect the same test names.
+    ids=["short", "bad-magic", "truncated"],
 )
 def test_garbage_addresses_are_refused(data, message):
     with pytest.raises(InvalidPeerAddress, match=message):
