@@ -592,6 +592,48 @@ def test_slo_routing_reads_the_gaps_and_the_batch_from_vllms_own_metrics() -> No
     run(scenario)
 
 
+def test_with_slo_targets_held_back_requests_reach_a_busy_prefill_fewest_tokens_first() -> None:
+    """Both prefill turns held (as if two prompts computed there): a long prompt, then a short
+    one, wait in the router; the first turn that frees goes to the short one."""
+
+    async def scenario() -> None:
+        slo = {"slo_ttft_ms": 60_000, "slo_itl_ms": 60_000}
+        async with vllm_cluster([prefill()], [decode()], **slo) as c:
+            proxy = c.router.handlers.backend.vllm
+            assert proxy is not None and proxy.decider.order is not None
+            order = proxy.decider.order
+            short, long = list(range(1, 10)), list(range(1, 200))
+            assert (await c.post({**BODY, "prompt": short}))[0] == 200  # the rate measured
+            held = [asyncio.Event(), asyncio.Event()]
+
+            async def hold(event: asyncio.Event) -> None:
+                async with order.turn(1, 0.0, float("inf"), 2, lambda n: 0.0):
+                    await event.wait()
+
+            holders = [asyncio.create_task(hold(event)) for event in held]
+            answers = []
+            for prompt, waiting in ((long, 1), (short, 2)):
+                answers.append(asyncio.create_task(c.post({**BODY, "prompt": prompt})))
+
+                async def held_back(n: int = waiting) -> bool:
+                    return order.waiting == n
+
+                await wait_until_async(held_back, f"{waiting} held back", WAIT_S)
+            held[0].set()
+            assert (await answers[1])[0] == 200
+            held[1].set()
+            assert (await answers[0])[0] == 200
+            await asyncio.gather(*holders)
+            prompts = [seen.body["prompt"] for seen in c.prefills[0].seen]
+            assert prompts == [short, short, long]
+            metrics = await c.metrics_text()
+            line = 'kvtransfer_router_prefill_wait_seconds_count{order="in_time"} 2.0'
+            assert line in metrics.splitlines(), line
+            await c.wait_idle()
+
+    run(scenario)
+
+
 def test_slo_routing_measures_the_servers_and_says_its_decision_in_a_header() -> None:
     """With SLO targets the vLLM flow decides as the daemon flow does, from the prefill calls'
     durations and the gaps between the decode's events it timed, and names the decision in
