@@ -168,6 +168,33 @@ def test_at_its_deadline_a_request_is_sent_on_late_and_no_prefill_means_no_wait(
     asyncio.run(scenario())
 
 
+def test_turns_a_new_prefill_brings_go_to_those_already_waiting():
+    async def scenario() -> None:
+        order = PrefillOrder(10.0)
+        log: list[tuple[str, str]] = []
+        release: dict[str, asyncio.Event] = {}
+        tasks = [
+            asyncio.create_task(_hold(order, name, 10, 0.0, log, release, slots=1))
+            for name in ("first", "second", "third")
+        ]
+        await _settle()
+        assert [name for name, _ in log] == ["first"]
+        # A second prefill (two turns now): the next request sees them and the one waiting
+        # longest goes before it, the newcomer waits its turn.
+        tasks.append(asyncio.create_task(_hold(order, "new", 10, 0.0, log, release, slots=2)))
+        await _settle()
+        assert [name for name, _ in log] == ["first", "second"]
+        assert order.waiting == 2
+        for event in list(release.values()):
+            event.set()
+        for name in ("third", "new"):
+            release.setdefault(name, asyncio.Event()).set()
+        await asyncio.gather(*tasks)
+        assert [name for name, _ in log] == ["first", "second", "third", "new"]
+
+    asyncio.run(scenario())
+
+
 def test_the_ttft_target_is_checked():
     with pytest.raises(ValueError, match="the TTFT target must be > 0 s, got 0"):
         PrefillOrder(0)

@@ -117,6 +117,8 @@ class PrefillOrder:
         on (`ORDERS`). At its deadline a request waits no longer: it is sent on late, where its
         call fails at once on that deadline, as any call past it does."""
         self._slots, self._predict = slots, predict
+        # Turns a new prefill brought go to those already waiting first.
+        self._send()
         if slots <= 0 or (self._inside < slots and not self._waiting):
             self._inside += 1
             self._changed()
