@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from kvtransfer.router.routing.prefill_order import AT_ONCE, IN_TIME, LATE, PrefillOrder
+from kvtransfer.router.routing.prefill_order import (
+    AT_ONCE,
+    IN_TIME,
+    LATE,
+    PrefillOrder,
+    PrefillWaitTimeout,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -142,27 +148,39 @@ def test_a_request_that_leaves_gives_up_its_place_and_any_turn_handed_to_it():
     asyncio.run(scenario())
 
 
-def test_at_its_deadline_a_request_is_sent_on_late_and_no_prefill_means_no_wait():
+def test_a_request_out_of_time_fails_without_reaching_a_prefill_and_no_prefill_means_no_wait():
     async def scenario() -> None:
         order = PrefillOrder(10.0)
         log: list[tuple[str, str]] = []
         release: dict[str, asyncio.Event] = {}
         holder = asyncio.create_task(_hold(order, "holder", 10, 0.0, log, release, slots=1))
         await _settle()
-        deadline = time.monotonic() + 0.05
-        waiting = asyncio.create_task(
-            _hold(order, "due", 10, 0.0, log, release, slots=1, deadline=deadline)
+        # Its deadline passes while it waits: it fails, named, and never had a turn.
+        due = _hold(order, "due", 10, 0.0, log, release, slots=1, deadline=time.monotonic() + 0.05)
+        with pytest.raises(PrefillWaitTimeout, match="deadline passed while it waited"):
+            await due
+        assert (order.inside, order.waiting) == (1, 0)
+        # Its turn comes with 1 s left, and its 500 tokens need 5 s at 100 tokens/s: it fails
+        # and the turn goes on to the next request.
+        short = time.monotonic() + 1.0
+        doomed = asyncio.create_task(
+            _hold(order, "doomed", 500, 0.0, log, release, slots=1, deadline=short)
         )
-        await asyncio.sleep(0.2)
-        assert log[-1] == ("due", LATE)
-        assert order.inside == 2  # sent on past the turns: its call fails on the deadline
+        await _settle()
+        after = asyncio.create_task(_hold(order, "after", 10, 0.0, log, release, slots=1))
+        await _settle()
+        release["holder"].set()
+        with pytest.raises(PrefillWaitTimeout, match=r"1\.0 s left .* needs about 5\.0 s"):
+            await doomed
+        await _settle()
+        assert [name for name, _ in log] == ["holder", "after"]
         # No prefill pickable (0 turns): nothing is held back.
         free = asyncio.create_task(_hold(order, "free", 10, 0.0, log, release, slots=0))
         await _settle()
         assert log[-1] == ("free", AT_ONCE)
         for event in release.values():
             event.set()
-        await asyncio.gather(holder, waiting, free)
+        await asyncio.gather(holder, after, free)
         assert (order.inside, order.waiting) == (0, 0)
 
     asyncio.run(scenario())

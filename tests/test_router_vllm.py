@@ -597,7 +597,7 @@ def test_with_slo_targets_held_back_requests_reach_a_busy_prefill_fewest_tokens_
     one, wait in the router; the first turn that frees goes to the short one."""
 
     async def scenario() -> None:
-        slo = {"slo_ttft_ms": 60_000, "slo_itl_ms": 60_000}
+        slo = {"slo_ttft_ms": 60_000, "slo_itl_ms": 60_000, "request_timeout_s": 3.0}
         async with vllm_cluster([prefill()], [decode()], **slo) as c:
             proxy = c.router.handlers.backend.vllm
             assert proxy is not None and proxy.decider.order is not None
@@ -626,9 +626,21 @@ def test_with_slo_targets_held_back_requests_reach_a_busy_prefill_fewest_tokens_
             await asyncio.gather(*holders)
             prompts = [seen.body["prompt"] for seen in c.prefills[0].seen]
             assert prompts == [short, short, long]
+            # Held past its deadline: a 503 naming the wait, and no prefill was called.
+            again = [asyncio.Event(), asyncio.Event()]
+            holders = [asyncio.create_task(hold(event)) for event in again]
+            code, raw, _ = await c.post({**BODY, "prompt": short})
+            assert code == 503, raw
+            assert b"deadline passed while it waited for a turn at the busy prefills" in raw
+            assert len(c.prefills[0].seen) == 3
+            for event in again:
+                event.set()
+            await asyncio.gather(*holders)
             metrics = await c.metrics_text()
-            line = 'kvtransfer_router_prefill_wait_seconds_count{order="in_time"} 2.0'
-            assert line in metrics.splitlines(), line
+            for how in ("in_time", "timed_out"):
+                count = 2 if how == "in_time" else 1
+                line = f'kvtransfer_router_prefill_wait_seconds_count{{order="{how}"}} {count}.0'
+                assert line in metrics.splitlines(), line
             await c.wait_idle()
 
     run(scenario)

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+# The reason of a failure that ran out of the request's time (gRPC's status name).
+TIMEOUT = "DEADLINE_EXCEEDED"
 # A deadline is the request's whole budget: a retry would only hit it again.
-_NOT_RETRYABLE_REASONS = frozenset({"DEADLINE_EXCEEDED"})
+_NOT_RETRYABLE_REASONS = frozenset({TIMEOUT})
 
 
 class UpstreamError(RuntimeError):

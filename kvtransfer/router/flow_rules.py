@@ -14,12 +14,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from kvtransfer.router.config import RouterConfig
+from kvtransfer.router.errors import TIMEOUT, UpstreamError
 from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.fleet.service import ArrivalRate
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.routing.disagg import DisaggRule, RouteDecision, decide, prefill_s
 from kvtransfer.router.routing.policy import RouteContext
-from kvtransfer.router.routing.prefill_order import AT_ONCE, DEPTH, PrefillOrder
+from kvtransfer.router.routing.prefill_order import (
+    AT_ONCE,
+    DEPTH,
+    TIMED_OUT,
+    PrefillOrder,
+    PrefillWaitTimeout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +71,8 @@ class RouteDecider:
     ) -> AsyncIterator[None]:
         """Hold a P/D request until its turn at the prefills (`routing.prefill_order`; without
         SLO targets at once), for the block: its prefill, retries included. ``started`` and
-        ``deadline``: the request's (`time.monotonic`)."""
+        ``deadline``: the request's (`time.monotonic`). Raises `UpstreamError` (503, the
+        request's timeout) when its time runs out while it is held, before any prefill call."""
         if self.order is None:
             yield
             return
@@ -74,11 +82,16 @@ class RouteDecider:
         turn = self.order.turn(
             tokens, started, deadline, DEPTH * len(prefills), lambda n: prefill_s(prefills, n)
         )
-        async with turn as how:
-            self.metrics.prefill_order(how, time.monotonic() - waited)
-            if how != AT_ONCE:
-                logger.debug("sent on to a prefill %s, %s tokens", how, tokens)
-            yield
+        try:
+            async with turn as how:
+                self.metrics.prefill_order(how, time.monotonic() - waited)
+                if how != AT_ONCE:
+                    logger.debug("sent on to a prefill %s, %s tokens", how, tokens)
+                yield
+        except PrefillWaitTimeout as exc:  # raised by the wait only, before any prefill call
+            self.metrics.prefill_order(TIMED_OUT, time.monotonic() - waited)
+            text = f"{exc} (--request-timeout-s)"
+            raise UpstreamError(503, str(exc), "prefill", "-", TIMEOUT, text=text) from None
 
 
 async def retry_pause(attempt: int, deadline: float) -> None:

@@ -178,7 +178,8 @@ class RouterMetrics:
             "kvtransfer_router_prefill_wait_seconds",
             "With SLO targets, how long P/D requests waited in the router for a turn at the "
             "prefills (kvtransfer.router.routing.prefill_order), by how they were sent on: "
-            "at_once, in_time (could still meet the TTFT target) or late",
+            "at_once, in_time (could still meet the TTFT target), late, or timed_out (failed "
+            "before any prefill call: the request's time ran out)",
             ["order"],
             buckets=_BUCKETS,
             registry=self.registry,

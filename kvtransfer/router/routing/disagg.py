@@ -281,8 +281,8 @@ def _by_slo(
         # idle decode still stalls them).
         stall = uncached / rate
         share = prefilled_within(stall)
-        waiting = max(0, d.in_flight - d.service.batch)
-        batch = d.service.batch + (waiting + arrivals_per_s * stall) * share
+        not_decoding = max(0, d.in_flight - d.service.batch)
+        batch = d.service.batch + (not_decoding + arrivals_per_s * stall) * share
         own = _gap(d, round(batch) + 1)
         others = flips = 0.0
         if batch >= EXPECTED_VICTIMS:

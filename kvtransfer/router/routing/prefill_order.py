@@ -19,7 +19,9 @@ the router. When a turn ends, the waiting request sent next is
 A request whose prompt tokens the router does not know (a chat without ``--tokenizer``) counts
 as in time while its wait alone allows, after every in-time request whose tokens are known.
 With the prefills keeping up nothing waits, and the order is what it was. A request whose
-client leaves while it waits leaves the queue (nothing was sent). Limits: a prompt longer than
+client leaves while it waits leaves the queue (nothing was sent); one whose deadline passes
+while it waits, or whose turn comes with less time left than its prompt needs there, fails
+(`PrefillWaitTimeout`) without reaching a prefill. Limits: a prompt longer than
 the prefills can compute within the target waits behind every shorter one while the load
 lasts (docs/limits.md).
 """
@@ -37,11 +39,12 @@ from dataclasses import dataclass, field
 DEPTH = 2
 
 # How a request was sent on: at once (a turn was free), in time (it could still meet the
-# TTFT target) or late (it could not). The ``order`` label of
-# kvtransfer_router_prefill_order_total.
+# TTFT target) or late (it could not); or that it ran out of time waiting (`PrefillWaitTimeout`).
+# The ``order`` label of kvtransfer_router_prefill_wait_seconds.
 AT_ONCE = "at_once"
 IN_TIME = "in_time"
 LATE = "late"
+TIMED_OUT = "timed_out"
 ORDERS = (AT_ONCE, IN_TIME, LATE)
 
 # The predicted prefill time of a prompt of so many uncached tokens on the best prefill now,
@@ -57,6 +60,10 @@ class _Waiting:
     sent: asyncio.Future[str] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+
+class PrefillWaitTimeout(Exception):
+    """A held request ran out of time before it could be sent on to a prefill."""
 
 
 class PrefillOrder:
@@ -114,8 +121,10 @@ class PrefillOrder:
         ``deadline``: when the router took it and when it must have ended (this clock);
         ``slots``: requests the prefills take at once now (`DEPTH` x the pickable prefills; 0:
         no prefill, nothing is held back); ``predict``: see `Predictor`. Yields how it was sent
-        on (`ORDERS`). At its deadline a request waits no longer: it is sent on late, where its
-        call fails at once on that deadline, as any call past it does."""
+        on (`ORDERS`). Raises `PrefillWaitTimeout` when the request's deadline passes while it
+        waits, or when its turn comes with less time left than its predicted prefill time:
+        sent on, its call would only run out of time there, and a prefill whose call timed out
+        before answering is taken for unhealthy."""
         self._slots, self._predict = slots, predict
         # Turns a new prefill brought go to those already waiting first.
         self._send()
@@ -134,24 +143,33 @@ class PrefillOrder:
 
     async def _wait(self, waiting: _Waiting, deadline: float) -> str:
         self._waiting.append(waiting)
-        self._changed()
         try:
+            self._changed()
             # asyncio.wait, not wait_for: it ends on the turn, the deadline or a cancellation
             # alike, and the future then says whether the turn came (see web.admission).
             await asyncio.wait({waiting.sent}, timeout=max(0.0, deadline - self._clock()))
         except BaseException:
             self._leave(waiting)
             raise
-        if waiting.sent.done():
-            return waiting.sent.result()
-        self._waiting.remove(waiting)
-        self._inside += 1
-        self._changed()
-        return LATE
+        left = deadline - self._clock()
+        if not waiting.sent.done() or left <= 0:
+            self._leave(waiting)
+            raise PrefillWaitTimeout(
+                "the request's deadline passed while it waited for a turn at the busy prefills "
+                f"({self.waiting} other(s) waiting)"
+            )
+        needed = self._predict(waiting.tokens or 0)
+        if needed is not None and left < needed:
+            self._leave(waiting)
+            raise PrefillWaitTimeout(
+                f"its turn at the prefills came with {max(0.0, left):.1f} s left before the "
+                f"request's deadline, and its prompt needs about {needed:.1f} s there"
+            )
+        return waiting.sent.result()
 
     def _leave(self, waiting: _Waiting) -> None:
-        """``waiting``'s request gives up (its client left): a turn given to it just now goes
-        on to the next request."""
+        """``waiting``'s request gives up (its client left, its deadline): a turn given to it
+        just now goes on to the next request."""
         if waiting.sent.done():
             self._inside -= 1
             self._send()

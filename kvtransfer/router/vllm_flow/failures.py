@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-from kvtransfer.router.errors import UpstreamError
+from kvtransfer.router.errors import TIMEOUT, UpstreamError
 from kvtransfer.router.fleet.instance import Instance
 
 MESSAGE_CHARS = 300
@@ -63,5 +63,5 @@ def deadline_error(instance: Instance) -> UpstreamError:
         "no answer within the request deadline (--request-timeout-s)",
         instance.role,
         instance.address,
-        "DEADLINE_EXCEEDED",
+        TIMEOUT,
     )
