@@ -419,6 +419,18 @@ def daemons(tmp_path_factory):
     assert exit_used_blocks(prefill) == exit_used_blocks(decode) == 0
 
 
+def _generous_slos(prefill, decode, **extra: Any) -> RouterConfig:
+    """A router in front of the two daemons with targets every route meets when idle."""
+    return RouterConfig(
+        (prefill.address,),
+        (decode.address,),
+        slo_ttft_ms=60_000,
+        slo_itl_ms=10_000,
+        shutdown_timeout_s=5.0,
+        **extra,
+    )
+
+
 @pytest.mark.integration
 def test_each_route_is_taken_when_its_condition_holds_and_equals_colocated(daemons):
     prefill, decode = daemons
@@ -426,14 +438,7 @@ def test_each_route_is_taken_when_its_condition_holds_and_equals_colocated(daemo
     (expected,) = colocated([prompt], MAX_TOKENS)
 
     async def scenario() -> None:
-        config = RouterConfig(
-            (prefill.address,),
-            (decode.address,),
-            slo_ttft_ms=60_000,
-            slo_itl_ms=10_000,
-            kv_stream="always",
-            shutdown_timeout_s=5.0,
-        )
+        config = _generous_slos(prefill, decode, kv_stream="always")
         async with (
             RouterServer(config) as router,
             aiohttp.ClientSession(base_url=router.url) as http,
@@ -507,13 +512,7 @@ def test_held_back_at_busy_prefills_the_shorter_prompt_goes_first_and_equals_col
     expected = colocated([long_prompt, short_prompt], MAX_TOKENS)
 
     async def scenario() -> None:
-        config = RouterConfig(
-            (prefill.address,),
-            (decode.address,),
-            slo_ttft_ms=60_000,
-            slo_itl_ms=10_000,
-            shutdown_timeout_s=5.0,
-        )
+        config = _generous_slos(prefill, decode)
         async with (
             RouterServer(config) as router,
             aiohttp.ClientSession(base_url=router.url) as http,
