@@ -57,6 +57,10 @@ def _warm_and_prefill(pair: DaemonPair, expected: list[list[int]]) -> GenerateRe
     assert pair.generate([PROMPTS[0]], MAX_TOKENS)[0].token_ids == expected[0]
     (prefilled,) = pair.run_prefill([PROMPT])
     assert prefilled.kv_transfer_params is not None
+    # Its lease is published at the prefill's next step, which may come after the answer: a
+    # producer stopped before that holds KV nobody may read (under two test workers the stop
+    # once came first, and the one-sided read waited out its minute for a lease never there).
+    pair.step_once("prefill")
     return prefilled
 
 

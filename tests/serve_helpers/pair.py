@@ -34,6 +34,8 @@ from serve_helpers.daemons import admin, start_daemon
 REMOTE_DECODE: Mapping[str, Any] = {"do_remote_decode": True}
 STOP_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 120.0
+# `DaemonPair.step_once`'s requests (ids NAME-step-N, which no test uses).
+PROMPT_FOR_STEPS = "step"
 _POLICIES = ("fail", "recompute")
 
 Prompt = str | Sequence[int]
@@ -78,6 +80,7 @@ class DaemonPair:
         self.decode = decode
         self.name = name
         self._ids = itertools.count()
+        self._steps = itertools.count()
         self._stopped: dict[str, Stopped] = {}
 
     @classmethod
@@ -143,6 +146,19 @@ class DaemonPair:
                 )
                 for rid, prompt in zip(ids, prompts, strict=True)
             ]
+
+    def step_once(self, role: str) -> None:
+        """One plain one-token request on ``role``'s daemon, answered: its engine ran a step
+        after every request answered before. A prefill publishes the lease of a request it
+        finished at its next step (a consumer's grant wait covers the lag): after this, the
+        leases of every prefill answered so far are published."""
+        with GenerationClient(self._daemon(role).address) as client:
+            result = client.generate(
+                generate_request(f"{self.name}-step-{next(self._steps)}", PROMPT_FOR_STEPS, 1),
+                CALL_TIMEOUT_S,
+            )
+        if result.finish_reason != "length":
+            raise RuntimeError(f"the {role}'s step request ended {result.finish_reason!r}")
 
     def run_decode(
         self,
