@@ -184,7 +184,7 @@ class RouterMetrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
-        self.prefill_turns = Gauge(
+        self._prefill_turns = Gauge(
             "kvtransfer_router_prefill_turns",
             "With SLO targets, P/D requests sent on to the prefills and not done, and those "
             "the router holds back until a turn frees (state: sent, waiting)",
@@ -196,8 +196,8 @@ class RouterMetrics:
         self._prefill_order.labels(order=order).observe(waited_s)
 
     def prefill_order_state(self, sent: int, waiting: int) -> None:
-        self.prefill_turns.labels(state="sent").set(sent)
-        self.prefill_turns.labels(state="waiting").set(waiting)
+        self._prefill_turns.labels(state="sent").set(sent)
+        self._prefill_turns.labels(state="waiting").set(waiting)
 
     def cache_prediction(self, role: str, predicted: int, reported: int) -> None:
         """A choice ended: the cached prompt tokens its ``role``'s policy predicted at the pick

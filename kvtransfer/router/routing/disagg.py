@@ -200,9 +200,10 @@ def decide(
     if rule.slo is None:
         return RouteDecision(DISAGGREGATED, AT_THRESHOLD, uncached)
     arrivals = arrivals_per_s / max(1, len(decodes))
-    return _by_slo(
-        rule.slo, prefills, decodes, uncached, max(1, max_tokens), arrivals, waiting or _NONE
-    )
+    # A P/D prompt also waits for the held-back ones sent on before it (`prefill_order`).
+    ahead = 0 if waiting is None else waiting.tokens_ahead(uncached)
+    held = 0 if waiting is None else waiting.waiting_tokens
+    return _by_slo(rule.slo, prefills, decodes, uncached, max(1, max_tokens), arrivals, ahead, held)
 
 
 class WaitingPrompts(Protocol):
@@ -212,16 +213,6 @@ class WaitingPrompts(Protocol):
     def waiting_tokens(self) -> int: ...
 
     def tokens_ahead(self, tokens: int) -> int: ...
-
-
-class _NoneWaiting:
-    waiting_tokens = 0
-
-    def tokens_ahead(self, tokens: int) -> int:
-        return 0
-
-
-_NONE = _NoneWaiting()
 
 
 def prefill_s(prefills: Sequence[SloCandidate], tokens: int) -> float | None:
@@ -246,15 +237,14 @@ def _by_slo(
     uncached: int,
     max_tokens: int,
     arrivals_per_s: float,
-    waiting: WaitingPrompts,
+    ahead: int,
+    held: int,
 ) -> RouteDecision:
     rates = [p.service.prompt_tokens_per_s for p in prefills]
     known = [(p, r) for p, r in zip(prefills, rates, strict=True) if r]
     if not known or not decodes:
         return RouteDecision(DISAGGREGATED, NO_PROFILE, uncached)
     prefill_rate = max(r for _, r in known)
-    # A P/D prompt also waits for the held-back ones sent on before it (`prefill_order`).
-    ahead = waiting.tokens_ahead(uncached)
     ttft_pd = min(_prompt_s(p, ahead + uncached, r) for p, r in known)
     predicted = {"ttft_pd_s": ttft_pd}
     # The decode's own gap at one more request, and the stalls it owes; unmeasured counts as
@@ -265,7 +255,7 @@ def _by_slo(
     pd_ok = ttft_pd <= slo.ttft_s and itl_pd <= slo.itl_s
     # The share of the prefills' queue computed within a time: the requests waiting for a
     # prefill start decoding in that order, so only that share of them joins a decode's batch.
-    queued = sum(p.service.queued_prompt_tokens for p, _ in known) + waiting.waiting_tokens
+    queued = sum(p.service.queued_prompt_tokens for p, _ in known) + held
     total_rate = sum(r for _, r in known)
 
     def prefilled_within(seconds: float) -> float:

@@ -45,7 +45,6 @@ AT_ONCE = "at_once"
 IN_TIME = "in_time"
 LATE = "late"
 TIMED_OUT = "timed_out"
-ORDERS = (AT_ONCE, IN_TIME, LATE)
 
 # The predicted prefill time of a prompt of so many uncached tokens on the best prefill now,
 # its queue included (None: not measured yet).
@@ -121,10 +120,10 @@ class PrefillOrder:
         ``deadline``: when the router took it and when it must have ended (this clock);
         ``slots``: requests the prefills take at once now (`DEPTH` x the pickable prefills; 0:
         no prefill, nothing is held back); ``predict``: see `Predictor`. Yields how it was sent
-        on (`ORDERS`). Raises `PrefillWaitTimeout` when the request's deadline passes while it
-        waits, or when its turn comes with less time left than its predicted prefill time:
-        sent on, its call would only run out of time there, and a prefill whose call timed out
-        before answering is taken for unhealthy."""
+        on (`AT_ONCE`, `IN_TIME` or `LATE`). Raises `PrefillWaitTimeout` when the request's
+        deadline passes while it waits, or when its turn comes with less time left than its
+        predicted prefill time: sent on, its call would only run out of time there, and a
+        prefill whose call timed out before answering is taken for unhealthy."""
         self._slots, self._predict = slots, predict
         # Turns a new prefill brought go to those already waiting first.
         self._send()
