@@ -278,7 +278,7 @@ def router_takes(flags: Sequence[str]) -> bool:
 def router_counters(url: str) -> dict[str, float]:
     """The router's route counters from its /metrics: ``routes MODE`` (disaggregated,
     decode_only, aggregated), ``decisions MODE REASON`` (why the router chose) and, with SLO
-    targets, ``prefill_order ORDER`` (at_once, in_time, late)."""
+    targets, ``prefill_order ORDER`` (at_once, in_time, late, timed_out)."""
     parts = urlsplit(url)
     # http.client, not urllib: no proxy from the environment between us and 127.0.0.1.
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
