@@ -3,17 +3,21 @@
 The input is a profile that ``benchmarks/pd_profile.py`` measures on real daemons (schema in
 that module's docstring): the prefill's time per prompt at several prompt lengths, the decode's
 inter-token latency (ITL) at several batch sizes, the KV transfer time per prompt token and the
-client's fixed overhead. `plan` turns it, a workload (rate R requests/s, mean prompt tokens L,
-output tokens O) and two SLOs on the *mean* TTFT and the *mean* ITL into instance counts.
+client's fixed overhead. `plan` turns it, a workload (rate R requests/s, prompt tokens L: one
+length or a mix of lengths with their shares, output tokens O) and two SLOs on the *mean* TTFT
+and the *mean* ITL into instance counts.
 
 The model (docs/planning.md says the same for operators):
 
-- Prefill pool, P instances. One prompt occupies a prefill for S = L / tps(L) seconds; the
+- Prefill pool, P instances. One prompt occupies a prefill for S(L) = L / tps(L) seconds; the
   profile's prompt time is interpolated linearly between measured lengths (proportionally
   below the shortest, along the last segment above the longest). The router splits arrivals
-  evenly, so each instance sees Poisson arrivals at R/P with deterministic service: an M/D/1
-  queue, utilisation rho = R*S/P, mean wait W = rho*S / (2*(1 - rho)) (Pollaczek-Khinchine).
-  TTFT = S + W + T + c, T = L * kv_transfer_s_per_token, c the profile's fixed client
+  evenly, so each instance sees Poisson arrivals at R/P, first come first served: an M/G/1
+  queue, utilisation rho = R*E[S]/P, mean wait W = (R/P)*E[S^2] / (2*(1 - rho))
+  (Pollaczek-Khinchine), the moments over the workload's prompt lengths. One length makes it
+  M/D/1, W = rho*S / (2*(1 - rho)); a spread of lengths with the same mean waits longer, in
+  proportion to E[S^2]: a 1536-token prompt ahead makes every short one behind it wait.
+  TTFT = E[S] + W + T + c, T = E[L] * kv_transfer_s_per_token, c the profile's fixed client
   overhead. rho >= 1 is refused (the queue grows without bound). T is in TTFT as a
   disaggregated setup where the decode emits the first token pays it; kvtransfer's router
   streams the prefill's token first, so there T lands on the second token instead and the
@@ -32,11 +36,12 @@ The model (docs/planning.md says the same for operators):
 - Aggregated comparison, A instances that each prefill and decode (chunked prefill, decodes
   scheduled first, as this engine does). Prefill takes rho_p = (R/A)*S of each instance's
   time and decode steps only run in the rest, so the mean ITL is ITL(b) / (1 - rho_p) with
-  the batch from b = (R/A) * O * ITL(b) / (1 - rho_p). The mean TTFT is the M/D/1 prefill
-  time S + W (rho_p as rho) plus one decode step per prompt chunk (each chunk shares its step
-  with the running decodes: ceil(L / max_num_batched_tokens) * ITL(b)) plus c. The mean
-  hides the stall: a gap that carries a whole chunk is ITL(b) + S / chunks (``worst_gap``),
-  which is what a p99 ITL SLO would see; the model plans for means only.
+  the batch from b = (R/A) * O * ITL(b) / (1 - rho_p). The mean TTFT is the M/G/1 prefill
+  time E[S] + W (rho_p as rho) plus one decode step per prompt chunk (each chunk shares its
+  step with the running decodes: E[ceil(L / max_num_batched_tokens)] * ITL(b)) plus c. The
+  mean hides the stall: a gap that carries a whole chunk of the longest prompt is
+  ITL(b) + S / chunks (``worst_gap``), which is what a p99 ITL SLO would see; the model plans
+  for means only.
 
 Everything here is pure (no I/O but `load_profile`); times are seconds, rates per second.
 """
@@ -111,12 +116,61 @@ class Workload:
     output_tokens: float
     ttft_slo_s: float
     itl_slo_s: float
+    # (prompt tokens, share) pairs whose shares add to 1 and whose mean is prompt_tokens; empty:
+    # every prompt has prompt_tokens. `Workload.mixed` builds one from percents.
+    prompt_mix: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("rate", "prompt_tokens", "output_tokens", "ttft_slo_s", "itl_slo_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise WorkloadError(f"{name} must be a positive number, got {value!r}")
+            _check_positive(getattr(self, name), name)
+        if not self.prompt_mix:
+            return
+        for tokens, share in self.prompt_mix:
+            _check_positive(tokens, "prompt_mix tokens")
+            _check_positive(share, "prompt_mix share")
+        if not math.isclose(sum(share for _, share in self.prompt_mix), 1.0, rel_tol=1e-9):
+            raise WorkloadError(f"prompt_mix shares must add to 1, got {self.prompt_mix!r}")
+        mean = sum(tokens * share for tokens, share in self.prompt_mix)
+        if not math.isclose(mean, self.prompt_tokens, rel_tol=1e-9):
+            raise WorkloadError(
+                f"prompt_tokens {self.prompt_tokens!r} is not the mix's mean {mean!r}"
+            )
+
+    @classmethod
+    def mixed(
+        cls,
+        rate: float,
+        mix: Sequence[tuple[float, float]],
+        output_tokens: float,
+        ttft_slo_s: float,
+        itl_slo_s: float,
+    ) -> Workload:
+        """A workload whose prompts have these lengths, each with a percent (they add to 100)."""
+        if not mix:
+            raise WorkloadError("prompt_mix must name at least one prompt length")
+        for tokens, percent in mix:
+            _check_positive(tokens, "prompt_mix tokens")
+            _check_positive(percent, "prompt_mix percent")
+        total = sum(percent for _, percent in mix)
+        if not math.isclose(total, 100.0, rel_tol=1e-9):
+            raise WorkloadError(f"prompt_mix percents must add to 100, got {total:g}")
+        shares = tuple((float(tokens), percent / total) for tokens, percent in mix)
+        mean = sum(tokens * share for tokens, share in shares)
+        return cls(rate, mean, output_tokens, ttft_slo_s, itl_slo_s, shares)
+
+    def lengths(self) -> tuple[tuple[float, float], ...]:
+        """(prompt tokens, share) pairs: the mix, or the one length with share 1."""
+        return self.prompt_mix or ((self.prompt_tokens, 1.0),)
+
+
+def _check_positive(value: Any, name: str) -> None:
+    # bool is an int to Python, never a quantity.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise WorkloadError(f"{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -315,25 +369,47 @@ def batch_at_itl(profile: Profile, itl_s: float) -> float:
     return math.inf
 
 
-def md1_wait(utilisation: float, service_s: float) -> float:
-    """Mean queueing delay of an M/D/1 queue; rho >= 1 is refused."""
+@dataclass(frozen=True)
+class ServiceTime:
+    """A prefill's time per prompt over the workload's prompt lengths."""
+
+    mean_s: float
+    second_moment_s2: float  # E[S^2]: what a spread of lengths adds to the queue's wait
+
+
+def prefill_service(profile: Profile, work: Workload) -> ServiceTime:
+    times = [(prefill_seconds(profile, tokens), share) for tokens, share in work.lengths()]
+    return ServiceTime(
+        mean_s=sum(s * share for s, share in times),
+        second_moment_s2=sum(s * s * share for s, share in times),
+    )
+
+
+def mg1_wait(arrivals_per_s: float, service: ServiceTime) -> float:
+    """Mean queueing delay of an M/G/1 queue (Pollaczek-Khinchine); rho >= 1 is refused."""
+    utilisation = arrivals_per_s * service.mean_s
     if utilisation >= 1.0:
         raise SaturatedError(
             f"utilisation {utilisation:.3f} >= 1: the instances cannot keep up with the arrivals"
         )
-    return utilisation * service_s / (2.0 * (1.0 - utilisation))
+    return arrivals_per_s * service.second_moment_s2 / (2.0 * (1.0 - utilisation))
+
+
+def md1_wait(utilisation: float, service_s: float) -> float:
+    """Mean queueing delay of an M/D/1 queue (every service takes ``service_s``)."""
+    return mg1_wait(utilisation / service_s, ServiceTime(service_s, service_s**2))
 
 
 # ------------------------------------------------------------------ the pools
 
 
 def predict_prefill(profile: Profile, work: Workload, instances: int) -> PrefillPrediction:
-    service = prefill_seconds(profile, work.prompt_tokens)
-    rho = work.rate * service / instances
-    wait = md1_wait(rho, service)
+    service = prefill_service(profile, work)
+    wait = mg1_wait(work.rate / instances, service)
+    rho = work.rate / instances * service.mean_s
     transfer = work.prompt_tokens * profile.kv_transfer_s_per_token
-    ttft = service + wait + transfer + profile.overhead_s
-    return PrefillPrediction(instances, service, rho, wait, transfer, ttft)
+    ttft = service.mean_s + wait + transfer + profile.overhead_s
+    return PrefillPrediction(instances, service.mean_s, rho, wait, transfer, ttft)
 
 
 def predict_decode(profile: Profile, work: Workload, instances: int) -> DecodePrediction:
@@ -346,16 +422,23 @@ def predict_decode(profile: Profile, work: Workload, instances: int) -> DecodePr
 
 
 def predict_aggregated(profile: Profile, work: Workload, instances: int) -> AggregatedPrediction:
-    service = prefill_seconds(profile, work.prompt_tokens)
-    rho = work.rate * service / instances
-    wait = md1_wait(rho, service)
+    service = prefill_service(profile, work)
+    wait = mg1_wait(work.rate / instances, service)
+    rho = work.rate / instances * service.mean_s
     batch = steady_batch(profile, work.rate / instances * work.output_tokens / (1.0 - rho))
     step = itl_seconds(profile, batch)
     budget = profile.max_num_batched_tokens
-    chunks = math.ceil(work.prompt_tokens / budget) if budget else 1
-    ttft = service + wait + chunks * step + profile.overhead_s
+
+    def chunks(tokens: float) -> int:
+        return math.ceil(tokens / budget) if budget else 1
+
+    mean_chunks = sum(chunks(tokens) * share for tokens, share in work.lengths())
+    ttft = service.mean_s + wait + mean_chunks * step + profile.overhead_s
+    biggest_chunk_s = max(
+        prefill_seconds(profile, tokens) / chunks(tokens) for tokens, _ in work.lengths()
+    )
     return AggregatedPrediction(
-        instances, rho, batch, step / (1.0 - rho), ttft, step + service / chunks
+        instances, rho, batch, step / (1.0 - rho), ttft, step + biggest_chunk_s
     )
 
 

@@ -26,6 +26,7 @@ from kvtransfer.planning import (
     md1_wait,
     parse_profile,
     plan,
+    predict_aggregated,
     predict_prefill,
     prefill_seconds,
     steady_batch,
@@ -151,6 +152,56 @@ def test_an_unreachable_slo_and_too_few_instances_give_no_plan():
     assert small.disaggregated_total is None
 
 
+def test_a_spread_of_prompt_lengths_waits_longer_than_their_mean():
+    profile = parse_profile(profile_data())
+    # Half 100-token prompts (0.1 s), half 900 (0.9 s): mean 500 tokens, E[S] 0.5 s,
+    # E[S^2] (0.01 + 0.81) / 2 = 0.41 s^2.
+    mixed = Workload.mixed(1, [(100, 50), (900, 50)], 100, ttft_slo_s=0.9, itl_slo_s=1)
+    assert mixed.prompt_tokens == pytest.approx(500)
+    same = Workload(1, 500, 100, ttft_slo_s=0.9, itl_slo_s=1)
+    # M/D/1 at 500 tokens, P=1: rho 0.5, wait 0.25 s, TTFT 0.5 + 0.25 + 0.005 = 0.755 s.
+    assert predict_prefill(profile, same, 1).ttft_s == pytest.approx(0.755)
+    # M/G/1, P=1: wait 1 * 0.41 / (2 * 0.5) = 0.41 s, TTFT 0.915 s, over 0.9 s. P=2: wait
+    # 0.5 * 0.41 / (2 * 0.75), TTFT 0.5 + 0.13667 + 0.005.
+    one = predict_prefill(profile, mixed, 1)
+    assert (one.utilisation, one.wait_s, one.ttft_s) == pytest.approx((0.5, 0.41, 0.915))
+    result = plan(profile, mixed)
+    assert result.prefill is not None and result.prefill.instances == 2
+    assert result.prefill.ttft_s == pytest.approx(0.5 + 0.41 / 3 + 0.005)
+    assert result.prefill_binding == BIND_TTFT
+    assert plan(profile, same).prefill.instances == 1  # type: ignore[union-attr]
+
+
+def test_an_aggregated_gap_carries_the_biggest_chunk_of_the_mix():
+    profile = parse_profile(profile_data(engine={"max_num_batched_tokens": 500}))
+    work = Workload.mixed(0.5, [(100, 50), (900, 50)], 10, ttft_slo_s=10, itl_slo_s=1)
+    # A=1: rho 0.25, a = 0.5 * 10 / 0.75 = 6.67, b = 0.0667 (ITL 10 ms below batch 1); the
+    # 900-token prompt in 2 chunks of 0.45 s, the 100-token one in 1 of 0.1 s: mean 1.5
+    # chunks; wait 0.5 * 0.41 / (2 * 0.75).
+    got = predict_aggregated(profile, work, 1)
+    assert got.worst_gap_s == pytest.approx(0.010 + 0.45)
+    assert got.ttft_s == pytest.approx(0.5 + 0.41 / 3 + 1.5 * 0.010)
+
+
+@pytest.mark.parametrize(
+    ("mix", "message"),
+    [
+        ([], "prompt_mix must name at least one prompt length"),
+        ([(100, 50), (900, 40)], "prompt_mix percents must add to 100, got 90"),
+        ([(0, 50), (900, 50)], "prompt_mix tokens must be a positive number, got 0"),
+        ([(100, -10), (900, 110)], "prompt_mix percent must be a positive number, got -10"),
+    ],
+)
+def test_a_bad_prompt_mix_is_named(mix, message):
+    with pytest.raises(WorkloadError, match=f"^{message}$"):
+        Workload.mixed(1, mix, 10, ttft_slo_s=1, itl_slo_s=1)
+
+
+def test_a_mix_must_agree_with_its_mean():
+    with pytest.raises(WorkloadError, match=r"^prompt_tokens 400 is not the mix's mean 500.0$"):
+        Workload(1, 400, 10, 1, 1, prompt_mix=((100.0, 0.5), (900.0, 0.5)))
+
+
 def test_curves_interpolate_and_extrapolate():
     profile = parse_profile(profile_data())
     assert prefill_seconds(profile, 50) == pytest.approx(0.05)  # proportional below 100
@@ -274,6 +325,34 @@ def test_plan_command_bad_input_exits_2_with_one_line(profile_file, capsys, flag
     captured = capsys.readouterr()
     assert captured.err == message + "\n"
     assert captured.out == ""
+
+
+def test_plan_command_takes_a_prompt_mix(profile_file, capsys):
+    # Half 100, half 900 tokens at 1 req/s under a 900 ms TTFT: 2 prefills (the first test's
+    # arithmetic), where one would do for 500-token prompts.
+    argv = _plan_argv(profile_file, rate="1", **{"ttft-ms": "900"})
+    assert main(argv) == 0
+    assert "suggested: 1 prefill" in capsys.readouterr().out
+    mixed = [arg for arg in argv if arg not in ("--prompt-tokens", "500")]
+    assert main([*mixed, "--prompt-mix", "100:50,900:50"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts of 50% 100, 50% 900 tokens (mean 500)" in out
+    assert "suggested: 2 prefill" in out
+    assert "M/G/1 prefill queue" in out
+
+
+@pytest.mark.parametrize(
+    ("mix", "message"),
+    [
+        ("100:50,900", "error: --prompt-mix: expected TOKENS:PERCENT, got '900'"),
+        ("100:50,900:40", "error: --prompt-mix: the percents must add to 100, got 90"),
+        ("x:50,900:50", "error: --prompt-mix tokens must be a number, got 'x'"),
+    ],
+)
+def test_plan_command_bad_prompt_mix_exits_2(profile_file, capsys, mix, message):
+    argv = [arg for arg in _plan_argv(profile_file) if arg not in ("--prompt-tokens", "500")]
+    assert main([*argv, "--prompt-mix", mix]) == 2
+    assert capsys.readouterr().err == message + "\n"
 
 
 def test_plan_command_missing_profile(tmp_path, capsys):

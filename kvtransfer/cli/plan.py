@@ -33,7 +33,14 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--rate", required=True, help="requests per second")
     cmd.add_argument("--ttft-ms", required=True, help="SLO on the mean time to first token")
     cmd.add_argument("--itl-ms", required=True, help="SLO on the mean inter-token latency")
-    cmd.add_argument("--prompt-tokens", required=True, help="mean prompt length")
+    prompts = cmd.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt-tokens", help="every prompt's length")
+    prompts.add_argument(
+        "--prompt-mix",
+        metavar="TOKENS:PERCENT,...",
+        help="prompt lengths and their shares, e.g. 64:40,256:25,768:20,1536:15 (the queue's "
+        "wait grows with their spread)",
+    )
     cmd.add_argument("--output-tokens", required=True, help="tokens generated per request")
     cmd.add_argument("--max-instances", default="64", help="most instances in total (default 64)")
     cmd.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -49,15 +56,33 @@ def _positive(text: str, flag: str) -> float:
     return value
 
 
+def _prompt_mix(text: str) -> list[tuple[float, float]]:
+    mix = []
+    for part in text.split(","):
+        tokens, sep, percent = part.partition(":")
+        if not sep:
+            raise WorkloadError(f"--prompt-mix: expected TOKENS:PERCENT, got {part!r}")
+        mix.append(
+            (_positive(tokens, "--prompt-mix tokens"), _positive(percent, "--prompt-mix percent"))
+        )
+    total = sum(percent for _, percent in mix)
+    if not math.isclose(total, 100.0, rel_tol=1e-9):
+        raise WorkloadError(f"--prompt-mix: the percents must add to 100, got {total:g}")
+    return mix
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Raises `PlanningError` (a ValueError) on bad input; the caller prints it, exit 2."""
-    work = Workload(
-        rate=_positive(args.rate, "--rate"),
-        prompt_tokens=_positive(args.prompt_tokens, "--prompt-tokens"),
-        output_tokens=_positive(args.output_tokens, "--output-tokens"),
-        ttft_slo_s=_positive(args.ttft_ms, "--ttft-ms") / 1e3,
-        itl_slo_s=_positive(args.itl_ms, "--itl-ms") / 1e3,
-    )
+    rate = _positive(args.rate, "--rate")
+    output_tokens = _positive(args.output_tokens, "--output-tokens")
+    ttft_slo_s = _positive(args.ttft_ms, "--ttft-ms") / 1e3
+    itl_slo_s = _positive(args.itl_ms, "--itl-ms") / 1e3
+    if args.prompt_mix is not None:
+        mix = _prompt_mix(args.prompt_mix)
+        work = Workload.mixed(rate, mix, output_tokens, ttft_slo_s, itl_slo_s)
+    else:
+        prompt_tokens = _positive(args.prompt_tokens, "--prompt-tokens")
+        work = Workload(rate, prompt_tokens, output_tokens, ttft_slo_s, itl_slo_s)
     try:
         max_instances = int(args.max_instances)
     except ValueError:
@@ -78,8 +103,12 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def describe(result: Plan) -> list[str]:
     w = result.workload
+    prompts = f"{w.prompt_tokens:g} prompt tokens"
+    if w.prompt_mix:
+        shares = ", ".join(f"{100 * share:g}% {tokens:g}" for tokens, share in w.prompt_mix)
+        prompts = f"prompts of {shares} tokens (mean {w.prompt_tokens:.4g})"
     lines = [
-        f"workload: {w.rate:g} req/s, {w.prompt_tokens:g} prompt tokens, "
+        f"workload: {w.rate:g} req/s, {prompts}, "
         f"{w.output_tokens:g} output tokens; SLOs: mean TTFT <= {_ms(w.ttft_slo_s)} ms, "
         f"mean ITL <= {_ms(w.itl_slo_s)} ms",
     ]
@@ -100,7 +129,7 @@ def describe(result: Plan) -> list[str]:
         lines.append(f"suggested: none within --max-instances {result.max_instances}")
     if p is not None:
         lines.append(
-            f"  prefill x{p.instances}: {_ms(p.service_s)} ms per prompt, utilisation "
+            f"  prefill x{p.instances}: {_ms(p.service_s)} ms per prompt (mean), utilisation "
             f"{p.utilisation:.2f}, queueing {_ms(p.wait_s)} ms, transfer {_ms(p.transfer_s)} ms "
             f"-> TTFT {_ms(p.ttft_s)} ms"
         )
@@ -120,7 +149,7 @@ def describe(result: Plan) -> list[str]:
         )
     lines.append(_why("aggregated", a is not None, result.aggregated_binding))
     lines.append(
-        "model: means only (M/D/1 prefill queue, Little's law decode batch); see docs/planning.md"
+        "model: means only (M/G/1 prefill queue, Little's law decode batch); see docs/planning.md"
     )
     return lines
 
