@@ -81,13 +81,19 @@ def test_config_is_a_small_llama_with_grouped_query_attention():
 def test_tokenizer_round_trips_the_docs_it_was_trained_on():
     tokenizer = load_tokenizer(MODEL)
     root = DIRECTORY.parents[2]
+    tokens = size = 0
     for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         text = path.read_text()
         ids = tokenizer.encode(text)
         # Not skipped: the docs spell special tokens ("<bos>") that encode to their ids.
         assert tokenizer.decode(ids, skip_special_tokens=False) == text, path.name
-        # A learnt vocabulary: well under one token per byte on its own text.
-        assert len(ids) < 0.5 * len(text.encode())
+        # Bytes alone would be one token per byte. Tables of measured numbers, which the docs
+        # keep gaining since the tokenizer was trained, go nearly digit by digit: per file
+        # the bound is loose, over all the docs tight.
+        assert len(ids) < 0.6 * len(text.encode()), path.name
+        tokens, size = tokens + len(ids), size + len(text.encode())
+    # A learnt vocabulary: well under one token per byte on its own text.
+    assert tokens < 0.5 * size
 
 
 def test_the_recorded_training_matches_the_checkpoint():

@@ -652,7 +652,7 @@ def test_slo_routing_measures_the_servers_and_says_its_decision_in_a_header() ->
     ``x-kvtransfer-route`` (vLLM's answer is passed through as it came)."""
 
     async def scenario() -> None:
-        paced = VllmBehaviour(completions=decode_paced(0.05))
+        paced = VllmBehaviour(completions=decode_paced(0.1))
         async with vllm_cluster([prefill()], [paced], slo_ttft_ms=60_000, slo_itl_ms=60_000) as c:
             body = {**BODY, "prompt": list(range(1, 20)), "stream": True}
             code, _, headers = await c.post(body)
@@ -667,6 +667,9 @@ def test_slo_routing_measures_the_servers_and_says_its_decision_in_a_header() ->
             measured_decode = workers[c.decodes[0].address]["service"]
             assert measured_decode["decoding"] == 0
             (gap,) = measured_decode["inter_token_s_by_batch"].values()
+            # The one gap between the two events, as the router read them: the decode's pace
+            # give or take the router's scheduling (a busy CI run read the first event 3 ms late
+            # and measured 0.047 s for a 0.05 s pace), nowhere near a buffer read at once.
             assert gap >= 0.05, measured_decode
             code, _, headers = await c.post({**body, "stream": False})
             assert code == 200
