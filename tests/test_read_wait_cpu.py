@@ -14,7 +14,7 @@ import time
 
 import pytest
 from transport_helpers.kv import LayerGroup, empty_caches, make_caches
-from transport_helpers.procs import ServerSpec, kv_servers
+from transport_helpers.procs import ServerSpec, freeze, kv_servers
 
 from kvtransfer.transport import (
     KVTransferAgent,
@@ -79,7 +79,7 @@ def test_a_read_of_a_frozen_producer_naps_until_its_deadline():
             peer = consumer.connect(server.address, layouts=server.layouts, one_sided=True)
             spec = PullSpec("warm", GROUP.names(), (1,), (1,))
             consumer.pull(peer, spec).result(30)  # keys fetched, endpoint up
-            os.kill(server.process.pid, signal.SIGSTOP)
+            freeze(server.process.pid)
             try:
                 frozen = PullSpec("frozen", GROUP.names(), tuple(range(64)), tuple(range(64)))
 

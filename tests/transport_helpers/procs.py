@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,3 +92,26 @@ def kv_server(
 ) -> Iterator[KVServerProcess]:
     with kv_servers([ServerSpec(seed, tuple(groups), serve)]) as (server,):
         yield server
+
+
+def freeze(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped.
+
+    ``kill`` only queues the stop: one thread takes it and then stops the others, and until
+    it is scheduled the rest run on. On two busy cores that took long enough for a UCX
+    progress thread to serve a whole 64-block read after ``kill`` had returned."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not all(_thread_state(pid, tid) in ("T", "t") for tid in os.listdir(f"/proc/{pid}/task")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped {timeout_s} s after SIGSTOP")
+        time.sleep(0.001)
+
+
+def _thread_state(pid: int, tid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+            # The state follows the command name, which may itself hold spaces and ")".
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "T"  # the thread exited: nothing of it runs
