@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transport_helpers.kv import LayerGroup, empty_caches, in_order, layer_tensor, make_caches
-from transport_helpers.procs import ServerSpec, kv_servers
-from waiting import wait_until
+from transport_helpers.procs import ServerSpec, freeze, kv_servers
 
 from kvtransfer.transport import (
     AccessDenied,
@@ -82,10 +80,6 @@ REMOTE_IDS = (5, 6, 7, 40, 2, 63)
 LOCAL_IDS = (0, 1, 2, 9, 30, 31)
 
 
-def _frozen(process) -> bool:
-    return Path(f"/proc/{process.pid}/stat").read_text().split(")")[1].split()[0] == "T"
-
-
 @pytest.mark.parametrize("path", ["direct", "ucx"])
 @pytest.mark.parametrize("remote_order", ["B2HND", "BH2ND", "B2NHD"])
 @pytest.mark.parametrize("local_order", ["B2HND", "2BHND", "BNH2D"])
@@ -112,8 +106,7 @@ def test_one_sided_pull_lands_every_byte(producers, remote_order, local_order, h
         before, moved_before = server.counters(), agent.one_sided_counters
         spec = PullSpec("bytes", GROUP.names(), REMOTE_IDS, LOCAL_IDS, remote_heads, local_heads)
         if path == "direct":
-            server.process.send_signal(signal.SIGSTOP)
-            wait_until(lambda: _frozen(server.process), "frozen")
+            freeze(server.process.pid)
         try:
             result = agent.pull(peer, spec).result(WAIT_S)
         finally:
@@ -242,8 +235,7 @@ def test_a_producer_killed_mid_read_fails_it_typed():
             peer = agent.connect(server.address, layouts=server.layouts, one_sided=True)
             agent.pull(peer, PullSpec("warm", GROUP.names(), (1,), (1,))).result(WAIT_S)
             assert agent._rma_peers[peer.ucx_address].direct is None  # the network path
-            server.process.send_signal(signal.SIGSTOP)
-            wait_until(lambda: _frozen(server.process), "frozen")
+            freeze(server.process.pid)
             killed: list[float] = []
 
             def probe() -> None:

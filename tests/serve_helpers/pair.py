@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from transport_helpers.procs import freeze
 from waiting import wait_until
 
 from kvtransfer.clients.generation import GenerateResult, GenerationClient, generate_request
@@ -294,8 +295,9 @@ class DaemonPair:
         self._daemon(role).kill()
 
     def pause(self, role: str) -> None:
-        """SIGSTOP: the process stays (the kernel still accepts its connections), runs nothing."""
-        os.kill(self._daemon(role).pid, signal.SIGSTOP)
+        """SIGSTOP: the process stays (the kernel still accepts its connections), runs nothing
+        (returns once every thread of it is stopped)."""
+        freeze(self._daemon(role).pid)
 
     def resume(self, role: str) -> None:
         os.kill(self._daemon(role).pid, signal.SIGCONT)
