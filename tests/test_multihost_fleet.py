@@ -428,15 +428,10 @@ def test_instances_come_and_go_under_load(cluster, expected):
         error = result["body"]["error"]
         assert error["type"] and error["message"], result
         # Only the killed prefill failed anything: not the removed decode, nor the added prefill.
-        message = error["message"]
-        if f"{p0_host.address}:" in message:
-            continue
         # The kill can also land while a decode reads the KV p0 holds (seen once in CI): that
-        # decode's load then fails on p0's reset connection, and the message names the decode
-        # and the reset, not the producer. Only a request sent before the kill reads from p0.
-        assert result["started_at"] <= killed_at, result
-        assert "KV load failed for request" in message, result
-        assert "reset by remote peer" in message, result
+        # decode's load fails on p0's reset connection, and its message names p0 as the
+        # producer it read from.
+        assert f"{p0_host.address}:" in error["message"], result
     # The kill hit a request: retried on the other prefill (it failed having sent nothing) or
     # failed (typed, above).
     failed = [r for r in outcomes if r["status"] != 200]

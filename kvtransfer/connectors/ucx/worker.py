@@ -36,6 +36,7 @@ from kvtransfer.connectors.ucx.loaders import LoaderThreads
 from kvtransfer.connectors.ucx.loads import LoadCancelled, LoadJob, LoadOutcome
 from kvtransfer.connectors.ucx.metadata import (
     LoadSpec,
+    RemotePrefill,
     UcxConnectorMetadata,
     UcxHandshakeMetadata,
     kernel_block_ids,
@@ -310,9 +311,7 @@ class UcxWorker:
                 self._add("num_loads_cancelled", 1)
             elif finished.error is not None:
                 failed.add(spec.req_id)
-                self._failure_reasons[spec.req_id] = (
-                    f"{_public_name(finished.error)}: {finished.error}"
-                )
+                self._failure_reasons[spec.req_id] = _load_failure(spec.remote, finished.error)
                 self._load_errors.update(spec.local_block_ids)
                 self._add("num_loads_failed", 1)
                 logger.warning(
@@ -429,6 +428,15 @@ class UcxWorker:
             self._pool.close()
         self._readiness.close()
         self._notifier.close()
+
+
+def _load_failure(remote: RemotePrefill, error: BaseException) -> str:
+    """Why a load failed, for the request's error: the error's type and text, and the
+    producer it read from where the text does not name it already (a reset connection says
+    nothing of whose)."""
+    reason = f"{_public_name(error)}: {error}"
+    producer = f"engine {remote.engine_id!r} at {remote.address}"
+    return reason if producer in reason else f"{reason} (producer {producer})"
 
 
 def _public_name(error: BaseException) -> str:
