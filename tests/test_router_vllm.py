@@ -24,6 +24,7 @@ from router_helpers.fake_vllm import (
     decode_paced,
     decode_reporting,
     decode_truncated,
+    prefill_or_whole,
     prefill_reporting,
     prefill_without_params,
     status,
@@ -588,6 +589,53 @@ def test_slo_routing_reads_the_gaps_and_the_batch_from_vllms_own_metrics() -> No
             assert code == 200
             assert headers["x-kvtransfer-route"].startswith("disaggregated; reason=pd_meets_slo")
             assert "itl_pd_s=0.03" in headers["x-kvtransfer-route"], headers
+
+    run(scenario)
+
+
+def test_with_the_decode_at_its_gap_target_an_idle_prefill_runs_the_request_alone() -> None:
+    """The decode's own gap (router-timed at batch 1, then vLLM's at its 5 running) puts P/D
+    at the ITL target: the prefill, which never decoded and so is taken to step as the decode
+    at batch 1, gets the whole request without kv_transfer_params; no decode is called."""
+
+    async def scenario() -> None:
+        whole = VllmBehaviour(completions=prefill_or_whole)
+        gauges = vllm_metrics(running=5, waiting=0, kv_usage=0.1)
+        paced = VllmBehaviour(
+            completions=decode_paced(0.1), metrics=gauges + vllm_itl_histogram(0.0, 0)
+        )
+        slo = {"slo_ttft_ms": 60_000, "slo_itl_ms": 1_000, "health_interval_s": 0.1}
+        async with vllm_cluster([whole], [paced], **slo) as c:
+            body = {**BODY, "prompt": list(range(1, 20)), "stream": True}
+            assert (await c.post(body))[0] == 200  # the prefill's rate, the decode's pace
+            # 10 gaps of 0.9 s at 5 running: P/D's gap at 6 is 1.1 s (the slope from 0.1 s
+            # at 1), past the 1 s target; the prefill's, 0.1 s.
+            paced.metrics = gauges + vllm_itl_histogram(9.0, 10)
+
+            async def vllm_gaps_read() -> bool:
+                workers = await c.workers()
+                return workers[c.decodes[0].address]["service"]["itl_source"] == "vllm"
+
+            await wait_until_async(vllm_gaps_read, "vLLM's gaps read", WAIT_S)
+            decoded_before = len(c.decodes[0].seen)
+            code, raw, headers = await c.post(body)
+            assert code == 200, raw
+            route = headers["x-kvtransfer-route"]
+            assert route.startswith("prefill_only; reason=prefill_alone_meets_slo"), route
+            assert "itl_prefill_s=0.1" in route, route
+            assert raw == b"".join((*SSE_CHUNKS, SSE_DONE))
+            assert len(c.decodes[0].seen) == decoded_before
+            alone = c.prefills[0].seen[-1].body
+            assert "kv_transfer_params" not in alone
+            assert (alone["max_tokens"], alone["stream"]) == (BODY["max_tokens"], True)
+            metrics = await c.metrics_text()
+            for line in (
+                'kvtransfer_router_routes_total{mode="prefill_only"} 1.0',
+                "kvtransfer_router_route_decisions_total"
+                '{mode="prefill_only",reason="prefill_alone_meets_slo"} 1.0',
+            ):
+                assert line in metrics.splitlines(), line
+            await c.wait_idle()
 
     run(scenario)
 

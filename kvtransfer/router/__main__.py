@@ -190,9 +190,9 @@ def _parser() -> argparse.ArgumentParser:
         "--slo-ttft-ms",
         type=float,
         default=0.0,
-        help="time-to-first-token target; with --slo-itl-ms the router routes each request P/D "
-        "or to a decode alone, whichever it predicts meets both (needs the prompt's token ids; "
-        "default 0: none)",
+        help="time-to-first-token target; with --slo-itl-ms the router routes each request P/D, "
+        "to a decode alone or to a prefill alone, whichever it predicts meets both (needs the "
+        "prompt's token ids; default 0: none)",
     )
     parser.add_argument(
         "--slo-itl-ms",

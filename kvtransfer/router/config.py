@@ -152,8 +152,8 @@ class RouterConfig:
     that, 429. ``disagg_min_prompt_tokens``: a prompt whose token ids are known and whose
     uncached part is shorter runs on a decode daemon alone (0: always disaggregate).
     ``slo_ttft_ms`` and ``slo_itl_ms`` (both or neither; 0: none): per-request targets; with
-    them the router picks P/D or the decode alone per request, the route predicted to meet both
-    (`kvtransfer.router.routing.disagg`).
+    them the router picks P/D, a decode alone or a prefill alone per request, the route
+    predicted to meet both (`kvtransfer.router.routing.disagg`).
     ``admin_token`` turns on the admin API (``/workers``). ``release_timeout_s`` is the
     deadline of a ``ReleaseKV`` call. ``max_request_bytes`` is the largest HTTP body accepted
     (413 above it); give the daemons the same value (`kvtransfer.clients.limits`).

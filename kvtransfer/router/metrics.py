@@ -116,16 +116,16 @@ class RouterMetrics:
         )
         self._routes = Counter(
             "kvtransfer_router_routes",
-            "Choices by route: disaggregated (prefill then decode), decode_only (a short "
-            "uncached prompt, --disagg-min-prompt-tokens) or aggregated (on an --aggregated "
-            "instance)",
+            "Choices by route: disaggregated (prefill then decode), decode_only (on a decode "
+            "alone: a short uncached prompt, or the SLO rule's choice), prefill_only (on a "
+            "prefill alone, the SLO rule's choice) or aggregated (on an --aggregated instance)",
             ["mode"],
             registry=self.registry,
         )
         self._decisions = Counter(
             "kvtransfer_router_route_decisions",
-            "Route decisions (kvtransfer.router.routing.disagg): disaggregated or decode_only, "
-            "by reason (a threshold, the SLO predictions, or why neither applied)",
+            "Route decisions (kvtransfer.router.routing.disagg): disaggregated, decode_only or "
+            "prefill_only, by reason (a threshold, the SLO predictions, or why neither applied)",
             ["mode", "reason"],
             registry=self.registry,
         )

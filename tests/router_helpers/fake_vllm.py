@@ -92,6 +92,14 @@ async def decode_ok(request: web.Request, body: dict[str, Any]) -> web.StreamRes
     return response
 
 
+async def prefill_or_whole(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """A vLLM prefill as it is (``kv_producer``): a request asking for remote decode gets one
+    token and its params; one without ``kv_transfer_params`` runs whole, as on any server."""
+    if "kv_transfer_params" in body:
+        return await prefill_ok(request, body)
+    return await decode_ok(request, body)
+
+
 def decode_paced(gap_s: float) -> Handler:
     """`decode_ok`'s events ``gap_s`` apart, as a decode stepping at that pace sends them."""
 

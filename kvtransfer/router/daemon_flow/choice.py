@@ -54,7 +54,9 @@ Life cycle of a choice (step 4 of a request, see `kvtransfer.router.web.app`):
    aborts the request and lets go of what it held.
 7. Decode alone: ``Generate`` on the decode instance with the prompt, every sampling option and
    no ``kv_transfer_params``: it computes the prompt as a colocated engine would. Retried like
-   a decode (step 5); nothing to release.
+   a decode (step 5); nothing to release. A request decided to run on a prefill alone (with
+   SLO targets, while the decodes are at their gap target) is the same call on a prefill
+   instance picked instead of any decode, retried on another prefill.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from kvtransfer.router.fleet.service import PromptTicket, ServiceStats
 from kvtransfer.router.flow_rules import RouteDecider
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
+from kvtransfer.router.routing.disagg import PREFILL_ONLY
 from kvtransfer.router.tracing import TraceExporter
 from kvtransfer.timeline import BOOK, now_ns
 
@@ -135,6 +138,13 @@ class ChoiceRunner:
         decision = self.decider.decide(fleet, exchange.context, exchange.choice.max_tokens)
         exchange.decision = decision
         self.metrics.route_decision(decision.mode, decision.reason)
+        if decision.on_prefill:
+            self.metrics.route_mode(PREFILL_ONLY)
+            on_prefill = self.leases.take(upstream, "prefill", exchange)
+            async with aclosing(self._run_alone(upstream, exchange, on_prefill)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
         alone = decision.alone
         lease: Lease | None = None
         can_prefill = fleet.any_pickable("prefill")
@@ -245,18 +255,18 @@ class ChoiceRunner:
     async def _run_alone(
         self, upstream: Upstream, exchange: Exchange, lease: Lease | None = None
     ) -> AsyncIterator[Delta]:
-        """Step 7: the whole choice on one decode instance (``lease``'s, else one picked now),
-        retried before its first message."""
+        """Step 7: the whole choice on one instance (``lease``'s, else a decode picked now),
+        retried on another of its role before its first message."""
         leg = DecodeLeg(upstream, exchange, lease or self.leases.take(upstream, "decode", exchange))
         tokens = _uncached_estimate(exchange)
         ticket = leg.instance.service.prompt_started(tokens)
         try:
             leg.start_alone()
-            exchange.route = {"decode": leg.address}
+            exchange.route = {leg.instance.role: leg.address}
             why = "an aggregated instance"
             if not leg.instance.aggregated and exchange.decision is not None:
                 why = exchange.decision.reason
-            exchange.log.info("decoding alone on %s (%s)", leg.address, why)
+            exchange.log.info("alone on %s %s (%s)", leg.instance.role, leg.address, why)
             while True:
                 try:
                     follow = self._follow(exchange, Decoded(), leg, ticket)
@@ -270,7 +280,7 @@ class ChoiceRunner:
                     leg.instance.service.prompt_abandoned(ticket)
                     leg.restart(await self.leases.retry(upstream, exchange, leg.tried, exc))
                     ticket = leg.instance.service.prompt_started(tokens)
-                    exchange.route = {"decode": leg.address}
+                    exchange.route = {leg.instance.role: leg.address}
         finally:
             leg.instance.service.prompt_abandoned(ticket)
             await leg.close()

@@ -51,7 +51,7 @@ class Exchange:
     decoded: bool = False
     # The client's W3C trace context (its ``traceparent`` header): the trace's parent.
     traceparent: str | None = None
-    # P/D or the decode alone, and why (`routing.disagg.decide`); None until decided.
+    # P/D or one instance alone, and why (`routing.disagg.decide`); None until decided.
     decision: RouteDecision | None = None
 
 

@@ -115,7 +115,7 @@ def _kvtransfer_info(exchange: Exchange, decoded: Decoded, spans: Sequence[Span]
             "decode" if decoded.prefill is None else "prefill"
         ),
         "phases": decoded.phases(),
-        # P/D or the decode alone, the rule's reason and its predictions (an aggregated
+        # P/D or one instance alone, the rule's reason and its predictions (an aggregated
         # instance the decode policy picked runs alone whatever was decided).
         "route_decision": None if exchange.decision is None else exchange.decision.describe(),
         # Where each millisecond went: every span, in ms from the request's arrival here

@@ -19,9 +19,11 @@ needs nothing from their reports:
   token, filed under the number of requests decoding on the instance at that moment. A gap
   during which the instance also computed a prompt is not filed: that is a stall, which the
   next figure keeps apart, not the pace of its steps.
-- **stalls**: the service time of each prompt the instance computed itself (a decode alone),
-  kept for `STALL_MEMORY_S`; the requests decoding there waited that long. The rule adds the
-  recent and the pending ones to the gap it predicts for them.
+- **stalls**: the service time of each prompt the instance computed (a decode alone; on a
+  prefill every prompt), kept for `STALL_MEMORY_S`; the requests decoding there waited that
+  long. The rule adds the recent and the pending ones to the gap it predicts for them, and
+  reads a prefill's share of time spent on prompts (`busy_share`) as the share a request
+  decoding there alone would lose.
 
 A vLLM server (``--engine vllm``) also says, in its ``/metrics``, how many requests it runs and
 the sum and count of the gaps between tokens it measured itself (`ServerTiming`, read at every
@@ -147,6 +149,15 @@ class ServiceStats:
         recent = sum(served for ended, served in self._stalls if ended >= now - within_s)
         rate = self.prompt_tokens_per_s
         return recent + (self.queued_prompt_tokens / rate if rate else 0.0)
+
+    def busy_share(self, within_s: float, extra_s: float = 0.0) -> float:
+        """The share of the last ``within_s`` seconds this instance spent computing prompts,
+        with the ones still queued here (and ``extra_s`` more seconds of them) counted as if
+        they fell in that time: the share of its time a request decoding here will lose to
+        prompts (its steps run in the rest)."""
+        if within_s <= 0:
+            raise ValueError(f"within_s must be > 0, got {within_s!r}")
+        return (self.stall_s(within_s) + max(0.0, extra_s)) / within_s
 
     def _forget_stalls(self, now: float) -> None:
         while self._stalls and self._stalls[0][0] < now - STALL_MEMORY_S:

@@ -1,8 +1,9 @@
 """Whether a request is worth disaggregating: `decide` picks, per request, between P/D (a
-prefill computes the prompt, a decode pulls its KV and decodes) and the decode instance alone
-(it computes the prompt itself, as a colocated engine would). Both flows (kvtransfer daemons,
-vLLM servers) ask it before they pick instances; an aggregated instance the decode policy picks
-afterwards runs the request alone whatever was decided.
+prefill computes the prompt, a decode pulls its KV and decodes), a decode instance alone (it
+computes the prompt itself, as a colocated engine would) and, with SLO targets, a prefill
+instance alone (the same, on a prefill: no KV moves). Both flows (kvtransfer daemons, vLLM
+servers) ask it before they pick instances; an aggregated instance the decode policy picks
+afterwards runs a P/D or decode-alone request alone whatever was decided.
 
 Two rules, one decision:
 
@@ -27,8 +28,17 @@ Two rules, one decision:
     queued tokens computed meanwhile: under a long prefill queue they are not decoding yet);
     when that makes half a request or more, their gap counts.
 
-  P/D is kept when it meets both (it keeps prefills off the decodes, which is what
-  disaggregation is for); else alone when that meets both. When neither does, P/D is
+  * Alone on a prefill: TTFT the same way on the prefill; its gap, the prefill's step at
+    its batch + 1 (the decodes' when it never decoded) over the share of time its prompts
+    leave it (1 - `busy_share`, the queued and held-back prompts included); and its prompt
+    stalls those decoding there as above.
+
+  P/D is kept when it meets both with its gap within the target by more than the spread of
+  the requests' gaps (`GAP_SPREAD`): it keeps prefills off the decodes, which is what
+  disaggregation is for. Else a prefill alone, when it meets both by that margin with a
+  smaller gap than P/D's (and than a decode alone's, where that meets both): a prefill's
+  spare steps carry it while the decodes are at their target. Else P/D when it meets both
+  at all; else the decode alone when that meets both. When neither does, P/D is
   predicted to lose this request: alone is taken when it reaches the first token sooner and
   the requests its stall is expected to push past the gap target number fewer than one (a
   stall adding d to their mean gap pushes about d / (`GAP_SPREAD` x target) of them past it,
@@ -60,6 +70,7 @@ if TYPE_CHECKING:
 
 DISAGGREGATED = "disaggregated"
 DECODE_ONLY = "decode_only"
+PREFILL_ONLY = "prefill_only"
 
 # Requests expected to decode on a decode during an alone prompt's stall from which on their gap
 # after the stall must meet the target too.
@@ -67,6 +78,10 @@ EXPECTED_VICTIMS = 0.5
 # How far apart the requests' mean gaps on one decode lie, as a share of the gap target: a
 # stall adding d to their gaps pushes about d / (GAP_SPREAD x target) of them past it.
 GAP_SPREAD = 0.2
+# Over how many seconds a prefill's share of time spent on prompts is read (`busy_share`).
+BUSY_WINDOW_S = 10.0
+# A busier prefill is taken as full: a request decoding there would get almost no steps.
+MAX_BUSY_SHARE = 0.95
 
 # Reasons (the ``reason`` label of kvtransfer_router_route_decisions_total).
 ALWAYS = "always_disaggregate"  # no threshold, no SLO
@@ -78,6 +93,8 @@ PD_MEETS = "pd_meets_slo"
 ALONE_MEETS = "alone_meets_slo"  # P/D predicted to miss, alone to meet
 NEITHER_PD = "neither_meets_pd"
 NEITHER_ALONE = "neither_meets_alone"
+# The decodes' gap at or near the target, a prefill's well within it.
+PREFILL_ALONE = "prefill_alone_meets_slo"
 NO_PREFILL = "no_prefill_pickable"
 REASONS = (
     ALWAYS,
@@ -89,6 +106,7 @@ REASONS = (
     ALONE_MEETS,
     NEITHER_PD,
     NEITHER_ALONE,
+    PREFILL_ALONE,
     NO_PREFILL,
 )
 
@@ -105,6 +123,8 @@ class ServiceView(Protocol):
     def inter_token_s(self, batch: int) -> float | None: ...
 
     def stall_s(self, within_s: float) -> float: ...
+
+    def busy_share(self, within_s: float, extra_s: float = 0.0) -> float: ...
 
 
 class SloCandidate(Candidate, Protocol):
@@ -144,17 +164,26 @@ class DisaggRule:
 
 @dataclass(frozen=True)
 class RouteDecision:
-    """P/D (``disaggregated``) or the decode alone (``decode_only``), and why."""
+    """P/D (``disaggregated``), a decode alone (``decode_only``) or a prefill alone
+    (``prefill_only``), and why."""
 
     mode: str
     reason: str
     uncached_tokens: int | None = None
-    # Predicted seconds: ttft_pd_s, itl_pd_s, ttft_alone_s, itl_alone_s, itl_others_s.
+    # Predicted seconds: ttft_pd_s, itl_pd_s, ttft_alone_s, itl_alone_s, itl_others_s and,
+    # where P/D's gap was not well within the target, ttft_prefill_s, itl_prefill_s and
+    # itl_prefill_others_s.
     predicted: dict[str, float] = field(default_factory=dict)
 
     @property
     def alone(self) -> bool:
+        """On a decode instance alone (it computes the prompt itself)."""
         return self.mode == DECODE_ONLY
+
+    @property
+    def on_prefill(self) -> bool:
+        """On a prefill instance alone: it computes the prompt and decodes, no KV moves."""
+        return self.mode == PREFILL_ONLY
 
     def describe(self) -> dict[str, object]:
         """The ``route_decision`` of the answer's ``kvtransfer`` object."""
@@ -286,6 +315,18 @@ def _by_slo(
     ttft_alone, itl_alone, itl_others, flips = best
     predicted.update(ttft_alone_s=ttft_alone, itl_alone_s=itl_alone, itl_others_s=itl_others)
     alone_ok = ttft_alone <= slo.ttft_s and itl_alone <= slo.itl_s and itl_others <= slo.itl_s
+    # Within the target by less than the spread of the requests' gaps, a share of them miss.
+    within = (1.0 - GAP_SPREAD) * slo.itl_s
+    if pd_ok and itl_pd <= within:
+        return RouteDecision(DISAGGREGATED, PD_MEETS, uncached, predicted)
+    on_prefill = _on_prefill(known, decodes, uncached, max_tokens, held / total_rate, slo)
+    if on_prefill is not None:
+        ttft_p, itl_p, others_p = on_prefill
+        predicted.update(ttft_prefill_s=ttft_p, itl_prefill_s=itl_p, itl_prefill_others_s=others_p)
+        meets = itl_p <= within and others_p <= slo.itl_s
+        # Only for a smaller gap than the route it replaces: a prefill's steps are lent.
+        if meets and itl_p < min(itl_pd, itl_alone if alone_ok else itl_pd):
+            return RouteDecision(PREFILL_ONLY, PREFILL_ALONE, uncached, predicted)
     if pd_ok:
         return RouteDecision(DISAGGREGATED, PD_MEETS, uncached, predicted)
     if alone_ok:
@@ -296,6 +337,54 @@ def _by_slo(
     if ttft_alone < ttft_pd and flips < 1:
         return RouteDecision(DECODE_ONLY, NEITHER_ALONE, uncached, predicted)
     return RouteDecision(DISAGGREGATED, NEITHER_PD, uncached, predicted)
+
+
+def _on_prefill(
+    known: Sequence[tuple[SloCandidate, float]],
+    decodes: Sequence[SloCandidate],
+    uncached: int,
+    max_tokens: int,
+    held_s: float,
+    slo: SloTargets,
+) -> tuple[float, float, float] | None:
+    """The best prefill to run a request alone on, as (TTFT, its gap, the gap of those
+    decoding there after its prompt): of those that reach the first token within the target,
+    the one with the smallest gap; None when none does or can keep a request's steps going
+    (busier than `MAX_BUSY_SHARE`).
+
+    A request decoding on a prefill gets the steps its prompts leave: its gap is the step at
+    its batch over the share of time not spent on prompts (`busy_share` over `BUSY_WINDOW_S`,
+    the prompts queued there and those the router holds back, ``held_s`` seconds at the
+    prefills' rate, counted as coming within it). A prefill that never decoded is taken to
+    step as fast as the decodes (the same hardware); its prompt stalls the requests decoding
+    there as a decode-alone prompt does."""
+    best: tuple[float, float, float] | None = None
+    for prefill, rate in known:
+        busy = prefill.service.busy_share(BUSY_WINDOW_S, held_s / len(known))
+        if busy >= MAX_BUSY_SHARE:
+            continue
+        ttft = _prompt_s(prefill, uncached, rate)
+        if ttft > slo.ttft_s:
+            continue
+        batch = prefill.service.batch
+        own = _step_gap(prefill, batch + 1, decodes) / (1.0 - busy)
+        others = 0.0
+        if batch >= EXPECTED_VICTIMS:
+            others = (
+                _step_gap(prefill, batch, decodes) / (1.0 - busy) + uncached / rate / max_tokens
+            )
+        if best is None or own < best[1]:
+            best = (ttft, own, others)
+    return best
+
+
+def _step_gap(instance: SloCandidate, batch: int, peers: Sequence[SloCandidate]) -> float:
+    """``instance``'s measured gap at ``batch``, else the fastest of ``peers``' (0: none)."""
+    gap = instance.service.inter_token_s(batch)
+    if gap is not None:
+        return gap
+    measured = [g for g in (p.service.inter_token_s(batch) for p in peers) if g is not None]
+    return min(measured, default=0.0)
 
 
 def _expected_flips(victims: float, after: float, added: float, target: float) -> float:

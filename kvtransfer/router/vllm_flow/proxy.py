@@ -11,7 +11,7 @@ Life cycle of a request (after the app's steps 1-3: the id, the body's size, JSO
 checked, admission):
 
 1. Route: the prompt's token ids when the router knows them (its tokenizer and request parser
-   understood the body), for ``cache_aware`` and `disagg.decide` (P/D or the decode alone: by
+   understood the body), for ``cache_aware`` and `disagg.decide` (P/D or one instance alone: by
    ``disagg_min_prompt_tokens``, or with SLO targets by the route predicted to meet them, from
    the prefill calls' durations and the gaps between the decodes' streamed events this router
    timed). The decision goes into the metrics and the answer's ``x-kvtransfer-route`` header.
@@ -19,7 +19,9 @@ checked, admission):
    servers listed with ``--aggregated``, with the others; with no prefill to pick, only they
    can serve): with none, 503 before any prefill holds KV for nobody. An aggregated instance,
    or a request decided to go alone, goes to it alone (step 5 without params). Otherwise a
-   prefill instance is picked too.
+   prefill instance is picked too. A request decided to run on a prefill alone (with SLO
+   targets, while the decodes are at their gap target) picks no decode: step 5 without
+   params on a prefill instance, retried on another prefill.
 3. Prefill: the client's path and body with ``max_tokens`` 1, ``stream`` false, no
    ``max_completion_tokens``, ``min_tokens``, ``stream_options`` or log-probability options, and
    ``kv_transfer_params`` ``{"do_remote_decode": true, "do_remote_prefill": false}``; header
@@ -74,6 +76,7 @@ from kvtransfer.router.flow_rules import RouteDecider, retry_pause
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai.requests import error_body
+from kvtransfer.router.routing.disagg import PREFILL_ONLY
 from kvtransfer.router.vllm_flow.answers import (
     ROUTE_HEADER,
     TAIL_BYTES,
@@ -144,11 +147,17 @@ class VllmProxy:
         decision = self.decider.decide(fleet, call.route, _max_tokens(call.body))
         call.decision = decision
         self.metrics.route_decision(decision.mode, decision.reason)
-        decode = fleet.pick("decode", call.route, aggregated=None if can_prefill else True)
-        tried = [decode]
+        if decision.on_prefill:
+            # The whole request on a prefill: no decode is picked, no KV moves.
+            first = fleet.pick("prefill", call.route)
+        else:
+            first = fleet.pick("decode", call.route, aggregated=None if can_prefill else True)
+        tried = [first]
         try:
             params: dict[str, Any] | None = None
-            if decode.aggregated:
+            if decision.on_prefill:
+                self.metrics.route_mode(PREFILL_ONLY)
+            elif first.aggregated:
                 self.metrics.route_mode("aggregated")
             elif decision.alone:
                 self.metrics.route_mode("decode_only")

@@ -61,7 +61,7 @@ class VllmCall:
     started: float
     deadline: float
     log: logging.LoggerAdapter[logging.Logger]
-    # P/D or the decode alone, and why (`routing.disagg.decide`); None until decided.
+    # P/D or one instance alone, and why (`routing.disagg.decide`); None until decided.
     decision: RouteDecision | None = None
 
     @property
