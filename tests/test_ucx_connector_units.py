@@ -22,6 +22,7 @@ from kvtransfer.connector.metadata import (
 from kvtransfer.connectors.ucx import RemotePrefill, UcxConfig, UcxConnector, UcxHandshakeMetadata
 from kvtransfer.connectors.ucx.identity import WorkerIdentity, parse_layer_name
 from kvtransfer.connectors.ucx.leases import STALL_S, LeaseBook, LeaseSecretMismatch
+from kvtransfer.connectors.ucx.liveness import ProducerUnreachable
 from kvtransfer.connectors.ucx.metadata import Release, UcxLayer, kernel_block_ids
 from kvtransfer.connectors.ucx.notify import (
     KEEP_ALIVE,
@@ -34,8 +35,10 @@ from kvtransfer.connectors.ucx.notify import (
     notify_handler,
 )
 from kvtransfer.connectors.ucx.scheduler import engine_split
+from kvtransfer.connectors.ucx.worker import load_failure_reason
 from kvtransfer.control import CompatibilityInfo, ControlServerThread, HandshakeBook
 from kvtransfer.testing import KVConnectorContract, make_kv_caches, make_request
+from kvtransfer.transport import PeerUnreachable
 
 pytestmark = pytest.mark.integration
 
@@ -155,6 +158,21 @@ def test_params_parse_to_a_remote_prefill():
     assert remote.address == "[::1]:7000"
     assert "s3cret" not in repr(remote)
     assert RemotePrefill.parse(PARAMS).generation is None
+
+
+def test_a_load_failure_names_the_producer_unless_its_text_does():
+    """A reset connection says nothing of whose it was: the request's error names the
+    producer it read from (IPv6 in brackets); a text that names it already is kept as is."""
+    remote = RemotePrefill.parse(PARAMS)
+    reset = PeerUnreachable("one-sided read failed: Connection reset by remote peer")
+    assert load_failure_reason(remote, reset) == (
+        "PeerUnreachable: one-sided read failed: Connection reset by remote peer "
+        "(producer engine 'p' at [::1]:7000)"
+    )
+    gone = ProducerUnreachable("engine 'p' at [::1]:7000 is gone: Connection refused")
+    assert load_failure_reason(remote, gone) == (
+        "ProducerUnreachable: engine 'p' at [::1]:7000 is gone: Connection refused"
+    )
 
 
 @pytest.mark.parametrize(

@@ -311,7 +311,9 @@ class UcxWorker:
                 self._add("num_loads_cancelled", 1)
             elif finished.error is not None:
                 failed.add(spec.req_id)
-                self._failure_reasons[spec.req_id] = _load_failure(spec.remote, finished.error)
+                self._failure_reasons[spec.req_id] = load_failure_reason(
+                    spec.remote, finished.error
+                )
                 self._load_errors.update(spec.local_block_ids)
                 self._add("num_loads_failed", 1)
                 logger.warning(
@@ -430,7 +432,7 @@ class UcxWorker:
         self._notifier.close()
 
 
-def _load_failure(remote: RemotePrefill, error: BaseException) -> str:
+def load_failure_reason(remote: RemotePrefill, error: BaseException) -> str:
     """Why a load failed, for the request's error: the error's type and text, and the
     producer it read from where the text does not name it already (a reset connection says
     nothing of whose)."""
