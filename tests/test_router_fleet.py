@@ -200,6 +200,7 @@ def test_workers_are_added_and_removed_while_requests_run():
                         "server_running": 0,
                         "itl_source": "router",
                         "inter_token_s_by_batch": {},
+                        "alone_gap_s": None,
                     },
                 }
                 assert (await route_of(c))["prefill"] == p0.address

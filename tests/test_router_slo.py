@@ -16,6 +16,7 @@ from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks, running,
 
 from kvtransfer.router.config import RouterConfig
 from kvtransfer.router.fleet.service import (
+    ALONE_MEMORY_S,
     MAX_STALLS,
     STALL_MEMORY_S,
     ServerTiming,
@@ -31,6 +32,7 @@ from kvtransfer.router.routing.disagg import (
     DISAGGREGATED,
     NEITHER_ALONE,
     NEITHER_PD,
+    NEITHER_PREFILL,
     NO_PREFILL,
     NO_PROFILE,
     PD_MEETS,
@@ -439,6 +441,61 @@ def test_a_prefill_alone_when_the_decodes_are_at_their_gap_target(monkeypatch):
         busy.service.busy_share(0.0)
 
 
+@pytest.mark.unit
+def test_what_requests_alone_on_a_prefill_got_replaces_the_prediction(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    rule = DisaggRule(slo=SLO)
+    stats = ServiceStats()
+    assert stats.alone_gap_s is None
+    stats.alone_decoded(0.04)
+    stats.alone_decoded(0.09)  # blended: 0.8 x 0.04 + 0.2 x 0.09
+    stats.alone_decoded(float("nan"))
+    stats.alone_decoded(-1.0)
+    assert stats.alone_gap_s == pytest.approx(0.05)
+    assert stats.describe()["alone_gap_s"] == pytest.approx(0.05)
+    clock[0] += ALONE_MEMORY_S + 1  # forgotten: the load may have changed
+    assert stats.alone_gap_s is None
+    stats.alone_decoded(0.2)  # a fresh start, not blended with the forgotten one
+    assert stats.alone_gap_s == pytest.approx(0.2)
+
+    # P/D misses the 100 ms target (its gap at batch 6, 125 ms); so does the decode alone.
+    def missing() -> _Instance:
+        decode = _measured(None, {1: 0.05, 5: 0.11})
+        decode.service.decoding = 5
+        return decode
+
+    # A prefill 80% busy with prompts is predicted 50 / 0.2 = 250 ms for a request alone;
+    # not measured, idle of such requests, its steps alone meeting the target: tried, as a
+    # request P/D loses anyway.
+    busy = _measured(1000.0)
+    _stalled_for(busy, 8.0, clock)
+    decision = _decide(rule, 500, [busy], [missing()])
+    assert decision.predicted["itl_pd_s"] == pytest.approx(0.125)
+    assert decision.predicted["itl_prefill_s"] == pytest.approx(0.05 / 0.2)
+    assert (decision.mode, decision.reason) == (PREFILL_ONLY, NEITHER_PREFILL)
+    # One such request at a time: while one decodes there, not again.
+    busy.service.decoding = 1
+    assert _decide(rule, 500, [busy], [missing()]).reason == NEITHER_PD
+    # Measured, what it got stands, whatever the prompts' share: 90 ms meets the target where
+    # P/D does not (but is not well within it where P/D meets); 70 ms is well within it and
+    # below P/D's gap; 150 ms misses.
+    busy.service.decoding = 0
+    busy.service.alone_decoded(0.09)
+    decision = _decide(rule, 500, [busy], [missing()])
+    assert decision.predicted["itl_prefill_s"] == pytest.approx(0.09)
+    assert (decision.mode, decision.reason) == (PREFILL_ONLY, PREFILL_ALONE)
+    edge = _measured(None, {1: 0.05, 5: 0.09})
+    edge.service.decoding = 5
+    assert _decide(rule, 500, [busy], [edge]).reason == PD_MEETS  # 90 ms: not well within
+    clock[0] += ALONE_MEMORY_S + 1
+    busy.service.alone_decoded(0.07)
+    assert _decide(rule, 500, [busy], [edge]).reason == PREFILL_ALONE
+    clock[0] += ALONE_MEMORY_S + 1
+    busy.service.alone_decoded(0.15)
+    assert _decide(rule, 500, [busy], [missing()]).reason == NEITHER_PD
+
+
 @dataclass
 class _Held:
     """Prompts the router holds back from busy prefills, as `prefill_order` reports them."""
@@ -568,7 +625,8 @@ def test_each_route_is_taken_when_its_condition_holds_and_equals_colocated(daemo
             assert on_prefill["route_decision"]["reason"] == PREFILL_ALONE, on_prefill
             assert on_prefill["prefill"] == prefill.address and "decode" not in on_prefill
             assert on_prefill["kv_blocks_received"] == 0
-            assert p.service.inter_token_s(1) is not None  # it measured the prefill's steps
+            # It measured the prefill's steps, and the gap a request alone there got.
+            assert p.service.inter_token_s(1) is not None and p.service.alone_gap_s is not None
             # A prefill with a backlog far past the TTFT target: the decode alone.
             p.service.queued_prompt_tokens = 10**12
             alone = await routed()

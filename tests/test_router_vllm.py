@@ -599,7 +599,7 @@ def test_with_the_decode_at_its_gap_target_an_idle_prefill_runs_the_request_alon
     at batch 1, gets the whole request without kv_transfer_params; no decode is called."""
 
     async def scenario() -> None:
-        whole = VllmBehaviour(completions=prefill_or_whole)
+        whole = VllmBehaviour(completions=prefill_or_whole(decode_paced(0.1)))
         gauges = vllm_metrics(running=5, waiting=0, kv_usage=0.1)
         paced = VllmBehaviour(
             completions=decode_paced(0.1), metrics=gauges + vllm_itl_histogram(0.0, 0)
@@ -617,17 +617,29 @@ def test_with_the_decode_at_its_gap_target_an_idle_prefill_runs_the_request_alon
                 return workers[c.decodes[0].address]["service"]["itl_source"] == "vllm"
 
             await wait_until_async(vllm_gaps_read, "vLLM's gaps read", WAIT_S)
+            gaps = (await c.workers())[c.decodes[0].address]["service"]["inter_token_s_by_batch"]
             decoded_before = len(c.decodes[0].seen)
             code, raw, headers = await c.post(body)
             assert code == 200, raw
             route = headers["x-kvtransfer-route"]
             assert route.startswith("prefill_only; reason=prefill_alone_meets_slo"), route
-            assert "itl_prefill_s=0.1" in route, route
+            predicted = dict(part.split("=") for part in route.split("; ")[2:])
+            # The decode's step at batch 1 (the prefill never decoded), its prompt's share of
+            # the last 10 s aside (a millisecond).
+            assert float(predicted["itl_prefill_s"]) == pytest.approx(gaps["1"], rel=0.01)
             assert raw == b"".join((*SSE_CHUNKS, SSE_DONE))
             assert len(c.decodes[0].seen) == decoded_before
             alone = c.prefills[0].seen[-1].body
             assert "kv_transfer_params" not in alone
             assert (alone["max_tokens"], alone["stream"]) == (BODY["max_tokens"], True)
+
+            # The gap that request got there (its events 0.1 s apart, give or take the reading)
+            # is what the next one is predicted: recorded as its stream closes, which may come
+            # after the client read it.
+            async def alone_gap() -> float | None:
+                return (await c.workers())[c.prefills[0].address]["service"]["alone_gap_s"]
+
+            assert await wait_until_async(alone_gap, "the gap recorded", WAIT_S) >= 0.05
             metrics = await c.metrics_text()
             for line in (
                 'kvtransfer_router_routes_total{mode="prefill_only"} 1.0',

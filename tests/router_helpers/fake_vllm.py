@@ -92,12 +92,17 @@ async def decode_ok(request: web.Request, body: dict[str, Any]) -> web.StreamRes
     return response
 
 
-async def prefill_or_whole(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+def prefill_or_whole(whole: Handler) -> Handler:
     """A vLLM prefill as it is (``kv_producer``): a request asking for remote decode gets one
-    token and its params; one without ``kv_transfer_params`` runs whole, as on any server."""
-    if "kv_transfer_params" in body:
-        return await prefill_ok(request, body)
-    return await decode_ok(request, body)
+    token and its params; one without ``kv_transfer_params`` runs whole, as on any server
+    (answered by ``whole``)."""
+
+    async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if "kv_transfer_params" in body:
+            return await prefill_ok(request, body)
+        return await whole(request, body)
+
+    return handler
 
 
 def decode_paced(gap_s: float) -> Handler:

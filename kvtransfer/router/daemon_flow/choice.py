@@ -297,6 +297,8 @@ class ChoiceRunner:
         the prompt's compute time up to its first token."""
         service = leg.instance.service
         last_tokens_at: float | None = None
+        # After its first tokens: the seconds and the tokens that followed.
+        decoded_s, tokens_after_first = 0.0, 0
         try:
             async for reply in leg.messages():
                 if not decoded.absorb(reply):
@@ -310,6 +312,8 @@ class ChoiceRunner:
                         service.decoding += 1
                     else:
                         service.token_gap(now - last_tokens_at, len(reply.token_ids))
+                        decoded_s += now - last_tokens_at
+                        tokens_after_first += len(reply.token_ids)
                     last_tokens_at = now
                 if decoded.final is None and (reply.text or reply.token_ids):
                     yield message_delta(exchange, reply)
@@ -326,6 +330,9 @@ class ChoiceRunner:
         final = decoded.final
         if final is None:  # failure() above rules this out; narrows the type
             raise RuntimeError("unreachable: a decode stream without a final message")
+        if prompt is not None and tokens_after_first:
+            # Run whole here: the gap it got, stalls included (`ServiceStats.alone_gap_s`).
+            service.alone_decoded(decoded_s / tokens_after_first)
         leg.instance.succeeded()
         exchange.decoded = decoded.clean
         yield self.report.last(exchange, decoded, final, final.text)

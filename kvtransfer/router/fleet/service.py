@@ -24,6 +24,11 @@ needs nothing from their reports:
   long. The rule adds the recent and the pending ones to the gap it predicts for them, and
   reads a prefill's share of time spent on prompts (`busy_share`) as the share a request
   decoding there alone would lose.
+- **the gap a request run alone got**: the mean gap between the tokens of each request the
+  instance ran whole (its prompt, then every token), stalls included, kept for
+  `ALONE_MEMORY_S`. How much the prompts computed beside such a request slow it depends on
+  the engine and on the prompts that come after it: measured, it replaces the rule's
+  prediction for a prefill alone.
 
 A vLLM server (``--engine vllm``) also says, in its ``/metrics``, how many requests it runs and
 the sum and count of the gaps between tokens it measured itself (`ServerTiming`, read at every
@@ -52,6 +57,9 @@ MAX_BATCH_BUCKET = 32
 STALL_MEMORY_S = 120.0
 # And how many at most: a prefill serving hundreds of requests a second keeps no more.
 MAX_STALLS = 4096
+# How long the gap requests run alone got on an instance stands for the next one (then the
+# rule predicts again: the load may have changed since).
+ALONE_MEMORY_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,8 @@ class ServiceStats:
         self._stalls: deque[tuple[float, float]] = deque(maxlen=MAX_STALLS)
         self._server: ServerTiming | None = None
         self._server_read_at = float("-inf")
+        self._alone_gap_s: float | None = None
+        self._alone_gap_at = float("-inf")
 
     @property
     def batch(self) -> int:
@@ -218,6 +228,24 @@ class ServiceStats:
             return known[b2] + slope * (batch - b2)
         return known[max(below)] if below else known[min(above)]
 
+    def alone_decoded(self, mean_gap_s: float) -> None:
+        """A request run whole here decoded with ``mean_gap_s`` between its tokens (from its
+        first to its last, stalls included)."""
+        if not 0 <= mean_gap_s < float("inf"):
+            return
+        now = time.monotonic()
+        fresh = now - self._alone_gap_at <= ALONE_MEMORY_S
+        self._alone_gap_s = _blend(self._alone_gap_s if fresh else None, mean_gap_s)
+        self._alone_gap_at = now
+
+    @property
+    def alone_gap_s(self) -> float | None:
+        """The mean gap requests run whole here got lately (None: none within
+        `ALONE_MEMORY_S`)."""
+        if time.monotonic() - self._alone_gap_at > ALONE_MEMORY_S:
+            return None
+        return self._alone_gap_s
+
     def describe(self) -> dict[str, object]:
         """What ``GET /workers`` and the fleet page show of it."""
         return {
@@ -227,6 +255,7 @@ class ServiceStats:
             "server_running": self.server_running,
             "itl_source": self.itl_source,
             "inter_token_s_by_batch": dict(sorted(self._itl_by_batch.items())),
+            "alone_gap_s": self.alone_gap_s,
         }
 
 

@@ -28,19 +28,23 @@ Two rules, one decision:
     queued tokens computed meanwhile: under a long prefill queue they are not decoding yet);
     when that makes half a request or more, their gap counts.
 
-  * Alone on a prefill: TTFT the same way on the prefill; its gap, the prefill's step at
-    its batch + 1 (the decodes' when it never decoded) over the share of time its prompts
-    leave it (1 - `busy_share`, the queued and held-back prompts included); and its prompt
-    stalls those decoding there as above.
+  * Alone on a prefill: TTFT the same way on the prefill; its gap, what the requests run
+    alone there got lately (`alone_gap_s`), else the prefill's step at its batch + 1 (the
+    decodes' when it never decoded) over the share of time its prompts leave it
+    (1 - `busy_share`, the queued and held-back prompts included: every prompt a stall); and
+    its prompt stalls those decoding there as above.
 
   P/D is kept when it meets both with its gap within the target by more than the spread of
   the requests' gaps (`GAP_SPREAD`): it keeps prefills off the decodes, which is what
   disaggregation is for. Else a prefill alone, when it meets both by that margin with a
   smaller gap than P/D's (and than a decode alone's, where that meets both): a prefill's
   spare steps carry it while the decodes are at their target. Else P/D when it meets both
-  at all; else the decode alone when that meets both. When neither does, P/D is
-  predicted to lose this request: alone is taken when it reaches the first token sooner and
-  the requests its stall is expected to push past the gap target number fewer than one (a
+  at all; else the decode alone when that meets both. When neither does, P/D is predicted
+  to lose the request: a prefill alone predicted to meet both takes it, and so does an idle
+  one whose gap for such a request is not measured yet while its bare step would meet the
+  target (the lost request pays for the measurement). Otherwise the decode alone is taken
+  when it reaches the first token sooner and the requests its stall is expected to push past
+  the gap target number fewer than one (a
   stall adding d to their mean gap pushes about d / (`GAP_SPREAD` x target) of them past it,
   those already past it aside). A prompt
   below the threshold still goes alone first (a floor), and so does everything while the
@@ -93,8 +97,11 @@ PD_MEETS = "pd_meets_slo"
 ALONE_MEETS = "alone_meets_slo"  # P/D predicted to miss, alone to meet
 NEITHER_PD = "neither_meets_pd"
 NEITHER_ALONE = "neither_meets_alone"
-# The decodes' gap at or near the target, a prefill's well within it.
+# The decodes' gap at or near the target, a prefill's well within it; or P/D predicted to
+# miss, a prefill alone to meet.
 PREFILL_ALONE = "prefill_alone_meets_slo"
+# P/D predicted to miss; an idle prefill's gap for a request alone not measured yet.
+NEITHER_PREFILL = "neither_meets_try_prefill"
 NO_PREFILL = "no_prefill_pickable"
 REASONS = (
     ALWAYS,
@@ -107,6 +114,7 @@ REASONS = (
     NEITHER_PD,
     NEITHER_ALONE,
     PREFILL_ALONE,
+    NEITHER_PREFILL,
     NO_PREFILL,
 )
 
@@ -125,6 +133,12 @@ class ServiceView(Protocol):
     def stall_s(self, within_s: float) -> float: ...
 
     def busy_share(self, within_s: float, extra_s: float = 0.0) -> float: ...
+
+    @property
+    def decoding(self) -> int: ...
+
+    @property
+    def alone_gap_s(self) -> float | None: ...
 
 
 class SloCandidate(Candidate, Protocol):
@@ -321,22 +335,46 @@ def _by_slo(
         return RouteDecision(DISAGGREGATED, PD_MEETS, uncached, predicted)
     on_prefill = _on_prefill(known, decodes, uncached, max_tokens, held / total_rate, slo)
     if on_prefill is not None:
-        ttft_p, itl_p, others_p = on_prefill
-        predicted.update(ttft_prefill_s=ttft_p, itl_prefill_s=itl_p, itl_prefill_others_s=others_p)
-        meets = itl_p <= within and others_p <= slo.itl_s
+        predicted.update(
+            ttft_prefill_s=on_prefill.ttft_s,
+            itl_prefill_s=on_prefill.itl_s,
+            itl_prefill_others_s=on_prefill.others_s,
+        )
+        meets = on_prefill.itl_s <= within and on_prefill.others_s <= slo.itl_s
         # Only for a smaller gap than the route it replaces: a prefill's steps are lent.
-        if meets and itl_p < min(itl_pd, itl_alone if alone_ok else itl_pd):
+        if meets and on_prefill.itl_s < min(itl_pd, itl_alone if alone_ok else itl_pd):
             return RouteDecision(PREFILL_ONLY, PREFILL_ALONE, uncached, predicted)
     if pd_ok:
         return RouteDecision(DISAGGREGATED, PD_MEETS, uncached, predicted)
     if alone_ok:
         return RouteDecision(DECODE_ONLY, ALONE_MEETS, uncached, predicted)
-    # Neither meets both: P/D is predicted to lose this request. Alone, when it reaches the
-    # first token sooner, costs the requests its stall pushes past the gap target: it goes
-    # alone when those are expected to be fewer than the one request P/D loses.
+    # Neither meets both: P/D is predicted to lose this request. A prefill alone predicted to
+    # meet both takes it; so does an idle one whose gap for such a request is not measured
+    # yet (the prediction is a model of how prompts slow the tokens beside them, which the
+    # engine decides), to measure it at the price of a request P/D would lose anyway.
+    if on_prefill is not None and on_prefill.others_s <= slo.itl_s:
+        if on_prefill.itl_s <= slo.itl_s:
+            return RouteDecision(PREFILL_ONLY, PREFILL_ALONE, uncached, predicted)
+        if on_prefill.probe:
+            return RouteDecision(PREFILL_ONLY, NEITHER_PREFILL, uncached, predicted)
+    # Alone on a decode, when it reaches the first token sooner, costs the requests its stall
+    # pushes past the gap target: it goes alone when those are expected to be fewer than the
+    # one request P/D loses.
     if ttft_alone < ttft_pd and flips < 1:
         return RouteDecision(DECODE_ONLY, NEITHER_ALONE, uncached, predicted)
     return RouteDecision(DISAGGREGATED, NEITHER_PD, uncached, predicted)
+
+
+@dataclass(frozen=True)
+class _OnPrefill:
+    """A request alone on a prefill, as predicted: its TTFT, its gap, the gap of those
+    decoding there after its prompt; ``probe``: the gap is the model's, for a prefill that no
+    request decodes on now whose bare steps would meet the target (`_on_prefill`)."""
+
+    ttft_s: float
+    itl_s: float
+    others_s: float
+    probe: bool
 
 
 def _on_prefill(
@@ -346,35 +384,41 @@ def _on_prefill(
     max_tokens: int,
     held_s: float,
     slo: SloTargets,
-) -> tuple[float, float, float] | None:
-    """The best prefill to run a request alone on, as (TTFT, its gap, the gap of those
-    decoding there after its prompt): of those that reach the first token within the target,
-    the one with the smallest gap; None when none does or can keep a request's steps going
-    (busier than `MAX_BUSY_SHARE`).
+) -> _OnPrefill | None:
+    """The best prefill to run a request alone on: of those that reach the first token within
+    the target, the one with the smallest gap; None when none does.
 
-    A request decoding on a prefill gets the steps its prompts leave: its gap is the step at
-    its batch over the share of time not spent on prompts (`busy_share` over `BUSY_WINDOW_S`,
-    the prompts queued there and those the router holds back, ``held_s`` seconds at the
-    prefills' rate, counted as coming within it). A prefill that never decoded is taken to
-    step as fast as the decodes (the same hardware); its prompt stalls the requests decoding
-    there as a decode-alone prompt does."""
-    best: tuple[float, float, float] | None = None
+    The gap is what the requests run alone there got lately (`alone_gap_s`), measured. Else
+    it is predicted: a request decoding on a prefill gets the steps its prompts leave, so its
+    gap is the step at its batch over the share of time not spent on prompts (`busy_share`
+    over `BUSY_WINDOW_S`, the prompts queued there and those the router holds back, ``held_s``
+    seconds at the prefills' rate, counted as coming within it; a prefill busier than
+    `MAX_BUSY_SHARE` is no candidate). A prefill that never decoded is taken to step as fast
+    as the decodes (the same hardware). Its prompt stalls the requests decoding there as a
+    decode-alone prompt does."""
+    best: _OnPrefill | None = None
     for prefill, rate in known:
-        busy = prefill.service.busy_share(BUSY_WINDOW_S, held_s / len(known))
-        if busy >= MAX_BUSY_SHARE:
-            continue
+        service = prefill.service
         ttft = _prompt_s(prefill, uncached, rate)
         if ttft > slo.ttft_s:
             continue
-        batch = prefill.service.batch
-        own = _step_gap(prefill, batch + 1, decodes) / (1.0 - busy)
-        others = 0.0
-        if batch >= EXPECTED_VICTIMS:
-            others = (
-                _step_gap(prefill, batch, decodes) / (1.0 - busy) + uncached / rate / max_tokens
-            )
-        if best is None or own < best[1]:
-            best = (ttft, own, others)
+        batch = service.batch
+        measured = service.alone_gap_s
+        step = _step_gap(prefill, batch + 1, decodes)
+        if measured is not None:
+            own = gap = measured
+        else:
+            busy = service.busy_share(BUSY_WINDOW_S, held_s / len(known))
+            if busy >= MAX_BUSY_SHARE:
+                continue
+            own = step / (1.0 - busy)
+            gap = _step_gap(prefill, batch, decodes) / (1.0 - busy)
+        others = gap + uncached / rate / max_tokens if batch >= EXPECTED_VICTIMS else 0.0
+        # Worth measuring where its steps alone would meet the target and nobody decodes
+        # there yet (one such request at a time).
+        probe = measured is None and service.decoding == 0 and step <= slo.itl_s
+        if best is None or own < best.itl_s:
+            best = _OnPrefill(ttft, own, others, probe)
     return best
 
 

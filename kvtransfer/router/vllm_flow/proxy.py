@@ -397,7 +397,9 @@ class _EventTimer:
     def __init__(self, service: ServiceStats, ticket: PromptTicket | None) -> None:
         self._service = service
         self._ticket = ticket
+        self._first: float | None = None
         self._last: float | None = None
+        self._events_after_first = 0
 
     def chunk(self, chunk: bytes) -> None:
         events = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
@@ -408,11 +410,18 @@ class _EventTimer:
             if self._ticket is not None:
                 self._service.prompt_done(self._ticket)
             self._service.decoding += 1
+            self._first = now
         else:
             self._service.token_gap(now - self._last, events)
+            self._events_after_first += events
         self._last = now
 
     def close(self) -> None:
-        if self._last is not None:
-            self._service.decoding -= 1
-            self._last = None
+        if self._last is None:
+            return
+        self._service.decoding -= 1
+        if self._ticket is not None and self._first is not None and self._events_after_first:
+            # Run whole here (no params): the gap it got, stalls included.
+            gap = (self._last - self._first) / self._events_after_first
+            self._service.alone_decoded(gap)
+        self._last = None
