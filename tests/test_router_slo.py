@@ -372,41 +372,47 @@ def test_a_prefill_alone_when_the_decodes_are_at_their_gap_target(monkeypatch):
 
     # Five requests decode at 90 ms (1: 50 ms), the target 100 ms: P/D's gap at batch 6 is
     # 100 ms (the last slope, 10 ms per request), within the target but not by the spread of
-    # the requests' gaps (a fifth of it). An idle prefill that never decoded steps as fast as
-    # the decodes: 50 ms at batch 1, nothing of its time taken by prompts.
+    # the requests' gaps (a fifth of it).
     def at_edge() -> _Instance:
         decode = _measured(None, {1: 0.05, 5: 0.09})
         decode.service.decoding = 5
         return decode
 
+    # An idle prefill that never decoded is predicted to step as fast as the decodes, 50 ms at
+    # batch 1, nothing of its time taken by prompts; a prediction alone takes no request P/D
+    # would serve.
     prefill = _measured(1000.0)
     decision = _decide(rule, 500, [prefill], [at_edge()])
-    assert (decision.mode, decision.reason) == (PREFILL_ONLY, PREFILL_ALONE)
-    assert decision.on_prefill and not decision.alone
+    assert decision.reason == PD_MEETS
     assert decision.predicted["itl_pd_s"] == pytest.approx(0.1)
     assert decision.predicted["ttft_prefill_s"] == pytest.approx(0.5)
     assert decision.predicted["itl_prefill_s"] == pytest.approx(0.05)
     assert decision.predicted["itl_prefill_others_s"] == 0.0
+    # What requests alone there got, 70 ms, is evidence: well within the target and below
+    # P/D's gap, it takes the request.
+    prefill.service.alone_decoded(0.07)
+    decision = _decide(rule, 500, [prefill], [at_edge()])
+    assert (decision.mode, decision.reason) == (PREFILL_ONLY, PREFILL_ALONE)
+    assert decision.on_prefill and not decision.alone
+    assert decision.predicted["itl_prefill_s"] == pytest.approx(0.07)
     # Well within the target, P/D stays, and nothing is predicted for a prefill alone.
     comfortable = _measured(None, {1: 0.05})
     decision = _decide(rule, 500, [prefill], [comfortable])
     assert decision.reason == PD_MEETS and "itl_prefill_s" not in decision.predicted
-    # The prefill's own measured gap wins over the decodes'.
+    # The prediction, which ranks the prefills: the prefill's own measured step wins over the
+    # decodes'; a prefill that spent 4 of the last 10 s on prompts leaves a request 60% of its
+    # steps (50 / 0.6); prompts queued there count (1000 tokens, 1 s more) and so do the ones
+    # the router holds back (1 s of tokens at the prefills' rate).
     quick = _measured(1000.0, {1: 0.03})
     assert _decide(rule, 500, [quick], [at_edge()]).predicted["itl_prefill_s"] == 0.03
-    # A prefill that spent 4 of the last 10 s on prompts leaves a request 60% of its steps:
-    # 50 / 0.6 = 83 ms, not within the spread: P/D, which still meets.
     busy = _measured(1000.0)
     _stalled_for(busy, 4.0, clock)
     decision = _decide(rule, 500, [busy], [at_edge()])
     assert decision.predicted["itl_prefill_s"] == pytest.approx(0.05 / 0.6)
-    assert decision.reason == PD_MEETS
-    # 3 s of prompts: 50 / 0.7 = 71 ms, within: alone on it. Prompts queued there count too
-    # (1000 tokens, 1 s more), and so do the ones the router holds back (1 s of tokens at
-    # the prefills' rate): each makes 4 s.
     clock[0] += 10.0
     _stalled_for(busy, 3.0, clock)
-    assert _decide(rule, 500, [busy], [at_edge()]).reason == PREFILL_ALONE
+    decision = _decide(rule, 500, [busy], [at_edge()])
+    assert decision.predicted["itl_prefill_s"] == pytest.approx(0.05 / 0.7)
     held = _decide(rule, 500, [busy], [at_edge()], waiting=_Held((1000,)))
     assert held.predicted["itl_prefill_s"] == pytest.approx(0.05 / 0.6)
     busy.service.queued_prompt_tokens = 1000
@@ -423,6 +429,7 @@ def test_a_prefill_alone_when_the_decodes_are_at_their_gap_target(monkeypatch):
     # 64 tokens each (48 ms) is within the target; over 4 tokens each it is not.
     decoding = _measured(1000.0, {1: 0.03, 2: 0.04})
     decoding.service.decoding = 2
+    decoding.service.alone_decoded(0.04)
     decision = _decide(rule, 500, [decoding], [at_edge()])
     assert decision.predicted["itl_prefill_others_s"] == pytest.approx(0.04 + 0.5 / 64)
     assert decision.reason == PREFILL_ALONE
@@ -431,12 +438,12 @@ def test_a_prefill_alone_when_the_decodes_are_at_their_gap_target(monkeypatch):
     assert decision.reason == PD_MEETS
     # Of two prefills, the one with the smaller gap of those whose first token meets the
     # target: not the quicker one 5 s away (500 tokens at 100/s).
-    decision = _decide(rule, 500, [busy, prefill], [at_edge()])
-    assert decision.predicted["itl_prefill_s"] == pytest.approx(0.05)
     far = _measured(100.0, {1: 0.01})
+    far.service.alone_decoded(0.01)
     decision = _decide(rule, 500, [far, prefill], [at_edge()])
     assert decision.reason == PREFILL_ALONE
     assert decision.predicted["ttft_prefill_s"] == pytest.approx(0.5)
+    assert decision.predicted["itl_prefill_s"] == pytest.approx(0.07)
     with pytest.raises(ValueError, match="within_s must be > 0"):
         busy.service.busy_share(0.0)
 
@@ -616,17 +623,21 @@ def test_each_route_is_taken_when_its_condition_holds_and_equals_colocated(daemo
             assert second["route_decision"]["reason"] == PD_MEETS
             assert second["route_decision"]["uncached_tokens"] == len(prompt)
             assert second["prefill"] == prefill.address
-            # Five requests decoding at 9 s a token, the target 10 s: P/D is not well within
-            # it; the idle prefill, stepping as fast as the decode at batch 1, runs it alone.
+            # Five requests decoding at 11 s a token, the target 10 s: P/D misses it, and so
+            # does the decode alone. The idle prefill, where no request alone was measured yet
+            # and whose steps (taken as the decode's at batch 1) would meet it, is tried; then
+            # the gap that request got there meets the target: the next one goes there too.
             d.service.decoding = 5
-            d.service.token_gap(9.0, 1)
-            on_prefill = await routed(stream=True)
+            d.service.token_gap(11.0, 1)
+            for reason in (NEITHER_PREFILL, PREFILL_ALONE):
+                on_prefill = await routed(stream=True)
+                assert on_prefill["route_decision"]["reason"] == reason, on_prefill
+                assert on_prefill["prefill"] == prefill.address and "decode" not in on_prefill
+                assert on_prefill["kv_blocks_received"] == 0
+                # It measured the prefill's steps, and the gap a request alone there got.
+                assert p.service.inter_token_s(1) is not None
+                assert p.service.alone_gap_s is not None
             d.service.decoding = 0
-            assert on_prefill["route_decision"]["reason"] == PREFILL_ALONE, on_prefill
-            assert on_prefill["prefill"] == prefill.address and "decode" not in on_prefill
-            assert on_prefill["kv_blocks_received"] == 0
-            # It measured the prefill's steps, and the gap a request alone there got.
-            assert p.service.inter_token_s(1) is not None and p.service.alone_gap_s is not None
             # A prefill with a backlog far past the TTFT target: the decode alone.
             p.service.queued_prompt_tokens = 10**12
             alone = await routed()
@@ -648,6 +659,7 @@ def test_each_route_is_taken_when_its_condition_holds_and_equals_colocated(daemo
             for mode, reason in [
                 (DISAGGREGATED, NO_PROFILE),
                 (DISAGGREGATED, PD_MEETS),
+                (PREFILL_ONLY, NEITHER_PREFILL),
                 (PREFILL_ONLY, PREFILL_ALONE),
                 (DECODE_ONLY, ALONE_MEETS),
                 (DISAGGREGATED, NEITHER_PD),

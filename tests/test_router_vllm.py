@@ -593,10 +593,12 @@ def test_slo_routing_reads_the_gaps_and_the_batch_from_vllms_own_metrics() -> No
     run(scenario)
 
 
-def test_with_the_decode_at_its_gap_target_an_idle_prefill_runs_the_request_alone() -> None:
+def test_with_the_decode_past_its_gap_target_an_idle_prefill_is_tried_then_kept() -> None:
     """The decode's own gap (router-timed at batch 1, then vLLM's at its 5 running) puts P/D
-    at the ITL target: the prefill, which never decoded and so is taken to step as the decode
-    at batch 1, gets the whole request without kv_transfer_params; no decode is called."""
+    past the ITL target: the prefill, where no request alone was measured yet and whose steps
+    (taken as the decode's at batch 1) would meet it, gets the whole request without
+    kv_transfer_params and no decode is called; the gap that request got there meets the
+    target, so the next one goes there too."""
 
     async def scenario() -> None:
         whole = VllmBehaviour(completions=prefill_or_whole(decode_paced(0.1)))
@@ -609,7 +611,7 @@ def test_with_the_decode_at_its_gap_target_an_idle_prefill_runs_the_request_alon
             body = {**BODY, "prompt": list(range(1, 20)), "stream": True}
             assert (await c.post(body))[0] == 200  # the prefill's rate, the decode's pace
             # 10 gaps of 0.9 s at 5 running: P/D's gap at 6 is 1.1 s (the slope from 0.1 s
-            # at 1), past the 1 s target; the prefill's, 0.1 s.
+            # at 1), past the 1 s target.
             paced.metrics = gauges + vllm_itl_histogram(9.0, 10)
 
             async def vllm_gaps_read() -> bool:
@@ -619,30 +621,34 @@ def test_with_the_decode_at_its_gap_target_an_idle_prefill_runs_the_request_alon
             await wait_until_async(vllm_gaps_read, "vLLM's gaps read", WAIT_S)
             gaps = (await c.workers())[c.decodes[0].address]["service"]["inter_token_s_by_batch"]
             decoded_before = len(c.decodes[0].seen)
-            code, raw, headers = await c.post(body)
-            assert code == 200, raw
-            route = headers["x-kvtransfer-route"]
-            assert route.startswith("prefill_only; reason=prefill_alone_meets_slo"), route
-            predicted = dict(part.split("=") for part in route.split("; ")[2:])
-            # The decode's step at batch 1 (the prefill never decoded), its prompt's share of
-            # the last 10 s aside (a millisecond).
-            assert float(predicted["itl_prefill_s"]) == pytest.approx(gaps["1"], rel=0.01)
-            assert raw == b"".join((*SSE_CHUNKS, SSE_DONE))
-            assert len(c.decodes[0].seen) == decoded_before
-            alone = c.prefills[0].seen[-1].body
-            assert "kv_transfer_params" not in alone
-            assert (alone["max_tokens"], alone["stream"]) == (BODY["max_tokens"], True)
 
-            # The gap that request got there (its events 0.1 s apart, give or take the reading)
-            # is what the next one is predicted: recorded as its stream closes, which may come
-            # after the client read it.
             async def alone_gap() -> float | None:
                 return (await c.workers())[c.prefills[0].address]["service"]["alone_gap_s"]
 
-            assert await wait_until_async(alone_gap, "the gap recorded", WAIT_S) >= 0.05
+            for reason in ("neither_meets_try_prefill", "prefill_alone_meets_slo"):
+                code, raw, headers = await c.post(body)
+                assert code == 200, raw
+                route = headers["x-kvtransfer-route"]
+                assert route.startswith(f"prefill_only; reason={reason}"), route
+                predicted = dict(part.split("=") for part in route.split("; ")[2:])
+                if reason == "neither_meets_try_prefill":
+                    # The decode's step at batch 1 (the prefill never decoded), its prompt's
+                    # share of the last 10 s aside (a millisecond).
+                    assert float(predicted["itl_prefill_s"]) == pytest.approx(gaps["1"], rel=0.01)
+                assert raw == b"".join((*SSE_CHUNKS, SSE_DONE))
+                alone = c.prefills[0].seen[-1].body
+                assert "kv_transfer_params" not in alone
+                assert (alone["max_tokens"], alone["stream"]) == (BODY["max_tokens"], True)
+                # The gap it got there (its events 0.1 s apart, give or take the reading) is
+                # what the next one is predicted: recorded as its stream closes, which may
+                # come after the client read it.
+                assert await wait_until_async(alone_gap, "the gap recorded", WAIT_S) >= 0.05
+            assert len(c.decodes[0].seen) == decoded_before
             metrics = await c.metrics_text()
             for line in (
-                'kvtransfer_router_routes_total{mode="prefill_only"} 1.0',
+                'kvtransfer_router_routes_total{mode="prefill_only"} 2.0',
+                "kvtransfer_router_route_decisions_total"
+                '{mode="prefill_only",reason="neither_meets_try_prefill"} 1.0',
                 "kvtransfer_router_route_decisions_total"
                 '{mode="prefill_only",reason="prefill_alone_meets_slo"} 1.0',
             ):

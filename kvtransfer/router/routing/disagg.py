@@ -36,17 +36,18 @@ Two rules, one decision:
 
   P/D is kept when it meets both with its gap within the target by more than the spread of
   the requests' gaps (`GAP_SPREAD`): it keeps prefills off the decodes, which is what
-  disaggregation is for. Else a prefill alone, when it meets both by that margin with a
-  smaller gap than P/D's (and than a decode alone's, where that meets both): a prefill's
-  spare steps carry it while the decodes are at their target. Else P/D when it meets both
-  at all; else the decode alone when that meets both. When neither does, P/D is predicted
-  to lose the request: a prefill alone predicted to meet both takes it, and so does an idle
-  one whose gap for such a request is not measured yet while its bare step would meet the
-  target (the lost request pays for the measurement). Otherwise the decode alone is taken
-  when it reaches the first token sooner and the requests its stall is expected to push past
-  the gap target number fewer than one (a
-  stall adding d to their mean gap pushes about d / (`GAP_SPREAD` x target) of them past it,
-  those already past it aside). A prompt
+  disaggregation is for. Else a prefill alone, when the requests alone there got a gap
+  within the target by that margin, smaller than P/D's (and than a decode alone's, where
+  that meets both): a prefill's spare steps carry it while the decodes are at their target.
+  Else P/D when it meets both at all; else the decode alone when that meets both. When
+  neither does, P/D is predicted to lose the request: a prefill where requests alone got a
+  gap within the target takes it, and so does an idle one where none was measured yet while
+  its bare step would meet the target (the lost request pays for the measurement): the
+  prediction for a prefill alone only ranks prefills, as it erred both ways in the goodput
+  runs. Otherwise the decode alone is taken when it reaches the first token sooner and the
+  requests its stall is expected to push past the gap target number fewer than one (a stall
+  adding d to their mean gap pushes about d / (`GAP_SPREAD` x target) of them past it, those
+  already past it aside). A prompt
   below the threshold still goes alone first (a floor), and so does everything while the
   router has measured too little to predict (``no_profile``: the threshold rule decides).
 
@@ -341,19 +342,23 @@ def _by_slo(
             itl_prefill_others_s=on_prefill.others_s,
         )
         meets = on_prefill.itl_s <= within and on_prefill.others_s <= slo.itl_s
-        # Only for a smaller gap than the route it replaces: a prefill's steps are lent.
-        if meets and on_prefill.itl_s < min(itl_pd, itl_alone if alone_ok else itl_pd):
+        # A request P/D would serve leaves it only on evidence (what requests alone there got),
+        # and only for a smaller gap: a prefill's steps are lent.
+        smaller = on_prefill.itl_s < min(itl_pd, itl_alone if alone_ok else itl_pd)
+        if on_prefill.measured and meets and smaller:
             return RouteDecision(PREFILL_ONLY, PREFILL_ALONE, uncached, predicted)
     if pd_ok:
         return RouteDecision(DISAGGREGATED, PD_MEETS, uncached, predicted)
     if alone_ok:
         return RouteDecision(DECODE_ONLY, ALONE_MEETS, uncached, predicted)
-    # Neither meets both: P/D is predicted to lose this request. A prefill alone predicted to
-    # meet both takes it; so does an idle one whose gap for such a request is not measured
-    # yet (the prediction is a model of how prompts slow the tokens beside them, which the
-    # engine decides), to measure it at the price of a request P/D would lose anyway.
+    # Neither meets both: P/D is predicted to lose this request. A prefill where requests
+    # alone got a gap within the target takes it; so does an idle one where none was measured
+    # yet, to measure it at the price of a request P/D would lose anyway. The model alone
+    # decides nothing here: how much prompts slow the tokens computed beside them is the
+    # engine's doing, and the load that comes after (it predicted 11 ms for requests that got
+    # 75 ms on a vLLM prefill, and sent requests that missed on a kvtransfer one).
     if on_prefill is not None and on_prefill.others_s <= slo.itl_s:
-        if on_prefill.itl_s <= slo.itl_s:
+        if on_prefill.measured and on_prefill.itl_s <= slo.itl_s:
             return RouteDecision(PREFILL_ONLY, PREFILL_ALONE, uncached, predicted)
         if on_prefill.probe:
             return RouteDecision(PREFILL_ONLY, NEITHER_PREFILL, uncached, predicted)
@@ -368,12 +373,14 @@ def _by_slo(
 @dataclass(frozen=True)
 class _OnPrefill:
     """A request alone on a prefill, as predicted: its TTFT, its gap, the gap of those
-    decoding there after its prompt; ``probe``: the gap is the model's, for a prefill that no
-    request decodes on now whose bare steps would meet the target (`_on_prefill`)."""
+    decoding there after its prompt; ``measured``: the gap is what requests alone there got;
+    ``probe``: it is the model's, for a prefill that no request decodes on now whose bare
+    steps would meet the target (`_on_prefill`)."""
 
     ttft_s: float
     itl_s: float
     others_s: float
+    measured: bool
     probe: bool
 
 
@@ -418,7 +425,7 @@ def _on_prefill(
         # there yet (one such request at a time).
         probe = measured is None and service.decoding == 0 and step <= slo.itl_s
         if best is None or own < best.itl_s:
-            best = _OnPrefill(ttft, own, others, probe)
+            best = _OnPrefill(ttft, own, others, measured is not None, probe)
     return best
 
 
