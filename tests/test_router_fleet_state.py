@@ -204,6 +204,7 @@ def instance(address: str, role: str, **fields: Any) -> dict[str, Any]:
             "server_running": 0,
             "itl_source": "router",
             "inter_token_s_by_batch": {},
+            "alone_gap_s": None,
         },
         "consecutive_failures": 0,
         "load_problem": None,
