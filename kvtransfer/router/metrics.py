@@ -191,6 +191,24 @@ class RouterMetrics:
             ["state"],
             registry=self.registry,
         )
+        self._fleet_mode_switches = Counter(
+            "kvtransfer_router_fleet_mode_switches",
+            "With SLO targets, switches of the whole fleet between P/D (pd) and aggregated "
+            "operation (every request alone on the least loaded instance), by the mode entered "
+            "(kvtransfer.router.routing.fleet_mode)",
+            ["mode"],
+            registry=self.registry,
+        )
+        self._fleet_aggregated = Gauge(
+            "kvtransfer_router_fleet_aggregated",
+            "1 while the fleet runs aggregated (with SLO targets, routing.fleet_mode), else 0",
+            registry=self.registry,
+        )
+
+    def fleet_mode_switch(self, mode: str, why: str) -> None:
+        """With SLO targets, the fleet switched to ``mode`` (`routing.fleet_mode`)."""
+        self._fleet_mode_switches.labels(mode=mode).inc()
+        self._fleet_aggregated.set(1 if mode == "aggregated" else 0)
 
     def prefill_order(self, order: str, waited_s: float) -> None:
         self._prefill_order.labels(order=order).observe(waited_s)

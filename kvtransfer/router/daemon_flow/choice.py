@@ -80,7 +80,7 @@ from kvtransfer.router.fleet.service import PromptTicket, ServiceStats
 from kvtransfer.router.flow_rules import RouteDecider
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
-from kvtransfer.router.routing.disagg import PREFILL_ONLY
+from kvtransfer.router.routing.disagg import PREFILL_ONLY, RouteDecision
 from kvtransfer.router.tracing import TraceExporter
 from kvtransfer.timeline import BOOK, now_ns
 
@@ -134,10 +134,29 @@ class ChoiceRunner:
         """The choice's deltas; raises `UpstreamError` when it fails. Closing the iterator
         early (the client left, a sibling failed) cancels its calls and releases its KV."""
         upstream = self._require_upstream()
-        fleet = upstream.fleet
-        decision = self.decider.decide(fleet, exchange.context, exchange.choice.max_tokens)
+        decision = self.decider.decide(upstream.fleet, exchange.context, exchange.choice.max_tokens)
         exchange.decision = decision
         self.metrics.route_decision(decision.mode, decision.reason)
+        outcome = self.decider.track(exchange.started)
+        ended = failed = False
+        try:
+            async with aclosing(self._routed(upstream, exchange, decision)) as deltas:
+                async for delta in deltas:
+                    outcome.tokens(len(delta.token_ids))
+                    yield delta
+            ended = True
+        except UpstreamError:
+            failed = True
+            raise
+        finally:
+            # A choice its consumer closed (the client left, a sibling failed) is not scored.
+            outcome.close(failed=failed, scored=ended)
+
+    async def _routed(
+        self, upstream: Upstream, exchange: Exchange, decision: RouteDecision
+    ) -> AsyncIterator[Delta]:
+        """The choice's deltas on the route ``decision`` chose."""
+        fleet = upstream.fleet
         if decision.on_prefill:
             self.metrics.route_mode(PREFILL_ONLY)
             on_prefill = self.leases.take(upstream, "prefill", exchange)

@@ -72,11 +72,11 @@ from kvtransfer.router.errors import (
 from kvtransfer.router.fleet.fleet import Fleet
 from kvtransfer.router.fleet.instance import Instance
 from kvtransfer.router.fleet.service import PromptTicket, ServiceStats
-from kvtransfer.router.flow_rules import RouteDecider, retry_pause
+from kvtransfer.router.flow_rules import RouteDecider, SloOutcome, retry_pause
 from kvtransfer.router.metrics import RouterMetrics
 from kvtransfer.router.names import AGGREGATED
 from kvtransfer.router.openai.requests import error_body
-from kvtransfer.router.routing.disagg import PREFILL_ONLY
+from kvtransfer.router.routing.disagg import PREFILL_ONLY, RouteDecision
 from kvtransfer.router.vllm_flow.answers import (
     ROUTE_HEADER,
     TAIL_BYTES,
@@ -147,6 +147,24 @@ class VllmProxy:
         decision = self.decider.decide(fleet, call.route, _max_tokens(call.body))
         call.decision = decision
         self.metrics.route_decision(decision.mode, decision.reason)
+        call.outcome = outcome = self.decider.track(call.started)
+        answered = failed = False
+        try:
+            response = await self._serve_routed(call, decision)
+            answered = True
+            failed = FAILED_ANSWER in response
+            return response
+        except UpstreamError:
+            failed = True
+            raise
+        finally:
+            # Scored from the streamed events `_EventTimer` saw; not when the client left.
+            outcome.close(failed=failed, scored=answered)
+
+    async def _serve_routed(self, call: VllmCall, decision: RouteDecision) -> web.StreamResponse:
+        """The client's answer on the route ``decision`` chose."""
+        fleet = self.fleet
+        can_prefill = fleet.any_pickable("prefill")
         if decision.on_prefill:
             # The whole request on a prefill: no decode is picked, no KV moves.
             first = fleet.pick("prefill", call.route)
@@ -278,7 +296,7 @@ class VllmProxy:
         ``[DONE]``; the client's response opens at the first byte, so a decode that fails
         before it is still retried. The gaps between events feed the instance's
         `ServiceStats` (and its first event ends ``ticket``'s prompt)."""
-        timer = _EventTimer(instance.service, ticket)
+        timer = _EventTimer(instance.service, ticket, call.outcome)
         try:
             return await self._relay(call, instance, upstream, timer)
         finally:
@@ -394,9 +412,12 @@ class _EventTimer:
     """Times one decode stream's server-sent events for its instance's `ServiceStats`: each
     ``data:`` event but ``[DONE]`` counts as one token (vLLM streams a token per event)."""
 
-    def __init__(self, service: ServiceStats, ticket: PromptTicket | None) -> None:
+    def __init__(
+        self, service: ServiceStats, ticket: PromptTicket | None, outcome: SloOutcome | None
+    ) -> None:
         self._service = service
         self._ticket = ticket
+        self._outcome = outcome
         self._first: float | None = None
         self._last: float | None = None
         self._events_after_first = 0
@@ -405,6 +426,8 @@ class _EventTimer:
         events = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
         if events <= 0:
             return
+        if self._outcome is not None:
+            self._outcome.tokens(events)
         now = time.monotonic()
         if self._last is None:
             if self._ticket is not None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from kvtransfer.router.openai.requests import InvalidRequest
 from kvtransfer.router.routing.disagg import RouteDecision
 from kvtransfer.router.routing.policy import RouteContext
+
+if TYPE_CHECKING:
+    from kvtransfer.router.flow_rules import SloOutcome
 
 
 def check_vllm_body(body: Any) -> dict[str, Any]:
@@ -63,6 +66,7 @@ class VllmCall:
     log: logging.LoggerAdapter[logging.Logger]
     # P/D or one instance alone, and why (`routing.disagg.decide`); None until decided.
     decision: RouteDecision | None = None
+    outcome: SloOutcome | None = None
 
     @property
     def path(self) -> str:
