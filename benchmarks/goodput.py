@@ -169,6 +169,9 @@ ROUTE_METRICS = {
     "kvtransfer_router_route_decisions_total": "decisions",
     # With SLO targets: P/D requests by how they were sent on to a prefill (prefill_order).
     "kvtransfer_router_prefill_wait_seconds_count": "prefill_order",
+    # With SLO targets: the fleet's switches between P/D and aggregated operation (fleet_mode).
+    "kvtransfer_router_fleet_mode_switches_total": "fleet_switches",
+    "kvtransfer_router_fleet_duels_total": "fleet_duels",
 }
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 # The router's flags of the SLO-aware mode: checked in its --help before anything starts.
@@ -279,7 +282,8 @@ def router_takes(flags: Sequence[str]) -> bool:
 def router_counters(url: str) -> dict[str, float]:
     """The router's route counters from its /metrics: ``routes MODE`` (disaggregated,
     decode_only, aggregated), ``decisions MODE REASON`` (why the router chose) and, with SLO
-    targets, ``prefill_order ORDER`` (at_once, in_time, late, timed_out)."""
+    targets, ``prefill_order ORDER`` (at_once, in_time, late, timed_out) and
+    ``fleet_switches MODE`` and ``fleet_duels WINNER`` (pd, aggregated)."""
     parts = urlsplit(url)
     # http.client, not urllib: no proxy from the environment between us and 127.0.0.1.
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)

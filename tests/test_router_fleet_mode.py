@@ -21,7 +21,7 @@ from router_helpers.fake_vllm import (
     prefill_or_whole,
 )
 from router_helpers.vllm_cluster import vllm_cluster
-from serve_helpers.daemons import PROMPTS, colocated, exit_used_blocks, running, start_daemon
+from serve_helpers.daemons import PROMPTS, colocated, daemon_pair
 from waiting import wait_until_async
 
 from kvtransfer.router.config import RouterConfig
@@ -43,6 +43,7 @@ from kvtransfer.router.routing.fleet_mode import (
     aggregated_route,
 )
 from kvtransfer.router.server import RouterServer
+from kvtransfer.serve.launcher import ServiceProcess
 
 SLO = SloTargets(ttft_s=1.0, itl_s=0.1)
 MAX_TOKENS = 10
@@ -54,13 +55,6 @@ class _Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def _mode(window: int = 4) -> tuple[FleetMode, _Clock, list[tuple[str, str]]]:
-    clock = _Clock()
-    switches: list[tuple[str, str]] = []
-    mode = FleetMode(clock, lambda to, why: switches.append((to, why)), window=window)
-    return mode, clock, switches
 
 
 def _score(mode: FleetMode, *met: bool) -> None:
@@ -80,83 +74,96 @@ def _never() -> bool:
 # ---------------------------------------------------------------------- the state machine
 
 
+def _mode(window: int = 4) -> tuple[FleetMode, _Clock, list[tuple[str, str]], list[str]]:
+    clock = _Clock()
+    switches: list[tuple[str, str]] = []
+    duels: list[str] = []
+    mode = FleetMode(clock, lambda to, why: switches.append((to, why)), duels.append, window=window)
+    return mode, clock, switches, duels
+
+
+def _window(mode: FleetMode, met: int, fits=_never) -> str:
+    """A window of requests, ``met`` of them within the targets, then the next request's mode."""
+    _score(mode, *(i < met for i in range(mode.window)))
+    return mode.current(fits)
+
+
 @pytest.mark.unit
-def test_pd_stays_while_its_requests_meet_the_slos_and_leaves_when_aggregated_may_do_better():
-    mode, _, switches = _mode()
-    # 3 of 4 met (75%), but no score yet until the window fills.
+def test_pd_stays_while_its_windows_meet_the_slos_and_a_low_one_starts_a_duel():
+    mode, _, switches, _ = _mode()
+    # No window until 4 requests are scored.
     _score(mode, True, True, True)
     assert mode.current(_never) == PD_FLEET
     _score(mode, True)
-    assert mode.score(PD_FLEET) == 1.0
     assert mode.current(_never) == PD_FLEET  # 100%: P/D stays, the estimate is not asked
-    _score(mode, True, True, True, False)
-    assert mode.score(PD_FLEET) == 0.75
-    # Below ENTER_BELOW, but the estimate says aggregated operation would miss: P/D stays.
-    assert mode.current(lambda: False) == PD_FLEET
+    # 75%, but the estimate says aggregated operation would miss: P/D stays.
+    assert _window(mode, 3, lambda: False) == PD_FLEET
     assert switches == []
-    assert mode.current(_fits) == AGGREGATED_FLEET
-    assert switches == [(AGGREGATED_FLEET, "P/D met 75%; trying aggregated")]
-    assert mode.describe() == {"mode": "aggregated", "pd_score": 0.75, "aggregated_score": None}
+    assert _window(mode, 3, _fits) == AGGREGATED_FLEET
+    assert switches == [(AGGREGATED_FLEET, "pd met 75%; a duel")]
+    assert mode.describe() == {
+        "mode": "aggregated",
+        "dueling": True,
+        "last_duel": {},
+        "last_window": {PD_FLEET: 0.75},
+    }
 
 
 @pytest.mark.unit
-def test_aggregated_stays_while_it_scores_above_pd_and_goes_back_at_or_below_it():
-    mode, clock, switches = _mode()
-    _score(mode, False, False, True, True)  # P/D 50%
-    assert mode.current(_fits) == AGGREGATED_FLEET
-    _score(mode, True, True, True, False)  # aggregated 75% > 50%
-    assert mode.current(_never) == AGGREGATED_FLEET
-    clock.now += 10
-    _score(mode, True, True, False, False)  # 50%: a tie goes back to P/D
+def test_a_duel_alternates_the_modes_a_window_at_a_time_and_the_larger_share_met_wins():
+    mode, clock, switches, duels = _mode()
+    assert _window(mode, 2, _fits) == AGGREGATED_FLEET  # P/D 2 of 4: a duel, which it counts
+    assert _window(mode, 4) == PD_FLEET
+    assert _window(mode, 1) == AGGREGATED_FLEET
+    # P/D 3 of 8, aggregated 7 of 8: aggregated wins and stays.
+    assert _window(mode, 3) == AGGREGATED_FLEET
+    assert duels == [AGGREGATED_FLEET]
+    assert switches[-1] == (AGGREGATED_FLEET, "the duel goes on")
+    assert mode.describe()["last_duel"] == {PD_FLEET: 3 / 8, AGGREGATED_FLEET: 7 / 8}
+    # It holds for HOLD_S, whatever its windows, then duels again from aggregated.
+    assert _window(mode, 0) == AGGREGATED_FLEET
+    clock.now += fm.HOLD_S + 1
     assert mode.current(_never) == PD_FLEET
-    assert switches[-1] == (PD_FLEET, "aggregated met 50%, P/D 50%")
-    # P/D's old score does not send it straight back: a fresh one must be made first. Now 25%,
-    # below the aggregated score remembered: aggregated again, without asking the estimate.
-    assert mode.current(_never) == PD_FLEET
-    _score(mode, True, False, False, False)
-    assert mode.current(_never) == AGGREGATED_FLEET
-    assert switches[-1] == (AGGREGATED_FLEET, "P/D met 25%, aggregated 50%")
-
-
-@pytest.mark.unit
-def test_scores_are_forgotten_and_aggregated_operation_measures_pd_again():
-    mode, clock, switches = _mode()
-    _score(mode, False, False, False, True)
-    assert mode.current(_fits) == AGGREGATED_FLEET
-    _score(mode, True, True, True, True)
-    assert mode.current(_never) == AGGREGATED_FLEET
-    clock.now += fm.SCORE_MEMORY_S + 1
-    assert mode.score(PD_FLEET) is None and mode.score(AGGREGATED_FLEET) is None
-    assert mode.current(_never) == PD_FLEET  # RECHECK_S passed with no P/D score standing
-    assert switches[-1] == (PD_FLEET, f"measuring P/D again after {fm.RECHECK_S:.0f} s")
-    # P/D now meets them (the load fell): it stays.
-    _score(mode, True, True, True, True)
-    assert mode.current(_never) == PD_FLEET
+    assert switches[-1] == (PD_FLEET, f"a duel after {fm.HOLD_S:.0f} s")
+    assert _window(mode, 4) == AGGREGATED_FLEET
+    assert _window(mode, 2) == PD_FLEET
+    assert _window(mode, 4) == AGGREGATED_FLEET
+    # The load fell: P/D 8 of 8, aggregated 4 of 8: back to P/D.
+    assert _window(mode, 2) == PD_FLEET
+    assert duels == [AGGREGATED_FLEET, PD_FLEET]
+    assert switches[-1] == (PD_FLEET, "the duel: P/D met 100%, aggregated 50%")
+    # P/D holds too: a low window starts no duel until HOLD_S passed.
+    assert _window(mode, 0) == PD_FLEET
+    clock.now += fm.HOLD_S + 1
+    assert _window(mode, 2, _fits) == AGGREGATED_FLEET
+    # A tie goes to P/D.
+    for met, expected in ((2, PD_FLEET), (2, AGGREGATED_FLEET), (2, PD_FLEET)):
+        assert _window(mode, met) == expected
+    assert duels[-1] == PD_FLEET
 
 
 @pytest.mark.unit
 def test_only_requests_admitted_once_the_other_modes_are_gone_are_scored():
-    mode, clock, _ = _mode(window=2)
+    mode, clock, _, _ = _mode(window=2)
     old = [mode.admit(), mode.admit()]  # P/D requests still running at the switch
-    _score(mode, False, False)
-    assert mode.current(_fits) == AGGREGATED_FLEET
+    assert _window(mode, 0, _fits) == AGGREGATED_FLEET
     # Admitted while P/D's are in flight: not scored, whatever they get.
     early = mode.admit()
     assert not early.scored
     mode.ended(early, True)
     mode.ended(old[0], True)  # a P/D request ending now scores nothing either
-    assert mode.score(AGGREGATED_FLEET) is None
+    assert mode.current(_never) == AGGREGATED_FLEET
     mode.ended(old[1], None)  # its client left: not scored, but no longer in flight
-    _score(mode, True, True)
-    assert mode.score(AGGREGATED_FLEET) == 1.0
-    # Ending twice counts once; a request of a mode long running is waited for no longer than
-    # SETTLE_MAX_S.
+    # Ending twice counts once: one request, then one more, make the window.
     ticket = mode.admit()
-    mode.ended(ticket, False)
-    mode.ended(ticket, False)
+    assert ticket.scored
+    mode.ended(ticket, True)
+    mode.ended(ticket, True)
+    assert mode.current(_never) == AGGREGATED_FLEET
     stuck = mode.admit()
-    _score(mode, False, False)  # aggregated 0% <= P/D 0%: back to P/D
-    assert mode.current(_never) == PD_FLEET
+    mode.ended(mode.admit(), True)
+    assert mode.current(_never) == PD_FLEET  # the duel goes on
+    # A request of the other mode running long is waited for no longer than SETTLE_MAX_S.
     assert not mode.admit().scored
     clock.now += fm.SETTLE_MAX_S + 1
     assert mode.admit().scored
@@ -219,9 +226,9 @@ def test_aggregated_requests_go_to_the_role_with_the_least_loaded_instance():
 def test_a_requests_score_is_its_first_token_and_mean_gap_by_the_routers_clock(monkeypatch):
     now = [100.0]
     monkeypatch.setattr("kvtransfer.router.flow_rules.time.monotonic", lambda: now[0])
-    mode, _, _ = _mode(window=1)
+    mode, _, _, _ = _mode(window=1)
 
-    def scored(first_after: float, gaps: list[float], **close: bool) -> float | None:
+    def scored(first_after: float, gaps: list[float], **close: bool) -> object:
         outcome = SloOutcome(mode, SLO, started=now[0])
         now[0] += first_after
         outcome.tokens(1)
@@ -229,7 +236,7 @@ def test_a_requests_score_is_its_first_token_and_mean_gap_by_the_routers_clock(m
             now[0] += gap
             outcome.tokens(2)  # two tokens in one delta: the gap is per token
         outcome.close(**close)
-        return mode.score(PD_FLEET)
+        return mode.describe()["last_window"][PD_FLEET]
 
     assert scored(0.9, [0.18, 0.18]) == 1.0  # 0.36 s over 4 tokens: 0.09 s each
     assert scored(1.1, [0.1]) == 0.0  # the first token late
@@ -245,19 +252,13 @@ def test_a_requests_score_is_its_first_token_and_mean_gap_by_the_routers_clock(m
 # ---------------------------------------------------------------------- with real daemons
 
 
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("fleet-mode")
-    prefill = start_daemon("prefill", logs, "--engine-id", "p")
-    decode = start_daemon("decode", logs, "--engine-id", "d")
-    with running(decode, prefill):
-        yield prefill, decode
-    assert exit_used_blocks(prefill) == exit_used_blocks(decode) == 0
-
-
 @pytest.mark.integration
-def test_aggregated_operation_runs_requests_whole_on_both_roles_and_equals_colocated(daemons):
-    prefill, decode = daemons
+def test_aggregated_operation_runs_requests_whole_on_both_roles_and_equals_colocated(tmp_path):
+    with daemon_pair(tmp_path, ["--engine-id", "p"], ["--engine-id", "d"]) as pair:
+        _aggregated_operation(*pair)
+
+
+def _aggregated_operation(prefill: ServiceProcess, decode: ServiceProcess) -> None:
     prompt = list(PROMPTS[1].encode())
     (expected,) = colocated([prompt], MAX_TOKENS)
 
@@ -286,44 +287,52 @@ def test_aggregated_operation_runs_requests_whole_on_both_roles_and_equals_coloc
                 assert info["token_ids"] == expected
                 return info
 
-            # Two P/D requests measure the instances; they met the generous targets (100%).
+            async def windows(count: int) -> bool:
+                return mode.windows >= count
+
+            # Two P/D requests, within the generous targets: P/D's window, 100%.
             for _ in range(2):
                 assert "decode" in await routed() and mode.mode == PD_FLEET
-            assert mode.score(PD_FLEET) == 1.0
-            # Two P/D requests that missed (as under a load these daemons cannot be given
-            # here): the estimate lets aggregated operation be tried.
+            await wait_until_async(lambda: windows(1), "a window", WAIT_S)
+            assert mode.describe()["last_window"] == {PD_FLEET: 1.0}
+            # Two that missed (as under a load these daemons cannot be given here): the
+            # estimate lets a duel start, aggregated first.
             _score(mode, False, False)
             # Two at once: the first alone on the decode, the second on the prefill, whose
             # instance has none in flight by then; neither moves KV.
             both = await asyncio.gather(routed(), routed())
             assert mode.mode == AGGREGATED_FLEET
-            assert sorted(next(iter(set(i) & {"prefill", "decode"})) for i in both) == [
-                "decode",
-                "prefill",
-            ]
+            roles = sorted(next(iter(set(i) & {"prefill", "decode"})) for i in both)
+            assert roles == ["decode", "prefill"]
             for info in both:
                 assert info["route_decision"]["reason"] == FLEET_AGGREGATED
-                assert "prefill" not in info or "decode" not in info
                 assert info["kv_blocks_received"] == 0
-
-            # Scored by their streams as they end: both met the targets.
-            async def aggregated_score() -> float | None:
-                return mode.score(AGGREGATED_FLEET)
-
-            assert await wait_until_async(aggregated_score, "scored", WAIT_S) == 1.0
-            # Aggregated operation misses as much as P/D did: back to P/D.
-            _score(mode, False, False)
-            back = await routed()
-            assert back["route_decision"]["reason"] != FLEET_AGGREGATED
-            assert back["prefill"] == prefill.address and back["decode"] == decode.address
+            # Scored from their streams as they end: both met the targets.
+            await wait_until_async(lambda: windows(3), "aggregated's window", WAIT_S)
+            assert mode.describe()["last_window"][AGGREGATED_FLEET] == 1.0
+            # The duel goes on (the next request's route asks): a P/D window, one miss and one
+            # real request, 50%.
+            assert mode.current(_never) == PD_FLEET
+            _score(mode, False)
+            pd = await routed()
+            assert pd["prefill"] == prefill.address and pd["decode"] == decode.address
+            await wait_until_async(lambda: windows(4), "P/D's second window", WAIT_S)
+            # Aggregated's second window (two more, alone on the decode), then the verdict at
+            # the next request: P/D 1 of 4, aggregated 4 of 4.
+            for _ in range(2):
+                assert (await routed())["route_decision"]["reason"] == FLEET_AGGREGATED
+            await wait_until_async(lambda: windows(5), "aggregated's second window", WAIT_S)
+            assert (await routed())["route_decision"]["reason"] == FLEET_AGGREGATED
+            assert mode.describe()["last_duel"] == {PD_FLEET: 0.25, AGGREGATED_FLEET: 1.0}
             async with http.get("/metrics") as response:
                 metrics = (await response.text()).splitlines()
             for line in (
-                'kvtransfer_router_fleet_mode_switches_total{mode="aggregated"} 1.0',
+                'kvtransfer_router_fleet_mode_switches_total{mode="aggregated"} 2.0',
                 'kvtransfer_router_fleet_mode_switches_total{mode="pd"} 1.0',
-                "kvtransfer_router_fleet_aggregated 0.0",
+                'kvtransfer_router_fleet_duels_total{winner="aggregated"} 1.0',
+                "kvtransfer_router_fleet_aggregated 1.0",
                 "kvtransfer_router_route_decisions_total"
-                '{mode="decode_only",reason="fleet_aggregated"} 1.0',
+                '{mode="decode_only",reason="fleet_aggregated"} 4.0',
                 "kvtransfer_router_route_decisions_total"
                 '{mode="prefill_only",reason="fleet_aggregated"} 1.0',
             ):
@@ -352,12 +361,13 @@ def test_vllm_requests_are_scored_from_their_streamed_events_and_run_whole_when_
             assert code == 200 and raw == b"".join((*SSE_CHUNKS, SSE_DONE))
             assert headers["x-kvtransfer-route"].startswith("disaggregated")
 
-            async def scored(fleet: str) -> float | None:
-                return mode.score(fleet)
+            async def windows(count: int) -> bool:
+                return mode.windows >= count
 
             # Its events were timed: it met the targets.
-            assert await wait_until_async(lambda: scored(PD_FLEET), "scored", WAIT_S) == 1.0
-            _score(mode, False)
+            await wait_until_async(lambda: windows(1), "a window", WAIT_S)
+            assert mode.describe()["last_window"] == {PD_FLEET: 1.0}
+            _score(mode, False)  # one that missed: a duel, aggregated first
             decoded_before = len(c.decodes[0].seen)
             code, raw, headers = await c.post(body)
             assert code == 200 and raw == b"".join((*SSE_CHUNKS, SSE_DONE))
@@ -365,7 +375,8 @@ def test_vllm_requests_are_scored_from_their_streamed_events_and_run_whole_when_
             assert route.startswith("decode_only; reason=fleet_aggregated"), route
             assert "kv_transfer_params" not in c.decodes[0].seen[-1].body
             assert len(c.decodes[0].seen) == decoded_before + 1
-            assert await wait_until_async(lambda: scored(AGGREGATED_FLEET), "", WAIT_S) == 1.0
+            await wait_until_async(lambda: windows(3), "aggregated's window", WAIT_S)
+            assert mode.describe()["last_window"][AGGREGATED_FLEET] == 1.0
             await c.wait_idle()
 
     run(scenario)

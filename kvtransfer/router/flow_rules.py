@@ -68,7 +68,9 @@ class RouteDecider:
         self._prompt_tokens = 0.0
         if self.rule.slo is not None:
             self.order = PrefillOrder(self.rule.slo.ttft_s, metrics.prefill_order_state)
-            self.fleet_mode = FleetMode(time.monotonic, metrics.fleet_mode_switch)
+            self.fleet_mode = FleetMode(
+                time.monotonic, metrics.fleet_mode_switch, metrics.fleet_duel
+            )
 
     def decide(self, fleet: Fleet, route: RouteContext, max_tokens: int) -> RouteDecision:
         """The route of one request, from the fleet's pickable instances now."""

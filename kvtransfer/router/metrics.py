@@ -199,6 +199,13 @@ class RouterMetrics:
             ["mode"],
             registry=self.registry,
         )
+        self._fleet_duels = Counter(
+            "kvtransfer_router_fleet_duels",
+            "With SLO targets, duels between P/D and aggregated operation run to the end, by "
+            "the winner (kvtransfer.router.routing.fleet_mode)",
+            ["winner"],
+            registry=self.registry,
+        )
         self._fleet_aggregated = Gauge(
             "kvtransfer_router_fleet_aggregated",
             "1 while the fleet runs aggregated (with SLO targets, routing.fleet_mode), else 0",
@@ -206,9 +213,13 @@ class RouterMetrics:
         )
 
     def fleet_mode_switch(self, mode: str, why: str) -> None:
-        """With SLO targets, the fleet switched to ``mode`` (`routing.fleet_mode`)."""
+        """With SLO targets, the fleet switched to ``mode`` (`routing.fleet_mode`; ``why`` is
+        logged there)."""
         self._fleet_mode_switches.labels(mode=mode).inc()
         self._fleet_aggregated.set(1 if mode == "aggregated" else 0)
+
+    def fleet_duel(self, winner: str) -> None:
+        self._fleet_duels.labels(winner=winner).inc()
 
     def prefill_order(self, order: str, waited_s: float) -> None:
         self._prefill_order.labels(order=order).observe(waited_s)

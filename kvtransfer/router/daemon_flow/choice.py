@@ -6,8 +6,10 @@ Life cycle of a choice (step 4 of a request, see `kvtransfer.router.web.app`):
    prompt's token ids. `disagg.decide` chooses P/D or a decode instance alone (step 7): by
    ``disagg_min_prompt_tokens`` (a prompt whose uncached part is below it goes alone), and with
    SLO targets by the route predicted to meet them, from what the router measured of each
-   instance (`fleet.service`: every call below feeds it). The decision and its reason go into
-   the metrics and the answer's ``kvtransfer`` object.
+   instance (`fleet.service`: every call below feeds it), unless the fleet runs aggregated
+   (`routing.fleet_mode`: then whole on the least loaded instance). The decision and its
+   reason go into the metrics and the answer's ``kvtransfer`` object; with SLO targets the
+   choice's tokens and end score it for the fleet's mode (`flow_rules.SloOutcome`).
 2. Pick (`fleet.Fleet.pick`, each role's policy over its healthy instances whose breaker lets
    calls through): the decode instance first, among the decode daemons and the aggregated
    instances (only the latter when no prefill may be picked). With none the choice fails 503

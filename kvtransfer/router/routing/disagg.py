@@ -51,6 +51,9 @@ Two rules, one decision:
   below the threshold still goes alone first (a floor), and so does everything while the
   router has measured too little to predict (``no_profile``: the threshold rule decides).
 
+With SLO targets the fleet's mode (`fleet_mode`) is asked first: while the fleet runs
+aggregated, every request runs whole on one instance and this rule is not asked.
+
 The static threshold is thus the SLO rule with no targets. Each decision names its reason
 (`RouteDecision.reason`, a metric label) and carries its predictions into the answer's
 ``kvtransfer`` object.

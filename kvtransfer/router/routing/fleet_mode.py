@@ -10,25 +10,25 @@ No single request's route reaches that state: alone on the prefill, a request me
 prompts; alone on the decode, it adds to the batch that misses. So the rule per request
 (`disagg.decide`) keeps its job, and this decides above it whether it is asked.
 
-How, measured rather than predicted (the engine's batching decides the outcome):
+How, measured rather than predicted (the engine's batching decides the outcome), and side by
+side (the load moves faster than a mode's score: windows of one mode a few seconds apart scored
+17% and 100% at one offered rate on vLLM-CPU):
 
 1. Every request is scored when it ends, by the router's own clock: met (first token within
    the TTFT target, mean gap from its first to its last token within the gap target) or not;
    a failed request is a miss, a request whose client left is not scored. Only requests
    admitted while nothing admitted under the other mode was in flight (or `SETTLE_MAX_S` after
    the switch) are scored: the first ones after a switch meet the other mode's load.
-2. Every `WINDOW` scored requests make the mode's score (its share met), remembered for
-   `SCORE_MEMORY_S`.
-3. In P/D, a score below `ENTER_BELOW` switches the fleet to aggregated operation when the
-   aggregated score remembered is higher or, with none remembered, when the fluid estimate of
-   aggregated operation (`aggregated_gap_s`) would not miss the gap target by more than its
-   spread: a fleet whose prompts alone would swamp the split instances is not tried.
-4. In aggregated operation, a score at or below P/D's remembered one switches back (P/D wins
-   ties: it is what the fleet is deployed for); so does `RECHECK_S` without a remembered P/D
-   score, to measure P/D again (the load may have fallen).
+2. Every `WINDOW` scored requests make a window, scored by its share met.
+3. In P/D, a window below `ENTER_BELOW` starts a duel, where the fluid estimate of aggregated
+   operation (`aggregated_gap_s`) would not miss the gap target by more than its spread (a
+   fleet whose prompts alone would swamp the split instances is not tried). A duel alternates
+   the modes a window at a time, the window that started it counting, until each has
+   `DUEL_WINDOWS`; the mode with the larger share met over its windows wins (P/D on a tie: it
+   is what the fleet is deployed for) and runs for `HOLD_S` without another duel.
+4. Aggregated operation duels again after its hold (the load may have fallen); P/D only when a
+   window falls below `ENTER_BELOW` again.
 
-The switches, the scores and the mode are logged, counted in the metrics, and named in every
-aggregated decision's reason (``fleet_aggregated``).
 """
 
 from __future__ import annotations
@@ -53,15 +53,14 @@ PD_FLEET = "pd"
 AGGREGATED_FLEET = "aggregated"
 FLEET_AGGREGATED = "fleet_aggregated"  # a decision's reason
 
-# Scored requests per score: enough that one score's noise (about 0.1 at 24) rarely flips a
-# mode that wins by more, few enough to follow a change of load within seconds on vLLM.
+# Scored requests per window: few enough to follow a change of load within seconds on vLLM.
 WINDOW = 24
-# A P/D score below this tries aggregated operation.
+# A P/D window below this share met starts a duel.
 ENTER_BELOW = 0.8
-# How long a mode's score stands for comparison.
-SCORE_MEMORY_S = 120.0
-# How long aggregated operation runs before P/D is measured again, once P/D's score is gone.
-RECHECK_S = 90.0
+# Windows of each mode in a duel: with 48 requests each, one outcome's noise is about 0.1.
+DUEL_WINDOWS = 2
+# How long a duel's winner runs before the next duel may start.
+HOLD_S = 60.0
 # After a switch, requests are scored anyway once this long passed (a request of the other
 # mode may run for minutes).
 SETTLE_MAX_S = 60.0
@@ -78,18 +77,27 @@ class FleetTicket:
 
 @dataclass
 class FleetMode:
-    """The fleet's mode and the scores behind it (see the module's docstring). ``clock``:
-    seconds (`time.monotonic`); ``on_switch(mode, why)``: told each switch."""
+    """The fleet's mode and the duels behind it (see the module's docstring). ``clock``:
+    seconds (`time.monotonic`); ``on_switch(mode, why)``: told each switch; ``on_duel(winner)``:
+    each duel's end."""
 
     clock: Callable[[], float]
     on_switch: Callable[[str, str], None] | None = None
+    on_duel: Callable[[str], None] | None = None
     window: int = WINDOW
     mode: str = PD_FLEET
     epoch: int = 0
+    windows: int = 0  # windows scored so far
     _switched_at: float = 0.0
+    _held_until: float = float("-inf")
     _in_flight: dict[int, int] = field(default_factory=dict)
     _outcomes: list[bool] = field(default_factory=list)
-    _scores: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode: (score, at)
+    # The last window's share met, not acted on yet.
+    _window: float | None = None
+    # In a duel: per mode, [requests met, requests scored, windows].
+    _duel: dict[str, list[int]] | None = None
+    _last_duel: dict[str, float] = field(default_factory=dict)
+    _last_window: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -118,44 +126,75 @@ class FleetMode:
             return
         self._outcomes.append(met)
         if len(self._outcomes) >= self.window:
-            score = sum(self._outcomes) / len(self._outcomes)
+            met_count = sum(self._outcomes)
+            self._window = self._last_window[self.mode] = met_count / len(self._outcomes)
+            self.windows += 1
+            if self._duel is not None:
+                tally = self._duel[self.mode]
+                tally[0] += met_count
+                tally[1] += len(self._outcomes)
+                tally[2] += 1
             self._outcomes.clear()
-            self._scores[self.mode] = (score, self.clock())
             logger.info(
                 "fleet mode %s: %.0f%% of %d requests met both SLOs",
                 self.mode,
-                100 * score,
+                100 * self._window,
                 self.window,
             )
 
-    def score(self, mode: str) -> float | None:
-        """``mode``'s last score, while it stands (`SCORE_MEMORY_S`)."""
-        scored = self._scores.get(mode)
-        if scored is None or self.clock() - scored[1] > SCORE_MEMORY_S:
-            return None
-        return scored[0]
-
     def current(self, aggregated_fits: Callable[[], bool]) -> str:
-        """The mode for the next request, switched first where the scores say so;
-        ``aggregated_fits``: whether the estimate lets P/D be left untried (step 3)."""
-        pd, aggregated = self.score(PD_FLEET), self.score(AGGREGATED_FLEET)
-        if self.mode == PD_FLEET:
-            if pd is not None and pd < ENTER_BELOW and self._fresh(PD_FLEET):
-                if aggregated is not None and aggregated > pd:
-                    self._switch(AGGREGATED_FLEET, f"P/D met {pd:.0%}, aggregated {aggregated:.0%}")
-                elif aggregated is None and aggregated_fits():
-                    self._switch(AGGREGATED_FLEET, f"P/D met {pd:.0%}; trying aggregated")
-        elif aggregated is not None and pd is not None and aggregated <= pd:
-            if self._fresh(AGGREGATED_FLEET):
-                self._switch(PD_FLEET, f"aggregated met {aggregated:.0%}, P/D {pd:.0%}")
-        elif pd is None and self.clock() - self._switched_at > RECHECK_S:
-            self._switch(PD_FLEET, f"measuring P/D again after {RECHECK_S:.0f} s")
+        """The mode for the next request, switched first where a window just ended says so;
+        ``aggregated_fits``: whether the estimate lets a duel start from P/D (step 3)."""
+        window, self._window = self._window, None
+        if window is None:
+            if self.mode == AGGREGATED_FLEET and self._duel is None and self._held_over():
+                self._start_duel(None)
+            return self.mode
+        if self._duel is not None:
+            self._next_in_duel()
+        elif (
+            self.mode == PD_FLEET
+            and window < ENTER_BELOW
+            and self._held_over()
+            and aggregated_fits()
+        ):
+            self._start_duel(window)
         return self.mode
 
-    def _fresh(self, mode: str) -> bool:
-        """Whether ``mode``'s score was made since the last switch (not a leftover)."""
-        scored = self._scores.get(mode)
-        return scored is not None and scored[1] >= self._switched_at
+    def _held_over(self) -> bool:
+        return self.clock() >= self._held_until
+
+    def _start_duel(self, window: float | None) -> None:
+        """A duel from the current mode; ``window``: its last window's share, which counts."""
+        self._duel = {PD_FLEET: [0, 0, 0], AGGREGATED_FLEET: [0, 0, 0]}
+        if window is not None:
+            self._duel[self.mode] = [round(window * self.window), self.window, 1]
+            why = f"{self.mode} met {window:.0%}; a duel"
+        else:
+            why = f"a duel after {HOLD_S:.0f} s"
+        self._switch(_other(self.mode), why)
+
+    def _next_in_duel(self) -> None:
+        duel = self._duel
+        if duel is None:  # only called in a duel; narrows the type
+            raise RuntimeError("unreachable: no duel")
+        if duel[_other(self.mode)][2] < DUEL_WINDOWS:
+            self._switch(_other(self.mode), "the duel goes on")
+            return
+        if duel[self.mode][2] < DUEL_WINDOWS:
+            return
+        shares = {mode: met / max(1, scored) for mode, (met, scored, _) in duel.items()}
+        self._last_duel = shares
+        self._duel = None
+        winner = AGGREGATED_FLEET if shares[AGGREGATED_FLEET] > shares[PD_FLEET] else PD_FLEET
+        why = f"the duel: P/D met {shares[PD_FLEET]:.0%}, aggregated {shares[AGGREGATED_FLEET]:.0%}"
+        self._held_until = self.clock() + HOLD_S
+        if self.on_duel is not None:
+            self.on_duel(winner)
+        if winner != self.mode:
+            self._switch(winner, why)
+        else:
+            logger.info("fleet mode stays %s: %s", self.mode, why)
 
     def _switch(self, mode: str, why: str) -> None:
         logger.info("fleet mode %s -> %s: %s", self.mode, mode, why)
@@ -167,12 +206,18 @@ class FleetMode:
             self.on_switch(mode, why)
 
     def describe(self) -> dict[str, object]:
-        """The mode and the scores standing, for the fleet state."""
+        """The mode, whether a duel runs, and the shares met of the last duel and of each mode's
+        last window."""
         return {
             "mode": self.mode,
-            "pd_score": self.score(PD_FLEET),
-            "aggregated_score": self.score(AGGREGATED_FLEET),
+            "dueling": self._duel is not None,
+            "last_duel": dict(self._last_duel),
+            "last_window": dict(self._last_window),
         }
+
+
+def _other(mode: str) -> str:
+    return AGGREGATED_FLEET if mode == PD_FLEET else PD_FLEET
 
 
 def aggregated_gap_s(

@@ -14,7 +14,9 @@ checked, admission):
    understood the body), for ``cache_aware`` and `disagg.decide` (P/D or one instance alone: by
    ``disagg_min_prompt_tokens``, or with SLO targets by the route predicted to meet them, from
    the prefill calls' durations and the gaps between the decodes' streamed events this router
-   timed). The decision goes into the metrics and the answer's ``x-kvtransfer-route`` header.
+   timed; while the fleet runs aggregated, `routing.fleet_mode`, whole on the least loaded
+   instance). The decision goes into the metrics and the answer's ``x-kvtransfer-route``
+   header; with SLO targets the streamed events and the end score it for the fleet's mode.
 2. Pick the decode instance first (the decode policy weighs aggregated instances, ``kv_both``
    servers listed with ``--aggregated``, with the others; with no prefill to pick, only they
    can serve): with none, 503 before any prefill holds KV for nobody. An aggregated instance,
