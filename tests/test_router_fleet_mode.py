@@ -90,7 +90,7 @@ def _window(mode: FleetMode, met: int, fits=_never) -> str:
 
 @pytest.mark.unit
 def test_pd_stays_while_its_windows_meet_the_slos_and_a_low_one_starts_a_duel():
-    mode, _, switches, _ = _mode()
+    mode, clock, switches, _ = _mode()
     # No window until 4 requests are scored.
     _score(mode, True, True, True)
     assert mode.current(_never) == PD_FLEET
@@ -99,6 +99,11 @@ def test_pd_stays_while_its_windows_meet_the_slos_and_a_low_one_starts_a_duel():
     # 75%, but the estimate says aggregated operation would miss: P/D stays.
     assert _window(mode, 3, lambda: False) == PD_FLEET
     assert switches == []
+    # A window that took longer than MAX_WINDOW_S to fill starts no duel either.
+    for met in (True, True, True, False):
+        clock.now += fm.MAX_WINDOW_S / 2
+        mode.ended(mode.admit(), met)
+    assert mode.current(_never) == PD_FLEET
     assert _window(mode, 3, _fits) == AGGREGATED_FLEET
     assert switches == [(AGGREGATED_FLEET, "pd met 75%; a duel")]
     assert mode.describe() == {

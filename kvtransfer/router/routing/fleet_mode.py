@@ -20,10 +20,11 @@ side (the load moves faster than a mode's score: windows of one mode a few secon
    admitted while nothing admitted under the other mode was in flight (or `SETTLE_MAX_S` after
    the switch) are scored: the first ones after a switch meet the other mode's load.
 2. Every `WINDOW` scored requests make a window, scored by its share met.
-3. In P/D, a window below `ENTER_BELOW` starts a duel, where the fluid estimate of aggregated
-   operation (`aggregated_gap_s`) would not miss the gap target by more than its spread (a
-   fleet whose prompts alone would swamp the split instances is not tried). A duel alternates
-   the modes a window at a time, the window that started it counting, until each has
+3. In P/D, a window below `ENTER_BELOW`, filled within `MAX_WINDOW_S` (a slower fleet would
+   spend minutes dueling while its load moved), starts a duel where the fluid estimate of
+   aggregated operation (`aggregated_gap_s`) would not miss the gap target by more than its
+   spread (a fleet whose prompts alone would swamp the split instances is not tried). A duel
+   alternates the modes a window at a time, the window that started it counting, until each has
    `DUEL_WINDOWS`; the mode with the larger share met over its windows wins (P/D on a tie: it
    is what the fleet is deployed for) and runs for `HOLD_S` without another duel.
 4. Aggregated operation duels again after its hold (the load may have fallen); P/D only when a
@@ -57,6 +58,10 @@ FLEET_AGGREGATED = "fleet_aggregated"  # a decision's reason
 WINDOW = 24
 # A P/D window below this share met starts a duel.
 ENTER_BELOW = 0.8
+# Only a window filled within this long starts a duel: a duel takes four windows and their
+# settling, and a fleet whose requests end slower (our CPU daemons: 24 in 40-80 s) would spend
+# minutes in the losing mode while the load moved under it.
+MAX_WINDOW_S = 15.0
 # Windows of each mode in a duel: with 48 requests each, one outcome's noise is about 0.1.
 DUEL_WINDOWS = 2
 # How long a duel's winner runs before the next duel may start.
@@ -92,8 +97,10 @@ class FleetMode:
     _held_until: float = float("-inf")
     _in_flight: dict[int, int] = field(default_factory=dict)
     _outcomes: list[bool] = field(default_factory=list)
-    # The last window's share met, not acted on yet.
+    # The last window's share met, not acted on yet, and how long it took to fill.
     _window: float | None = None
+    _window_s = 0.0
+    _window_opened = 0.0
     # In a duel: per mode, [requests met, requests scored, windows].
     _duel: dict[str, list[int]] | None = None
     _last_duel: dict[str, float] = field(default_factory=dict)
@@ -124,8 +131,11 @@ class FleetMode:
             self._in_flight.pop(ticket.epoch, None)
         if met is None or not ticket.scored or ticket.epoch != self.epoch:
             return
+        if not self._outcomes:
+            self._window_opened = self.clock()
         self._outcomes.append(met)
         if len(self._outcomes) >= self.window:
+            self._window_s = self.clock() - self._window_opened
             met_count = sum(self._outcomes)
             self._window = self._last_window[self.mode] = met_count / len(self._outcomes)
             self.windows += 1
@@ -155,6 +165,7 @@ class FleetMode:
         elif (
             self.mode == PD_FLEET
             and window < ENTER_BELOW
+            and self._window_s <= MAX_WINDOW_S
             and self._held_over()
             and aggregated_fits()
         ):
