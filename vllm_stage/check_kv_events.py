@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
 import time
 import traceback
@@ -38,6 +37,7 @@ import traceback
 import msgspec
 import zmq
 import zmq.asyncio
+from check_pd import free_port
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -64,10 +64,31 @@ def check(condition: bool, message: str) -> None:
         FAILURES.append(message)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Tries at binding the publisher: the port may still be taken between the probe and vLLM's bind.
+BIND_TRIES = 5
+
+
+def _publisher() -> tuple[ZmqEventPublisher, int, int]:
+    """vLLM's publisher on free ports (wildcard, as vLLM binds it), its port and its replay
+    port."""
+    for attempt in range(BIND_TRIES):
+        # Below the ephemeral range (`check_pd.free_port`), free on every address: vLLM binds
+        # the wildcard, which a connection from another address holding the port refuses even
+        # where 127.0.0.1's is free (a CI run failed on a port drawn by ``bind(0)``).
+        pub_port, replay_port = free_port(""), free_port()
+        try:
+            publisher = ZmqEventPublisher(
+                data_parallel_rank=0,
+                endpoint=f"tcp://*:{pub_port}",  # vLLM binds only a wildcard; else it connects
+                replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+                topic="vllm",
+            )
+        except zmq.error.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or attempt == BIND_TRIES - 1:
+                raise
+            continue
+        return publisher, pub_port, replay_port
+    raise RuntimeError("unreachable: the last try raises")
 
 
 def _pairs() -> list[tuple[str, ours.EventBatch, KVEventBatch]]:
@@ -365,13 +386,7 @@ def check_router_decodes_vllm() -> None:
 
 
 async def _feed_from_vllm() -> None:
-    pub_port, replay_port = free_port(), free_port()
-    publisher = ZmqEventPublisher(
-        data_parallel_rank=0,
-        endpoint=f"tcp://*:{pub_port}",  # vLLM binds only a wildcard; else it connects
-        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
-        topic="vllm",
-    )
+    publisher, pub_port, replay_port = _publisher()
     tokens = list(range(1000, 1016))
     hashes = [b"%02d" % i * 16 for i in range(4)]
     try:

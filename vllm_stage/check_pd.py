@@ -79,17 +79,18 @@ def check(condition: bool, message: str) -> None:
     print(f"ok: {message}", flush=True)
 
 
-def free_port() -> int:
-    """A port free now, for a server that binds it a minute later (vLLM's start-up). Drawn
-    below the kernel's ephemeral range: a port the kernel hands out for ``bind(0)`` may be
-    handed again in that minute (to vLLM's own ports or a client's), and a prefill once died
-    unable to bind its handshake port so."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on ``host`` ("": every address, for a server that binds the wildcard),
+    for a server that binds it a minute later (vLLM's start-up). Drawn below the kernel's
+    ephemeral range: a port the kernel hands out for ``bind(0)`` may be handed again in that
+    minute (to vLLM's own ports or a client's), and a prefill once died unable to bind its
+    handshake port so."""
     low, _ = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     for _ in range(200):
         port = random.randrange(max(1024, low - 12000), low)
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind((host, port))
             except OSError:
                 continue
             return port
