@@ -152,7 +152,7 @@ class VllmProxy:
         call.outcome = outcome = self.decider.track(call.started)
         answered = failed = False
         try:
-            response = await self._serve_routed(call, decision)
+            response = await self._serve_routed(call, decision, can_prefill)
             answered = True
             failed = FAILED_ANSWER in response
             return response
@@ -163,10 +163,12 @@ class VllmProxy:
             # Scored from the streamed events `_EventTimer` saw; not when the client left.
             outcome.close(failed=failed, scored=answered)
 
-    async def _serve_routed(self, call: VllmCall, decision: RouteDecision) -> web.StreamResponse:
-        """The client's answer on the route ``decision`` chose."""
+    async def _serve_routed(
+        self, call: VllmCall, decision: RouteDecision, can_prefill: bool
+    ) -> web.StreamResponse:
+        """The client's answer on the route ``decision`` chose (``can_prefill``: a prefill was
+        pickable when it was decided)."""
         fleet = self.fleet
-        can_prefill = fleet.any_pickable("prefill")
         if decision.on_prefill:
             # The whole request on a prefill: no decode is picked, no KV moves.
             first = fleet.pick("prefill", call.route)
